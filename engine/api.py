@@ -1,0 +1,89 @@
+"""The engine's request and result types (plain data; worker/convert.py maps them to protobuf)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sequence import FinishReason
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    seq_id: int
+    token_ids: list[int]
+    partial: bool = False
+
+
+@dataclass(frozen=True)
+class VerifyItem:
+    seq_id: int
+    draft_token_ids: list[int]
+    draft_probs: list[float] | None = None  # row-major [len(draft_token_ids), vocab] or None
+
+
+@dataclass
+class TokenResult:
+    seq_id: int
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: FinishReason
+    seq_len: int
+
+
+@dataclass
+class StepResult:
+    tokens: list[TokenResult]
+    forward_ns: int
+
+
+@dataclass
+class VerifyResult:
+    seq_id: int
+    num_accepted: int
+    tokens: list[TokenResult]
+
+
+@dataclass
+class VerifyStepResult:
+    results: list[VerifyResult]
+    forward_ns: int
+
+
+@dataclass
+class AllocResult:
+    seq_id: int
+    slot: int
+    reserved_tokens: int
+
+
+@dataclass
+class GraphStats:
+    hits: int = 0
+    misses: int = 0
+    captures: int = 0
+    evictions: int = 0
+    capture_failures: int = 0
+    capture_seconds: float = 0.0
+    graphs_held: int = 0
+    pool_bytes: int = 0
+
+
+@dataclass
+class EngineInfo:
+    model_id: str
+    architecture: str
+    dtype: str
+    device: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_seq_len: int
+    block_size: int
+    total_blocks: int
+    free_blocks: int
+    max_slots: int
+    free_slots: int
+    max_batch_size: int
+    live_sequences: int
+    kernel_backend: str
+    version: str
+    graph_cache: GraphStats = field(default_factory=GraphStats)

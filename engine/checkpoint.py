@@ -1,0 +1,146 @@
+"""Writes Hugging Face-layout checkpoints (config.json + safetensors) with seeded random weights.
+
+No weights can be downloaded here, so tests, benchmarks and the built-in default model use these.
+The files are what transformers' save_pretrained writes for the same architecture, so transformers
+loads them as the correctness oracle."""
+from __future__ import annotations
+
+import json
+import pathlib
+import zlib
+
+import torch
+from safetensors.torch import save_file
+
+from engine.loader import EMBED, LAYER_PREFIX, LAYER_TENSORS, LM_HEAD, NORM, optional_fields
+from engine.config import ModelConfig
+
+ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}
+
+SHAPES: dict[str, dict] = {
+    # Small enough for CPU tests; big enough that attention, GQA and the MLP all matter.
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                 rope_theta=10000.0, tie_word_embeddings=False),
+    # Llama-3.2-1B.
+    "1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+               rope_theta=500000.0, tie_word_embeddings=True,
+               rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    # Llama-3-8B.
+    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+               rope_theta=500000.0, tie_word_embeddings=False),
+}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_config(arch: str, shape: str = "tiny", **overrides) -> dict:
+    """A config.json dict for `arch` at `shape`; overrides replace or add keys."""
+    if arch not in ARCH_CLASSES:
+        raise ValueError(f"arch must be one of {sorted(ARCH_CLASSES)}, got {arch!r}")
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    cfg = {
+        "architectures": [ARCH_CLASSES[arch]],
+        "model_type": arch,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5 if arch in ("llama", "mistral") else 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32" if shape == "tiny" else "bfloat16",
+        **SHAPES[shape],
+    }
+    if arch in ("llama", "qwen3"):
+        cfg["attention_bias"] = False
+    if arch == "llama":
+        cfg["mlp_bias"] = False
+    if arch == "mistral":
+        cfg["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg["num_hidden_layers"])
+    cfg.update(overrides)
+    return cfg
+
+
+def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Seeded random tensors under their checkpoint names. Each linear layer's std is
+    1/sqrt(fan_in), so activations stay O(1) through the layers and attention, the MLP and the
+    norms' weights all shape the output; embeddings have std 1 and lm_head
+    3/sqrt(hidden), for peaked next-token distributions
+    (few near-ties, so greedy comparisons are meaningful)."""
+    hidden, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
+    shapes = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
+        "self_attn.q_proj.bias": (cfg.q_size,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    absent = {n for f in optional_fields(cfg) for n in LAYER_TENSORS[f]}
+    names = {EMBED: (cfg.vocab_size, hidden), NORM: (hidden,)}
+    if not cfg.tie_word_embeddings:
+        names[LM_HEAD] = (cfg.vocab_size, hidden)
+    for i in range(cfg.num_layers):
+        for n, shape in shapes.items():
+            if n not in absent:
+                names[LAYER_PREFIX.format(i=i) + n] = shape
+    out = {}
+    for name, shape in names.items():
+        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            t = 1.0 + 0.1 * t
+        elif name.endswith(".bias"):
+            t = 0.1 * t
+        elif name == LM_HEAD:
+            t = t * (3.0 / hidden ** 0.5)
+        else:
+            t = t / shape[1] ** 0.5
+        out[name] = t.to(dtype)
+    return out
+
+
+def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: str = "tiny", seed: int = 0,
+                     dtype: str | None = None, device: str = "cpu", max_shard_bytes: int = 4 << 30,
+                     **overrides) -> pathlib.Path:
+    """Writes config.json and model.safetensors (or shards plus an index) to out_dir."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    raw = make_config(arch, shape, **overrides)
+    if dtype:
+        raw["torch_dtype"] = dtype
+    cfg = ModelConfig.from_dict(raw)
+    tensors = random_weights(cfg, seed, TORCH_DTYPES[raw["torch_dtype"]], device)
+    shards, current, size = [], {}, 0
+    for name, t in tensors.items():
+        if current and size + t.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t.contiguous().cpu()
+        size += t.nbytes
+    shards.append(current)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for k, shard in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / fname), metadata=meta)
+            weight_map.update({name: fname for name in shard})
+        total = sum(t.nbytes for t in tensors.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}, indent=2))
+    return out

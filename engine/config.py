@@ -1,0 +1,200 @@
+"""EngineConfig (how the engine runs) and ModelConfig (what the checkpoint is)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+
+from engine.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs. Every field is also a CLI flag (--model, --max-slots, ...)."""
+
+    model: str = field(default="", metadata={"help": "checkpoint directory (config.json + *.safetensors); "
+                                                      "empty: the built-in default model"})
+    device: str = field(default="auto", metadata={"help": "auto (GPU if cuda-python finds one), cpu or cuda",
+                                                   "choices": DEVICES})
+    dtype: str = field(default="auto", metadata={"help": "activation/weight dtype; auto: the checkpoint's "
+                                                         "(bf16 for fp32 checkpoints) on GPU, float32 on CPU",
+                                                 "choices": DTYPES})
+    max_slots: int = field(default=256, metadata={"help": "most live sequences"})
+    max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
+    max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
+                                                          "max_position_embeddings"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
+    num_kv_blocks: int = field(default=0, metadata={"help": "KV-cache blocks; 0: sized from kv_cache_memory"})
+    kv_cache_memory: float = field(default=0.85, metadata={
+        "help": "KV-cache size when num_kv_blocks is 0: a fraction (<= 1) of the device memory left after "
+                "the weights, or a number of GiB (> 1); on CPU a fraction means of 256 MiB"})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "tokens per prefill forward (chunk budget)"})
+    max_top_logprobs: int = field(default=20, metadata={"help": "most top-n alternatives per token"})
+    max_draft_tokens: int = field(default=16, metadata={"help": "most draft tokens per Verify item"})
+    max_graphs: int = field(default=64, metadata={"help": "most CUDA graphs held (LRU)"})
+    capture_after: int = field(default=2, metadata={"help": "times a batch key is seen before its graph is "
+                                                            "captured"})
+    cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs on GPU"})
+
+    def __post_init__(self):
+        positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
+                    "max_graphs", "capture_after")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("max_seq_len", "num_kv_blocks", "max_top_logprobs"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+    def replace(self, **changes) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The parts of a Hugging Face config.json the engine uses."""
+
+    architecture: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0  # 0: full attention
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    torch_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        cfg_path = pathlib.Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise ConfigError(f"{cfg_path} not found: a model directory holds config.json and *.safetensors")
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        archs = raw.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = raw.get("model_type") if raw.get("model_type") in SUPPORTED_ARCHITECTURES.values() else None
+        if arch is None:
+            raise ConfigError(f"unsupported architecture {archs or raw.get('model_type')}; supported: "
+                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+        if raw.get("use_sliding_window"):
+            raise ConfigError("use_sliding_window=true (per-layer sliding windows) is not supported")
+        try:
+            num_heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            head_dim = int(raw.get("head_dim") or hidden // num_heads)
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+            sliding = int(raw.get("sliding_window") or 0) if arch == "mistral" else 0
+            return cls(
+                architecture=arch,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_layers=int(raw["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+                head_dim=head_dim,
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                rope=_parse_rope(raw),
+                qkv_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+                qk_norm=arch == "qwen3",
+                sliding_window=sliding,
+                eos_token_ids=eos_ids,
+                bos_token_id=raw.get("bos_token_id"),
+                torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from e
+
+
+def _parse_rope(raw: dict) -> RopeConfig:
+    """Both layouts: legacy `rope_theta` + `rope_scaling` and transformers 5's `rope_parameters`."""
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    theta = float(merged.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if "factor" not in merged:
+        raise ConfigError(f"rope type {rope_type!r} needs a 'factor'")
+    orig = int(merged.get("original_max_position_embeddings") or raw.get("max_position_embeddings", 4096))
+    factor = float(merged["factor"])
+    if not math.isfinite(factor) or factor <= 0:
+        raise ConfigError(f"rope factor must be > 0, got {factor}")
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        factor=factor,
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=orig,
+    )

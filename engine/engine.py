@@ -1,0 +1,353 @@
+"""Engine: the only public face of the model. One thread calls it; nothing else touches the model,
+the KV cache or the slot state.
+
+Every call validates all of its input before it changes anything, so a refused call (an EngineError)
+leaves every sequence, slot and block as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pathlib
+import secrets
+import time
+
+import torch
+
+from engine import api
+from engine.batch import ForwardBatch, build_decode_batch, build_extend_batch
+from engine.config import EngineConfig, ModelConfig
+from engine.default_model import default_model_dir
+from engine.device import select_device, select_dtype
+from engine.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from engine.kv_cache import BlockAllocator, KVCache
+from engine.loader import load_weights, weight_bytes
+from engine.models.llama import LlamaModel
+from engine.ops.torch_ops import TorchOps
+from engine.sampling import SampleOutput, SamplingParams, SamplingTensors, StoppingCriteria, accept_drafts, \
+    model_logprobs, target_logprobs
+from engine.sequence import FinishReason, Sequence, SlotTable
+from engine.state import SlotState
+
+log = logging.getLogger(__name__)
+VERSION = "0.1.0"
+CPU_KV_BUDGET_BYTES = 256 << 20  # what a kv_cache_memory fraction is a fraction of, on CPU
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        self.model_path = pathlib.Path(config.model) if config.model else default_model_dir()
+        self.model_config = mc = ModelConfig.from_dir(self.model_path)
+        self.device = select_device(config)
+        self.dtype = select_dtype(config, mc, self.device)
+        self.ops = TorchOps()
+        self.max_seq_len = config.max_seq_len or mc.max_position_embeddings
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-self.max_seq_len // self.block_size)
+        t0 = time.perf_counter()
+        self.weights = load_weights(self.model_path, mc, self.dtype, self.device)
+        num_blocks = self._num_kv_blocks()
+        self.kv = KVCache(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
+                          self.device)
+        self.blocks = BlockAllocator(num_blocks)
+        self.slots = SlotTable(config.max_slots)
+        self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
+        self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.sequences: dict[int, Sequence] = {}
+        self._next_seq_id = 1
+        log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
+                 "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
+                 self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
+                 self.kv.nbytes / 1e6)
+
+    def _num_kv_blocks(self) -> int:
+        cfg, mc = self.config, self.model_config
+        if cfg.num_kv_blocks:
+            return cfg.num_kv_blocks
+        per_block = KVCache.bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        if cfg.kv_cache_memory > 1:
+            budget = cfg.kv_cache_memory * (1 << 30)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = cfg.kv_cache_memory * free
+        else:
+            budget = cfg.kv_cache_memory * CPU_KV_BUDGET_BYTES
+        num_blocks = int(budget // per_block)
+        if num_blocks < 2:
+            raise ConfigError(f"the KV cache budget ({budget / 1e6:.1f} MB) holds fewer than 2 blocks of "
+                              f"{per_block} bytes; raise kv_cache_memory or lower block_size")
+        return num_blocks
+
+    # ---------------------------------------------------------------------------------------------
+    # Sequences
+
+    def alloc_sequence(self, max_total_tokens: int, sampling: SamplingParams, stopping: StoppingCriteria,
+                       request_id: str = "") -> api.AllocResult:
+        vocab = self.model_config.vocab_size
+        if not 2 <= max_total_tokens <= self.max_seq_len:
+            raise InvalidArgument(f"max_total_tokens must be in [2, {self.max_seq_len}] (a prompt token and a "
+                                  f"new one at least), got {max_total_tokens}")
+        sampling.validate(vocab, self.config.max_top_logprobs)
+        stopping.validate(vocab)
+        num_blocks = -(-max_total_tokens // self.block_size)
+        if not self.slots.can_allocate():
+            raise ResourceExhausted(f"all {self.config.max_slots} sequence slots are in use")
+        if not self.blocks.can_allocate(num_blocks):
+            raise ResourceExhausted(f"{max_total_tokens} tokens need {num_blocks} KV blocks; "
+                                    f"{self.blocks.num_free_blocks} of {self.blocks.num_usable_blocks} are free")
+        if sampling.seed is None:
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
+        slot = self.slots.allocate()
+        block_ids = self.blocks.allocate(num_blocks)
+        self.state.assign(slot, block_ids, sampling)
+        seq = Sequence(seq_id=self._next_seq_id, slot=slot, capacity=max_total_tokens, block_ids=block_ids,
+                       sampling=sampling, stopping=stopping, request_id=request_id)
+        self._next_seq_id += 1
+        self.sequences[seq.seq_id] = seq
+        return api.AllocResult(seq.seq_id, slot, max_total_tokens)
+
+    def release(self, seq_ids: list[int]) -> int:
+        self._check_ids(seq_ids, limit=False)
+        for seq in [self.sequences[i] for i in seq_ids]:
+            self.blocks.free(seq.block_ids)
+            self.slots.free(seq.slot)
+            del self.sequences[seq.seq_id]
+        return len(seq_ids)
+
+    # ---------------------------------------------------------------------------------------------
+    # Steps
+
+    def prefill(self, items: list[api.PrefillItem]) -> api.StepResult:
+        seqs = self._check_ids([it.seq_id for it in items])
+        for seq, it in zip(seqs, items):
+            if seq.prompt_done:
+                raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is already complete")
+            self._check_tokens(it.token_ids, f"sequence {seq.seq_id} token_ids")
+            total = seq.seq_len + len(it.token_ids)
+            if total == 0:
+                raise InvalidArgument(f"sequence {seq.seq_id}: the prompt is empty")
+            if total >= seq.capacity:
+                raise InvalidArgument(f"sequence {seq.seq_id}: a prompt of {total} tokens leaves no room for a new "
+                                      f"token in max_total_tokens={seq.capacity}")
+        t0 = time.perf_counter_ns()
+        for seq, it in zip(seqs, items):
+            if it.token_ids:
+                self.state.seen[seq.slot, torch.tensor(it.token_ids, device=self.device)] = True
+            seq.token_ids.extend(it.token_ids)
+            if not it.partial and seq.num_cached == seq.seq_len:
+                seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
+        completes = {seq.seq_id: not it.partial for seq, it in zip(seqs, items)}
+        sampled: dict[int, api.TokenResult] = {}
+        while True:  # forwards of at most max_prefill_tokens tokens, several sequences each
+            queue = [s for s in seqs if not s.prompt_done and s.seq_len > s.num_cached]
+            if not queue:
+                break
+            budget, chunk = self.config.max_prefill_tokens, []
+            for seq in queue[:self.config.max_batch_size]:
+                n = min(seq.seq_len - seq.num_cached, budget)
+                if n == 0:
+                    break
+                budget -= n
+                chunk.append((seq, n, completes[seq.seq_id] and seq.num_cached + n == seq.seq_len))
+            sampled.update(self._prefill_forward(chunk))
+        tokens = [sampled[it.seq_id] for it in items if not it.partial]
+        return api.StepResult(tokens, time.perf_counter_ns() - t0)
+
+    def _prefill_forward(self, chunk: list[tuple[Sequence, int, bool]]) -> dict[int, api.TokenResult]:
+        """One forward over chunk = [(sequence, tokens to compute, whether its prompt completes)]; samples
+        the first new token of each completing sequence."""
+        batch = build_extend_batch(
+            self.state.block_table, [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk],
+            [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk],
+            [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope)
+        logits = self.model.forward(batch)
+        for seq, n, _ in chunk:
+            seq.num_cached += n
+        to_sample = [seq for seq, _, last in chunk if last]
+        if not to_sample:
+            return {}
+        slots = torch.tensor([s.slot for s in to_sample], device=self.device)
+        positions = torch.tensor([s.seq_len for s in to_sample], device=self.device)
+        out = self.ops.sample(logits, self.state.sampling_rows(slots, positions), self._num_top(to_sample))
+        for seq in to_sample:
+            seq.prompt_len = seq.seq_len
+        self.state.num_cached[slots] = positions.to(torch.int32)
+        return {r.seq_id: r for r in self._commit(to_sample, slots, out)}
+
+    def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
+        seqs = self._check_ids(seq_ids)
+        self._check_running(seqs)
+        if input_token_ids:
+            if len(input_token_ids) != len(seq_ids):
+                raise InvalidArgument(f"input_token_ids has {len(input_token_ids)} entries for {len(seq_ids)} "
+                                      f"sequences; give none or one per sequence")
+            self._check_tokens(input_token_ids, "input_token_ids")
+        t0 = time.perf_counter_ns()
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        if input_token_ids:
+            for seq, tok in zip(seqs, input_token_ids):
+                seq.token_ids[-1] = tok
+                self._rebuild_seen(seq)
+            self.state.last_token[slots] = torch.tensor(input_token_ids, device=self.device)
+        out = self._decode_step(slots, [s.seq_len for s in seqs], self._num_top(seqs))
+        for seq in seqs:
+            seq.num_cached += 1
+        tokens = self._commit(seqs, slots, out)
+        return api.StepResult(tokens, time.perf_counter_ns() - t0)
+
+    def _decode_step(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> SampleOutput:
+        """Device work of one decode step: read inputs from the slot state, forward, sample, write the
+        sampled tokens and the new lengths back to the slot state."""
+        st = self.state
+        batch: ForwardBatch = build_decode_batch(st.block_table, st.last_token, st.num_cached, slots, self.block_size,
+                                                 seq_lens, self._dynamic_rope)
+        logits = self.model.forward(batch)
+        out = self.ops.sample(logits, st.sampling_rows(slots, batch.positions + 1), num_top)
+        st.num_cached[slots] += 1
+        return out
+
+    def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
+        seqs = self._check_ids([it.seq_id for it in items])
+        self._check_running(seqs)
+        vocab = self.model_config.vocab_size
+        for seq, it in zip(seqs, items):
+            k = len(it.draft_token_ids)
+            if k > self.config.max_draft_tokens:
+                raise InvalidArgument(f"sequence {seq.seq_id}: {k} draft tokens, at most "
+                                      f"{self.config.max_draft_tokens}")
+            self._check_tokens(it.draft_token_ids, f"sequence {seq.seq_id} draft_token_ids")
+            if seq.seq_len + k > seq.capacity:
+                raise InvalidArgument(f"sequence {seq.seq_id}: {k} drafts after {seq.seq_len} tokens exceed "
+                                      f"max_total_tokens={seq.capacity}")
+            if it.draft_probs:
+                if len(it.draft_probs) != k * vocab:
+                    raise InvalidArgument(f"sequence {seq.seq_id}: draft_probs has {len(it.draft_probs)} values; "
+                                          f"expected {k} x {vocab} (one distribution per draft) or none")
+                probs = torch.tensor(it.draft_probs, dtype=torch.float32)
+                if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
+                    raise InvalidArgument(f"sequence {seq.seq_id}: draft_probs must be finite and >= 0")
+        t0 = time.perf_counter_ns()
+        batch = build_extend_batch(
+            self.state.block_table, [s.slot for s in seqs], [s.num_cached for s in seqs],
+            [[s.token_ids[-1]] + list(it.draft_token_ids) for s, it in zip(seqs, items)],
+            [list(range(len(it.draft_token_ids) + 1)) for it in items], self.block_size, self.device,
+            self._dynamic_rope)
+        logits = self.model.forward(batch)
+        # Per row: its slot's parameters, the drafts before it counted as seen, its token's position.
+        row_slots, row_pos, extra_rows, extra_toks = [], [], [], []
+        for seq, it in zip(seqs, items):
+            for i in range(len(it.draft_token_ids) + 1):
+                for tok in it.draft_token_ids[:i]:
+                    extra_rows.append(len(row_slots))
+                    extra_toks.append(tok)
+                row_slots.append(seq.slot)
+                row_pos.append(seq.seq_len + i)
+        slots_t = torch.tensor(row_slots, device=self.device)
+        st = self.state.sampling_rows(slots_t, torch.tensor(row_pos, device=self.device))
+        if extra_rows:
+            st.seen[torch.tensor(extra_rows), torch.tensor(extra_toks)] = True
+        target = target_logprobs(logits, st)
+        results, row = [], 0
+        for seq, it in zip(seqs, items):
+            k = len(it.draft_token_ids)
+            rows = slice(row, row + k + 1)
+            drafts = torch.tensor(it.draft_token_ids, dtype=torch.int64, device=self.device)
+            probs = torch.tensor(it.draft_probs, device=self.device).view(k, vocab) if it.draft_probs else None
+            row_st = SamplingTensors(st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seed[rows],
+                                     st.repetition_penalty[rows], st.seen[rows], st.position[rows])
+            num_accepted, token = accept_drafts(target[rows], drafts, probs, row_st)
+            emitted = list(it.draft_token_ids[:num_accepted]) + [token]
+            idx = torch.arange(row, row + len(emitted), device=self.device)
+            out = model_logprobs(logits[idx], torch.tensor(emitted, device=self.device), seq.sampling.top_logprobs)
+            tokens = []
+            for j, tok in enumerate(emitted):
+                seq.num_cached = seq.seq_len
+                reason = seq.append(tok, self.eos_token_ids)
+                tokens.append(self._token_result(seq, out, j, reason))
+                if reason != FinishReason.NONE:
+                    break
+            self.state.seen[seq.slot, torch.tensor(emitted[:len(tokens)], device=self.device)] = True
+            self.state.last_token[seq.slot] = seq.token_ids[-1]
+            self.state.num_cached[seq.slot] = seq.num_cached
+            results.append(api.VerifyResult(seq.seq_id, num_accepted, tokens))
+            row += k + 1
+        return api.VerifyStepResult(results, time.perf_counter_ns() - t0)
+
+    # ---------------------------------------------------------------------------------------------
+    # Helpers
+
+    @property
+    def _dynamic_rope(self) -> bool:
+        return self.model_config.rope.rope_type == "dynamic"
+
+    def _num_top(self, seqs: list[Sequence]) -> int:
+        return max(s.sampling.top_logprobs for s in seqs)
+
+    def _commit(self, seqs: list[Sequence], slots: torch.Tensor, out: SampleOutput) -> list[api.TokenResult]:
+        """Writes sampled tokens to the slot state and the sequences; returns their results."""
+        self.state.last_token[slots] = out.token_ids
+        self.state.seen[slots, out.token_ids] = True
+        token_ids = out.token_ids.tolist()
+        results = []
+        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            reason = seq.append(tok, self.eos_token_ids)
+            results.append(self._token_result(seq, out, i, reason))
+        return results
+
+    @staticmethod
+    def _token_result(seq: Sequence, out: SampleOutput, row: int, reason: FinishReason) -> api.TokenResult:
+        n = seq.sampling.top_logprobs
+        top = []
+        if n:
+            top = list(zip(out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))
+        return api.TokenResult(seq.seq_id, seq.token_ids[-1], float(out.logprobs[row]), top, reason, seq.seq_len)
+
+    def _rebuild_seen(self, seq: Sequence) -> None:
+        self.state.seen[seq.slot] = False
+        self.state.seen[seq.slot, torch.tensor(seq.token_ids, device=self.device)] = True
+
+    def _check_ids(self, seq_ids: list[int], limit: bool = True) -> list[Sequence]:
+        if not seq_ids:
+            raise InvalidArgument("the batch is empty")
+        if limit and len(seq_ids) > self.config.max_batch_size:
+            raise ResourceExhausted(f"batch of {len(seq_ids)} sequences exceeds max_batch_size="
+                                    f"{self.config.max_batch_size}")
+        if len(set(seq_ids)) != len(seq_ids):
+            dups = sorted({i for i in seq_ids if seq_ids.count(i) > 1})
+            raise InvalidArgument(f"duplicate sequence ids in one batch: {dups[:8]}")
+        unknown = [i for i in seq_ids if i not in self.sequences]
+        if unknown:
+            raise NotFound(f"unknown sequence ids: {unknown[:8]}")
+        return [self.sequences[i] for i in seq_ids]
+
+    @staticmethod
+    def _check_running(seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if not seq.prompt_done:
+                raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is not complete (prefill first)")
+            if seq.finished:
+                raise FailedPrecondition(f"sequence {seq.seq_id} has finished ({seq.finish_reason.name}); "
+                                         f"release it")
+
+    def _check_tokens(self, token_ids: list[int], what: str) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"{what}: token ids {bad[:8]} are outside the vocabulary (size {vocab})")
+
+    # ---------------------------------------------------------------------------------------------
+
+    def info(self) -> api.EngineInfo:
+        mc = self.model_config
+        return api.EngineInfo(
+            model_id=self.model_path.name, architecture=mc.architecture, dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device), vocab_size=mc.vocab_size, eos_token_ids=sorted(self.eos_token_ids),
+            max_seq_len=self.max_seq_len, block_size=self.block_size, total_blocks=self.blocks.num_usable_blocks,
+            free_blocks=self.blocks.num_free_blocks, max_slots=self.config.max_slots,
+            free_slots=self.slots.num_free_slots, max_batch_size=self.config.max_batch_size,
+            live_sequences=len(self.sequences), kernel_backend=self.ops.name, version=VERSION)
+
+    def close(self) -> None:
+        self.sequences.clear()

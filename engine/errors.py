@@ -1,0 +1,25 @@
+"""Errors the engine raises. worker/errors.py maps each class to one gRPC status code."""
+
+
+class EngineError(Exception):
+    """Base class: a request the engine refused; nothing was changed."""
+
+
+class ConfigError(EngineError):
+    """A configuration or checkpoint that cannot run; raised at start-up."""
+
+
+class InvalidArgument(EngineError):
+    """Malformed input: bad token ids, empty or duplicate batch entries, over-long prompts."""
+
+
+class NotFound(EngineError):
+    """An unknown sequence id."""
+
+
+class FailedPrecondition(EngineError):
+    """A call out of order for the sequence's state (decode before prefill, step on a finished sequence)."""
+
+
+class ResourceExhausted(EngineError):
+    """No free slot or KV blocks, or a batch above the limit."""

@@ -1,0 +1,222 @@
+"""Sampling parameters, the counter-based RNG, and the reference sampler and speculative acceptance.
+
+Every random draw is a pure function of (seed, position, stream, index), so a sequence samples the
+same tokens whether it runs alone or in any batch, on CPU or on GPU (kernels_cu/sampling.cu computes
+the same hash). Streams: 0 = the token draw (Gumbel-max over the vocabulary, index = token id),
+1 = the speculative accept/reject draw (index 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import InvalidArgument
+
+MASK32 = 0xFFFFFFFF
+HASH_MUL = 0x45D9F3B  # < 2**27, so (x < 2**32) * HASH_MUL fits an int64
+GOLDEN32 = 0x9E3779B9
+STREAM_TOKEN = 0
+STREAM_ACCEPT = 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1 (or 0): off
+    seed: int | None = None  # None: a random seed is drawn at alloc
+    repetition_penalty: float = 1.0  # 1 (or 0): off
+    top_logprobs: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int, max_top_logprobs: int) -> None:
+        t, p, r = self.temperature, self.top_p, self.repetition_penalty
+        if not math.isfinite(t) or t < 0:
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {t}")
+        if not math.isfinite(p) or not 0.0 < p <= 1.0:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {p}")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0, got {self.top_k}")
+        if not math.isfinite(r) or r <= 0:
+            raise InvalidArgument(f"repetition_penalty must be a finite number > 0, got {r}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise InvalidArgument(f"seed must fit in 64 bits, got {self.seed}")
+        if not 0 <= self.top_logprobs <= min(max_top_logprobs, vocab_size):
+            raise InvalidArgument(f"top_logprobs must be in [0, {min(max_top_logprobs, vocab_size)}], "
+                                  f"got {self.top_logprobs}")
+
+
+@dataclass(frozen=True)
+class StoppingCriteria:
+    max_new_tokens: int = 0  # 0: until the reservation is full
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens < 0:
+            raise InvalidArgument(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        bad = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
+        if bad:
+            raise InvalidArgument(f"stop_token_ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Counter-based RNG. Integer tensors hold uint32 values in int64 so that every step is exact.
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit avalanche hash (the 0x45d9f3b integer hash), on int64 tensors holding uint32 values."""
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    x = (((x >> 16) ^ x) * HASH_MUL) & MASK32
+    return (x >> 16) ^ x
+
+
+def counter_hash(seed: torch.Tensor, position: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """uint32 hash of (seed: uint64, position, stream, index), broadcast over the arguments' shapes."""
+    seed_lo = seed & MASK32
+    seed_hi = (seed >> 32) & MASK32
+    h = _mix32((index + stream * GOLDEN32) & MASK32)
+    h = _mix32(h ^ (position & MASK32))
+    h = _mix32(h ^ seed_lo)
+    return _mix32(h ^ seed_hi)
+
+
+def uniform(seed: torch.Tensor, position: torch.Tensor, stream: int, index: torch.Tensor) -> torch.Tensor:
+    """float32 uniform in (0, 1) with 23 random bits: ((h >> 9) + 0.5) / 2**23."""
+    h = counter_hash(seed, position, stream, index)
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
+
+
+def gumbel(seed: torch.Tensor, position: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, vocab] Gumbel noise for the token draw of each row (seed [N], position [N])."""
+    index = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
+    u = uniform(seed[:, None], position[:, None], STREAM_TOKEN, index[None, :])
+    return -torch.log(-torch.log(u))
+
+
+def seed_as_int64(seed: int) -> int:
+    """A uint64 seed stored in an int64 tensor (two's complement); the hash reads it back bitwise."""
+    return seed - 2**64 if seed >= 2**63 else seed
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference sampler (torch ops, any device).
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters for N rows of logits."""
+
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_k: torch.Tensor  # [N] int64, 0 = off
+    top_p: torch.Tensor  # [N] float32, 1 = off
+    seed: torch.Tensor  # [N] int64 (uint64 bits)
+    repetition_penalty: torch.Tensor  # [N] float32, 1 = off
+    seen: torch.Tensor  # [N, vocab] bool: tokens already in the sequence (for the penalty)
+    position: torch.Tensor  # [N] int64: index in the sequence of the token being drawn
+
+
+def penalized_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """HF-style repetition penalty: seen tokens' logits divided (if > 0) or multiplied by the penalty."""
+    pen = st.repetition_penalty[:, None]
+    scaled = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(st.seen & (pen != 1.0), scaled, logits)
+
+
+def target_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """[N, vocab] log-probabilities of the distribution a row samples from: penalty, temperature,
+    top-k, top-p (in that order, as transformers applies them). Greedy rows get a one-hot (0 / -inf)."""
+    x = penalized_logits(logits.float(), st)
+    greedy = st.temperature == 0.0
+    x = x / torch.where(greedy, torch.ones_like(st.temperature), st.temperature)[:, None]
+    argmax = torch.argmax(x, dim=-1)
+    onehot = torch.full_like(x, float("-inf")).scatter(-1, argmax[:, None], 0.0)
+    if bool(greedy.all()):
+        return onehot
+    if not bool(((st.top_k > 0) | (st.top_p < 1.0)).any()):
+        return torch.where(greedy[:, None], onehot, torch.log_softmax(x, dim=-1))
+    vocab = x.shape[-1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    rank = torch.arange(vocab, device=x.device)[None, :]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), torch.full_like(st.top_k, vocab))
+    keep_sorted = rank < k[:, None]
+    probs_sorted = torch.softmax(sorted_x.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    mass_before = torch.cumsum(probs_sorted, dim=-1) - probs_sorted
+    keep_sorted &= (mass_before < st.top_p[:, None]) | (rank == 0)
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    logp = torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    return torch.where(greedy[:, None], onehot, logp)
+
+
+def draw(logp: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Gumbel-max draw from log-probabilities [N, vocab] (exact for any distribution; -inf never wins).
+    Rows with temperature 0 hold a one-hot, so the draw is their argmax."""
+    return torch.argmax(logp + gumbel(st.seed, st.position, logp.shape[-1]), dim=-1)
+
+
+@dataclass
+class SampleOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor  # [N] float32: raw model log-softmax of the chosen token
+    top_ids: torch.Tensor | None  # [N, n] int64
+    top_logprobs: torch.Tensor | None  # [N, n] float32
+
+
+def model_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> SampleOutput:
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(-1, token_ids[:, None]).squeeze(-1)
+    if num_top:
+        top = torch.topk(raw, num_top, dim=-1)
+        return SampleOutput(token_ids, chosen, top.indices, top.values)
+    return SampleOutput(token_ids, chosen, None, None)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors, num_top: int = 0) -> SampleOutput:
+    """One token per row of logits [N, vocab]."""
+    if bool((st.temperature == 0.0).all()):
+        token_ids = torch.argmax(penalized_logits(logits.float(), st), dim=-1)
+    else:
+        token_ids = draw(target_logprobs(logits, st), st)
+    return model_logprobs(logits, token_ids, num_top)
+
+
+def accept_drafts(target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                  st: SamplingTensors) -> tuple[int, int]:
+    """Speculative acceptance for one sequence.
+
+    target_logp [k+1, vocab]: the target's sampling distribution at each draft position and one past.
+    draft_ids [k]; draft_probs [k, vocab] or None (drafts taken as deterministic: q = one-hot).
+    st: the k+1 rows' parameters (position = index of the token each row decides).
+    Accept draft i with probability min(1, p(x)/q(x)); on the first rejection draw from
+    normalize(max(p - q, 0)); if all are accepted draw the bonus token from row k. This keeps the
+    target distribution exactly (Leviathan et al. 2023, Chen et al. 2023); for greedy rows p is a
+    one-hot, so it is an exact-match test.
+    Returns (num_accepted, the one token drawn from the target after them).
+    """
+    k = draft_ids.shape[0]
+    p = target_logp[:k].exp()
+    if draft_probs is None:
+        q = torch.zeros_like(p).scatter(-1, draft_ids[:, None], 1.0)
+    else:
+        q = draft_probs.to(p)
+    rows = torch.arange(k, device=p.device)
+    p_x = p[rows, draft_ids]
+    q_x = q[rows, draft_ids]
+    u = uniform(st.seed[:k], st.position[:k], STREAM_ACCEPT, torch.zeros_like(st.position[:k]))
+    accepted = (u * q_x < p_x) & (p_x > 0)
+    rejected = (~accepted).nonzero()
+    j = int(rejected[0]) if rejected.numel() else k
+    if j < k:
+        residual = (p[j] - q[j]).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p == q: every draft would be accepted; cannot happen when rejected
+            residual = p[j]
+        logp_j = torch.log(residual)
+    else:
+        logp_j = target_logp[k]
+    row = SamplingTensors(st.temperature[j:j + 1], st.top_k[j:j + 1], st.top_p[j:j + 1], st.seed[j:j + 1],
+                          st.repetition_penalty[j:j + 1], st.seen[j:j + 1], st.position[j:j + 1])
+    token = draw(logp_j[None, :], row)
+    return j, int(token[0])

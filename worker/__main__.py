@@ -1,0 +1,53 @@
+"""metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from engine import env
+from engine.checkpoint import ARCH_CLASSES, SHAPES, write_checkpoint
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from worker.config import WorkerConfig, config_from_args, serve_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="metrale-worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub.add_parser("serve", help="serve a model over gRPC (the built-in default without --model)"))
+    make = sub.add_parser("make-model", help="write a Hugging Face-layout checkpoint with seeded random weights")
+    make.add_argument("out_dir", help="directory to write config.json and *.safetensors to")
+    make.add_argument("--arch", choices=sorted(ARCH_CLASSES), default="llama")
+    make.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                      help="tiny (tests), 1b (Llama-3.2-1B shape), 8b (Llama-3-8B shape)")
+    make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                      help="dtype on disk (default: float32 for tiny, bfloat16 otherwise)")
+    make.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "make-model":
+        out = write_checkpoint(args.out_dir, arch=args.arch, shape=args.shape, seed=args.seed, dtype=args.dtype,
+                               device=args.device)
+        print(out)
+        return 0
+    from worker.server import serve  # imports grpc and the generated stubs
+
+    try:
+        worker_config = config_from_args(WorkerConfig, args)
+        engine_config = config_from_args(EngineConfig, args)
+        asyncio.run(serve(worker_config, engine_config))
+    except ConfigError as e:
+        print(f"metrale-worker: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""WorkerConfig (the gRPC layer's settings) and the CLI flags derived from it and EngineConfig.
+
+Every field of both dataclasses is a `serve` flag named after it (max_slots -> --max-slots), with the
+dataclass default as its default; the Helm chart renders the same flags."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    port: int = field(default=50051, metadata={"help": "gRPC port"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0: off"})
+    max_message_bytes: int = field(default=64 << 20, metadata={"help": "largest gRPC message, each direction"})
+    grace_period_s: float = field(default=30.0, metadata={
+        "help": "on SIGTERM/SIGINT: seconds to let live sequences finish before the server stops"})
+    reflection: bool = field(default=True, metadata={"help": "serve gRPC server reflection (grpcurl list/describe)"})
+    tls_cert_file: str = field(default="", metadata={"help": "PEM server certificate chain; empty: plaintext"})
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of tls_cert_file"})
+    tls_client_ca_file: str = field(default="", metadata={
+        "help": "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)"})
+    auth_token_file: str = field(default="", metadata={
+        "help": "file holding a bearer token every call must carry ('authorization: Bearer <token>'); "
+                "health checks stay open for probes; empty: no token"})
+    max_live_sequences_per_client: int = field(default=0, metadata={
+        "help": "most live sequences one client (peer address, or x-client-id metadata) may hold; 0: no limit"})
+    sequence_idle_timeout_s: float = field(default=0.0, metadata={
+        "help": "release a sequence no call touched for this many seconds (a crashed router's lease); 0: never"})
+    step_watchdog_s: float = field(default=0.0, metadata={
+        "help": "health turns NOT_SERVING while one engine step runs longer than this; 0: off"})
+
+    def __post_init__(self):
+        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"ports must be in [0, 65535], got port={self.port} metrics_port={self.metrics_port}")
+        if self.max_message_bytes < 1024:
+            raise ConfigError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        for name in ("grace_period_s", "sequence_idle_timeout_s", "step_watchdog_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_live_sequences_per_client < 0:
+            raise ConfigError(f"max_live_sequences_per_client must be >= 0, got {self.max_live_sequences_per_client}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+
+
+def flag_name(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per dataclass field, default from the dataclass."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        kwargs = {"default": f.default, "help": f"{f.metadata.get('help', '')} (default: %(default)s)"}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            kwargs["metavar"] = f.name.upper()
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+        group.add_argument(flag_name(f.name), dest=f.name, **kwargs)
+
+
+def config_from_args(cls: type, args: argparse.Namespace):
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The `serve` subcommand's flags: WorkerConfig's then EngineConfig's."""
+    parser = parser or argparse.ArgumentParser(prog="metrale-worker serve")
+    add_config_arguments(parser, WorkerConfig)
+    add_config_arguments(parser, EngineConfig)
+    return parser

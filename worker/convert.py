@@ -1,0 +1,65 @@
+"""Protobuf messages <-> engine types. No logic beyond the proto's conventions (0 = unset)."""
+from __future__ import annotations
+
+from engine import api
+from engine.sampling import SamplingParams, StoppingCriteria
+from metrale.worker.v1 import worker_pb2 as pb
+
+
+def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p if msg.top_p else 1.0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        repetition_penalty=msg.repetition_penalty if msg.repetition_penalty else 1.0,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def stopping_criteria(msg: pb.StoppingCriteria) -> StoppingCriteria:
+    return StoppingCriteria(max_new_tokens=msg.max_new_tokens, stop_token_ids=frozenset(msg.stop_token_ids),
+                            ignore_eos=msg.ignore_eos)
+
+
+def prefill_items(msg: pb.PrefillRequest) -> list[api.PrefillItem]:
+    return [api.PrefillItem(it.sequence_id, list(it.token_ids), it.partial) for it in msg.items]
+
+
+def verify_items(msg: pb.VerifyRequest) -> list[api.VerifyItem]:
+    return [api.VerifyItem(it.sequence_id, list(it.draft_token_ids), list(it.draft_probs) or None)
+            for it in msg.items]
+
+
+def token(t: api.TokenResult) -> pb.Token:
+    return pb.Token(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
+                    top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs],
+                    finish_reason=int(t.finish_reason), seq_len=t.seq_len)
+
+
+def alloc_response(r: api.AllocResult) -> pb.AllocSequenceResponse:
+    return pb.AllocSequenceResponse(sequence_id=r.seq_id, slot=r.slot, reserved_tokens=r.reserved_tokens)
+
+
+def step_tokens(r: api.StepResult) -> dict:
+    return dict(tokens=[token(t) for t in r.tokens], forward_ns=r.forward_ns)
+
+
+def verify_response(r: api.VerifyStepResult) -> pb.VerifyResponse:
+    return pb.VerifyResponse(
+        results=[pb.VerifyResult(sequence_id=v.seq_id, num_accepted=v.num_accepted, tokens=[token(t) for t in v.tokens])
+                 for v in r.results],
+        forward_ns=r.forward_ns)
+
+
+def info_response(i: api.EngineInfo) -> pb.InfoResponse:
+    g = i.graph_cache
+    return pb.InfoResponse(
+        model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
+        eos_token_ids=i.eos_token_ids, max_seq_len=i.max_seq_len, block_size=i.block_size,
+        total_blocks=i.total_blocks, free_blocks=i.free_blocks, max_slots=i.max_slots, free_slots=i.free_slots,
+        max_batch_size=i.max_batch_size, kernel_backend=i.kernel_backend, version=i.version,
+        live_sequences=i.live_sequences,
+        graph_cache=pb.GraphCacheInfo(hits=g.hits, misses=g.misses, captures=g.captures, evictions=g.evictions,
+                                      capture_failures=g.capture_failures, capture_seconds=g.capture_seconds,
+                                      graphs_held=g.graphs_held, pool_bytes=g.pool_bytes))

@@ -1,0 +1,144 @@
+"""Prometheus metrics, served on their own HTTP port (--metrics-port).
+
+Each Worker has its own registry, so several workers can live in one process (tests)."""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from engine import api
+
+LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Call:
+    code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+class _EngineCollector:
+    """Gauges read from the last engine snapshot (taken on the engine thread after each step)."""
+
+    def __init__(self):
+        self.info: api.EngineInfo | None = None
+
+    def collect(self):
+        info = self.info
+        if info is None:
+            return
+        used = info.total_blocks - info.free_blocks
+        yield GaugeMetricFamily("metrale_kv_blocks_used", "KV-cache blocks reserved by live sequences", value=used)
+        yield GaugeMetricFamily("metrale_kv_blocks_free", "KV-cache blocks free", value=info.free_blocks)
+        yield GaugeMetricFamily("metrale_live_sequences", "sequences allocated and not released",
+                                value=info.live_sequences)
+        yield GaugeMetricFamily("metrale_free_slots", "sequence slots free", value=info.free_slots)
+        g = info.graph_cache
+        for name, value, doc in (("hits", g.hits, "decode steps replayed from a CUDA graph"),
+                                 ("misses", g.misses, "decode steps with no graph for their key"),
+                                 ("captures", g.captures, "CUDA graphs captured"),
+                                 ("evictions", g.evictions, "CUDA graphs evicted (LRU)"),
+                                 ("capture_failures", g.capture_failures, "CUDA graph captures that failed")):
+            yield CounterMetricFamily(f"metrale_graph_{name}", doc, value=value)
+        yield CounterMetricFamily("metrale_graph_capture_seconds", "time spent capturing graphs",
+                                  value=g.capture_seconds)
+        yield GaugeMetricFamily("metrale_graphs_held", "CUDA graphs held", value=g.graphs_held)
+        yield GaugeMetricFamily("metrale_graph_pool_bytes", "bytes in the graph memory pool", value=g.pool_bytes)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.calls = Counter("metrale_rpc", "RPCs by method and status code", ["method", "code"], registry=r)
+        self.latency = Histogram("metrale_rpc_seconds", "RPC latency by method", ["method"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("metrale_time_to_first_token_seconds",
+                              "Prefill call (or Generate start) to the sequence's first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("metrale_inter_token_seconds", "time between a sequence's consecutive tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.batch = Histogram("metrale_step_batch_size", "sequences per step", ["kind"], buckets=BATCH_BUCKETS,
+                               registry=r)
+        self.forward = Histogram("metrale_forward_seconds", "forward + sampling time per step", ["kind"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("metrale_generated_tokens", "tokens generated", registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+        self._last_token: dict[int, float] = {}
+        self._stream_start: dict[int, float] = {}
+        self._http = None
+
+    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return server.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    @contextlib.contextmanager
+    def rpc(self, method: str):
+        call, t0 = _Call(), time.perf_counter()
+        try:
+            yield call
+        except BaseException:
+            if call.code == grpc.StatusCode.OK:
+                call.code = grpc.StatusCode.CANCELLED
+            raise
+        finally:
+            self.calls.labels(method, call.code.name).inc()
+            self.latency.labels(method).observe(time.perf_counter() - t0)
+
+    def _tokens(self, tokens: list[api.TokenResult], now: float, first: bool) -> None:
+        for t in tokens:
+            last = self._last_token.get(t.seq_id)
+            if first or last is None:
+                pass
+            else:
+                self.itl.observe(now - last)
+            if t.finish_reason:
+                self._last_token.pop(t.seq_id, None)
+            else:
+                self._last_token[t.seq_id] = now
+        self.tokens.inc(len(tokens))
+
+    def observe_step(self, kind: str, result: api.StepResult, started: float | None = None) -> None:
+        now = time.perf_counter()
+        self.batch.labels(kind).observe(len(result.tokens))
+        self.forward.labels(kind).observe(result.forward_ns / 1e9)
+        if kind == "prefill" and started is not None:
+            for _ in result.tokens:
+                self.ttft.observe(now - started)
+        self._tokens(result.tokens, now, first=kind == "prefill")
+
+    def observe_verify(self, result: api.VerifyStepResult) -> None:
+        self.batch.labels("verify").observe(len(result.results))
+        self.forward.labels("verify").observe(result.forward_ns / 1e9)
+        self._tokens([t for r in result.results for t in r.tokens], time.perf_counter(), first=False)
+
+    def start_stream(self, seq_id: int, started: float) -> None:
+        self._stream_start[seq_id] = started
+
+    def observe_stream_token(self, seq_id: int, token: api.TokenResult) -> None:
+        now = time.perf_counter()
+        started = self._stream_start.pop(seq_id, None)
+        if started is not None:
+            self.ttft.observe(now - started)
+        self._tokens([token], now, first=started is not None)
+
+    def end_stream(self, seq_id: int) -> None:
+        self._stream_start.pop(seq_id, None)
+        self._last_token.pop(seq_id, None)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        for i in seq_ids:
+            self._last_token.pop(i, None)

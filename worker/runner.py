@@ -1,0 +1,156 @@
+"""EngineRunner: the one thread that owns the engine.
+
+RPC handlers hand it closures (`await runner.call(fn)`); it runs them one at a time, in arrival order.
+Between calls it also runs the worker's own decode steps for Generate streams, batching every
+streaming sequence into one Decode, so concurrent Generate calls share steps.
+
+A call is either run fully or not at all: one cancelled before it starts is skipped, and one that has
+started runs to the end (its result is dropped)."""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine import api
+from engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    """A Generate stream's sequence, decoded by the runner itself."""
+
+    seq_id: int
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
+
+
+class EngineRunner:
+    def __init__(self, make_engine: Callable[[], Engine], after_step: Callable[[Engine], None] = lambda e: None):
+        self._after_step = after_step
+        self._work: queue.Queue = queue.Queue()
+        self._streams: dict[int, _Stream] = {}
+        self._stopping = False
+        self.step_started: float | None = None  # monotonic start of the work now running, None when idle
+        self.steps = 0
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(make_engine, ready), name="engine", daemon=True)
+        self._thread.start()
+        self.engine: Engine = ready.result()
+
+    # ------------------------------------------------------------------ event-loop side
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """Runs fn(engine, *args) on the engine thread and returns its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._work.put((fut, fn, args))
+        return await asyncio.wrap_future(fut)
+
+    async def start_stream(self, prompt: list[int],
+                           alloc: Callable[[Engine], api.AllocResult]) -> tuple[int, asyncio.Queue]:
+        """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end;
+        returns its id and the queue its tokens arrive on (None marks the end, an exception a failure).
+        On failure nothing is left allocated."""
+        loop = asyncio.get_running_loop()
+        out: asyncio.Queue = asyncio.Queue()
+
+        def begin(engine: Engine) -> int:
+            seq_id = alloc(engine).seq_id
+            try:
+                first = engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
+            except BaseException:
+                engine.release([seq_id])
+                raise
+            loop.call_soon_threadsafe(out.put_nowait, first)
+            if first.finish_reason:
+                engine.release([seq_id])
+                loop.call_soon_threadsafe(out.put_nowait, None)
+            else:
+                self._streams[seq_id] = _Stream(seq_id, loop, out)
+            return seq_id
+
+        return await self.call(begin), out
+
+    async def stop_stream(self, seq_id: int) -> None:
+        """Ends a stream early (client gone): its sequence is released."""
+        def stop(engine: Engine) -> None:
+            if self._streams.pop(seq_id, None) is not None:
+                engine.release([seq_id])
+        await self.call(stop)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._work.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _main(self, make_engine: Callable[[], Engine], ready: concurrent.futures.Future) -> None:
+        try:
+            engine = make_engine()
+        except BaseException as e:  # start-up failure: reported to the constructor's caller
+            ready.set_exception(e)
+            return
+        ready.set_result(engine)
+        while not self._stopping:
+            # Run every call waiting now (in order), then one decode step of the Generate streams;
+            # with no stream, sleep until a call comes.
+            pending = max(1, self._work.qsize()) if not self._streams else self._work.qsize()
+            for _ in range(pending):
+                item = self._work.get()
+                if item is None:
+                    self._stopping = True
+                    break
+                self._run(engine, *item)
+            if self._streams and not self._stopping:
+                self._stream_step(engine)
+            self._after_step(engine)
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
+        engine.close()
+
+    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # cancelled before it started: skipped entirely
+        self.step_started = time.monotonic()
+        try:
+            fut.set_result(fn(engine, *args))
+        except BaseException as e:
+            fut.set_exception(e)
+        finally:
+            self.step_started = None
+            self.steps += 1
+
+    def _stream_step(self, engine: Engine) -> None:
+        """One decode step over every Generate stream; finished ones are released."""
+        streams = list(self._streams.values())[:engine.config.max_batch_size]
+        self.step_started = time.monotonic()
+        try:
+            result = engine.decode([s.seq_id for s in streams])
+        except BaseException as e:
+            log.exception("decode step of %d Generate streams failed", len(streams))
+            for s in streams:
+                self._streams.pop(s.seq_id, None)
+                s.loop.call_soon_threadsafe(s.out.put_nowait, e)
+            engine.release([s.seq_id for s in streams if s.seq_id in engine.sequences])
+            return
+        finally:
+            self.step_started = None
+            self.steps += 1
+        for s, tok in zip(streams, result.tokens):
+            s.loop.call_soon_threadsafe(s.out.put_nowait, tok)
+            if tok.finish_reason:
+                del self._streams[s.seq_id]
+                engine.release([s.seq_id])
+                s.loop.call_soon_threadsafe(s.out.put_nowait, None)

@@ -1,0 +1,202 @@
+"""The grpc.aio server: servicer, health, reflection, auth interceptor, TLS, graceful drain.
+
+Start-up: the port opens first with health NOT_SERVING (probes get an answer while the model loads),
+then the engine loads on its thread and runs one real step (warm-up), then health turns SERVING.
+Drain (SIGTERM/SIGINT, or Worker.drain): health NOT_SERVING at once, AllocSequence and Generate get
+UNAVAILABLE, every other call keeps working so live sequences can finish, and the server stops
+once none is left or the grace period is over."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import pathlib
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from engine import api
+from engine.engine import Engine
+from engine.config import EngineConfig
+from engine.sampling import SamplingParams, StoppingCriteria
+from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
+from worker.config import WorkerConfig
+from worker.leases import Leases
+from worker.metrics import Metrics
+from worker.runner import EngineRunner
+from worker.servicer import SERVICE_NAME, ModelWorkerServicer
+
+log = logging.getLogger(__name__)
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health checks must carry `authorization: Bearer <token>`."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
+                                                                 "(metadata 'authorization: Bearer <token>')")
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if details.method.startswith(f"/{HEALTH_SERVICE}/"):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self._expected:
+            return await continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+def warm_up(engine: Engine) -> None:
+    """One real prefill and decode step: the device answered a real forward before we say SERVING."""
+    seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+    try:
+        engine.prefill([api.PrefillItem(seq.seq_id, [0, 0])])
+        engine.decode([seq.seq_id])
+    finally:
+        engine.release([seq.seq_id])
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, engine_config: EngineConfig):
+        self.config = config
+        self.engine_config = engine_config
+        self.metrics = Metrics()
+        self.leases = Leases(config.max_live_sequences_per_client, config.sequence_idle_timeout_s)
+        self.health = health_aio.HealthServicer()
+        self.runner: EngineRunner | None = None
+        self.servicer: ModelWorkerServicer | None = None
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+        self.metrics_port = 0
+        self._stopped = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._watchdog_tripped = False
+
+    async def start(self) -> int:
+        """Opens the port, loads the engine, warms up, turns health SERVING. Returns the bound port."""
+        cfg = self.config
+        options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
+                   ("grpc.max_send_message_length", cfg.max_message_bytes),
+                   ("grpc.so_reuseport", 0)]
+        interceptors = []
+        if cfg.auth_token_file:
+            token = pathlib.Path(cfg.auth_token_file).read_text().strip()
+            if not token:
+                raise ValueError(f"auth_token_file {cfg.auth_token_file} is empty")
+            interceptors.append(BearerTokenInterceptor(token))
+        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        await self._set_health(NOT_SERVING)
+        address = f"{cfg.host}:{cfg.port}"
+        if cfg.tls_cert_file:
+            ca = pathlib.Path(cfg.tls_client_ca_file).read_bytes() if cfg.tls_client_ca_file else None
+            creds = grpc.ssl_server_credentials(
+                [(pathlib.Path(cfg.tls_key_file).read_bytes(), pathlib.Path(cfg.tls_cert_file).read_bytes())],
+                root_certificates=ca, require_client_auth=ca is not None)
+            self.port = self.server.add_secure_port(address, creds)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        if not self.port:
+            raise OSError(f"could not listen on {address}")
+
+        self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
+        pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
+        if cfg.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+        await self.server.start()
+
+        # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
+        t0 = time.perf_counter()
+        self.runner = await asyncio.to_thread(EngineRunner, lambda: Engine(self.engine_config), self._after_step)
+        await self.runner.call(warm_up)
+        self.servicer.runner = self.runner
+        if cfg.metrics_port:
+            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+        self._tasks.append(asyncio.create_task(self._housekeeping()))
+        await self._set_health(SERVING)
+        log.info("serving %s on %s (port %d) in %.1fs; metrics port %s", self.runner.engine.model_path, cfg.host,
+                 self.port, time.perf_counter() - t0, self.metrics_port or "off")
+        return self.port
+
+    def _after_step(self, engine: Engine) -> None:
+        self.metrics.engine.info = engine.info()
+
+    async def _set_health(self, status) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def _housekeeping(self) -> None:
+        """Once a second: release sequences idle past their lease; the step watchdog."""
+        while True:
+            await asyncio.sleep(min(1.0, self.config.step_watchdog_s or 1.0))
+            expired = self.leases.expired()
+            if expired:
+                def release_idle(engine: Engine) -> list[int]:
+                    ids = [i for i in self.leases.expired() if i in engine.sequences]
+                    if ids:
+                        engine.release(ids)
+                    self.leases.remove(self.leases.expired())
+                    return ids
+                ids = await self.runner.call(release_idle)
+                if ids:
+                    log.warning("released %d sequences idle for over %.0fs: %s", len(ids),
+                                self.config.sequence_idle_timeout_s, ids[:16])
+            if self.config.step_watchdog_s:
+                started = self.runner.step_started
+                stuck = started is not None and time.monotonic() - started > self.config.step_watchdog_s
+                if stuck != self._watchdog_tripped:
+                    self._watchdog_tripped = stuck
+                    if stuck:
+                        log.error("an engine step has run for over %.1fs: health NOT_SERVING",
+                                  self.config.step_watchdog_s)
+                    if not self.servicer.draining:
+                        await self._set_health(NOT_SERVING if stuck else SERVING)
+
+    async def drain(self, grace_s: float | None = None) -> None:
+        """Stops taking new sequences, lets live ones finish, then stops the server."""
+        grace = self.config.grace_period_s if grace_s is None else grace_s
+        deadline = time.monotonic() + grace
+        await self._set_health(NOT_SERVING)
+        if self.servicer is not None:
+            self.servicer.draining = True
+            log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
+            while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
+                await asyncio.sleep(0.05)
+        await self.stop(max(0.0, deadline - time.monotonic()))
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.runner is not None:
+            await asyncio.to_thread(self.runner.shutdown)
+        self.metrics.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: WorkerConfig, engine_config: EngineConfig) -> None:
+    """Runs a worker until SIGTERM/SIGINT, then drains it."""
+    worker = Worker(config, engine_config)
+    loop = asyncio.get_running_loop()
+    drain_started = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, drain_started.set)
+    await worker.start()
+    await drain_started.wait()
+    log.info("signal received: draining")
+    await worker.drain()
+    log.info("stopped")

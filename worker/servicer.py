@@ -1,0 +1,177 @@
+"""ModelWorker servicer: one method per RPC, each `validate -> engine call -> response`.
+
+No model logic lives here. Engine errors map to status codes in worker/errors.py; anything else is a
+bug: logged with the request id and answered INTERNAL, and the worker keeps serving."""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+
+import grpc
+
+from engine import api
+from engine.engine import Engine
+from engine.errors import EngineError, InvalidArgument
+from metrale.worker.v1 import worker_pb2 as pb
+from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
+from worker import convert
+from worker.errors import Unavailable, status_of
+from worker.leases import Leases
+from worker.metrics import Metrics
+from worker.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
+
+
+def request_id_of(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            return value
+    return fallback or uuid.uuid4().hex[:12]
+
+
+def client_of(context: grpc.aio.ServicerContext) -> str:
+    """Who owns sequences for the per-client limit: x-client-id metadata, else the peer's address."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-client-id":
+            return value
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+
+
+def rpc(method):
+    """Maps EngineError to its status code and any other exception to INTERNAL (logged with the
+    request id); counts the call in the metrics."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    async def wrapper(self: "ModelWorkerServicer", request, context: grpc.aio.ServicerContext):
+        with self.metrics.rpc(name) as call:
+            try:
+                if self.runner is None:
+                    raise Unavailable("the model is still loading; retry shortly")
+                return await method(self, request, context)
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                rid = request_id_of(context)
+                log.exception("%s failed (request id %s)", name, rid)
+                await context.abort(call.code, f"internal error in {name} (request id {rid}); see the worker log")
+    return wrapper
+
+
+class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
+    def __init__(self, runner: EngineRunner | None, leases: Leases, metrics: Metrics):
+        self.runner = runner
+        self.leases = leases
+        self.metrics = metrics
+        self.draining = False
+        self._background: set[asyncio.Task] = set()
+
+    @rpc
+    async def AllocSequence(self, request: pb.AllocSequenceRequest, context) -> pb.AllocSequenceResponse:
+        if self.draining:
+            raise Unavailable("the worker is draining (shutting down); allocate on another worker")
+        sampling = convert.sampling_params(request.sampling)
+        stopping = convert.stopping_criteria(request.stopping)
+        client = client_of(context)
+        request_id = request.request_id or request_id_of(context)
+
+        def alloc(engine: Engine) -> api.AllocResult:
+            self.leases.check_can_add(client)
+            result = engine.alloc_sequence(request.max_total_tokens, sampling, stopping, request_id)
+            self.leases.add(result.seq_id, client)
+            return result
+
+        return convert.alloc_response(await self.runner.call(alloc))
+
+    @rpc
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        items = convert.prefill_items(request)
+        started = time.perf_counter()
+        result = await self.runner.call(lambda e: self._touching(e.prefill(items), [i.seq_id for i in items]))
+        self.metrics.observe_step("prefill", result, started)
+        return pb.PrefillResponse(**convert.step_tokens(result))
+
+    @rpc
+    async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        ids = list(request.sequence_ids)
+        override = list(request.input_token_ids) or None
+        result = await self.runner.call(lambda e: self._touching(e.decode(ids, override), ids))
+        self.metrics.observe_step("decode", result)
+        return pb.DecodeResponse(**convert.step_tokens(result))
+
+    @rpc
+    async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
+        items = convert.verify_items(request)
+        result = await self.runner.call(lambda e: self._touching(e.verify(items), [i.seq_id for i in items]))
+        self.metrics.observe_verify(result)
+        return convert.verify_response(result)
+
+    @rpc
+    async def Release(self, request: pb.ReleaseRequest, context) -> pb.ReleaseResponse:
+        ids = list(request.sequence_ids)
+
+        def release(engine: Engine) -> int:
+            released = engine.release(ids)
+            self.leases.remove(ids)
+            return released
+
+        released = await self.runner.call(release)
+        self.metrics.forget(ids)
+        return pb.ReleaseResponse(released=released)
+
+    @rpc
+    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return convert.info_response(await self.runner.call(Engine.info))
+
+    async def Generate(self, request: pb.GenerateRequest, context):
+        """Server-streaming: the runner decodes this sequence itself, batched with other streams."""
+        with self.metrics.rpc("Generate") as call:
+            try:
+                if self.runner is None:
+                    raise Unavailable("the model is still loading; retry shortly")
+                if self.draining:
+                    raise Unavailable("the worker is draining (shutting down)")
+                if request.stopping.max_new_tokens == 0:
+                    raise InvalidArgument("Generate needs stopping.max_new_tokens > 0")
+                prompt = list(request.prompt_token_ids)
+                sampling = convert.sampling_params(request.sampling)
+                stopping = convert.stopping_criteria(request.stopping)
+                total = len(prompt) + request.stopping.max_new_tokens
+                rid = request.request_id or request_id_of(context)
+                started = time.perf_counter()
+                seq_id, out = await self.runner.start_stream(
+                    prompt, lambda e: e.alloc_sequence(min(total, e.max_seq_len), sampling, stopping, rid))
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            self.metrics.start_stream(seq_id, started)
+            done = False
+            try:
+                while (item := await out.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    self.metrics.observe_stream_token(seq_id, item)
+                    yield pb.GenerateResponse(token=convert.token(item))
+                done = True
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                log.exception("Generate stream of sequence %d failed (request id %s)", seq_id, rid)
+                await context.abort(call.code, f"internal error in Generate (request id {rid})")
+            finally:
+                self.metrics.end_stream(seq_id)
+                if not done:  # the client went away, or the stream failed: free the sequence
+                    task = asyncio.get_running_loop().create_task(self.runner.stop_stream(seq_id))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+
+    def _touching(self, result, seq_ids: list[int]):
+        self.leases.touch(seq_ids)
+        return result
