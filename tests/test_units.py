@@ -1,0 +1,154 @@
+"""CPU unit tests of the small classes: block allocator, slot table, leases, configs, CLI flags."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import TINY_CONFIGS  # noqa: F401
+from engine.checkpoint import make_config
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import ConfigError, ResourceExhausted
+from engine.kv_cache import BlockAllocator
+from engine.sampling import StoppingCriteria
+from engine.sequence import FinishReason, Sequence, SlotTable
+from engine.sampling import SamplingParams
+from worker.config import WorkerConfig, config_from_args, serve_parser
+from worker.leases import Leases
+
+
+def test_block_allocator_never_hands_out_the_scratch_block_and_conserves_blocks():
+    alloc = BlockAllocator(10)
+    assert alloc.num_usable_blocks == 9 and alloc.num_free_blocks == 9
+    a = alloc.allocate(4)
+    b = alloc.allocate(5)
+    assert 0 not in a + b and len(set(a + b)) == 9
+    assert not alloc.can_allocate(1)
+    with pytest.raises(ResourceExhausted):
+        alloc.allocate(1)
+    alloc.free(a)
+    assert alloc.num_free_blocks == 4 and alloc.num_used_blocks == 5
+    assert sorted(alloc.allocate(4)) == sorted(a)
+
+
+def test_slot_table_is_a_free_list():
+    table = SlotTable(3)
+    slots = [table.allocate() for _ in range(3)]
+    assert sorted(slots) == [0, 1, 2] and not table.can_allocate()
+    with pytest.raises(ResourceExhausted):
+        table.allocate()
+    table.free(1)
+    assert table.allocate() == 1
+
+
+def test_sequence_finish_reasons():
+    def seq(**stop):
+        s = Sequence(1, 0, capacity=8, block_ids=[1], sampling=SamplingParams(), stopping=StoppingCriteria(**stop),
+                     token_ids=[5, 6], prompt_len=2, num_cached=2)
+        return s
+    assert seq().append(2, frozenset({2})) == FinishReason.EOS
+    assert seq(ignore_eos=True).append(2, frozenset({2})) == FinishReason.NONE
+    assert seq(stop_token_ids=frozenset({7})).append(7, frozenset()) == FinishReason.STOP_TOKEN
+    s = seq(max_new_tokens=2)
+    assert s.append(9, frozenset()) == FinishReason.NONE and s.append(9, frozenset()) == FinishReason.LENGTH
+    s = seq()
+    reasons = [s.append(9, frozenset()) for _ in range(6)]
+    assert reasons[-1] == FinishReason.LENGTH and s.seq_len == 8 and reasons[:-1] == [FinishReason.NONE] * 5
+
+
+def test_leases_limit_per_client_and_expire_idle():
+    now = [0.0]
+    leases = Leases(max_per_client=2, idle_timeout_s=10, clock=lambda: now[0])
+    leases.add(1, "a")
+    leases.add(2, "a")
+    leases.add(3, "b")
+    with pytest.raises(ResourceExhausted, match="'a'"):
+        leases.check_can_add("a")
+    leases.check_can_add("b")
+    now[0] = 5
+    leases.touch([1])
+    now[0] = 12
+    assert sorted(leases.expired()) == [2, 3]
+    leases.remove([2])
+    leases.check_can_add("a")
+    assert len(leases) == 2 and Leases().expired() == []
+
+
+def test_model_config_reads_both_rope_layouts():
+    legacy = make_config("llama", "tiny", rope_theta=5e5, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    modern = dict(legacy)
+    del modern["rope_theta"], modern["rope_scaling"]
+    modern["rope_parameters"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 64, "rope_theta": 5e5}
+    assert ModelConfig.from_dict(legacy).rope == ModelConfig.from_dict(modern).rope
+    assert ModelConfig.from_dict(legacy).rope.theta == 5e5
+    old_style = make_config("llama", "tiny", rope_scaling={"type": "linear", "factor": 2.0})
+    assert ModelConfig.from_dict(old_style).rope.rope_type == "linear"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), "unsupported architecture"),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope type"),
+    (dict(num_key_value_heads=3), "multiple"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_model_config_rejects_what_it_cannot_run(change, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict(make_config("llama", "tiny", **change))
+
+
+def test_model_config_missing_key_is_a_clear_error():
+    raw = make_config("qwen2", "tiny")
+    del raw["intermediate_size"]
+    with pytest.raises(ConfigError, match="intermediate_size"):
+        ModelConfig.from_dict(raw)
+
+
+def test_checkpoint_missing_tensor_fails_at_load(tmp_path):
+    import safetensors.torch
+    from engine.checkpoint import write_checkpoint
+    from engine.engine import Engine
+    path = write_checkpoint(tmp_path / "m", arch="qwen3", shape="tiny")
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    safetensors.torch.save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ConfigError, match="model.layers.1.self_attn.k_norm.weight"):
+        Engine(EngineConfig(model=str(path), device="cpu", num_kv_blocks=8))
+
+
+def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
+    import torch
+    from engine.checkpoint import write_checkpoint
+    from engine.engine import Engine
+    one = write_checkpoint(tmp_path / "one", arch="qwen2", shape="tiny", seed=4)
+    many = write_checkpoint(tmp_path / "many", arch="qwen2", shape="tiny", seed=4, max_shard_bytes=60_000)
+    assert len(list(many.glob("*.safetensors"))) > 2 and (many / "model.safetensors.index.json").exists()
+    a = Engine(EngineConfig(model=str(one), device="cpu", num_kv_blocks=8)).weights
+    b = Engine(EngineConfig(model=str(many), device="cpu", num_kv_blocks=8)).weights
+    assert torch.equal(a.layers[1].qkv_bias, b.layers[1].qkv_bias) and torch.equal(a.lm_head, b.lm_head)
+
+
+@pytest.mark.parametrize("cls,change", [
+    (EngineConfig, dict(max_slots=0)), (EngineConfig, dict(block_size=12)), (EngineConfig, dict(device="tpu")),
+    (WorkerConfig, dict(port=70000)), (WorkerConfig, dict(tls_cert_file="c.pem")),
+    (WorkerConfig, dict(tls_client_ca_file="ca.pem")), (WorkerConfig, dict(grace_period_s=-1)),
+])
+def test_config_validation(cls, change):
+    with pytest.raises(ConfigError):
+        cls(**change)
+
+
+def test_every_config_field_is_a_flag_with_the_dataclass_default():
+    parser = serve_parser()
+    defaults = parser.parse_args([])
+    assert config_from_args(WorkerConfig, defaults) == WorkerConfig()
+    assert config_from_args(EngineConfig, defaults) == EngineConfig()
+    args = parser.parse_args(["--max-slots", "7", "--no-reflection", "--model", "/m", "--grace-period-s", "2.5",
+                              "--dtype", "bfloat16"])
+    assert config_from_args(EngineConfig, args) == EngineConfig(max_slots=7, model="/m", dtype="bfloat16")
+    assert config_from_args(WorkerConfig, args) == WorkerConfig(reflection=False, grace_period_s=2.5)
+    flags = {a.dest for a in parser._actions}
+    for cls in (WorkerConfig, EngineConfig):
+        assert {f.name for f in dataclasses.fields(cls)} <= flags
