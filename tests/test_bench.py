@@ -1,0 +1,47 @@
+"""The benchmarks must not rot: bench/load.py runs on CPU with the tiny model, and a 60 s soak shows
+no growth in memory or used KV blocks."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+
+def run_load(tmp_path, *args) -> dict:
+    out = subprocess.run([sys.executable, "bench/load.py", "--shape", "tiny", "--prompt-len", "24", "--output-len",
+                          "12", "--out", str(tmp_path), *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = sorted(tmp_path.glob("load-*.json"))
+    assert files, out.stdout
+    return json.loads(files[-1].read_text())
+
+
+def test_load_benchmark_runs_and_reports(tmp_path):
+    res = run_load(tmp_path, "--concurrency", "1", "8", "--requests", "16", "--spec", "0")
+    assert [r["concurrency"] for r in res["grpc"]] == [1, 8]
+    for grpc_level, ref in zip(res["grpc"], res["in_process"]):
+        assert grpc_level["output_tokens"] == ref["output_tokens"] > 0
+        assert grpc_level["tokens_per_s"] > 0 and grpc_level["ttft_p50_ms"] > 0 and grpc_level["itl_p99_ms"] > 0
+        assert grpc_level["rpc_overhead_p50_us"] > 0
+    for png in res["plots"]:
+        assert (tmp_path / png.split("/")[-1]).stat().st_size > 1000
+
+
+def test_load_benchmark_with_speculative_verify(tmp_path):
+    res = run_load(tmp_path, "--concurrency", "4", "--requests", "8", "--spec", "3", "--no-plots")
+    assert res["grpc"][0]["draft_acceptance"] is not None
+    assert res["grpc"][0]["output_tokens"] == res["in_process"][0]["output_tokens"]
+
+
+@pytest.mark.slow
+def test_soak_60s_no_growth(tmp_path):
+    res = run_load(tmp_path, "--soak", "60", "--no-in-process")["soak"]
+    start, end = res["start"], res["end"]
+    assert end["free_blocks"] == start["free_blocks"] and end["live_sequences"] == 0
+    assert res["level"]["output_tokens"] > 1000
+    # Memory: the worker's RSS after the soak within 5% (+16 MB allocator slack) of its RSS after warm-up.
+    assert end["rss_mb"] <= start["rss_mb"] * 1.05 + 16, res["rss_samples"]

@@ -1,0 +1,79 @@
+"""Prometheus metrics: scraped while load runs, the counters move with the calls made."""
+from __future__ import annotations
+
+import threading
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import start_server
+from metrale.worker.v1 import worker_pb2 as pb
+from test_cli import free_port
+from worker.client import Stopping, WorkerClient
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(m, name, **labels) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_follow_the_calls(tiny_model):
+    port = free_port()
+    server = start_server(tiny_model, worker_changes=dict(metrics_port=port))
+    try:
+        assert server.worker.metrics_port == port
+        base = scrape(port)
+        client = WorkerClient(server.address)
+        stop, scrapes = threading.Event(), []
+
+        def scraper():
+            while not stop.is_set():
+                scrapes.append(value(scrape(port), "metrale_rpc_total", method="Decode", code="OK"))
+
+        t = threading.Thread(target=scraper)
+        t.start()
+        sessions = [client.session(64, stopping=Stopping(max_new_tokens=10, ignore_eos=True)) for _ in range(3)]
+        client.prefill([pb.PrefillItem(sequence_id=s.seq_id, token_ids=[1, 2, 3]) for s in sessions])
+        decodes = 0
+        for _ in range(9):
+            client.decode([s.seq_id for s in sessions])
+            decodes += 1
+        try:
+            client.decode([12345])
+        except Exception:
+            pass
+        live = client.info().live_sequences
+        used = client.info().total_blocks - client.info().free_blocks
+        for s in sessions:
+            s.release()
+        stop.set()
+        t.join()
+        m = scrape(port)
+        assert scrapes == sorted(scrapes), "a counter went down between scrapes"
+        assert value(m, "metrale_rpc_total", method="Decode", code="OK") - \
+            value(base, "metrale_rpc_total", method="Decode", code="OK") == decodes
+        assert value(m, "metrale_rpc_total", method="Decode", code="NOT_FOUND") == 1
+        assert value(m, "metrale_rpc_total", method="AllocSequence", code="OK") - \
+            value(base, "metrale_rpc_total", method="AllocSequence", code="OK") == 3
+        assert value(m, "metrale_time_to_first_token_seconds_count") - \
+            value(base, "metrale_time_to_first_token_seconds_count") == 3
+        # 3 sequences x 9 steps, each after the previous token: 27 inter-token gaps.
+        assert value(m, "metrale_inter_token_seconds_count") - value(base, "metrale_inter_token_seconds_count") == 27
+        assert value(m, "metrale_step_batch_size_sum", kind="decode") - \
+            value(base, "metrale_step_batch_size_sum", kind="decode") == 27
+        assert value(m, "metrale_generated_tokens_total") - value(base, "metrale_generated_tokens_total") == 30
+        assert live == 3 and used == 3 * 4
+        assert value(m, "metrale_live_sequences") == 0
+        assert value(m, "metrale_kv_blocks_used") == 0
+        assert value(m, "metrale_kv_blocks_free") == client.info().free_blocks
+        assert ("metrale_graph_hits_total", ()) in m
+    finally:
+        server.stop()
