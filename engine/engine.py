@@ -6,6 +6,7 @@ leaves every sequence, slot and block as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pathlib
@@ -26,6 +27,7 @@ from engine.models.llama import LlamaModel
 from engine.ops.torch_ops import TorchOps
 from engine.sampling import SampleOutput, SamplingParams, SamplingTensors, StoppingCriteria, accept_drafts, \
     model_logprobs, target_logprobs
+from engine.cuda.graphs import GraphCache
 from engine.sequence import FinishReason, Sequence, SlotTable
 from engine.state import SlotState
 
@@ -41,7 +43,6 @@ class Engine:
         self.model_config = mc = ModelConfig.from_dir(self.model_path)
         self.device = select_device(config)
         self.dtype = select_dtype(config, mc, self.device)
-        self.ops = TorchOps()
         self.max_seq_len = config.max_seq_len or mc.max_position_embeddings
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-self.max_seq_len // self.block_size)
@@ -53,7 +54,9 @@ class Engine:
         self.blocks = BlockAllocator(num_blocks)
         self.slots = SlotTable(config.max_slots)
         self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
+        self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
+        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self._next_seq_id = 1
@@ -61,6 +64,34 @@ class Engine:
                  "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
                  self.kv.nbytes / 1e6)
+
+    def _backend(self):
+        """(ops, streams, graph cache): the kernels on the engine's own streams on a GPU, torch ops on CPU."""
+        if self.device.type != "cuda":
+            return TorchOps(), None, None
+        from engine.cuda.graphs import TorchGraphBackend
+        from engine.cuda.ops import CudaOps
+        from engine.cuda.streams import EngineStreams
+
+        ops = CudaOps.create(self.device, self.max_seq_len)
+        streams = EngineStreams(self.device)
+        torch.cuda.synchronize(self.device)  # weights and KV written on the default stream are ready
+        graphs = None
+        if self.config.cuda_graphs and self.model_config.rope.rope_type != "dynamic":
+            graphs = GraphCache(TorchGraphBackend(streams.compute), self.config.max_graphs, self.config.capture_after)
+        return ops, streams, graphs
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        """Runs device work on the engine's compute stream (GPU) and times it: yields a timer whose
+        elapsed_ns() is the device time of the work in the block."""
+        if self.streams is None:
+            timer = _HostTimer()
+            yield timer
+            timer.stop()
+            return
+        with self.streams.compute_context(), self.streams.timed() as timing:
+            yield timing
 
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -101,7 +132,8 @@ class Engine:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         slot = self.slots.allocate()
         block_ids = self.blocks.allocate(num_blocks)
-        self.state.assign(slot, block_ids, sampling)
+        with self._on_device():
+            self.state.assign(slot, block_ids, sampling)
         seq = Sequence(seq_id=self._next_seq_id, slot=slot, capacity=max_total_tokens, block_ids=block_ids,
                        sampling=sampling, stopping=stopping, request_id=request_id)
         self._next_seq_id += 1
@@ -131,7 +163,12 @@ class Engine:
             if total >= seq.capacity:
                 raise InvalidArgument(f"sequence {seq.seq_id}: a prompt of {total} tokens leaves no room for a new "
                                       f"token in max_total_tokens={seq.capacity}")
-        t0 = time.perf_counter_ns()
+        with self._on_device() as timer:
+            sampled = self._prefill(seqs, items)
+        tokens = [sampled[it.seq_id] for it in items if not it.partial]
+        return api.StepResult(tokens, timer.elapsed_ns())
+
+    def _prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
         for seq, it in zip(seqs, items):
             if it.token_ids:
                 self.state.seen[seq.slot, torch.tensor(it.token_ids, device=self.device)] = True
@@ -152,8 +189,7 @@ class Engine:
                 budget -= n
                 chunk.append((seq, n, completes[seq.seq_id] and seq.num_cached + n == seq.seq_len))
             sampled.update(self._prefill_forward(chunk))
-        tokens = [sampled[it.seq_id] for it in items if not it.partial]
-        return api.StepResult(tokens, time.perf_counter_ns() - t0)
+        return sampled
 
     def _prefill_forward(self, chunk: list[tuple[Sequence, int, bool]]) -> dict[int, api.TokenResult]:
         """One forward over chunk = [(sequence, tokens to compute, whether its prompt completes)]; samples
@@ -174,7 +210,10 @@ class Engine:
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
         self.state.num_cached[slots] = positions.to(torch.int32)
-        return {r.seq_id: r for r in self._commit(to_sample, slots, out)}
+        self.state.last_token[slots] = out.token_ids
+        self.state.seen[slots, out.token_ids] = True
+        host = _host(out)
+        return {r.seq_id: r for r in self._commit(to_sample, *host)}
 
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         seqs = self._check_ids(seq_ids)
@@ -184,29 +223,55 @@ class Engine:
                 raise InvalidArgument(f"input_token_ids has {len(input_token_ids)} entries for {len(seq_ids)} "
                                       f"sequences; give none or one per sequence")
             self._check_tokens(input_token_ids, "input_token_ids")
-        t0 = time.perf_counter_ns()
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        if input_token_ids:
-            for seq, tok in zip(seqs, input_token_ids):
-                seq.token_ids[-1] = tok
-                self._rebuild_seen(seq)
-            self.state.last_token[slots] = torch.tensor(input_token_ids, device=self.device)
-        out = self._decode_step(slots, [s.seq_len for s in seqs], self._num_top(seqs))
-        for seq in seqs:
+        # The step runs on the slots in ascending order (the graph key); results go back in request order.
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        batch = [seqs[i] for i in order]
+        num_top = self._num_top(seqs)
+        with self._on_device() as timer:
+            if input_token_ids:
+                for seq, tok in zip(seqs, input_token_ids):
+                    seq.token_ids[-1] = tok
+                    self._rebuild_seen(seq)
+                self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
+                    torch.tensor(input_token_ids, device=self.device)
+            self._run_decode(batch, num_top)
+            host = self.outputs.read(len(batch), num_top, self.streams)
+        for seq in batch:
             seq.num_cached += 1
-        tokens = self._commit(seqs, slots, out)
-        return api.StepResult(tokens, time.perf_counter_ns() - t0)
+        results = self._commit(batch, *host)
+        by_request = [None] * len(seqs)
+        for pos, i in enumerate(order):
+            by_request[i] = results[pos]
+        return api.StepResult(by_request, timer.elapsed_ns())
 
-    def _decode_step(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> SampleOutput:
-        """Device work of one decode step: read inputs from the slot state, forward, sample, write the
-        sampled tokens and the new lengths back to the slot state."""
+    def _run_decode(self, batch: list[Sequence], num_top: int) -> None:
+        """The decode step of `batch` (ascending slots): replayed from a CUDA graph when one is held for
+        its slot vector, else run eagerly (and captured once the key has been seen often enough)."""
+        slots = [s.slot for s in batch]
+        seq_lens = [s.seq_len for s in batch]
+
+        def prepare():
+            slots_t = torch.tensor(slots, device=self.device)  # a replayed graph keeps its own copy
+            return lambda: self._decode_into_outputs(slots_t, seq_lens, num_top)
+
+        if self.graphs is None:
+            prepare()()
+        else:
+            self.graphs.run(GraphCache.key_for(slots, num_top), prepare)
+
+    def _decode_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
+        """Device work of one decode step: inputs from the slot state, forward, sample; the sampled
+        tokens and new lengths back to the slot state, the results to the static output buffers.
+        No host synchronisation and no host reads (it is captured into CUDA graphs)."""
         st = self.state
         batch: ForwardBatch = build_decode_batch(st.block_table, st.last_token, st.num_cached, slots, self.block_size,
                                                  seq_lens, self._dynamic_rope)
         logits = self.model.forward(batch)
         out = self.ops.sample(logits, st.sampling_rows(slots, batch.positions + 1), num_top)
         st.num_cached[slots] += 1
-        return out
+        st.last_token[slots] = out.token_ids
+        st.seen[slots, out.token_ids] = True
+        self.outputs.write(out, num_top)
 
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
         seqs = self._check_ids([it.seq_id for it in items])
@@ -228,7 +293,12 @@ class Engine:
                 probs = torch.tensor(it.draft_probs, dtype=torch.float32)
                 if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
                     raise InvalidArgument(f"sequence {seq.seq_id}: draft_probs must be finite and >= 0")
-        t0 = time.perf_counter_ns()
+        with self._on_device() as timer:
+            results = self._verify(seqs, items)
+        return api.VerifyStepResult(results, timer.elapsed_ns())
+
+    def _verify(self, seqs: list[Sequence], items: list[api.VerifyItem]) -> list[api.VerifyResult]:
+        vocab = self.model_config.vocab_size
         batch = build_extend_batch(
             self.state.block_table, [s.slot for s in seqs], [s.num_cached for s in seqs],
             [[s.token_ids[-1]] + list(it.draft_token_ids) for s, it in zip(seqs, items)],
@@ -262,10 +332,11 @@ class Engine:
             idx = torch.arange(row, row + len(emitted), device=self.device)
             out = model_logprobs(logits[idx], torch.tensor(emitted, device=self.device), seq.sampling.top_logprobs)
             tokens = []
+            host = _host(out)
             for j, tok in enumerate(emitted):
                 seq.num_cached = seq.seq_len
                 reason = seq.append(tok, self.eos_token_ids)
-                tokens.append(self._token_result(seq, out, j, reason))
+                tokens.append(self._token_result(seq, host, j, reason))
                 if reason != FinishReason.NONE:
                     break
             self.state.seen[seq.slot, torch.tensor(emitted[:len(tokens)], device=self.device)] = True
@@ -273,7 +344,7 @@ class Engine:
             self.state.num_cached[seq.slot] = seq.num_cached
             results.append(api.VerifyResult(seq.seq_id, num_accepted, tokens))
             row += k + 1
-        return api.VerifyStepResult(results, time.perf_counter_ns() - t0)
+        return results
 
     # ---------------------------------------------------------------------------------------------
     # Helpers
@@ -285,24 +356,19 @@ class Engine:
     def _num_top(self, seqs: list[Sequence]) -> int:
         return max(s.sampling.top_logprobs for s in seqs)
 
-    def _commit(self, seqs: list[Sequence], slots: torch.Tensor, out: SampleOutput) -> list[api.TokenResult]:
-        """Writes sampled tokens to the slot state and the sequences; returns their results."""
-        self.state.last_token[slots] = out.token_ids
-        self.state.seen[slots, out.token_ids] = True
-        token_ids = out.token_ids.tolist()
-        results = []
-        for i, (seq, tok) in enumerate(zip(seqs, token_ids)):
-            reason = seq.append(tok, self.eos_token_ids)
-            results.append(self._token_result(seq, out, i, reason))
-        return results
+    def _commit(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float], top_ids: list | None,
+                top_logprobs: list | None) -> list[api.TokenResult]:
+        """Appends the sampled tokens (host copies) to the sequences; returns their results."""
+        host = (token_ids, logprobs, top_ids, top_logprobs)
+        return [self._token_result(seq, host, i, seq.append(tok, self.eos_token_ids))
+                for i, (seq, tok) in enumerate(zip(seqs, token_ids))]
 
     @staticmethod
-    def _token_result(seq: Sequence, out: SampleOutput, row: int, reason: FinishReason) -> api.TokenResult:
+    def _token_result(seq: Sequence, host: tuple, row: int, reason: FinishReason) -> api.TokenResult:
+        _, logprobs, top_ids, top_lps = host
         n = seq.sampling.top_logprobs
-        top = []
-        if n:
-            top = list(zip(out.top_ids[row, :n].tolist(), out.top_logprobs[row, :n].tolist()))
-        return api.TokenResult(seq.seq_id, seq.token_ids[-1], float(out.logprobs[row]), top, reason, seq.seq_len)
+        top = list(zip(top_ids[row][:n], top_lps[row][:n])) if n else []
+        return api.TokenResult(seq.seq_id, seq.token_ids[-1], logprobs[row], top, reason, seq.seq_len)
 
     def _rebuild_seen(self, seq: Sequence) -> None:
         self.state.seen[seq.slot] = False
@@ -351,3 +417,61 @@ class Engine:
 
     def close(self) -> None:
         self.sequences.clear()
+        if self.graphs is not None:
+            self.graphs.clear()
+        if self.streams is not None:
+            self.streams.close()
+
+
+class _HostTimer:
+    def __init__(self):
+        self._t0, self._ns = time.perf_counter_ns(), None
+
+    def stop(self) -> None:
+        self._ns = time.perf_counter_ns() - self._t0
+
+    def elapsed_ns(self) -> int:
+        return self._ns if self._ns is not None else time.perf_counter_ns() - self._t0
+
+
+def _host(out: SampleOutput) -> tuple[list[int], list[float], list | None, list | None]:
+    """Host copies of a sample's results (one device->host sync)."""
+    return (out.token_ids.tolist(), out.logprobs.tolist(),
+            out.top_ids.tolist() if out.top_ids is not None else None,
+            out.top_logprobs.tolist() if out.top_logprobs is not None else None)
+
+
+class StepOutputs:
+    """Static device buffers a decode step writes its results to (outside any graph pool), and the
+    pinned host buffers they are read back through."""
+
+    def __init__(self, max_batch: int, max_top: int, device: torch.device):
+        pin = device.type == "cuda"
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(max_batch, max(max_top, 1), dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(max_batch, max(max_top, 1), dtype=torch.float32, device=device)
+        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                     for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)]
+
+    def write(self, out: SampleOutput, num_top: int) -> None:
+        n = out.token_ids.shape[0]
+        self.tokens[:n].copy_(out.token_ids)
+        self.logprobs[:n].copy_(out.logprobs)
+        if num_top:
+            self.top_ids[:n, :num_top].copy_(out.top_ids)
+            self.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
+
+    def read(self, n: int, num_top: int, streams) -> tuple[list[int], list[float], list | None, list | None]:
+        """Copies the first n results to the host; waits only for this step's work (the stream)."""
+        tokens, logprobs, top_ids, top_lps = self.host
+        tokens[:n].copy_(self.tokens[:n], non_blocking=True)
+        logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
+        if num_top:
+            top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
+            top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
+        if streams is not None:
+            streams.compute.synchronize()
+        return (tokens[:n].tolist(), logprobs[:n].tolist(),
+                top_ids[:n, :num_top].tolist() if num_top else None,
+                top_lps[:n, :num_top].tolist() if num_top else None)

@@ -19,16 +19,12 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import typing
-from concurrent import futures
 
-import grpc
 import kubernetes_validate.utils as kv
 import pytest
 import yaml
 from packaging.version import Version
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.config import EngineConfig
 from worker.config import WorkerConfig, config_from_args, serve_parser
@@ -44,6 +40,9 @@ FULLNAME = f"{RELEASE}-metrale-worker"
 CASES = {"default": [], "all-features": ["-f", str(ALL_FEATURES)], "hostpath": ["-f", str(HOSTPATH)]}
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
 K8S_VERSIONS = ["1.29.0", kv.latest_version()]
+TLS = ["--set", "tls.enabled=true", "--set", "tls.secretName=worker-tls"]
+DEFAULT_TLS_HEALTH_PORT = 8081  # --health-port when tls.enabled and worker.healthPort is 0 or null
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 CRD_KINDS = {"ServiceMonitor"}  # not in the Kubernetes schemas: checked by test_service_monitor_structure
 
 # Dataclass fields set by other values than `worker:` (they are file paths of mounts the chart makes).
@@ -142,7 +141,7 @@ def merge(base: dict, override: dict) -> dict:
 def test_rendered_kinds(rendered):
     kinds = {case: sorted(d["kind"] for d in docs) for case, docs in rendered.items()}
     assert kinds["default"] == ["Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
-    assert kinds["all-features"] == ["ConfigMap", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
+    assert kinds["all-features"] == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
                                      "ServiceAccount", "ServiceMonitor"]
 
 
@@ -218,6 +217,7 @@ def test_container_args_parse_with_the_workers_parser(rendered, case):
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["grpc"] == worker_config.port
     assert ports.get("metrics", 0) == worker_config.metrics_port
+    assert ports.get("health", 0) == worker_config.health_port
     mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
     assert mounts[engine_config.model]["readOnly"] is True
     for path in (worker_config.tls_cert_file, worker_config.tls_key_file, worker_config.tls_client_ca_file,
@@ -262,7 +262,7 @@ def non_default_value(cls: type, f: dataclasses.Field):
     avoid = {f.default, CHART_DEFAULTS.get(camel(f.name), f.default)}
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"] if c not in avoid)
-    special = {"host": "127.0.0.1", "block_size": 32}
+    special = {"host": "127.0.0.1", "block_size": 32, "health_port": 8082}  # metrics_port gets 1
     if f.name in special:
         return special[f.name]
     if kind is bool:
@@ -301,6 +301,8 @@ def test_every_dataclass_field_is_settable_through_values(helm, tmp_path):
     for cls, f in config_fields():
         got = getattr(configs[cls], f.name)
         assert got == expected[f.name] and got != f.default, (f.name, got, expected[f.name])
+    container = worker_container(docs)
+    assert all(container[kind]["grpc"]["port"] == 8082 for kind in PROBES), "TLS: probes on the health port"
     for version in K8S_VERSIONS:
         for doc in docs:
             if doc["kind"] not in CRD_KINDS:
@@ -354,6 +356,14 @@ BAD_VALUES = {
         ["--set", "serviceMonitor.enabled=true", "--set", "worker.metricsPort=0"], "metricsPort > 0", False),
     "headless LoadBalancer": (["--set", "service.type=LoadBalancer"], "service.type", True),
     "PDB with both bounds": (["--set", "podDisruptionBudget.minAvailable=1"], "exactly one", False),
+    "health port out of range": (["--set", "worker.healthPort=65536"], "worker.healthPort", True),
+    "health port on the gRPC port": (
+        ["--set", "worker.healthPort=50051"], "worker.healthPort (50051) must differ", False),
+    "health port on the metrics port": (["--set", "worker.healthPort=9090"], "must differ from worker.port", False),
+    "TLS default health port on the gRPC port": (
+        [*TLS, "--set", "worker.port=8081"], "the default with tls.enabled) must differ", False),
+    "unknown NetworkPolicy peer for the health port": (
+        ["--set-json", 'networkPolicy.health.from=[{"nodeSelector": {}}]'], "nodeSelector", True),
 }
 
 
@@ -456,77 +466,81 @@ def test_plaintext_probes_are_native_grpc_health(rendered, case):
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600, "model load and warm-up need minutes"
 
 
-def test_tls_probes_exec_the_mounted_health_check(rendered):
+def assert_no_exec_probe(docs: list[dict]) -> None:
+    """No probe of any container execs a command, and nothing of the removed exec health probe is left."""
+    template = one(docs, "Deployment")["spec"]["template"]
+    pod = template["spec"]
+    for container in pod["containers"] + pod.get("initContainers", []):
+        for kind in PROBES:
+            assert "exec" not in container.get(kind, {}), (container["name"], kind)
+    assert not [d for d in docs if d["kind"] == "ConfigMap"]
+    assert not [v for v in pod["volumes"] if "configMap" in v]
+    assert not any(m["mountPath"] == "/etc/metrale/probe" for m in worker_container(docs)["volumeMounts"])
+    assert not any("health-probe" in key for key in template["metadata"].get("annotations", {}))
+
+
+def test_tls_probes_are_native_grpc_on_the_health_port(rendered):
+    """The kubelet's gRPC probes speak plaintext only: with TLS they go to the plaintext health-only port."""
     docs = rendered["all-features"]
     container = worker_container(docs)
-    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
-    configmap = one(docs, "ConfigMap")
-    assert configmap["data"]["tls_health_probe.py"] == (CHART / "files" / "tls_health_probe.py").read_text()
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
-        command = container[kind]["exec"]["command"]
-        assert "grpc" not in container[kind]
-        files = [a for a in command[1:] if a.startswith("/")]
-        for path in files:  # every file the probe reads is mounted: the script from the ConfigMap, the rest from the Secret
-            directory, name = path.rsplit("/", 1)
-            volume = volumes[mounts[directory]]
-            source = volume.get("configMap") or volume.get("secret")
-            assert name in [item["path"] for item in source.get("items", [])] or \
-                volume.get("configMap", {}).get("name") == configmap["metadata"]["name"], path
+    assert "--health-port" in container["args"]
+    args = parse_args(container["args"])
+    assert args.tls_cert_file and args.health_port == DEFAULT_TLS_HEALTH_PORT != args.port
+    ports = {p["name"]: p for p in container["ports"]}
+    assert ports["health"] == {"name": "health", "containerPort": DEFAULT_TLS_HEALTH_PORT, "protocol": "TCP"}
+    for kind in PROBES:
+        probe = container[kind]
+        assert probe["grpc"] == {"port": args.health_port, "service": ""}, kind
+        assert not {"exec", "httpGet", "tcpSocket"} & set(probe), kind
+    assert_no_exec_probe(docs)
 
 
-def _openssl(*args: str, cwd: pathlib.Path) -> None:
-    out = subprocess.run(["openssl", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
+@pytest.mark.parametrize("health_port, expected", [(None, DEFAULT_TLS_HEALTH_PORT), (0, DEFAULT_TLS_HEALTH_PORT),
+                                                   (9443, 9443)])
+def test_tls_health_port_values(helm, health_port, expected):
+    """With TLS, worker.healthPort 0 or null means the default port; a set port is used as is."""
+    docs = render(*TLS, "--set-json", f"worker={json.dumps({'healthPort': health_port})}")
+    container = worker_container(docs)
+    assert parse_args(container["args"]).health_port == expected
+    assert {"name": "health", "containerPort": expected, "protocol": "TCP"} in container["ports"]
+    assert all(container[kind]["grpc"] == {"port": expected, "service": ""} for kind in PROBES)
+    assert_no_exec_probe(docs)
+    service_ports = [p["name"] for p in one(docs, "Service")["spec"]["ports"]]
+    assert "health" not in service_ports, "the health port is not published unless service.exposeHealthPort"
+    for version in K8S_VERSIONS:
+        kv.validate(one(docs, "Deployment"), version, strict=True)
 
 
-def test_tls_health_probe_against_a_mutual_tls_server(rendered, tmp_path):
-    """The exec probe the chart renders, run against a real gRPC health server with mutual TLS."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is needed to make test certificates")
-    server_name = "metrale-worker.ml.svc"  # ci/all-features-values.yaml tls.probeServerName
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca",
-             cwd=tmp_path)
-    _openssl("req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=metrale-worker", cwd=tmp_path)
-    (tmp_path / "ext.cnf").write_text(f"subjectAltName=DNS:{server_name}\nextendedKeyUsage=serverAuth,clientAuth\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-             "-out", "tls.crt", "-days", "2", "-extfile", "ext.cnf", cwd=tmp_path)
+def test_health_port_without_tls_leaves_the_probes_on_the_main_port(helm):
+    docs = render("--set", "worker.healthPort=8082")
+    container = worker_container(docs)
+    args = parse_args(container["args"])
+    assert args.health_port == 8082 and not args.tls_cert_file
+    assert {"name": "health", "containerPort": 8082, "protocol": "TCP"} in container["ports"]
+    assert all(container[kind]["grpc"] == {"port": args.port, "service": ""} for kind in PROBES)
+    assert "health" not in [p["name"] for p in one(docs, "Service")["spec"]["ports"]]
 
-    servicer = health.HealthServicer()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    read = lambda name: (tmp_path / name).read_bytes()  # noqa: E731
-    creds = grpc.ssl_server_credentials([(read("tls.key"), read("tls.crt"))], root_certificates=read("ca.crt"),
-                                        require_client_auth=True)
-    port = server.add_secure_port("127.0.0.1:0", creds)
-    server.start()
-    try:
-        command = worker_container(rendered["all-features"])["readinessProbe"]["exec"]["command"]
-        local = [sys.executable]
-        for arg in command[1:]:
-            if arg.endswith("tls_health_probe.py"):
-                arg = str(CHART / "files" / "tls_health_probe.py")
-            elif arg.startswith("/etc/metrale/tls/"):
-                arg = str(tmp_path / arg.rsplit("/", 1)[1])
-            elif arg == "50051":
-                arg = str(port)
-            local.append(arg)
 
-        def probe(*extra: str) -> subprocess.CompletedProcess:
-            return subprocess.run(local + list(extra), capture_output=True, text=True, timeout=60)
+@pytest.mark.parametrize("case", ["default", "hostpath"])
+def test_health_port_is_off_by_default(rendered, case):
+    container = worker_container(rendered[case])
+    assert parse_args(container["args"]).health_port == 0
+    assert "health" not in [p["name"] for p in container["ports"]]
+    assert_no_exec_probe(rendered[case])
 
-        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        ok = probe()
-        assert ok.returncode == 0 and ok.stdout.strip() == "SERVING", ok.stdout + ok.stderr
-        wrong_name = probe("--server-name", "somebody-else.example.com")
-        assert wrong_name.returncode == 1, "the probe must verify the worker's certificate"
-        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        draining = probe()
-        assert draining.returncode == 1 and "NOT_SERVING" in draining.stdout
-    finally:
-        server.stop(None)
+
+def test_network_policy_lets_probes_reach_the_health_port(helm):
+    """Default networkPolicy.health.from ([]): any source may reach the health port, so kubelet probes pass on any
+    CNI; the gRPC port stays router-only. No health port: no rule for it."""
+    docs = render(*TLS, "--set", "networkPolicy.enabled=true")
+    rules = one(docs, "NetworkPolicy")["spec"]["ingress"]
+    health_rules = [r for r in rules if {"port": "health", "protocol": "TCP"} in r["ports"]]
+    assert health_rules == [{"ports": [{"port": "health", "protocol": "TCP"}]}]
+    assert all(r.get("from") for r in rules if r not in health_rules), "only the health rule may be open"
+    for version in K8S_VERSIONS:
+        kv.validate(one(docs, "NetworkPolicy"), version, strict=True)
+    plain = one(render("--set", "networkPolicy.enabled=true"), "NetworkPolicy")["spec"]["ingress"]
+    assert not [r for r in plain if {"port": "health", "protocol": "TCP"} in r["ports"]]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -535,6 +549,11 @@ def test_service_ports(rendered, case):
     ports = {p["name"]: p for p in service["spec"]["ports"]}
     assert ports["grpc"]["appProtocol"] == "grpc" and ports["grpc"]["targetPort"] == "grpc"
     assert ports["metrics"]["targetPort"] == "metrics"
+    if case == "all-features":  # service.exposeHealthPort: true
+        assert ports["health"] == {"name": "health", "port": DEFAULT_TLS_HEALTH_PORT, "targetPort": "health",
+                                   "protocol": "TCP", "appProtocol": "grpc"}
+    else:
+        assert "health" not in ports
     assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is False
     deployment = one(rendered[case], "Deployment")
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
@@ -546,7 +565,7 @@ def test_network_policy(rendered):
     values = yaml.safe_load(ALL_FEATURES.read_text())["networkPolicy"]
     assert policy["podSelector"]["matchLabels"] == one(docs, "Deployment")["spec"]["selector"]["matchLabels"]
     assert policy["policyTypes"] == ["Ingress"]
-    grpc_rule, metrics_rule = policy["ingress"]
+    grpc_rule, metrics_rule, health_rule = policy["ingress"]
     assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
     assert grpc_rule["from"] == [{"podSelector": values["router"]["podSelector"],
                                   "namespaceSelector": values["router"]["namespaceSelector"]}]
@@ -554,6 +573,7 @@ def test_network_policy(rendered):
     (peer,) = metrics_rule["from"]
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
     assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert health_rule == {"ports": [{"port": "health", "protocol": "TCP"}], "from": values["health"]["from"]}
 
 
 def test_pod_disruption_budget(rendered):
@@ -606,8 +626,14 @@ def test_notes_show_port_forward_and_grpcurl(helm, tmp_path):
     for call in ("grpcurl -plaintext localhost:50051 list", "grpcurl -plaintext localhost:50051 grpc.health.v1.Health/Check",
                  "grpcurl -plaintext localhost:50051 metrale.worker.v1.ModelWorker/Info"):
         assert call in plain, call
+    assert "health-only" not in plain.lower()
     secure = notes("-f", str(ALL_FEATURES))
-    assert "-plaintext" not in secure and "-cacert ca.crt" in secure and "authorization: Bearer $TOKEN" in secure
+    assert "-cacert ca.crt" in secure and "authorization: Bearer $TOKEN" in secure
+    # with TLS, plaintext only on the health-only port, which the probes use
+    health = f"localhost:{DEFAULT_TLS_HEALTH_PORT}"
+    assert f"grpcurl -plaintext {health} grpc.health.v1.Health/Check" in secure
+    assert f'port-forward "pod/$POD" {DEFAULT_TLS_HEALTH_PORT}:{DEFAULT_TLS_HEALTH_PORT}' in secure
+    assert all(health in line for line in secure.splitlines() if "-plaintext" in line)
 
 
 def _leaf_paths(values: dict, schema: dict, prefix: str = "") -> list[str]:

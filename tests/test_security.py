@@ -49,10 +49,19 @@ def test_tls_and_mutual_tls(tiny_model, tmp_path):
     ca_key, ca_cert, _, ca_file = make_ca_and_cert(tmp_path, "ca")
     _, _, server_key, server_crt = make_ca_and_cert(tmp_path, "server", ca=(ca_key, ca_cert))
     _, _, client_key, client_crt = make_ca_and_cert(tmp_path, "client", ca=(ca_key, ca_cert), server=False)
+    from test_cli import free_port
+    health_port = free_port()
     server = start_server(tiny_model, worker_changes=dict(tls_cert_file=str(server_crt), tls_key_file=str(server_key),
-                                                          tls_client_ca_file=str(ca_file)))
+                                                          tls_client_ca_file=str(ca_file), health_port=health_port))
     try:
         target = f"localhost:{server.port}"
+        # Probes reach health in plaintext on the health port, and only health.
+        probe = grpc.insecure_channel(f"127.0.0.1:{health_port}")
+        assert health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=10).status == \
+            health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as info:
+            pb_grpc.ModelWorkerStub(probe).Info(pb.InfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
         with_cert = grpc.ssl_channel_credentials(ca_file.read_bytes(), client_key.read_bytes(),
                                                  client_crt.read_bytes())
         stub = pb_grpc.ModelWorkerStub(grpc.secure_channel(target, with_cert))

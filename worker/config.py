@@ -18,6 +18,9 @@ class WorkerConfig:
     host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
     port: int = field(default=50051, metadata={"help": "gRPC port"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics HTTP port; 0: off"})
+    health_port: int = field(default=0, metadata={
+        "help": "plaintext port serving only grpc.health.v1, for probes when the main port needs TLS or a "
+                "token; 0: off"})
     max_message_bytes: int = field(default=64 << 20, metadata={"help": "largest gRPC message, each direction"})
     grace_period_s: float = field(default=30.0, metadata={
         "help": "on SIGTERM/SIGINT: seconds to let live sequences finish before the server stops"})
@@ -37,8 +40,9 @@ class WorkerConfig:
         "help": "health turns NOT_SERVING while one engine step runs longer than this; 0: off"})
 
     def __post_init__(self):
-        if not 0 <= self.port < 65536 or not 0 <= self.metrics_port < 65536:
-            raise ConfigError(f"ports must be in [0, 65535], got port={self.port} metrics_port={self.metrics_port}")
+        for name in ("port", "metrics_port", "health_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ConfigError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         for name in ("grace_period_s", "sequence_idle_timeout_s", "step_watchdog_s"):

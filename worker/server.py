@@ -76,7 +76,9 @@ class Worker:
         self.runner: EngineRunner | None = None
         self.servicer: ModelWorkerServicer | None = None
         self.server: grpc.aio.Server | None = None
+        self.health_server: grpc.aio.Server | None = None
         self.port = 0
+        self.health_port = 0
         self.metrics_port = 0
         self._stopped = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -108,6 +110,11 @@ class Worker:
             self.port = self.server.add_insecure_port(address)
         if not self.port:
             raise OSError(f"could not listen on {address}")
+        if cfg.health_port:
+            self.health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            self.health_port = self.health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+            await self.health_server.start()
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
@@ -179,6 +186,8 @@ class Worker:
             task.cancel()
         if self.server is not None:
             await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
         if self.runner is not None:
             await asyncio.to_thread(self.runner.shutdown)
         self.metrics.close()

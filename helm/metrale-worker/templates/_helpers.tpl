@@ -59,13 +59,33 @@ as float64, whose default formatting would turn 67108864 into 6.7108864e+07.
 {{- end }}
 
 {{/*
+The health-only port (--health-port) as the chart runs it: worker.healthPort when > 0; with tls.enabled and
+healthPort 0 or null, 8081 (the kubelet's gRPC probes speak plaintext only and need it); else 0 (off).
+Fails when it would share a port with worker.port or worker.metricsPort.
+*/}}
+{{- define "metrale-worker.healthPort" -}}
+{{- $worker := .Values.worker }}
+{{- $port := int $worker.healthPort }}
+{{- if and (eq $port 0) .Values.tls.enabled }}{{ $port = 8081 }}{{ end }}
+{{- if and (gt $port 0) (or (eq $port (int $worker.port)) (eq $port (int $worker.metricsPort))) }}
+{{- fail (printf "worker.healthPort (%d%s) must differ from worker.port (%d) and worker.metricsPort (%d)" $port (ternary ", the default with tls.enabled" "" (eq (int $worker.healthPort) 0)) (int $worker.port) (int $worker.metricsPort)) }}
+{{- end }}
+{{- $port }}
+{{- end }}
+
+{{/*
 The container args of `metrale-worker serve`, as a JSON list: one flag per non-null key of .Values.worker
-(camelCase field name -> --kebab-case flag; booleans as --flag / --no-flag), then the file paths the
-chart mounts: --model, TLS and the auth token. tests/test_helm.py parses them with the worker's own parser.
+(camelCase field name -> --kebab-case flag; booleans as --flag / --no-flag; healthPort as
+metrale-worker.healthPort resolves it with TLS), then the file paths the chart mounts: --model, TLS and the
+auth token. tests/test_helm.py parses them with the worker's own parser.
 */}}
 {{- define "metrale-worker.args" -}}
 {{- $args := list }}
-{{- range $name, $value := .Values.worker }}
+{{- $worker := deepCopy .Values.worker }}
+{{- if .Values.tls.enabled }}
+{{- $_ := set $worker "healthPort" (include "metrale-worker.healthPort" . | int) }}
+{{- end }}
+{{- range $name, $value := $worker }}
 {{- if kindIs "bool" $value }}
 {{- $args = append $args (printf "--%s%s" (ternary "" "no-" $value) (kebabcase $name)) }}
 {{- else if not (kindIs "invalid" $value) }}
@@ -103,30 +123,21 @@ must exceed preStopSleepSeconds + worker.gracePeriodS, or the worker is killed m
 {{- end }}
 {{- end }}
 
-{{/* The DNS name the TLS health probe expects in the worker's certificate. */}}
+{{/* The DNS name in the worker's certificate that NOTES.txt's grpcurl commands expect (tls.probeServerName). */}}
 {{- define "metrale-worker.probeServerName" -}}
 {{- default (printf "%s.%s.svc" (include "metrale-worker.fullname" .) .Release.Namespace) .Values.tls.probeServerName }}
 {{- end }}
 
 {{/*
-One probe: native gRPC against grpc.health.v1 in plaintext; with TLS an exec of files/tls_health_probe.py,
-mounted from the probe ConfigMap (the kubelet's gRPC probes do not speak TLS). Called with (dict "root" $ "timing" <probes.x>).
+One probe: the kubelet's native gRPC probe against grpc.health.v1 (service ""), on worker.port in plaintext;
+with tls.enabled on the plaintext health-only port (metrale-worker.healthPort), as the kubelet's gRPC probes
+do not speak TLS. Called with (dict "root" $ "timing" <probes.x>).
 */}}
 {{- define "metrale-worker.probe" -}}
 {{- $root := .root }}
-{{- if $root.Values.tls.enabled }}
-{{- $tls := $root.Values.tls }}
-{{- $cmd := list "python" "/etc/metrale/probe/tls_health_probe.py" "--port" (toString (int $root.Values.worker.port)) "--server-name" (include "metrale-worker.probeServerName" $root) "--ca-file" (printf "%s/%s" $tls.mountPath $tls.caKey) "--timeout" (toString .timing.timeoutSeconds) }}
-{{- if $tls.clientCa.enabled }}
-{{- $cmd = concat $cmd (list "--cert-file" (printf "%s/%s" $tls.mountPath $tls.certKey) "--key-file" (printf "%s/%s" $tls.mountPath $tls.keyKey)) }}
-{{- end }}
-exec:
-  command: {{ toJson $cmd }}
-{{- else }}
 grpc:
-  port: {{ int $root.Values.worker.port }}
+  port: {{ ternary (include "metrale-worker.healthPort" $root | int) (int $root.Values.worker.port) $root.Values.tls.enabled }}
   service: ""
-{{- end }}
 {{ toYaml .timing }}
 {{- end }}
 

@@ -1,0 +1,185 @@
+"""GraphCache: CUDA graphs of decode (and verify) steps, keyed by the batch's slot vector.
+
+All CUDA-graph logic lives here. A key is the sorted tuple of the batch's slots plus whatever else
+fixes the step's shapes (the top-logprob count, the draft length); callers permute results back to
+request order. Policy:
+- a key is captured only once it has been seen `capture_after` times; until then the step runs
+  eagerly, so a churning batch never pays a capture on every step;
+- at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
+  the device has finished every replay of it (each replay records an event);
+- a capture that fails (out of memory, anything) is logged and counted, and the step runs eagerly;
+- all graphs share one memory pool; the step functions copy their outputs into buffers allocated
+  outside it (the caller's static output buffers).
+
+The backend (TorchGraphBackend on a GPU, a fake in the CPU unit tests) does the CUDA work."""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Protocol
+
+from engine.api import GraphStats
+
+log = logging.getLogger(__name__)
+
+
+class GraphBackend(Protocol):
+    def capture(self, step: Callable[[], None]) -> Any: ...  # runs step once under capture; returns a graph
+    def replay(self, graph: Any) -> Any: ...  # launches the graph; returns a "done" marker (an event)
+    def is_done(self, marker: Any) -> bool: ...  # has the device finished that replay?
+    def destroy(self, graph: Any) -> None: ...
+    def pool_bytes(self) -> int: ...
+
+
+@dataclass
+class _Entry:
+    graph: Any
+    last_replay: Any = None  # the done-marker of its most recent replay
+    inputs: Any = None  # what the graph's captured addresses point into (kept alive with it)
+
+
+class GraphCache:
+    def __init__(self, backend: GraphBackend, max_graphs: int, capture_after: int):
+        if max_graphs < 1 or capture_after < 1:
+            raise ValueError("max_graphs and capture_after must be >= 1")
+        self.backend = backend
+        self.max_graphs = max_graphs
+        self.capture_after = capture_after
+        self._graphs: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()  # LRU first
+        self._seen: collections.Counter[Hashable] = collections.Counter()
+        self._retired: list[_Entry] = []  # evicted, waiting for their last replay to finish
+        self.stats = GraphStats()
+
+    @staticmethod
+    def key_for(slots: list[int], *extra: Hashable) -> tuple:
+        """Canonical key: the sorted slot vector, then the extra shape-fixing fields."""
+        return (tuple(sorted(slots)), *extra)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._graphs
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, prepare: Callable[[], Callable[[], None]]) -> bool:
+        """Runs the step for `key`: replays its graph, or captures one, or runs it eagerly. Returns True
+        when a graph ran. prepare() (called only when no graph is held) builds the step's inputs and
+        returns the step; a captured graph keeps that step (and the inputs it holds) alive. The step
+        must write its results to buffers outside the graph pool and read no device value on the host."""
+        self._reap()
+        entry = self._graphs.get(key)
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            entry.last_replay = self.backend.replay(entry.graph)
+            self.stats.hits += 1
+            return True
+        self.stats.misses += 1
+        self._seen[key] += 1
+        step = prepare()
+        if self._seen[key] < self.capture_after:
+            step()
+            return False
+        t0 = time.perf_counter()
+        try:
+            graph = self.backend.capture(step)
+        except Exception as e:  # noqa: BLE001: any capture failure degrades to eager, never fails the step
+            self.stats.capture_failures += 1
+            del self._seen[key]
+            log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e)
+            step()
+            return False
+        self.stats.captures += 1
+        self.stats.capture_seconds += time.perf_counter() - t0
+        del self._seen[key]
+        # Capturing does not execute the work: replay once now so this step's results exist.
+        entry = _Entry(graph, inputs=step)
+        entry.last_replay = self.backend.replay(graph)
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self.evict()
+        self._update_gauges()
+        return True
+
+    def evict(self) -> Hashable | None:
+        """Drops the least recently used graph; it is destroyed once its last replay finished."""
+        if not self._graphs:
+            return None
+        key, entry = self._graphs.popitem(last=False)
+        self._retired.append(entry)
+        self.stats.evictions += 1
+        self._reap()
+        self._update_gauges()
+        return key
+
+    def _reap(self) -> None:
+        still = []
+        for entry in self._retired:
+            if entry.last_replay is None or self.backend.is_done(entry.last_replay):
+                self.backend.destroy(entry.graph)
+            else:
+                still.append(entry)
+        self._retired = still
+
+    def _update_gauges(self) -> None:
+        self.stats.graphs_held = len(self._graphs)
+        self.stats.pool_bytes = self.backend.pool_bytes()
+
+    def forget_seen(self) -> None:
+        """Admission counts decay: called when the set of live keys changes a lot."""
+        self._seen.clear()
+
+    def clear(self) -> None:
+        while self._graphs:
+            self.evict()
+        for entry in self._retired:
+            self.backend.destroy(entry.graph)
+        self._retired = []
+        self._update_gauges()
+
+    @property
+    def num_retired(self) -> int:
+        return len(self._retired)
+
+
+def _short(key: Hashable) -> str:
+    text = repr(key)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+class TorchGraphBackend:
+    """torch.cuda.CUDAGraph on the engine's compute stream, one shared memory pool."""
+
+    def __init__(self, stream, warmup: bool = True):
+        import torch
+
+        self.torch = torch
+        self.stream = stream
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warmup = warmup
+        self._bytes = 0
+
+    def capture(self, step: Callable[[], None]):
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            step()
+        self._bytes += max(0, torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) - before)
+        return graph
+
+    def replay(self, graph):
+        graph.replay()
+        event = self.torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def is_done(self, marker) -> bool:
+        return marker.query()
+
+    def destroy(self, graph) -> None:
+        graph.reset()
+
+    def pool_bytes(self) -> int:
+        return self._bytes
