@@ -28,6 +28,9 @@ class EngineConfig:
                                                       "empty: the built-in default model"})
     device: str = field(default="auto", metadata={"help": "auto (GPU if cuda-python finds one), cpu or cuda",
                                                    "choices": DEVICES})
+    kernels: str = field(default="auto", metadata={
+        "help": "GPU op backend: auto/cuda (kernels_cu through cuda-python) or torch (the reference ops, "
+                "for debugging); the CPU always uses torch", "choices": ("auto", "cuda", "torch")})
     dtype: str = field(default="auto", metadata={"help": "activation/weight dtype; auto: the checkpoint's "
                                                          "(bf16 for fp32 checkpoints) on GPU, float32 on CPU",
                                                  "choices": DTYPES})
@@ -61,6 +64,8 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.device not in DEVICES:
             raise ConfigError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.kernels not in ("auto", "cuda", "torch"):
+            raise ConfigError(f"kernels must be auto, cuda or torch, got {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.block_size & (self.block_size - 1):

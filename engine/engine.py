@@ -49,8 +49,15 @@ class Engine:
         t0 = time.perf_counter()
         self.weights = load_weights(self.model_path, mc, self.dtype, self.device)
         num_blocks = self._num_kv_blocks()
-        self.kv = KVCache(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
-                          self.device)
+        try:
+            self.kv = KVCache(mc.num_layers, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim, self.dtype,
+                              self.device)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            need = num_blocks * KVCache.bytes_per_block(mc.num_layers, self.block_size, mc.num_kv_heads, mc.head_dim,
+                                                        self.dtype)
+            raise ConfigError(f"the KV cache ({num_blocks} blocks, {need / 2**30:.2f} GiB) does not fit in "
+                              f"{self.device} memory after the weights; lower num_kv_blocks or kv_cache_memory "
+                              f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
         self.blocks = BlockAllocator(num_blocks)
         self.slots = SlotTable(config.max_slots)
         self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
@@ -69,6 +76,8 @@ class Engine:
         """(ops, streams, graph cache): the kernels on the engine's own streams on a GPU, torch ops on CPU."""
         if self.device.type != "cuda":
             return TorchOps(), None, None
+        if self.config.kernels == "torch":
+            return TorchOps(), None, None  # the reference ops on the GPU (eager, default stream)
         from engine.cuda.graphs import TorchGraphBackend
         from engine.cuda.ops import CudaOps
         from engine.cuda.streams import EngineStreams

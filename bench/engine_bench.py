@@ -1,0 +1,374 @@
+"""Engine benchmark, side by side with Hugging Face transformers on the same checkpoint, in one run.
+
+    python bench/engine_bench.py --shape 1b                # on a GPU: the H200 floors of issues 3 and 4
+    python bench/engine_bench.py --shape tiny --quick      # on CPU (CI): exercises every code path
+
+Measures, in one process:
+- the device's copy bandwidth (bytes read + written) and the decode floor = weight bytes / bandwidth;
+- this engine: prefill throughput (1 x 2048 and 8 x 512 tokens), decode step latency at several batch
+  sizes with 128-token prompts (median wall time per Engine.decode call, and device time), a steady
+  and a churning batch (one leave + one join every 8 steps) with the CUDA-graph hit rate, and Verify
+  of 4 drafts at batch 1;
+- transformers on the same files: eager prefill and decode steps, and (GPU) a static cache with a
+  compiled decode step.
+Prints one table with ratios to transformers and to the floor, and writes the figures with date,
+GPU and versions to bench/results/engine-<date>-<device>.json."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from engine.api import PrefillItem, VerifyItem  # noqa: E402
+from engine.checkpoint import write_checkpoint  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.engine import Engine  # noqa: E402
+from engine.loader import weight_bytes  # noqa: E402
+from engine.sampling import SamplingParams, StoppingCriteria  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a large device-to-device copy (median of 20)."""
+    if device.type != "cuda":
+        n = 1 << 26
+    else:
+        n = 1 << 30
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(25):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.nbytes / statistics.median(times[5:])
+
+
+def prompts_of(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+GREEDY_LONG = StoppingCriteria(max_new_tokens=0, ignore_eos=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# This engine
+
+def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dict:
+    vocab = engine.model_config.vocab_size
+    times = []
+    for r in range(repeats + 2):
+        ids = [engine.alloc_sequence(length + 2, SamplingParams(), GREEDY_LONG).seq_id for _ in range(batch)]
+        prompts = prompts_of([length] * batch, vocab, seed=r)
+        sync(engine.device)
+        t0 = time.perf_counter()
+        engine.prefill([PrefillItem(i, p) for i, p in zip(ids, prompts)])
+        sync(engine.device)
+        times.append(time.perf_counter() - t0)
+        engine.release(ids)
+    t = statistics.median(times[2:])
+    return {"batch": batch, "length": length, "seconds": t, "tokens_per_s": batch * length / t}
+
+
+def start_batch(engine: Engine, batch: int, prompt_len: int, room: int, seed: int = 1) -> list[int]:
+    vocab = engine.model_config.vocab_size
+    ids = [engine.alloc_sequence(prompt_len + room, SamplingParams(), GREEDY_LONG).seq_id for _ in range(batch)]
+    for i, p in zip(ids, prompts_of([prompt_len] * batch, vocab, seed)):
+        engine.prefill([PrefillItem(i, p)])
+    return ids
+
+
+def graph_stats(engine: Engine) -> tuple[int, int]:
+    g = engine.graphs
+    return (g.stats.hits, g.stats.misses) if g is not None else (0, 0)
+
+
+def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    ids = start_batch(engine, batch, prompt_len, steps + 16)
+    for _ in range(8):  # warm-up: the graph for this slot vector gets captured here
+        engine.decode(ids)
+    h0, m0 = graph_stats(engine)
+    wall, dev = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        r = engine.decode(ids)
+        wall.append(time.perf_counter() - t0)
+        dev.append(r.forward_ns / 1e9)
+    h1, m1 = graph_stats(engine)
+    engine.release(ids)
+    return {"batch": batch, "steps": steps, "step_ms": 1e3 * statistics.median(wall),
+            "step_ms_mean": 1e3 * statistics.fmean(wall), "device_ms": 1e3 * statistics.median(dev),
+            "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))}
+
+
+def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_len: int = 128) -> dict:
+    """A batch whose membership changes: every `every` steps one sequence leaves and a new one joins."""
+    vocab = engine.model_config.vocab_size
+    room = steps + 32
+    ids = start_batch(engine, batch, prompt_len, room)
+    for _ in range(8):
+        engine.decode(ids)
+    h0, m0 = graph_stats(engine)
+    wall = []
+    for step in range(steps):
+        if step and step % every == 0:
+            engine.release([ids.pop(step % len(ids))])
+            new = engine.alloc_sequence(prompt_len + room, SamplingParams(), GREEDY_LONG).seq_id
+            engine.prefill([PrefillItem(new, prompts_of([prompt_len], vocab, seed=step)[0])])
+            ids.append(new)
+        t0 = time.perf_counter()
+        engine.decode(ids)
+        wall.append(time.perf_counter() - t0)
+    h1, m1 = graph_stats(engine)
+    engine.release(ids)
+    return {"batch": batch, "steps": steps, "every": every, "step_ms": 1e3 * statistics.median(wall),
+            "step_ms_mean": 1e3 * statistics.fmean(wall),
+            "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))}
+
+
+def engine_verify(engine: Engine, drafts: int, steps: int, prompt_len: int = 128) -> dict:
+    ids = start_batch(engine, 1, prompt_len, (drafts + 1) * (steps + 8) + 8)
+    vocab = engine.model_config.vocab_size
+    for _ in range(4):
+        engine.verify([VerifyItem(ids[0], [7 % vocab] * drafts)])
+    wall = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.verify([VerifyItem(ids[0], [7 % vocab] * drafts)])
+        wall.append(time.perf_counter() - t0)
+    engine.release(ids)
+    return {"drafts": drafts, "step_ms": 1e3 * statistics.median(wall)}
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers on the same checkpoint
+
+def hf_load(path, dtype, device):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def hf_prefill(model, device, batch: int, length: int, repeats: int) -> dict:
+    vocab = model.config.vocab_size
+    ids = torch.tensor(prompts_of([length] * batch, vocab), device=device)
+    times = []
+    for _ in range(repeats + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        model(ids, use_cache=False, logits_to_keep=1)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    t = statistics.median(times[2:])
+    return {"batch": batch, "length": length, "tokens_per_s": batch * length / t}
+
+
+@torch.no_grad()
+def hf_decode_eager(model, device, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    from transformers import DynamicCache
+    vocab = model.config.vocab_size
+    ids = torch.tensor(prompts_of([prompt_len] * batch, vocab), device=device)
+    cache = DynamicCache()
+    out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    wall = []
+    for _ in range(steps + 3):
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        wall.append(time.perf_counter() - t0)
+    return {"batch": batch, "step_ms": 1e3 * statistics.median(wall[3:])}
+
+
+@torch.no_grad()
+def hf_decode_compiled(model, device, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    """Static cache + torch.compile(mode='reduce-overhead') decode step (transformers' fast path)."""
+    from transformers import StaticCache
+    vocab = model.config.vocab_size
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + steps + 64)
+    ids = torch.tensor(prompts_of([prompt_len] * batch, vocab), device=device)
+    pos = torch.arange(prompt_len, device=device)
+    out = model(ids, past_key_values=cache, cache_position=pos, use_cache=True, logits_to_keep=1)
+    tok = out.logits[:, -1].argmax(-1, keepdim=True)
+    step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    t_compile = time.perf_counter()
+    wall = []
+    for i in range(steps + 5):
+        cache_position = torch.tensor([prompt_len + i], device=device)
+        sync(device)
+        t0 = time.perf_counter()
+        out = step(tok, past_key_values=cache, cache_position=cache_position, position_ids=cache_position[None],
+                   use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True).clone()
+        sync(device)
+        wall.append(time.perf_counter() - t0)
+        if i == 0:
+            t_compile = time.perf_counter() - t_compile
+    return {"batch": batch, "step_ms": 1e3 * statistics.median(wall[5:]), "compile_s": t_compile}
+
+
+# --------------------------------------------------------------------------------------------------
+
+def guarded(results: dict, name: str, fn, *args, **kwargs):
+    try:
+        value = fn(*args, **kwargs)
+    except Exception as e:  # a failing section is recorded, the run goes on
+        traceback.print_exc()
+        value = {"error": f"{type(e).__name__}: {e}"}
+    results[name] = value
+    print(f"  {name}: {json.dumps(value)}", flush=True)
+    return value
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="tiny", choices=["tiny", "1b", "8b"])
+    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3"])
+    p.add_argument("--model", help="an existing checkpoint dir instead of writing one")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--quick", action="store_true", help="few steps and sizes (CPU / CI)")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--no-hf-compile", action="store_true")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if args.quick:
+        args.steps = min(args.steps, 10)
+        args.batches = [b for b in args.batches if b <= 8] or [1]
+    prefill_shapes = [(1, 2048), (8, 512)] if not args.quick else [(1, 64), (4, 32)]
+    repeats = 3 if args.quick else 10
+
+    results: dict = {"meta": {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
+        "shape": args.shape, "arch": args.arch, "torch": torch.__version__, "python": platform.python_version(),
+        "argv": sys.argv[1:]}}
+    try:
+        import transformers
+        results["meta"]["transformers"] = transformers.__version__
+    except ImportError:
+        args.no_hf = True
+    print(f"engine_bench: {results['meta']}", flush=True)
+
+    bw = guarded(results, "copy_bandwidth_TBps", lambda: copy_bandwidth(device) / 1e12)
+    t0 = time.perf_counter()
+    model_dir = args.model or str(write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch=args.arch,
+                                                   shape=args.shape, device=str(device)))
+    results["meta"]["checkpoint_write_s"] = round(time.perf_counter() - t0, 1)
+
+    max_len = 2048 + 16 if not args.quick else 512
+    cfg = EngineConfig(model=model_dir, device=device.type, max_slots=256, max_batch_size=256,
+                       max_seq_len=max_len + 512, max_prefill_tokens=8192, max_graphs=64, capture_after=2,
+                       kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
+    engine = Engine(cfg)
+    results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name,
+                           weight_bytes=weight_bytes(engine.weights))
+    floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None
+    results["decode_floor_ms"] = floor_ms
+
+    ours = results.setdefault("engine", {})
+    for b, n in prefill_shapes:
+        guarded(ours, f"prefill_{b}x{n}", engine_prefill, engine, b, n, repeats)
+    for b in args.batches:
+        guarded(ours, f"decode_b{b}", engine_decode, engine, b, args.steps)
+    churn_b = 32 if not args.quick else 4
+    guarded(ours, f"decode_steady_b{churn_b}", engine_decode, engine, churn_b, args.steps)
+    guarded(ours, f"decode_churn_b{churn_b}", engine_churn, engine, churn_b, args.steps)
+    guarded(ours, "verify4_b1", engine_verify, engine, 4, max(10, args.steps // 2))
+    if engine.graphs is not None:
+        ours["graph_cache"] = vars(engine.graphs.stats).copy()
+    engine.close()
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if not args.no_hf:
+        hf = results.setdefault("transformers", {})
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = hf_load(model_dir, dtype, device)
+        for b, n in prefill_shapes:
+            guarded(hf, f"prefill_{b}x{n}", hf_prefill, model, device, b, n, repeats)
+        for b in sorted({1, 32} & set(args.batches) or {args.batches[0]}):
+            guarded(hf, f"eager_decode_b{b}", hf_decode_eager, model, device, b, max(10, args.steps // 4))
+        if device.type == "cuda" and not args.no_hf_compile:
+            guarded(hf, "compiled_decode_b1", hf_decode_compiled, model, device, 1, max(20, args.steps // 2))
+        del model
+        gc.collect()
+
+    print(table(results, prefill_shapes, args.batches, churn_b))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    dev = "".join(c if c.isalnum() else "-" for c in results["meta"]["device"].lower())
+    path = out / f"engine-{args.shape}-{stamp}-{dev}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return 0
+
+
+def table(r: dict, prefill_shapes, batches, churn_b) -> str:
+    ours, hf = r.get("engine", {}), r.get("transformers", {})
+    floor = r.get("decode_floor_ms")
+    lines = [f"== {r['meta']['device']} | {r['meta']['shape']} ({r['meta'].get('dtype')}, "
+             f"{r['meta'].get('kernel_backend')}) | floor {floor and round(floor, 3)} ms/step"]
+
+    def get(d, k, f):
+        v = d.get(k, {})
+        return v.get(f) if isinstance(v, dict) else None
+
+    for b, n in prefill_shapes:
+        o, h = get(ours, f"prefill_{b}x{n}", "tokens_per_s"), get(hf, f"prefill_{b}x{n}", "tokens_per_s")
+        ratio = f"{o / h:.2f}x transformers" if o and h else ""
+        lines.append(f"prefill {b}x{n}: {o and round(o):>10} tok/s   transformers {h and round(h)}   {ratio}")
+    for b in batches:
+        o = get(ours, f"decode_b{b}", "step_ms")
+        h = get(hf, f"eager_decode_b{b}", "step_ms")
+        parts = [f"decode b{b}: {o and round(o, 3)} ms/step (hit rate {get(ours, f'decode_b{b}', 'graph_hit_rate')})"]
+        if o and h:
+            parts.append(f"transformers eager {h:.2f} ms = {h / o:.1f}x slower")
+        if o and floor and b == 1:
+            parts.append(f"floor/step = {floor / o:.0%} of bandwidth")
+        c = get(hf, "compiled_decode_b1", "step_ms")
+        if b == 1 and o and c:
+            parts.append(f"transformers static+compiled {c:.2f} ms = {c / o:.1f}x")
+        lines.append("   ".join(parts))
+    s, c = ours.get(f"decode_steady_b{churn_b}", {}), ours.get(f"decode_churn_b{churn_b}", {})
+    if "step_ms_mean" in s and "step_ms_mean" in c:
+        lines.append(f"churn b{churn_b}: mean {c['step_ms_mean']:.3f} ms vs steady {s['step_ms_mean']:.3f} ms = "
+                     f"{c['step_ms_mean'] / s['step_ms_mean']:.2f}x (hit rate {c.get('graph_hit_rate'):.2f})")
+    v, d1 = get(ours, "verify4_b1", "step_ms"), get(ours, "decode_b1", "step_ms")
+    if v and d1:
+        lines.append(f"verify 4 drafts b1: {v:.3f} ms = {v / d1:.2f}x the b1 decode step")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

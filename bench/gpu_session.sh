@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (the device tool): build the kernels, then run the named stages.
+#   bash bench/gpu_session.sh tests bench1b load1b bench8b
+# Stages write logs and result JSON under $OUT (bench/results/ here when OUT is unset). Needs the
+# generated stubs (metrale/, carried) and grpcio-reflection/health-checking wheels in .whl/ (carried).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/bench/results}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+python3 -c "import torch, transformers, grpc, google.protobuf as p; print('torch', torch.__version__, 'transformers', transformers.__version__, 'grpcio', grpc.__version__, 'protobuf', p.__version__)"
+t0=$(date +%s)
+python3 -m engine.cuda.build 2>&1 | tail -3
+echo "build: $(( $(date +%s) - t0 ))s"
+
+stage() {  # stage NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  local s=$(date +%s)
+  echo "== $name"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n "${TAIL:-30}" "$OUT/$name.log"
+  echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
+}
+
+for what in "$@"; do
+  case "$what" in
+    tests)   stage gpu-tests 300 python3 -m pytest tests/gpu -m gpu -q -x -p no:cacheprovider --durations=10 ;;
+    kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
+    engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
+    bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
+    bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
+    load1b)  stage load-1b 420 python3 bench/load.py --shape 1b --concurrency 1 8 32 128 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    sanitize) stage sanitize 240 compute-sanitizer --tool memcheck --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py ;;
+    *) echo "unknown stage $what" ;;
+  esac
+done
+ls -la "$OUT"
