@@ -220,7 +220,7 @@ class Engine:
             seq.prompt_len = seq.seq_len
         self.state.num_cached[slots] = positions.to(torch.int32)
         self.state.last_token[slots] = out.token_ids
-        self.state.seen[slots, out.token_ids] = True
+        self.state.mark_seen(slots, out.token_ids)
         host = _host(out)
         return {r.seq_id: r for r in self._commit(to_sample, *host)}
 
@@ -279,7 +279,7 @@ class Engine:
         out = self.ops.sample(logits, st.sampling_rows(slots, batch.positions + 1), num_top)
         st.num_cached[slots] += 1
         st.last_token[slots] = out.token_ids
-        st.seen[slots, out.token_ids] = True
+        st.mark_seen(slots, out.token_ids)
         self.outputs.write(out, num_top)
 
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
@@ -429,6 +429,7 @@ class Engine:
         if self.graphs is not None:
             self.graphs.clear()
         if self.streams is not None:
+            self.outputs.host.clear()  # pinned buffers the compute stream copied into go before the stream
             self.streams.close()
 
 

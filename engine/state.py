@@ -25,6 +25,11 @@ class SlotState:
         self.seed = zeros(max_slots, dtype=torch.int64)
         self.repetition_penalty = zeros(max_slots, dtype=torch.float32)
         self.seen = zeros(max_slots, vocab_size, dtype=torch.bool)  # tokens in the sequence (penalty)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
+
+    def mark_seen(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """seen[slots[i], token_ids[i]] = True, with device tensors only (capturable in a CUDA graph)."""
+        self.seen.index_put_((slots, token_ids), self._true)
 
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams) -> None:
         self.block_table[slot].zero_()

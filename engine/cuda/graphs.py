@@ -87,7 +87,8 @@ class GraphCache:
         except Exception as e:  # noqa: BLE001: any capture failure degrades to eager, never fails the step
             self.stats.capture_failures += 1
             del self._seen[key]
-            log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e)
+            log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e,
+                        exc_info=log.isEnabledFor(logging.DEBUG))
             step()
             return False
         self.stats.captures += 1

@@ -78,4 +78,12 @@ class LlamaModel:
             hidden = F.linear(ops.silu_and_mul(F.linear(x, layer.gate_up)), layer.down)
         idx = batch.logits_indices
         x, _ = ops.add_rms_norm(hidden[idx], residual[idx], self.w.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.w.lm_head).float()
+        return logits(x, self.w.lm_head)
+
+
+def logits(x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [N, vocab]. On a GPU with 16-bit weights cuBLAS writes fp32 directly: bf16 logits
+    (resolution 0.25 at 40) would tie far more often, and sampling reads them in fp32 anyway."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, lm_head.t(), out_dtype=torch.float32)
+    return F.linear(x, lm_head).float()

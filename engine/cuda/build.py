@@ -1,0 +1,219 @@
+"""Compiles every kernels_cu/*.cu with nvcc into one fatbin each (sm_80 and sm_90 machine code plus
+compute_90 PTX) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
+
+A fatbin is rebuilt only when its stamp (a hash of the source, the shared *.cuh headers and the
+nvcc command line) changed. Files compile in parallel. A source may ask for extra nvcc flags on a
+line `// nvcc-flags: ...` (the attention kernels use --use_fast_math; the sampling kernels must not).
+At run time engine/cuda/kernels.py loads these fatbins, and compiles with NVRTC where none exists,
+none is current or none matches the device.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import struct
+import subprocess
+import sys
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+KERNEL_DIR = REPO_ROOT / "kernels_cu"
+BUILD_DIR = KERNEL_DIR / "build"
+GENCODE = ("-gencode", "arch=compute_80,code=sm_80",
+           "-gencode", "arch=compute_90,code=sm_90",
+           "-gencode", "arch=compute_90,code=compute_90")
+# -no-compress: the driver loads either form; plain entries let tests and tools read the symbols.
+NVCC_FLAGS = ("-fatbin", "-O3", "-std=c++17", "-no-compress", *GENCODE)
+_FLAGS_LINE = re.compile(r"^//\s*nvcc-flags:\s*(.*)$", re.MULTILINE)
+
+
+class BuildError(RuntimeError):
+    """nvcc is missing or failed; the message carries nvcc's own output."""
+
+
+def sources(kernel_dir: pathlib.Path = KERNEL_DIR) -> list[pathlib.Path]:
+    return sorted(kernel_dir.glob("*.cu"))
+
+
+def headers(kernel_dir: pathlib.Path = KERNEL_DIR) -> list[pathlib.Path]:
+    return sorted(kernel_dir.glob("*.cuh"))
+
+
+def extra_flags(source_text: str) -> list[str]:
+    """Flags a source asks for on its `// nvcc-flags:` line (also given to NVRTC)."""
+    m = _FLAGS_LINE.search(source_text)
+    return m.group(1).split() if m else []
+
+
+def source_hash(src: pathlib.Path, extra: tuple[str, ...] = ()) -> str:
+    """Hash of a source, every shared header and the given strings (command line, arch, ...)."""
+    h = hashlib.sha256()
+    for path in [src, *headers(src.parent)]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    for s in extra:
+        h.update(s.encode())
+    return h.hexdigest()
+
+
+def find_nvcc() -> str | None:
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        return nvcc
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (pathlib.Path(root) / "bin" / "nvcc").is_file():
+            return str(pathlib.Path(root) / "bin" / "nvcc")
+    return None
+
+
+def nvcc_command(nvcc: str, src: pathlib.Path, out: pathlib.Path) -> list[str]:
+    return [nvcc, *NVCC_FLAGS, *extra_flags(src.read_text()), "-I", str(src.parent), "-o", str(out), str(src)]
+
+
+def fatbin_path(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> pathlib.Path:
+    return out_dir / f"{src.stem}.fatbin"
+
+
+def stamp_path(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> pathlib.Path:
+    return out_dir / f"{src.stem}.stamp"
+
+
+def build_stamp(src: pathlib.Path) -> str:
+    """What a current fatbin's stamp file holds (independent of the nvcc path and output dir)."""
+    return source_hash(src, (" ".join((*NVCC_FLAGS, *extra_flags(src.read_text()))),))
+
+
+def is_current(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> bool:
+    fatbin, stamp = fatbin_path(src, out_dir), stamp_path(src, out_dir)
+    return fatbin.is_file() and stamp.is_file() and stamp.read_text().strip() == build_stamp(src)
+
+
+def build_one(nvcc: str, src: pathlib.Path, out_dir: pathlib.Path, force: bool = False) -> bool:
+    """Builds one fatbin; returns False when it was already current."""
+    if not force and is_current(src, out_dir):
+        return False
+    out = fatbin_path(src, out_dir)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    cmd = nvcc_command(nvcc, src, tmp)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise BuildError(f"nvcc failed on {src.name} (exit {proc.returncode}):\n  {' '.join(cmd)}\n"
+                         f"{proc.stderr.strip() or proc.stdout.strip()}")
+    tmp.replace(out)
+    stamp_path(src, out_dir).write_text(build_stamp(src) + "\n")
+    return True
+
+
+def build_all(out_dir: pathlib.Path = BUILD_DIR, kernel_dir: pathlib.Path = KERNEL_DIR, force: bool = False,
+              jobs: int | None = None, log=print) -> list[pathlib.Path]:
+    """Builds every kernels_cu/*.cu; returns the fatbin paths. Raises BuildError naming each failure."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise BuildError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda): install the CUDA toolkit to "
+                         "build kernels_cu/, or let the engine compile them with NVRTC at start-up")
+    srcs = sources(kernel_dir)
+    if not srcs:
+        raise BuildError(f"no .cu files in {kernel_dir}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jobs = jobs or min(len(srcs), os.cpu_count() or 1)
+    errors = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(build_one, nvcc, src, out_dir, force): src for src in srcs}
+        for fut in concurrent.futures.as_completed(futures):
+            src = futures[fut]
+            try:
+                built = fut.result()
+            except BuildError as e:
+                errors.append(str(e))
+                continue
+            if log:
+                log(f"{'built' if built else 'up to date'}: {fatbin_path(src, out_dir)}")
+    if errors:
+        raise BuildError("\n\n".join(errors))
+    return [fatbin_path(src, out_dir) for src in srcs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a fatbin (uncompressed entries): which kernels each entry defines.
+
+FATBIN_MAGIC = 0xBA55ED50
+KIND_PTX, KIND_ELF = 1, 2
+
+
+def fatbin_entries(data: bytes) -> list[tuple[int, int, bytes]]:
+    """[(kind, arch, payload)] of a fatbin container: kind 1 = PTX text, 2 = ELF cubin; arch = 80, 90..."""
+    entries = []
+    off = 0
+    while off + 16 <= len(data):
+        magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", data, off)
+        if magic != FATBIN_MAGIC:
+            break
+        pos, end = off + header_size, off + header_size + fat_size
+        while pos + 32 <= end:
+            kind, _ver, entry_header, payload_size = struct.unpack_from("<HHIQ", data, pos)
+            arch, = struct.unpack_from("<I", data, pos + 28)
+            payload = data[pos + entry_header: pos + entry_header + payload_size]
+            entries.append((kind, arch, payload))
+            pos += entry_header + payload_size
+        off = end
+    return entries
+
+
+def elf_function_symbols(elf: bytes) -> set[str]:
+    """Global function symbols of an ELF64 little-endian image (a cubin)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        raise ValueError("not an ELF64 image (a compressed fatbin entry?)")
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", elf, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * shentsize) for i in range(shnum)]
+    names = set()
+    for sh in sections:
+        sh_type, sh_offset, sh_size, sh_link, sh_entsize = sh[1], sh[4], sh[5], sh[6], sh[9]
+        if sh_type != 2:  # SHT_SYMTAB
+            continue
+        strtab = sections[sh_link]
+        str_off = strtab[4]
+        for j in range(sh_size // (sh_entsize or 24)):
+            st_name, st_info = struct.unpack_from("<IB", elf, sh_offset + j * 24)
+            if (st_info & 0xF) == 2 and (st_info >> 4) == 1:  # STT_FUNC, STB_GLOBAL
+                end = elf.index(b"\0", str_off + st_name)
+                names.add(elf[str_off + st_name:end].decode())
+    return names
+
+
+def ptx_entries(ptx: bytes) -> set[str]:
+    return {n.decode() for n in re.findall(rb"\.entry\s+([A-Za-z_][A-Za-z0-9_]*)", ptx)}
+
+
+def fatbin_symbols(path: pathlib.Path) -> dict[str, set[str]]:
+    """{"sm_80": {...}, "sm_90": {...}, "compute_90": {...}}: kernels defined by each entry."""
+    out: dict[str, set[str]] = {}
+    for kind, arch, payload in fatbin_entries(path.read_bytes()):
+        if kind == KIND_ELF:
+            out[f"sm_{arch}"] = elf_function_symbols(payload)
+        elif kind == KIND_PTX:
+            out[f"compute_{arch}"] = ptx_entries(payload)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.cuda.build", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=BUILD_DIR, help="output directory")
+    parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
+    parser.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc processes")
+    args = parser.parse_args(argv)
+    try:
+        build_all(args.out, force=args.force, jobs=args.jobs)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,678 @@
+"""KernelLibrary: the kernels of kernels_cu/ loaded into the device's primary context, with one thin,
+typed launch wrapper per kernel.
+
+Loading: each kernels_cu/<module>.cu has a fatbin kernels_cu/build/<module>.fatbin (engine/cuda/build.py)
+that `cuModuleLoadData` loads. Where the fatbin is missing, stale (its stamp does not match the
+source) or holds no code for the device, NVRTC compiles the source for the device's architecture and
+the cubin is cached under engine.env.CACHE_DIR / "kernels" (key: source hash + options + arch). Every
+function in MODULES is resolved at start; a missing one is a start-up error naming it.
+
+Launching: a wrapper checks shapes, dtypes, contiguity and 16-byte alignment, then calls
+`cuLaunchKernel` on the current torch stream (so launches are ordered with torch ops and are
+captured by torch.cuda.graph). Parameters are packed into one preallocated buffer per kernel (each
+argument in an 8-byte slot, a fixed pointer array into it): one struct.pack_into per launch.
+NOTE: the packing buffer is per kernel, so launches of the same kernel must come from one thread at
+a time (the engine has one device thread).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+import pathlib
+import struct
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from engine import env
+from engine.cuda import build
+
+log = logging.getLogger(__name__)
+
+DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # any multiple of 16 up to 128 could be added
+MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, ldmatrix, bf16 mma.sync
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """An extern "C" kernel and its parameter types, one letter each: p = pointer, i = int32,
+    l = int64, f = float32 (the order of the C signature)."""
+
+    name: str
+    args: str
+
+
+def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
+    return [KernelSpec(fmt.format(dt=dt), args) for dt in ("bf16", "fp16")]
+
+
+MODULES: dict[str, list[KernelSpec]] = {
+    "embedding": _per_dtype("embedding_{dt}", "pppil"),
+    "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif") + _per_dtype("add_rms_norm_{dt}", "pppppiif"),
+    "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
+                         for dt in ("bf16", "fp16") for v in (8, 4)],
+    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "pppppppp" + "l" + "iiiiiii" + "f")
+                         for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS]
+                        + _per_dtype("decode_attention_combine_{dt}", "pppiii"),
+    "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
+                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
+    "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
+    "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
+                 KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
+    "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
+}
+
+# Launch constants shared with the .cu files (their header comments state the same numbers).
+DECODE_TILE = 64
+SAMPLE_PART_STRIDE = 8
+
+
+def decode_smem_bytes(head_dim: int) -> int:
+    stages = 2 if head_dim >= 128 else 3
+    return (16 + 2 * stages * DECODE_TILE) * (head_dim + 8) * 2
+
+
+def prefill_smem_bytes(head_dim: int) -> int:
+    return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
+
+
+def expected_symbols() -> dict[str, list[str]]:
+    """{module: [kernel names]}: what every fatbin must define."""
+    return {module: [s.name for s in specs] for module, specs in MODULES.items()}
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver (or NVRTC) call failed."""
+
+    def __init__(self, call: str, result):
+        self.call = call
+        self.result = result
+        super().__init__(f"{call} failed: {_error_text(result)}")
+
+
+class KernelLoadError(RuntimeError):
+    """The kernels cannot be loaded (no GPU support, missing fatbin and NVRTC, missing function)."""
+
+
+class KernelArgError(ValueError):
+    """A launch wrapper refused its arguments (shape, dtype, contiguity, alignment)."""
+
+
+def _error_text(result) -> str:
+    try:
+        from cuda.bindings import driver
+        if isinstance(result, driver.CUresult):
+            err, text = driver.cuGetErrorString(result)
+            text = text.decode() if isinstance(text, bytes) else text
+            return f"{result.name} ({text})"
+    except Exception:  # noqa: BLE001 - the message must never fail
+        pass
+    return str(getattr(result, "name", result))
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def _check(call: str, out):
+    """cuda-python returns (CUresult, *values): raise CudaError unless CUDA_SUCCESS; return the values."""
+    driver = _driver()
+    err = out[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise CudaError(call, err)
+    return out[1] if len(out) == 2 else out[1:]
+
+
+_SLOT = {"p": "Q", "l": "q", "i": "i4x", "f": "f4x"}
+
+
+class Kernel:
+    """One CUfunction with a reusable parameter buffer."""
+
+    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok")
+
+    def __init__(self, name: str, func, argtypes: str):
+        self.name = name
+        self.func = func
+        self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in argtypes)).pack_into
+        n = len(argtypes)
+        self._buf = ctypes.create_string_buffer(8 * max(n, 1))
+        base = ctypes.addressof(self._buf)
+        self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + 8 * i for i in range(n)])
+        self._params = ctypes.addressof(self._ptrs)
+        driver = _driver()
+        self._launch = driver.cuLaunchKernel
+        self._ok = driver.CUresult.CUDA_SUCCESS
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args):
+        self._pack(self._buf, 0, *args)
+        err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                            self._params, 0)
+        if err != self._ok:
+            raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})", err)
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC fallback
+
+def nvrtc_compile(src: pathlib.Path, arch: int, cache_dir: pathlib.Path) -> tuple[bytes, bool]:
+    """Cubin of one kernels_cu source for sm_<arch> (e.g. 90): from the cache, or compiled by NVRTC and
+    cached. Returns (cubin, was_cached)."""
+    try:
+        from cuda.bindings import nvrtc
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - the library itself is missing
+        raise KernelLoadError(f"NVRTC is not available ({e}); install the nvidia-cuda-nvrtc wheel "
+                              f"(pip install 'cuda-toolkit[nvrtc]') or build the fatbins with "
+                              f"`python -m engine.cuda.build`") from e
+    text = src.read_text()
+    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", *build.extra_flags(text)]
+    key = build.source_hash(src, (" ".join(opts), f"nvrtc-{major}.{minor}"))[:24]
+    path = cache_dir / f"{src.stem}-{key}-sm{arch}.cubin"
+    if path.is_file():
+        return path.read_bytes(), True
+    hdrs = build.headers(src.parent)
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), src.name.encode(), len(hdrs),
+                                         [h.read_bytes() for h in hdrs], [h.name.encode() for h in hdrs])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CudaError(f"nvrtcCreateProgram({src.name})", err)
+    try:
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            buf = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            raise KernelLoadError(f"NVRTC failed to compile {src.name} for sm_{arch} ({err.name}):\n"
+                                  f"{buf.decode(errors='replace').strip()}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaError(f"nvrtcGetCUBINSize({src.name})", err)
+        cubin = b" " * size
+        err, = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaError(f"nvrtcGetCUBIN({src.name})", err)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("cannot cache the NVRTC cubin at %s: %s", path, e)
+    return cubin, False
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument checks (cheap: attribute reads only, never a device read)
+
+def _tensor(t: torch.Tensor, what: str, dtype: torch.dtype | tuple, ndim: int | None = None,
+            contiguous: bool = True, align: bool = True) -> int:
+    if not isinstance(t, torch.Tensor):
+        raise KernelArgError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if not t.is_cuda:
+        raise KernelArgError(f"{what}: expected a CUDA tensor, got one on {t.device}")
+    ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
+    if not ok:
+        raise KernelArgError(f"{what}: expected dtype {dtype}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise KernelArgError(f"{what}: expected {ndim} dims, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise KernelArgError(f"{what}: must be contiguous (shape {tuple(t.shape)}, strides {t.stride()})")
+    ptr = t.data_ptr()
+    if align and ptr & 15:
+        raise KernelArgError(f"{what}: data must be 16-byte aligned (address {ptr:#x})")
+    return ptr
+
+
+def _shape(t: torch.Tensor, what: str, shape: tuple) -> None:
+    if tuple(t.shape) != tuple(shape):
+        raise KernelArgError(f"{what}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def _suffix(dtype: torch.dtype, what: str) -> str:
+    try:
+        return DTYPE_SUFFIX[dtype]
+    except KeyError:
+        raise KernelArgError(f"{what}: the CUDA kernels take bfloat16 or float16 activations, got {dtype} "
+                             f"(use TorchOps for float32)") from None
+
+
+def _raw_stream_fn():
+    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fn is not None:
+        return fn
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
+# ---------------------------------------------------------------------------------------------
+
+class KernelLibrary:
+    """Every kernel of kernels_cu/, loaded for one device."""
+
+    def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
+                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None):
+        if not torch.cuda.is_available():
+            raise KernelLoadError("torch sees no CUDA device")
+        if device is None:
+            index = torch.cuda.current_device()
+        else:
+            index = device.index if isinstance(device, torch.device) else int(device)
+            index = torch.cuda.current_device() if index is None else index
+        self.device = torch.device("cuda", index)
+        self.index = index
+        self.cache_dir = cache_dir or env.CACHE_DIR / "kernels"
+        driver = _driver()
+        torch.cuda.init()
+        with torch.cuda.device(index):
+            torch.empty(1, device=self.device)  # makes torch's (primary) context current on this thread
+        _check("cuInit", driver.cuInit(0))
+        self._cu_device = _check("cuDeviceGet", driver.cuDeviceGet(index))
+        self.context = _check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(self._cu_device))
+        _check("cuCtxSetCurrent", driver.cuCtxSetCurrent(self.context))
+        self._bound = threading.local()
+        self._bound.ok = True
+        attr = driver.CUdevice_attribute
+        major = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._cu_device))
+        minor = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._cu_device))
+        self.compute_capability = (major, minor)
+        self.num_sms = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device))
+        self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
+            attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
+        if self.compute_capability < MIN_COMPUTE_CAPABILITY:
+            raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
+                                  f"device {index} is {major}.{minor}")
+        self._modules: dict[str, object] = {}
+        self.origin: dict[str, str] = {}  # module -> "fatbin" | "nvrtc" | "nvrtc-cache"
+        self.kernels: dict[str, Kernel] = {}
+        missing = []
+        for module, specs in MODULES.items():
+            mod = self._load_module(module, build_dir, kernel_dir)
+            for spec in specs:
+                err, func = driver.cuModuleGetFunction(mod, spec.name.encode())
+                if err != driver.CUresult.CUDA_SUCCESS:
+                    missing.append(f"{spec.name} (in {module}, {self.origin[module]}: {_error_text(err)})")
+                    continue
+                self.kernels[spec.name] = Kernel(spec.name, func, spec.args)
+        if missing:
+            raise KernelLoadError("kernels missing from the loaded modules: " + ", ".join(missing))
+        smem_attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        for dt in DTYPE_SUFFIX.values():
+            for d in ATTENTION_HEAD_DIMS:
+                for name, size in ((f"decode_attention_{dt}_d{d}", decode_smem_bytes(d)),
+                                   (f"prefill_attention_{dt}_d{d}", prefill_smem_bytes(d))):
+                    if size > self.max_smem_optin:
+                        raise KernelLoadError(f"{name} needs {size} bytes of shared memory; the device "
+                                              f"allows {self.max_smem_optin}")
+                    _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
+                           driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
+        self._stream = _raw_stream_fn()
+        log.info("CUDA kernels loaded on device %d (sm_%d%d, %d SMs): %s", index, major, minor, self.num_sms,
+                 ", ".join(f"{m}={o}" for m, o in self.origin.items()))
+
+    def _load_module(self, module: str, build_dir: pathlib.Path, kernel_dir: pathlib.Path):
+        driver = _driver()
+        src = kernel_dir / f"{module}.cu"
+        fatbin = build.fatbin_path(src, build_dir)
+        reason = "no fatbin"
+        if fatbin.is_file():
+            if src.is_file() and not build.is_current(src, build_dir):
+                reason = "the fatbin is older than its source (run `python -m engine.cuda.build`)"
+            else:
+                err, mod = driver.cuModuleLoadData(fatbin.read_bytes())
+                if err == driver.CUresult.CUDA_SUCCESS:
+                    self._modules[module] = mod
+                    self.origin[module] = "fatbin"
+                    return mod
+                reason = f"cuModuleLoadData({fatbin.name}) failed: {_error_text(err)}"
+        if not src.is_file():
+            raise KernelLoadError(f"kernel module {module}: {reason}, and its source {src} is missing")
+        arch = self.compute_capability[0] * 10 + self.compute_capability[1]
+        log.info("kernel module %s: %s; compiling %s with NVRTC for sm_%d", module, reason, src.name, arch)
+        cubin, cached = nvrtc_compile(src, arch, self.cache_dir)
+        mod = _check(f"cuModuleLoadData({module} NVRTC cubin)", driver.cuModuleLoadData(cubin))
+        self._modules[module] = mod
+        self.origin[module] = "nvrtc-cache" if cached else "nvrtc"
+        return mod
+
+    def close(self) -> None:
+        """Unloads the modules (after the device has finished every launch)."""
+        driver = _driver()
+        torch.cuda.synchronize(self.device)
+        for mod in self._modules.values():
+            driver.cuModuleUnload(mod)
+        self._modules.clear()
+        self.kernels.clear()
+
+    # -----------------------------------------------------------------------------------------
+    def stream(self) -> int:
+        """The current torch stream of the library's device (a raw cudaStream_t), with the library's
+        context made current on this thread the first time it launches from it."""
+        if not getattr(self._bound, "ok", False):
+            _check("cuCtxSetCurrent", _driver().cuCtxSetCurrent(self.context))
+            self._bound.ok = True
+        return self._stream(self.index)
+
+    def decode_num_splits(self, batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
+        """Key splits of decode attention: enough blocks for about two per SM, at most one split per
+        64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe)."""
+        head_chunks = -(-(num_heads // num_kv_heads) // 16)
+        blocks = batch * num_kv_heads * head_chunks
+        max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
+        return max(1, min(-(-2 * self.num_sms // blocks), max_tiles, 128))
+
+    def vocab_splits(self, rows: int, vocab: int) -> int:
+        """Vocabulary splits of the sampling kernels: about four blocks per SM, at least 1024 tokens each."""
+        return max(1, min(-(-vocab // 1024), -(-4 * self.num_sms // max(rows, 1))))
+
+    # -----------------------------------------------------------------------------------------
+    # One wrapper per kernel.
+
+    def embedding(self, out: torch.Tensor, input_ids: torch.Tensor, weight: torch.Tensor) -> None:
+        sfx = _suffix(weight.dtype, "embedding weight")
+        w = _tensor(weight, "embedding weight", weight.dtype, 2)
+        ids = _tensor(input_ids, "input_ids", torch.int64, 1, align=False)
+        vocab, hidden = weight.shape
+        o = _tensor(out, "embedding out", weight.dtype, 2)
+        _shape(out, "embedding out", (input_ids.shape[0], hidden))
+        if hidden % 8:
+            raise KernelArgError(f"embedding: hidden size {hidden} is not a multiple of 8")
+        if input_ids.shape[0] == 0:
+            return
+        self.kernels[f"embedding_{sfx}"]((input_ids.shape[0], 1, 1), (min(256, hidden // 8), 1, 1), 0,
+                                         self.stream(), o, w, ids, hidden, vocab)
+
+    def rms_norm(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """x: [rows, D] or [T, heads, D] with unit stride on D (other strides free, 16-byte multiples)."""
+        sfx = _suffix(x.dtype, "rms_norm x")
+        if x.dim() not in (2, 3) or x.stride(-1) != 1:
+            raise KernelArgError(f"rms_norm x: expected [rows, D] or [T, heads, D] with a unit last stride, got "
+                                 f"shape {tuple(x.shape)} strides {x.stride()}")
+        D = x.shape[-1]
+        xp = _tensor(x, "rms_norm x", x.dtype, contiguous=False)
+        w = _tensor(weight, "rms_norm weight", x.dtype, 1)
+        _shape(weight, "rms_norm weight", (D,))
+        o = _tensor(out, "rms_norm out", x.dtype)
+        _shape(out, "rms_norm out", x.shape)
+        if x.dim() == 2:
+            outer, inner, s_outer, s_inner = x.shape[0], 1, x.stride(0), 0
+        else:
+            outer, inner, s_outer, s_inner = x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+        if D % 8 or s_outer % 8 or s_inner % 8:
+            raise KernelArgError(f"rms_norm: D ({D}) and row strides {x.stride()} must be multiples of 8")
+        rows = outer * inner
+        if rows == 0:
+            return
+        tpr, rpb = self._norm_layout(D)
+        self.kernels[f"rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
+                                        o, xp, w, rows, inner, s_outer, s_inner, D, float(eps))
+
+    def add_rms_norm(self, out: torch.Tensor, residual_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
+                     weight: torch.Tensor, eps: float) -> None:
+        sfx = _suffix(x.dtype, "add_rms_norm x")
+        xp = _tensor(x, "add_rms_norm x", x.dtype, 2)
+        rp = _tensor(residual, "add_rms_norm residual", x.dtype, 2)
+        _shape(residual, "add_rms_norm residual", x.shape)
+        D = x.shape[1]
+        w = _tensor(weight, "add_rms_norm weight", x.dtype, 1)
+        _shape(weight, "add_rms_norm weight", (D,))
+        o = _tensor(out, "add_rms_norm out", x.dtype)
+        ro = _tensor(residual_out, "add_rms_norm residual_out", x.dtype)
+        _shape(out, "add_rms_norm out", x.shape)
+        _shape(residual_out, "add_rms_norm residual_out", x.shape)
+        if D % 8:
+            raise KernelArgError(f"add_rms_norm: D ({D}) must be a multiple of 8")
+        rows = x.shape[0]
+        if rows == 0:
+            return
+        tpr, rpb = self._norm_layout(D)
+        self.kernels[f"add_rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
+                                            o, ro, xp, rp, w, rows, D, float(eps))
+
+    @staticmethod
+    def _norm_layout(D: int) -> tuple[int, int]:
+        """(threads per row, rows per block) for rms_norm: 16-byte vectors, at most 4 per thread; short
+        rows share a 128-thread block, long rows get 2 vectors per thread."""
+        vecs = D // 8
+        want = vecs if vecs <= 32 else -(-vecs // 2)
+        tpr = min(1024, 1 << (max(want, 1) - 1).bit_length())
+        if -(-vecs // tpr) > 4:
+            raise KernelArgError(f"rms_norm: D = {D} is too large (at most {1024 * 32})")
+        return tpr, (128 // tpr if tpr <= 32 else 1)
+
+    def rope_cache_write(self, q_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        sfx = _suffix(q.dtype, "rope q")
+        T, H, D = q.shape
+        Hkv = k.shape[1]
+        for t, name, heads in ((q, "rope q", H), (k, "rope k", Hkv), (v, "rope v", Hkv)):
+            if t.dim() != 3 or t.shape[0] != T or t.shape[1] != heads or t.shape[2] != D:
+                raise KernelArgError(f"{name}: expected [{T}, {heads}, {D}], got {tuple(t.shape)}")
+            if t.stride(2) != 1 or t.stride(1) != D or t.stride(0) % 8:
+                raise KernelArgError(f"{name}: heads must be contiguous (strides [*, {D}, 1], token stride a "
+                                     f"multiple of 8), got {t.stride()}")
+        qp = _tensor(q, "rope q", q.dtype, contiguous=False)
+        kp = _tensor(k, "rope k", q.dtype, contiguous=False)
+        vp = _tensor(v, "rope v", q.dtype, contiguous=False)
+        qo = _tensor(q_out, "rope q_out", q.dtype)
+        _shape(q_out, "rope q_out", (T, H, D))
+        cs = _tensor(cos_sin, "cos_sin", torch.float32, 2)
+        if cos_sin.shape[1] != D:
+            raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
+        ri = _tensor(rope_index, "rope_index", torch.int64, 1, align=False)
+        sm = _tensor(slot_mapping, "slot_mapping", torch.int64, 1, align=False)
+        if rope_index.shape[0] != T or slot_mapping.shape[0] != T:
+            raise KernelArgError(f"rope_index / slot_mapping: expected [{T}], got {tuple(rope_index.shape)} / "
+                                 f"{tuple(slot_mapping.shape)}")
+        kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
+        vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
+        if D % 8:
+            raise KernelArgError(f"rope: head_dim {D} must be a multiple of 8")
+        if T == 0:
+            return
+        vec = 8 if D % 16 == 0 else 4
+        self.kernels[f"rope_cache_write_{sfx}_v{vec}"]((T, 1, 1), (128, 1, 1), 0, self.stream(),
+                                                       qo, qp, kp, vp, cs, ri, kc, vc, sm,
+                                                       q.stride(0), k.stride(0), v.stride(0), H, Hkv, D)
+
+    @staticmethod
+    def _cache(cache: torch.Tensor, what: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
+        ptr = _tensor(cache, what, dtype, 4)
+        if cache.shape[2] != num_kv_heads or cache.shape[3] != head_dim:
+            raise KernelArgError(f"{what}: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], got "
+                                 f"{tuple(cache.shape)}")
+        bs = cache.shape[1]
+        if bs <= 0 or bs & (bs - 1):
+            raise KernelArgError(f"{what}: block_size {bs} must be a power of two")
+        return ptr
+
+    def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
+                         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, sliding_window: int, num_splits: int) -> None:
+        sfx = _suffix(q.dtype, "decode q")
+        if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
+            raise KernelArgError(f"decode q: expected [B, H, D] with contiguous heads, got shape "
+                                 f"{tuple(q.shape)} strides {q.stride()}")
+        B, H, D = q.shape
+        if D not in ATTENTION_HEAD_DIMS:
+            raise KernelArgError(f"decode attention: head_dim {D} is not one of {ATTENTION_HEAD_DIMS}")
+        Hkv = k_cache.shape[2] if k_cache.dim() == 4 else -1
+        if Hkv <= 0 or H % Hkv:
+            raise KernelArgError(f"decode attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
+        qp = _tensor(q, "decode q", q.dtype, contiguous=False)
+        kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
+        vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
+        _shape(v_cache, "v_cache", k_cache.shape)
+        bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
+        if block_tables.stride(1) != 1 or block_tables.shape[0] != B:
+            raise KernelArgError(f"block_tables: expected [{B}, max_blocks] with unit column stride, got shape "
+                                 f"{tuple(block_tables.shape)} strides {block_tables.stride()}")
+        sl = _tensor(seq_lens, "seq_lens", torch.int32, 1, align=False)
+        _shape(seq_lens, "seq_lens", (B,))
+        o = _tensor(out, "decode out", q.dtype)
+        _shape(out, "decode out", (B, H, D))
+        po = pl = 0
+        if num_splits > 1:
+            po = _tensor(part_o, "decode part_o", torch.float32)
+            pl = _tensor(part_lse, "decode part_lse", torch.float32, align=False)
+            _shape(part_o, "decode part_o", (B, H, num_splits, D))
+            _shape(part_lse, "decode part_lse", (B, H, num_splits))
+        if B == 0:
+            return
+        head_chunks = -(-(H // Hkv) // 16)
+        bs_log2 = k_cache.shape[1].bit_length() - 1
+        self.kernels[f"decode_attention_{sfx}_d{D}"](
+            (num_splits, Hkv * head_chunks, B), (128, 1, 1), decode_smem_bytes(D), self.stream(),
+            o, po, pl, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
+            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e))
+
+    def decode_attention_combine(self, out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
+        sfx = _suffix(out.dtype, "combine out")
+        o = _tensor(out, "combine out", out.dtype, 3)
+        B, H, D = out.shape
+        po = _tensor(part_o, "combine part_o", torch.float32, 4)
+        S = part_o.shape[2]
+        _shape(part_o, "combine part_o", (B, H, S, D))
+        pl = _tensor(part_lse, "combine part_lse", torch.float32, align=False)
+        _shape(part_lse, "combine part_lse", (B, H, S))
+        if D % 8 or D > 256:
+            raise KernelArgError(f"decode attention combine: head_dim {D} must be a multiple of 8 and <= 256")
+        if B * H == 0:
+            return
+        self.kernels[f"decode_attention_combine_{sfx}"]((-(-(B * H) // 4), 1, 1), (128, 1, 1), 0, self.stream(),
+                                                        o, po, pl, B * H, S, D)
+
+    def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:
+        """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row)."""
+        sfx = _suffix(q.dtype, "prefill q")
+        if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
+            raise KernelArgError(f"prefill q: expected [T, H, D] with contiguous heads, got shape "
+                                 f"{tuple(q.shape)} strides {q.stride()}")
+        T, H, D = q.shape
+        if D not in ATTENTION_HEAD_DIMS:
+            raise KernelArgError(f"prefill attention: head_dim {D} is not one of {ATTENTION_HEAD_DIMS}")
+        Hkv = k_cache.shape[2] if k_cache.dim() == 4 else -1
+        if Hkv <= 0 or H % Hkv:
+            raise KernelArgError(f"prefill attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
+        qp = _tensor(q, "prefill q", q.dtype, contiguous=False)
+        kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
+        vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
+        _shape(v_cache, "v_cache", k_cache.shape)
+        bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
+        if block_tables.stride(1) != 1:
+            raise KernelArgError(f"block_tables: the column stride must be 1, got {block_tables.stride()}")
+        wk = _tensor(work, "prefill work", torch.int32, 2)
+        if work.shape[1] != 4:
+            raise KernelArgError(f"prefill work: expected [n, 4], got {tuple(work.shape)}")
+        o = _tensor(out, "prefill out", q.dtype)
+        _shape(out, "prefill out", (T, H, D))
+        if work.shape[0] == 0:
+            return
+        bs_log2 = k_cache.shape[1].bit_length() - 1
+        self.kernels[f"prefill_attention_{sfx}_d{D}"](
+            (work.shape[0], H, 1), (128, 1, 1), prefill_smem_bytes(D), self.stream(),
+            o, qp, kc, vc, bt, wk, q.stride(0), block_tables.stride(0), H, Hkv, bs_log2, int(sliding_window or 0),
+            float(scale) * math.log2(math.e))
+
+    def silu_and_mul(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        sfx = _suffix(x.dtype, "silu_and_mul x")
+        xp = _tensor(x, "silu_and_mul x", x.dtype, 2)
+        T, two_i = x.shape
+        I = two_i // 2
+        if two_i % 16:
+            raise KernelArgError(f"silu_and_mul: the intermediate size {I} must be a multiple of 8")
+        o = _tensor(out, "silu_and_mul out", x.dtype)
+        _shape(out, "silu_and_mul out", (T, I))
+        if T == 0:
+            return
+        self.kernels[f"silu_and_mul_{sfx}"]((T, -(-(I // 8) // 256), 1), (256, 1, 1), 0, self.stream(), o, xp, I)
+
+    # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
+    def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):
+        lg = _tensor(logits, "logits", torch.float32, 2, align=False)
+        N, V = logits.shape
+        sn = _tensor(seen, "seen", torch.bool, 2, align=False)
+        _shape(seen, "seen", (N, V))
+        ptrs = [lg, sn]
+        for t, name, dt in ((temperature, "temperature", torch.float32), (top_k, "top_k", torch.int64),
+                            (top_p, "top_p", torch.float32), (seed, "seed", torch.int64),
+                            (penalty, "repetition_penalty", torch.float32), (position, "position", torch.int64)):
+            ptrs.append(_tensor(t, name, dt, 1, align=False))
+            _shape(t, name, (N,))
+        return N, V, ptrs
+
+    def sample_stats(self, parts, logits, seen, temperature, top_k, top_p, seed, penalty, position) -> None:
+        N, V, ptrs = self._sampling_rows(logits, seen, temperature, top_k, top_p, seed, penalty, position)
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        S = parts.shape[1]
+        _shape(parts, "sample parts", (N, S, SAMPLE_PART_STRIDE))
+        self.kernels["sample_stats"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, *ptrs, V, S)
+
+    def sample_select(self, thresholds, parts, logits, seen, temperature, top_k, top_p, seed, penalty,
+                      position) -> None:
+        N, V, ptrs = self._sampling_rows(logits, seen, temperature, top_k, top_p, seed, penalty, position)
+        th = _tensor(thresholds, "sample thresholds", torch.int32, 1, align=False)
+        _shape(thresholds, "sample thresholds", (N,))
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        S = parts.shape[1]
+        self.kernels["sample_select"]((N, 1, 1), (1024, 1, 1), 0, self.stream(), th, pp, *ptrs, V, S)
+
+    def sample_draw(self, parts, thresholds, logits, seen, temperature, top_k, top_p, seed, penalty,
+                    position) -> None:
+        N, V, ptrs = self._sampling_rows(logits, seen, temperature, top_k, top_p, seed, penalty, position)
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        th = _tensor(thresholds, "sample thresholds", torch.int32, 1, align=False)
+        S = parts.shape[1]
+        self.kernels["sample_draw"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, th, *ptrs, V, S)
+
+    def sample_finish(self, tokens, logprobs, parts, logits, temperature) -> None:
+        lg = _tensor(logits, "logits", torch.float32, 2, align=False)
+        N, V = logits.shape
+        tk = _tensor(tokens, "tokens", torch.int64, 1, align=False)
+        lp = _tensor(logprobs, "logprobs", torch.float32, 1, align=False)
+        _shape(tokens, "tokens", (N,))
+        _shape(logprobs, "logprobs", (N,))
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        tp = _tensor(temperature, "temperature", torch.float32, 1, align=False)
+        S = parts.shape[1]
+        self.kernels["sample_finish"]((N, 1, 1), (32, 1, 1), 0, self.stream(), tk, lp, pp, lg, tp, V, S)
+
+    def spec_accept_draw(self, parts, target_logp, draft_ids, draft_probs, seed, position) -> None:
+        tl = _tensor(target_logp, "target_logp", torch.float32, 3, align=False)
+        B, K1, V = target_logp.shape
+        K = K1 - 1
+        if K < 1:
+            raise KernelArgError(f"spec accept: need at least one draft per sequence, target_logp {tuple(target_logp.shape)}")
+        di = _tensor(draft_ids, "draft_ids", torch.int64, 2, align=False)
+        _shape(draft_ids, "draft_ids", (B, K))
+        dp = 0
+        if draft_probs is not None:
+            dp = _tensor(draft_probs, "draft_probs", torch.float32, 3, align=False)
+            _shape(draft_probs, "draft_probs", (B, K, V))
+        sd = _tensor(seed, "seed", torch.int64, 2, align=False)
+        _shape(seed, "seed", (B, K1))
+        ps = _tensor(position, "position", torch.int64, 2, align=False)
+        _shape(position, "position", (B, K1))
+        pp = _tensor(parts, "accept parts", torch.float32, 3)
+        S = parts.shape[1]
+        _shape(parts, "accept parts", (B, S, SAMPLE_PART_STRIDE))
+        self.kernels["spec_accept_draw"]((S, B, 1), (256, 1, 1), 0, self.stream(), pp, tl, di, dp, sd, ps, K, V, S)
+
+    def spec_accept_finish(self, num_accepted, tokens, parts, num_drafts: int) -> None:
+        B, S = parts.shape[:2]
+        na = _tensor(num_accepted, "num_accepted", torch.int64, 1, align=False)
+        tk = _tensor(tokens, "tokens", torch.int64, 1, align=False)
+        _shape(num_accepted, "num_accepted", (B,))
+        _shape(tokens, "tokens", (B,))
+        pp = _tensor(parts, "accept parts", torch.float32, 3)
+        self.kernels["spec_accept_finish"]((B, 1, 1), (32, 1, 1), 0, self.stream(), na, tk, pp, num_drafts, S)

@@ -1,0 +1,153 @@
+"""CudaOps: TorchOps' methods with the same signatures, computed by the kernels of kernels_cu/ (GEMMs
+stay in torch). Activations are bfloat16 or float16; logits are float32.
+
+Every decode-path method (embedding, rms_norm, add_rms_norm, rope_cache_write, decode_attention,
+silu_and_mul, sample) is sync-free and capturable in a CUDA graph: it allocates its outputs with
+sizes taken from tensor shapes and host-known configuration only, reads no device value on the host,
+and launches on the current torch stream. prefill_attention sizes its grid from its host lists and
+copies a small work list to the device (it runs eagerly).
+
+Beyond TorchOps: `accept_drafts` (batched speculative acceptance, the sync-free form of
+engine.sampling.accept_drafts for B sequences with K drafts each).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import sampling
+from engine.cuda.kernels import SAMPLE_PART_STRIDE, CudaError, KernelArgError, KernelLibrary, KernelLoadError
+from engine.errors import ConfigError
+
+PREFILL_ROWS = 64  # query rows per prefill attention block (kernels_cu/prefill_attention.cu)
+
+
+class CudaOps:
+    name = "cuda"
+
+    def __init__(self, lib: KernelLibrary, max_seq_len: int):
+        self.lib = lib
+        self.max_seq_len = max_seq_len
+
+    @classmethod
+    def create(cls, device: torch.device, max_seq_len: int) -> "CudaOps":
+        """Loads every kernel for `device`; max_seq_len bounds the context (it sizes decode attention's
+        split-K grid). Raises ConfigError naming what is missing."""
+        try:
+            lib = KernelLibrary(device)
+        except (KernelLoadError, CudaError, ImportError, OSError) as e:
+            raise ConfigError(f"the CUDA kernel backend cannot start on {device}: {e}") from e
+        return cls(lib, max_seq_len)
+
+    # ---------------------------------------------------------------------------------------------
+
+    def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((input_ids.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
+        self.lib.embedding(out, input_ids, weight)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        self.lib.rms_norm(out, x, weight, eps)
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = x.contiguous(), residual.contiguous()
+        out = torch.empty_like(x)
+        residual_out = torch.empty_like(x)
+        self.lib.add_rms_norm(out, residual_out, x, residual, weight, eps)
+        return out, residual_out
+
+    def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                         rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> torch.Tensor:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.lib.rope_cache_write(q_out, q, k, v, cos_sin, rope_index.long(), k_cache, v_cache, slot_mapping.long())
+        return q_out
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         sliding_window: int = 0) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], self.max_seq_len)
+        out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        part_o = part_lse = None
+        if splits > 1:
+            part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
+            part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+        self.lib.decode_attention(out, part_o, part_lse, q, k_cache, v_cache, block_tables,
+                                  seq_lens.to(torch.int32), scale, sliding_window, splits)
+        if splits > 1:
+            self.lib.decode_attention_combine(out, part_o, part_lse)
+        return out
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
+                          scale: float, sliding_window: int = 0) -> torch.Tensor:
+        work = prefill_work(query_start_loc, seq_lens)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if not work:
+            return out
+        work_t = torch.tensor(work, dtype=torch.int32, device=q.device)
+        self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
+                                   sliding_window)
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+        self.lib.silu_and_mul(out, x.contiguous())
+        return out
+
+    def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors, num_top: int = 0) -> sampling.SampleOutput:
+        logits = logits.float().contiguous()
+        rows, vocab = logits.shape
+        dev = logits.device
+        args = (logits, st.seen.contiguous(), st.temperature.float(), st.top_k.long(), st.top_p.float(),
+                st.seed.long(), st.repetition_penalty.float(), st.position.long())
+        splits = self.lib.vocab_splits(rows, vocab)
+        parts = torch.empty((rows, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
+        thresholds = torch.empty(rows, dtype=torch.int32, device=dev)
+        tokens = torch.empty(rows, dtype=torch.int64, device=dev)
+        logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
+        if rows:
+            self.lib.sample_stats(parts, *args)
+            self.lib.sample_select(thresholds, parts, *args)
+            self.lib.sample_draw(parts, thresholds, *args)
+            self.lib.sample_finish(tokens, logprobs, parts, logits, args[2])
+        if num_top:
+            top = torch.topk(torch.log_softmax(logits, dim=-1), num_top, dim=-1)
+            return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
+        return sampling.SampleOutput(tokens, logprobs, None, None)
+
+    def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                      seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched engine.sampling.accept_drafts: target_logp [B, K+1, V] (target_logprobs rows), draft_ids
+        [B, K], draft_probs [B, K, V] or None, seed / position [B, K+1]. Returns (num_accepted [B] int64,
+        the token drawn after them [B] int64), on the device, with no host sync."""
+        batch, k1, vocab = target_logp.shape
+        dev = target_logp.device
+        splits = self.lib.vocab_splits(batch, vocab)
+        parts = torch.empty((batch, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
+        num_accepted = torch.empty(batch, dtype=torch.int64, device=dev)
+        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+        if draft_probs is not None:
+            draft_probs = draft_probs.float().contiguous()
+        self.lib.spec_accept_draw(parts, target_logp.float().contiguous(), draft_ids.long().contiguous(),
+                                  draft_probs, seed.long().contiguous(), position.long().contiguous())
+        self.lib.spec_accept_finish(num_accepted, tokens, parts, k1 - 1)
+        return num_accepted, tokens
+
+
+def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """One (sequence, first query token, rows, position of the first row) per 64 query rows: the
+    queries of sequence b are the last query_len of its seq_lens[b] keys."""
+    work = []
+    for b, kv_len in enumerate(seq_lens):
+        start, end = query_start_loc[b], query_start_loc[b + 1]
+        first_pos = kv_len - (end - start)
+        for r in range(0, end - start, PREFILL_ROWS):
+            work.append((b, start + r, min(PREFILL_ROWS, end - start - r), first_pos + r))
+    return work
+
+
+__all__ = ["CudaOps", "KernelArgError", "prefill_work"]

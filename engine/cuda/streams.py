@@ -1,0 +1,117 @@
+"""EngineStreams: the engine's own CUDA streams and events, created once and destroyed on close().
+
+- compute: every kernel and torch op of a forward runs here (`with streams.compute_context():`), never
+  on the legacy default stream.
+- copy: host-to-device staging from pinned buffers; `stage()` orders the copy before the compute that
+  reads it with an event (the compute stream waits on the device, the host does not block).
+- timing: `timed()` brackets work on the compute stream with two timing events.
+
+Streams and events are created through cuda-python (non-blocking streams) and wrapped as torch
+ExternalStreams, so torch ops, cuLaunchKernel launches (which use the current torch stream) and CUDA
+graph capture all see the same stream.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.cuda.kernels import _check, _driver
+
+
+class Timing:
+    """Elapsed device time between two events on the compute stream."""
+
+    def __init__(self, start, end):
+        self._start, self._end = start, end
+        self._ns: int | None = None
+
+    def elapsed_ns(self) -> int:
+        """Blocks until the end event has completed, then returns the elapsed nanoseconds."""
+        if self._ns is None:
+            driver = _driver()
+            _check("cuEventSynchronize", driver.cuEventSynchronize(self._end))
+            ms = _check("cuEventElapsedTime", driver.cuEventElapsedTime(self._start, self._end))
+            self._ns = int(round(ms * 1e6))
+        return self._ns
+
+
+class EngineStreams:
+    def __init__(self, device: torch.device):
+        driver = _driver()
+        self.device = device
+        torch.cuda.init()
+        with torch.cuda.device(device):
+            torch.empty(1, device=device)  # torch's primary context is current on this thread
+            flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self._compute_handle = _check("cuStreamCreate", driver.cuStreamCreate(flags))
+            self._copy_handle = _check("cuStreamCreate", driver.cuStreamCreate(flags))
+            self.compute = torch.cuda.ExternalStream(int(self._compute_handle), device=device)
+            self.copy = torch.cuda.ExternalStream(int(self._copy_handle), device=device)
+            no_timing = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
+            self._copy_done = _check("cuEventCreate", driver.cuEventCreate(no_timing))
+            self._compute_mark = _check("cuEventCreate", driver.cuEventCreate(no_timing))
+            self._start = _check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
+            self._end = _check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
+        self._closed = False
+
+    @contextlib.contextmanager
+    def compute_context(self):
+        """Makes the compute stream torch's current stream (kernels launch on it)."""
+        with torch.cuda.stream(self.compute):
+            yield self.compute
+
+    def stage(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copies pinned host `src` into device `dst` on the copy stream; the compute stream waits for
+        it (on the device). dst must be a persistent buffer (it is written on the copy stream); src must
+        not be rewritten before `wait_staged()` returns."""
+        if src.device.type != "cpu" or not src.is_pinned():
+            raise ValueError("stage(): src must be a pinned host tensor (torch.empty(..., pin_memory=True))")
+        if not dst.is_cuda or not dst.is_contiguous() or not src.is_contiguous() or dst.dtype != src.dtype \
+                or dst.numel() != src.numel():
+            raise ValueError(f"stage(): dst must be a contiguous device tensor of src's dtype and size, got "
+                             f"{dst.dtype} {tuple(dst.shape)} <- {src.dtype} {tuple(src.shape)}")
+        driver = _driver()
+        # The copy must not overtake compute work that still reads dst's previous contents.
+        _check("cuEventRecord", driver.cuEventRecord(self._compute_mark, self._compute_handle))
+        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._copy_handle, self._compute_mark, 0))
+        # A driver copy, not torch's copy_: torch's pinned-memory allocator would record events on the
+        # copy stream, which outlive it after close(). wait_staged() is what guards the pinned source.
+        _check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(dst.data_ptr(), src.data_ptr(),
+                                                             src.numel() * src.element_size(), self._copy_handle))
+        _check("cuEventRecord", driver.cuEventRecord(self._copy_done, self._copy_handle))
+        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._compute_handle, self._copy_done, 0))
+
+    def wait_staged(self) -> None:
+        """Blocks the host until the last staged copy has finished (its pinned source is free again)."""
+        _check("cuEventSynchronize", _driver().cuEventSynchronize(self._copy_done))
+
+    @contextlib.contextmanager
+    def timed(self):
+        """`with streams.timed() as t: ...` then `t.elapsed_ns()`: device time of the work enqueued on the
+        compute stream inside the block. One timing at a time (the events are reused)."""
+        driver = _driver()
+        _check("cuEventRecord", driver.cuEventRecord(self._start, self._compute_handle))
+        timing = Timing(self._start, self._end)
+        try:
+            yield timing
+        finally:
+            _check("cuEventRecord", driver.cuEventRecord(self._end, self._compute_handle))
+
+    def synchronize(self) -> None:
+        driver = _driver()
+        _check("cuStreamSynchronize", driver.cuStreamSynchronize(self._compute_handle))
+        _check("cuStreamSynchronize", driver.cuStreamSynchronize(self._copy_handle))
+
+    def close(self) -> None:
+        """Waits for both streams, then destroys the events and the streams. Call it after the tensors
+        used on these streams are released (torch's allocator may still refer to the streams)."""
+        if self._closed:
+            return
+        self._closed = True
+        driver = _driver()
+        self.synchronize()
+        for event in (self._copy_done, self._compute_mark, self._start, self._end):
+            _check("cuEventDestroy", driver.cuEventDestroy(event))
+        for stream in (self._compute_handle, self._copy_handle):
+            _check("cuStreamDestroy", driver.cuStreamDestroy(stream))

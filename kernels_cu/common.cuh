@@ -1,0 +1,252 @@
+// Shared device helpers for every kernels_cu/*.cu file.
+//
+// No system or CUDA headers: NVRTC compiles these files at run time without a CUDA include path
+// (engine/cuda/kernels.py hands it the *.cuh files as named headers), so dtype conversions are
+// inline PTX and the vector types are our own.
+//
+// Activation dtypes: `Bf16` and `Fp16` are tag types with static conversion helpers. Storage is
+// always u16 (raw 16-bit patterns); arithmetic is fp32.
+#pragma once
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define NEG_INF (__int_as_float(0xff800000))
+#define FULL_MASK 0xffffffffu
+
+// 16 bytes: 8 half-precision values, or 4 floats.
+struct alignas(16) Vec16 {
+  u32 w[4];
+};
+// 8 bytes: 4 half-precision values.
+struct alignas(8) Vec8 {
+  u32 w[2];
+};
+
+struct Bf16 {
+  static __device__ __forceinline__ float to_float(u16 h) { return __uint_as_float(((u32)h) << 16); }
+  static __device__ __forceinline__ u16 from_float(float f) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+  // Two floats -> one register: lo in bits 0..15 (the lower address), hi in bits 16..31.
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+struct Fp16 {
+  static __device__ __forceinline__ float to_float(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+  }
+  static __device__ __forceinline__ u16 from_float(float f) {
+    u16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+  }
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+};
+
+// Round a float to the activation dtype and back (what torch does between two eager ops).
+template <class T>
+__device__ __forceinline__ float round_to(float f) {
+  return T::to_float(T::from_float(f));
+}
+
+template <class T>
+__device__ __forceinline__ float lo_of(u32 w) { return T::to_float((u16)(w & 0xffffu)); }
+template <class T>
+__device__ __forceinline__ float hi_of(u32 w) { return T::to_float((u16)(w >> 16)); }
+
+// 8 half-precision values <-> 8 floats.
+template <class T>
+__device__ __forceinline__ void unpack8(const Vec16& v, float (&f)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = lo_of<T>(v.w[i]);
+    f[2 * i + 1] = hi_of<T>(v.w[i]);
+  }
+}
+template <class T>
+__device__ __forceinline__ Vec16 pack8(const float (&f)[8]) {
+  Vec16 v;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v.w[i] = T::pack(f[2 * i], f[2 * i + 1]);
+  return v;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reductions.
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+  return v;
+}
+
+// (value, index) argmax with torch.argmax's tie rule: the larger value wins, equal values keep the
+// smaller index. idx < 0 marks "nothing yet".
+struct ArgMax {
+  float v;
+  int i;
+};
+__device__ __forceinline__ ArgMax argmax_init() { return ArgMax{NEG_INF, -1}; }
+__device__ __forceinline__ bool argmax_better(float v, int i, const ArgMax& a) {
+  if (i < 0) return false;
+  if (a.i < 0) return true;
+  return v > a.v || (v == a.v && i < a.i);
+}
+__device__ __forceinline__ void argmax_merge(ArgMax& a, float v, int i) {
+  if (argmax_better(v, i, a)) {
+    a.v = v;
+    a.i = i;
+  }
+}
+__device__ __forceinline__ ArgMax warp_argmax(ArgMax a) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float v = __shfl_xor_sync(FULL_MASK, a.v, o);
+    int i = __shfl_xor_sync(FULL_MASK, a.i, o);
+    argmax_merge(a, v, i);
+  }
+  return a;
+}
+
+// Online softmax statistics (running max m, sum of exp(x - m)).
+struct SoftmaxStat {
+  float m;
+  float s;
+};
+__device__ __forceinline__ SoftmaxStat softmax_merge(SoftmaxStat a, SoftmaxStat b) {
+  float m = fmaxf(a.m, b.m);
+  if (m == NEG_INF) return SoftmaxStat{NEG_INF, 0.f};
+  float s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - m)) + (b.m == NEG_INF ? 0.f : b.s * expf(b.m - m));
+  return SoftmaxStat{m, s};
+}
+__device__ __forceinline__ void softmax_add(SoftmaxStat& a, float x) {
+  if (x > a.m) {
+    a.s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - x)) + 1.f;
+    a.m = x;
+  } else if (x != NEG_INF) {
+    a.s += expf(x - a.m);
+  }
+}
+__device__ __forceinline__ SoftmaxStat warp_softmax(SoftmaxStat a) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    SoftmaxStat b{__shfl_xor_sync(FULL_MASK, a.m, o), __shfl_xor_sync(FULL_MASK, a.s, o)};
+    a = softmax_merge(a, b);
+  }
+  return a;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The counter-based RNG of engine/sampling.py, in native uint32 arithmetic (bit-identical).
+
+#define HASH_MUL 0x45D9F3Bu
+#define GOLDEN32 0x9E3779B9u
+#define STREAM_TOKEN 0u
+#define STREAM_ACCEPT 1u
+
+__device__ __forceinline__ u32 mix32(u32 x) {
+  x = ((x >> 16) ^ x) * HASH_MUL;
+  x = ((x >> 16) ^ x) * HASH_MUL;
+  return (x >> 16) ^ x;
+}
+
+// seed: the uint64 bits of the int64 seed; position: int64 (only its low 32 bits enter the hash).
+__device__ __forceinline__ u32 counter_hash(u64 seed, i64 position, u32 stream, u32 index) {
+  u32 h = mix32(index + stream * GOLDEN32);
+  h = mix32(h ^ (u32)((u64)position & 0xffffffffull));
+  h = mix32(h ^ (u32)(seed & 0xffffffffull));
+  return mix32(h ^ (u32)(seed >> 32));
+}
+
+// float32 uniform in (0, 1): ((h >> 9) + 0.5) / 2**23 (every step exact).
+__device__ __forceinline__ float uniform01(u64 seed, i64 position, u32 stream, u32 index) {
+  u32 h = counter_hash(seed, position, stream, index);
+  return ((float)(h >> 9) + 0.5f) * (1.0f / 8388608.0f);
+}
+
+// -log(-log(u)) with the accurate logf (these files are built without --use_fast_math).
+__device__ __forceinline__ float gumbel_noise(u64 seed, i64 position, u32 index) {
+  float u = uniform01(seed, position, STREAM_TOKEN, index);
+  return -logf(-logf(u));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Ampere+ data movement and tensor-core helpers (sm_80 and later).
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  u64 a;
+  asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+  return (u32)a;
+}
+
+// 16-byte global -> shared copy; src_bytes = 0 writes zeros (and reads nothing).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+// Two 8x8 matrices: lanes 0-7 address the rows of the first, lanes 8-15 those of the second.
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
+// D[16x8] += A[16x16] * B[16x8], fp32 accumulators; A row-major fragments, B "col" fragments.
+template <class T>
+struct Mma;
+template <>
+struct Mma<Bf16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Mma<Fp16> {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};

@@ -1,0 +1,362 @@
+// nvcc-flags: --use_fast_math
+// Op: paged decode attention (one query token per sequence), GQA, split-K (flash-decoding), with an
+// optional sliding window. Reference: TorchOps.decode_attention.
+//
+//   keys of sequence b: positions [start, seq_len), start = max(0, seq_len - window) if window else 0
+//   (a key is masked when pos <= q_pos - window, q_pos = seq_len - 1)
+//   out[b, h] = softmax(scale * q[b, h] . K[b, :, h / G]) @ V[b, :, h / G]          G = H / Hkv
+//
+// Layouts:
+//   q [B, H, D] (heads contiguous, batch stride q_stride elements);  out [B, H, D] contiguous.
+//   k_cache / v_cache [num_blocks, block_size, Hkv, D];  block_tables [B, bt_stride] int32;
+//   seq_lens [B] int32 (read on the device only).
+//   part_o [B, H, num_splits, D] fp32 and part_lse [B, H, num_splits] fp32 (log2 units): per-split
+//   partial results, used when num_splits > 1 and merged by decode_attention_combine_*.
+//
+// Work split: block (split s, KV head hkv x head chunk c, batch b) handles the query heads
+// [hkv * G + 16 c, +16) of the group (the 16 rows of one tensor-core tile; G > 16 takes several chunks)
+// over the key range of split s. The range is computed ON THE DEVICE from seq_lens: the window's keys
+// are cut into num_splits chunks of a multiple of 64 tokens; trailing splits may be empty (they write
+// lse = -inf). The grid depends only on host-known sizes, so the launch can be captured in a CUDA
+// graph and replayed while seq_lens grow.
+// Inside a block: 4 warps; 64-token tiles of K and V stream through shared memory with cp.async
+// (STAGES deep); warp w scores tokens [16 w, 16 w + 16) of each tile with mma.m16n8k16 (fp32
+// accumulation), keeps its own online softmax, and the 4 warps merge at the end.
+//
+// Launch contract (decode_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
+//   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
+//   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes, STAGES = 2 if D >= 128 else 3
+//   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
+//   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);
+//   q, caches 16-byte aligned; num_splits == 1 writes out directly and leaves part_* untouched.
+// decode_attention_combine_{bf16,fp16}:
+//   grid (ceil(B * H / 4)), block (128): one warp per (b, h);
+//   out[b, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the non-empty splits. D <= 256.
+#include "common.cuh"
+
+#define DA_THREADS 128
+#define DA_TILE 64
+
+template <int D>
+struct DecodeCfg {
+  static constexpr int STAGES = D >= 128 ? 2 : 3;
+  static constexpr int LD = D + 8;  // padded smem row (u16): conflict-free ldmatrix
+  static constexpr int VPR = D / 8;  // 16-byte vectors per row
+};
+
+template <class T, int D>
+__device__ __forceinline__ void decode_attention_impl(
+    u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, const u16* __restrict__ q,
+    const u16* __restrict__ k_cache, const u16* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,
+    int num_splits, int window, float scale_log2) {
+  typedef DecodeCfg<D> C;
+  constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
+  extern __shared__ Vec16 smem_raw[];
+  u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [16][LD]
+  u16* k_s = q_s + 16 * LD;                     // [STAGES][TILE][LD]
+  u16* v_s = k_s + STAGES * DA_TILE * LD;       // [STAGES][TILE][LD]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int b = blockIdx.z;
+  const int hkv = blockIdx.y / head_chunks;
+  const int hc = blockIdx.y - hkv * head_chunks;
+  const int split = blockIdx.x;
+  const int G = H / Hkv;
+  const int h0 = hkv * G + hc * 16;
+  const int rows = min(16, G - hc * 16);
+
+  const int seq_len = seq_lens[b];
+  const int start = window > 0 ? max(0, seq_len - window) : 0;
+  const int total = seq_len - start;
+  int chunk = (total + num_splits - 1) / num_splits;
+  chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
+  const int t0 = start + split * chunk;
+  const int t1 = min(t0 + chunk, seq_len);
+
+  if (t0 >= t1) {  // an empty split (or an empty sequence): block-uniform exit
+    if (num_splits > 1) {
+      if (tid < rows) part_lse[((i64)b * H + h0 + tid) * num_splits + split] = NEG_INF;
+    } else {
+      const Vec16 zero = {{0u, 0u, 0u, 0u}};
+      for (int i = tid; i < rows * VPR; i += DA_THREADS)
+        reinterpret_cast<Vec16*>(out + ((i64)b * H + h0 + i / VPR) * D)[i % VPR] = zero;
+    }
+    return;
+  }
+
+  // q rows of this head chunk (rows >= `rows` are zero-filled).
+  for (int i = tid; i < 16 * VPR; i += DA_THREADS) {
+    const int r = i / VPR, c = i - r * VPR;
+    const bool valid = r < rows;
+    const u16* src = valid ? q + b * q_stride + (i64)(h0 + r) * D + c * 8 : q;
+    cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
+  }
+
+  const int* table = block_tables + (i64)b * bt_stride;
+  const int bs_mask = (1 << bs_log2) - 1;
+  auto load_tile = [&](int tile, int stage) {
+    const int base = t0 + tile * DA_TILE;
+    for (int i = tid; i < DA_TILE * VPR; i += DA_THREADS) {
+      const int tok = i / VPR, c = i - tok * VPR;
+      const int pos = base + tok;
+      const bool valid = pos < t1;
+      const u16* ksrc = k_cache;
+      const u16* vsrc = v_cache;
+      if (valid) {
+        const i64 blk = table[pos >> bs_log2];
+        const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
+        ksrc = k_cache + row * D + c * 8;
+        vsrc = v_cache + row * D + c * 8;
+      }
+      const int off = (stage * DA_TILE + tok) * LD + c * 8;
+      cp_async16(k_s + off, ksrc, valid ? 16 : 0);
+      cp_async16(v_s + off, vsrc, valid ? 16 : 0);
+    }
+  };
+
+  const int num_tiles = (t1 - t0 + DA_TILE - 1) / DA_TILE;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_tiles) load_tile(s, s);
+    cp_async_commit();
+  }
+
+  u32 qa[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix x4 addressing (A and trans-B)
+  const int ld_col = (lane >> 4) * 8;
+  const int t4 = lane & 3;
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int nxt = it + STAGES - 1;
+    if (nxt < num_tiles) load_tile(nxt, nxt % STAGES);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    if (it == 0) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + ld_row * LD + ks * 16 + ld_col);
+    }
+    const int stage = it % STAGES;
+    const int tok0 = t0 + it * DA_TILE + warp * 16;
+    if (tok0 < t1) {
+      const u16* kb = k_s + (stage * DA_TILE + warp * 16) * LD;
+      const u16* vb = v_s + (stage * DA_TILE + warp * 16) * LD;
+      float s[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {
+          u32 kf[4];
+          ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
+          Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
+          Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
+        }
+        if (D % 32) {  // head_dim = 32 m + 16: the last k-step alone
+          u32 kf[2];
+          ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
+          Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
+        }
+      }
+      float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = tok0 + j * 8 + 2 * t4 + (e & 1);
+          s[j][e] = pos < t1 ? s[j][e] * scale_log2 : NEG_INF;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
+      }
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+        const float mn = fmaxf(m[r], mx[r]);
+        mu[r] = mn == NEG_INF ? 0.f : mn;
+        alpha[r] = exp2f(m[r] - mu[r]);
+        m[r] = mn;
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+          l[e >> 1] += s[j][e];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+      u32 pa[4];
+      pa[0] = T::pack(s[0][0], s[0][1]);
+      pa[1] = T::pack(s[0][2], s[0][3]);
+      pa[2] = T::pack(s[1][0], s[1][1]);
+      pa[3] = T::pack(s[1][2], s[1][3]);
+#pragma unroll
+      for (int nn = 0; nn < D / 16; ++nn) {
+        u32 vf[4];
+        ldmatrix_x4_trans(vf, vb + ld_row * LD + nn * 16 + ld_col);
+        Mma<T>::run(o[2 * nn], pa, vf[0], vf[1]);
+        Mma<T>::run(o[2 * nn + 1], pa, vf[2], vf[3]);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // Merge the 4 warps' partial softmax states through shared memory (reusing the K/V stages).
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+  }
+  float* o_s = reinterpret_cast<float*>(k_s);  // [4][16][D]
+  float* m_s = o_s + 4 * 16 * D;                // [4][16]
+  float* l_s = m_s + 4 * 16;                    // [4][16]
+  const int g = lane >> 2;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    float* base = o_s + (warp * 16 + g) * D + n * 8 + 2 * t4;
+    base[0] = o[n][0];
+    base[1] = o[n][1];
+    base[8 * D] = o[n][2];
+    base[8 * D + 1] = o[n][3];
+  }
+  if (t4 == 0) {
+    m_s[warp * 16 + g] = m[0];
+    m_s[warp * 16 + g + 8] = m[1];
+    l_s[warp * 16 + g] = l[0];
+    l_s[warp * 16 + g + 8] = l[1];
+  }
+  __syncthreads();
+  for (int i = tid; i < rows * VPR; i += DA_THREADS) {
+    const int r = i / VPR, c = i - r * VPR;
+    float M = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) M = fmaxf(M, m_s[w * 16 + r]);
+    float L = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float mw = m_s[w * 16 + r];
+      if (mw == NEG_INF) continue;
+      const float wgt = exp2f(mw - M);
+      L += l_s[w * 16 + r] * wgt;
+      const float* src = o_s + (w * 16 + r) * D + c * 8;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] += src[e] * wgt;
+    }
+    const float inv = 1.f / L;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] *= inv;
+    const i64 bh = (i64)b * H + h0 + r;
+    if (num_splits == 1) {
+      reinterpret_cast<Vec16*>(out + bh * D)[c] = pack8<T>(acc);
+    } else {
+      float* dst = part_o + (bh * num_splits + split) * D + c * 8;
+      Vec16 lo, hi;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        lo.w[e] = __float_as_uint(acc[e]);
+        hi.w[e] = __float_as_uint(acc[4 + e]);
+      }
+      reinterpret_cast<Vec16*>(dst)[0] = lo;
+      reinterpret_cast<Vec16*>(dst)[1] = hi;
+      if (c == 0) part_lse[bh * num_splits + split] = M + log2f(L);
+    }
+  }
+}
+
+// One warp per (b, h) row: lanes read the splits' lse in parallel; then the lanes form
+// 32 / (D / 8) groups, group g summing splits g, g + groups, ... for its 8-element vectors (independent
+// loads in flight), and the groups are added with shuffles.
+template <class T>
+__device__ __forceinline__ void decode_attention_combine_impl(u16* __restrict__ out, const float* __restrict__ part_o,
+                                                              const float* __restrict__ part_lse, int num_rows,
+                                                              int num_splits, int D) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // b * H + h
+  if (row >= num_rows) return;  // whole warps
+  const int vpr = D >> 3;  // <= 32 (D <= 256)
+  const int groups = 32 / vpr;
+  const int grp = lane / vpr, c = lane - grp * vpr;
+  const float* lse = part_lse + (i64)row * num_splits;
+  float M = NEG_INF;
+  for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, lse[s]);
+  M = warp_max(M);
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float L = 0.f;
+  if (M != NEG_INF && grp < groups) {
+    for (int s = grp; s < num_splits; s += groups) {
+      const float ls = lse[s];
+      if (ls == NEG_INF) continue;
+      const float wgt = exp2f(ls - M);
+      L += wgt;
+      const Vec16* src = reinterpret_cast<const Vec16*>(part_o + ((i64)row * num_splits + s) * D + c * 8);
+      const Vec16 lo = src[0], hi = src[1];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[e] += __uint_as_float(lo.w[e]) * wgt;
+        acc[4 + e] += __uint_as_float(hi.w[e]) * wgt;
+      }
+    }
+  }
+  for (int g = 1; g < groups; ++g) {  // group 0 gathers the other groups (uniform trip count)
+    const int src_lane = (lane + g * vpr) & 31;
+    const float l2 = __shfl_sync(FULL_MASK, L, src_lane);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float a2 = __shfl_sync(FULL_MASK, acc[e], src_lane);
+      if (grp == 0) acc[e] += a2;
+    }
+    if (grp == 0) L += l2;
+  }
+  if (grp != 0) return;
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] *= inv;
+  reinterpret_cast<Vec16*>(out + (i64)row * D)[c] = pack8<T>(acc);
+}
+
+#define DECODE_ENTRY(SUFFIX, T, D)                                                                        \
+  extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##SUFFIX##_d##D(              \
+      u16* out, float* part_o, float* part_lse, const u16* q, const u16* k_cache, const u16* v_cache,     \
+      const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,          \
+      int head_chunks, int bs_log2, int num_splits, int window, float scale_log2) {                       \
+    decode_attention_impl<T, D>(out, part_o, part_lse, q, k_cache, v_cache, block_tables, seq_lens,       \
+                                q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits, window,    \
+                                scale_log2);                                                              \
+  }
+
+DECODE_ENTRY(bf16, Bf16, 16)
+DECODE_ENTRY(bf16, Bf16, 32)
+DECODE_ENTRY(bf16, Bf16, 64)
+DECODE_ENTRY(bf16, Bf16, 80)
+DECODE_ENTRY(bf16, Bf16, 96)
+DECODE_ENTRY(bf16, Bf16, 128)
+DECODE_ENTRY(fp16, Fp16, 16)
+DECODE_ENTRY(fp16, Fp16, 32)
+DECODE_ENTRY(fp16, Fp16, 64)
+DECODE_ENTRY(fp16, Fp16, 80)
+DECODE_ENTRY(fp16, Fp16, 96)
+DECODE_ENTRY(fp16, Fp16, 128)
+
+extern "C" __global__ void decode_attention_combine_bf16(u16* out, const float* part_o, const float* part_lse,
+                                                         int num_rows, int num_splits, int D) {
+  decode_attention_combine_impl<Bf16>(out, part_o, part_lse, num_rows, num_splits, D);
+}
+extern "C" __global__ void decode_attention_combine_fp16(u16* out, const float* part_o, const float* part_lse,
+                                                         int num_rows, int num_splits, int D) {
+  decode_attention_combine_impl<Fp16>(out, part_o, part_lse, num_rows, num_splits, D);
+}

@@ -1,0 +1,226 @@
+// nvcc-flags: --use_fast_math
+// Op: prefill (extend) attention over the paged KV cache with a causal mask and an optional sliding
+// window. Reference: TorchOps.prefill_attention.
+//
+//   Sequence b has seq_len keys (its cached prefix plus the new tokens, already written to the cache
+//   by rope_cache_write) and its queries are the LAST query_len of them, so a chunk that continues a
+//   cached prefix works. A query at position p sees the keys k <= p with k > p - window (if window).
+//   out[t, h] = softmax(scale * q[t, h] . K[:, h / G]) @ V[:, h / G]
+//
+// Layouts:
+//   q [T, H, D] (heads contiguous, token stride q_stride elements); out [T, H, D] contiguous.
+//   k_cache / v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, bt_stride] int32.
+//   work [num_work, 4] int32, one row per block: (b, first query token in q, rows <= 64, position of the
+//   first row). The host builds it from its query_start_loc / seq_lens lists (engine/cuda/ops.py), so
+//   the grid is sized on the host: fine for prefill, which runs eagerly.
+//
+// Work split: block (work item w, query head h): 64 query rows of one head, 4 warps of 16 rows.
+// 64-token K/V tiles stream through shared memory with cp.async (2 stages) from the first key any row
+// needs to the last; S = Q K^T and O += P V run on mma.m16n8k16 with fp32 accumulation and an online
+// softmax per row (FlashAttention-2 structure). Tiles entirely outside a warp's causal/window range
+// are skipped by that warp.
+//
+// Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
+//   grid (num_work, H), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes
+//   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
+//   block_size a power of two (bs_log2); scale_log2 = scale * log2(e); q, out, caches 16-byte aligned.
+#include "common.cuh"
+
+#define PA_THREADS 128
+#define PA_ROWS 64
+#define PA_TILE 64
+#define PA_STAGES 2
+
+template <class T, int D>
+__device__ __forceinline__ void prefill_attention_impl(
+    u16* __restrict__ out, const u16* __restrict__ q, const u16* __restrict__ k_cache,
+    const u16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ work,
+    i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2) {
+  constexpr int LD = D + 8, VPR = D / 8;
+  extern __shared__ Vec16 smem_raw[];
+  u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [64][LD]
+  u16* k_s = q_s + PA_ROWS * LD;                // [STAGES][TILE][LD]
+  u16* v_s = k_s + PA_STAGES * PA_TILE * LD;    // [STAGES][TILE][LD]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const Vec16 item = reinterpret_cast<const Vec16*>(work)[blockIdx.x];
+  const int b = (int)item.w[0], q_tok = (int)item.w[1], nrows = (int)item.w[2], q_pos0 = (int)item.w[3];
+  const int h = blockIdx.y;
+  const int hkv = h / (H / Hkv);
+  const int kv_hi = q_pos0 + nrows;  // keys [kv_lo, kv_hi)
+  const int kv_lo = window > 0 ? max(0, q_pos0 - window + 1) : 0;
+
+  for (int i = tid; i < PA_ROWS * VPR; i += PA_THREADS) {
+    const int r = i / VPR, c = i - r * VPR;
+    const bool valid = r < nrows;
+    const u16* src = valid ? q + (i64)(q_tok + r) * q_stride + (i64)h * D + c * 8 : q;
+    cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
+  }
+
+  const int* table = block_tables + (i64)b * bt_stride;
+  const int bs_mask = (1 << bs_log2) - 1;
+  auto load_tile = [&](int tile, int stage) {
+    const int base = kv_lo + tile * PA_TILE;
+    for (int i = tid; i < PA_TILE * VPR; i += PA_THREADS) {
+      const int tok = i / VPR, c = i - tok * VPR;
+      const int pos = base + tok;
+      const bool valid = pos < kv_hi;
+      const u16* ksrc = k_cache;
+      const u16* vsrc = v_cache;
+      if (valid) {
+        const i64 blk = table[pos >> bs_log2];
+        const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
+        ksrc = k_cache + row * D + c * 8;
+        vsrc = v_cache + row * D + c * 8;
+      }
+      const int off = (stage * PA_TILE + tok) * LD + c * 8;
+      cp_async16(k_s + off, ksrc, valid ? 16 : 0);
+      cp_async16(v_s + off, vsrc, valid ? 16 : 0);
+    }
+  };
+
+  const int num_tiles = (kv_hi - kv_lo + PA_TILE - 1) / PA_TILE;
+  load_tile(0, 0);
+  cp_async_commit();
+
+  const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
+  const int ld_col = (lane >> 4) * 8;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int wrow = warp * 16;
+  const int qp[2] = {q_pos0 + wrow + g, q_pos0 + wrow + g + 8};
+  const int warp_qmin = q_pos0 + wrow, warp_qmax = q_pos0 + wrow + 15;
+
+  u32 qa[D / 16][4];
+  float o[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+  for (int it = 0; it < num_tiles; ++it) {
+    if (it + 1 < num_tiles) load_tile(it + 1, (it + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (it == 0) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + (wrow + ld_row) * LD + ks * 16 + ld_col);
+    }
+    const int stage = it & 1;
+    const int tile_start = kv_lo + it * PA_TILE;
+    const bool in_future = tile_start > warp_qmax;
+    const bool too_old = window > 0 && tile_start + PA_TILE - 1 <= warp_qmin - window;
+    if (!in_future && !too_old) {
+      const u16* kb = k_s + stage * PA_TILE * LD;
+      const u16* vb = v_s + stage * PA_TILE * LD;
+      float s[PA_TILE / 8][4];
+#pragma unroll
+      for (int j = 0; j < PA_TILE / 8; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 32; ++kk) {
+          u32 kf[4];
+          ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
+          Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
+          Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
+        }
+        if (D % 32) {  // head_dim = 32 m + 16: the last k-step alone
+          u32 kf[2];
+          ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
+          Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
+        }
+      }
+      float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+      for (int j = 0; j < PA_TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
+          const int p = qp[e >> 1];
+          const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
+          s[j][e] = valid ? s[j][e] * scale_log2 : NEG_INF;
+          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+        }
+      }
+      float alpha[2], mu[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+        const float mn = fmaxf(m[r], mx[r]);
+        mu[r] = mn == NEG_INF ? 0.f : mn;
+        alpha[r] = exp2f(m[r] - mu[r]);
+        m[r] = mn;
+        l[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int j = 0; j < PA_TILE / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+          l[e >> 1] += s[j][e];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        o[n][0] *= alpha[0];
+        o[n][1] *= alpha[0];
+        o[n][2] *= alpha[1];
+        o[n][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kt = 0; kt < PA_TILE / 16; ++kt) {
+        u32 pa[4];
+        pa[0] = T::pack(s[2 * kt][0], s[2 * kt][1]);
+        pa[1] = T::pack(s[2 * kt][2], s[2 * kt][3]);
+        pa[2] = T::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
+        pa[3] = T::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+#pragma unroll
+        for (int nn = 0; nn < D / 16; ++nn) {
+          u32 vf[4];
+          ldmatrix_x4_trans(vf, vb + (kt * 16 + ld_row) * LD + nn * 16 + ld_col);
+          Mma<T>::run(o[2 * nn], pa, vf[0], vf[1]);
+          Mma<T>::run(o[2 * nn + 1], pa, vf[2], vf[3]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+  }
+  const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = wrow + g + 8 * r;
+    if (row >= nrows) continue;
+    u16* dst = out + ((i64)(q_tok + row) * H + h) * D + 2 * t4;
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      *reinterpret_cast<u32*>(dst + n * 8) = T::pack(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
+  }
+}
+
+#define PREFILL_ENTRY(SUFFIX, T, D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_##SUFFIX##_d##D(               \
+      u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables, const int* work, \
+      i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2) {             \
+    prefill_attention_impl<T, D>(out, q, k_cache, v_cache, block_tables, work, q_stride, bt_stride, H, Hkv,   \
+                                 bs_log2, window, scale_log2);                                              \
+  }
+
+PREFILL_ENTRY(bf16, Bf16, 16)
+PREFILL_ENTRY(bf16, Bf16, 32)
+PREFILL_ENTRY(bf16, Bf16, 64)
+PREFILL_ENTRY(bf16, Bf16, 80)
+PREFILL_ENTRY(bf16, Bf16, 96)
+PREFILL_ENTRY(bf16, Bf16, 128)
+PREFILL_ENTRY(fp16, Fp16, 16)
+PREFILL_ENTRY(fp16, Fp16, 32)
+PREFILL_ENTRY(fp16, Fp16, 64)
+PREFILL_ENTRY(fp16, Fp16, 80)
+PREFILL_ENTRY(fp16, Fp16, 96)
+PREFILL_ENTRY(fp16, Fp16, 128)

@@ -1,0 +1,72 @@
+"""Runs every kernel once on small shapes, for compute-sanitizer:
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize_kernels.py
+
+(no caching allocator, so an access past a tensor's end leaves its own allocation and is reported)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from engine import sampling
+from engine.cuda.ops import CudaOps
+
+
+def main() -> int:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ops = CudaOps.create(dev, max_seq_len=4096)
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float16):
+        B, H, Hkv, D, bs, hidden, inter, vocab = 3, 8, 2, 64, 16, 512, 256, 3000
+        ids = torch.randint(0, vocab, (B,), device=dev)
+        emb = torch.randn(vocab, hidden, device=dev).to(dt)
+        w = torch.ones(hidden, device=dev, dtype=dt)
+        h = ops.embedding(ids, emb)
+        x = ops.rms_norm(h, w, 1e-6)
+        y, r = ops.add_rms_norm(x, h, w, 1e-6)
+        ops.silu_and_mul(torch.randn(B, 2 * inter, device=dev).to(dt))
+        qkv = torch.randn(B, (H + 2 * Hkv) * D, device=dev).to(dt)
+        q, k, v = (qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D),
+                   qkv[:, (H + Hkv) * D:].view(B, Hkv, D))
+        ops.rms_norm(q, torch.ones(D, device=dev, dtype=dt), 1e-6)
+        seq_lens = [1, 70, 300]
+        blocks = [-(-s // bs) for s in seq_lens]
+        num_blocks = sum(blocks) + 1
+        table = torch.zeros(B, max(blocks), dtype=torch.int32)
+        at = 1
+        for b, n in enumerate(blocks):
+            table[b, :n] = torch.arange(at, at + n, dtype=torch.int32)
+            at += n
+        table = table.to(dev)
+        kc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(dt)
+        vc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(dt)
+        pos = torch.tensor([s - 1 for s in seq_lens], device=dev)
+        slots = table[torch.arange(B, device=dev), pos // bs].long() * bs + pos % bs
+        cos_sin = torch.randn(512, D, device=dev)
+        qr = ops.rope_cache_write(q, k, v, cos_sin, pos, kc, vc, slots)
+        for window in (0, 50):
+            ops.decode_attention(qr, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32, device=dev), 0.125, window)
+            qp = torch.randn(sum(seq_lens), H, D, device=dev).to(dt)
+            qsl = [0, 1, 71, 371]
+            ops.prefill_attention(qp, kc, vc, table, qsl, seq_lens, 0.125, window)
+    n = 6
+    st = sampling.SamplingTensors(
+        temperature=torch.tensor([0.0, 0.7, 1.0, 0.9, 0.8, 1.0], device=dev),
+        top_k=torch.tensor([0, 0, 40, 0, 100, 1], device=dev), top_p=torch.tensor([1, 1, 1, 0.8, 0.9, 1.0], device=dev),
+        seed=torch.arange(n, device=dev), repetition_penalty=torch.tensor([1.2, 1, 1, 1.1, 1, 1], device=dev),
+        seen=torch.rand(n, vocab, device=dev) < 0.05, position=torch.arange(n, device=dev))
+    ops.sample(torch.randn(n, vocab, device=dev), st, num_top=3)
+    target = torch.log_softmax(torch.randn(2, 4, vocab, device=dev), dim=-1)
+    drafts = torch.randint(0, vocab, (2, 3), device=dev)
+    ops.accept_drafts(target, drafts, torch.softmax(torch.randn(2, 3, vocab, device=dev), -1),
+                      torch.ones(2, 4, dtype=torch.int64, device=dev), torch.arange(8, device=dev).view(2, 4))
+    ops.accept_drafts(target, drafts, None, torch.ones(2, 4, dtype=torch.int64, device=dev),
+                      torch.arange(8, device=dev).view(2, 4))
+    torch.cuda.synchronize()
+    print("sanitize_kernels: every kernel ran")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

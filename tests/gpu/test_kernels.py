@@ -1,0 +1,553 @@
+"""Every kernel of kernels_cu/ against its torch reference (engine/ops/torch_ops.py, engine/sampling.py)
+on fresh random inputs over many shapes.
+
+Numerical kernels: relative error ||out - ref|| / ||ref|| against an fp32 reference computed from the
+same (bf16 / fp16) inputs: at most 1e-2 (fp32 paths: 1e-5); NaN never passes; outputs are NaN-filled
+before each launch so an unwritten element fails. Sampling and speculative acceptance: identical
+tokens. Last, the decode-path ops are captured in a CUDA graph and replayed with growing seq_lens.
+Set METRALE_KERNEL_REPORT=path to get a summary of the errors measured.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import sampling
+from engine.ops.torch_ops import TorchOps
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+BF16_TOL = 1e-2
+FP32_TOL = 1e-5
+TORCH = TorchOps()
+MAX_SEQ_LEN = 16384  # the context bound CudaOps sizes decode attention's split grid with
+_ERRORS: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def lib():
+    from engine.cuda.kernels import KernelLibrary
+    return KernelLibrary(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.fixture(scope="module")
+def ops(lib):
+    from engine.cuda.ops import CudaOps
+    return CudaOps(lib, MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    path = os.environ.get("METRALE_KERNEL_REPORT")
+    if path and _ERRORS:
+        groups: dict[str, float] = {}
+        for key, err in _ERRORS.items():
+            name = key.split("[")[0]
+            groups[name] = max(groups.get(name, 0.0), err)
+        with open(path, "a") as f:
+            for name, err in sorted(groups.items()):
+                f.write(f"max relative error {name}: {err:.3e}\n")
+
+
+@pytest.fixture
+def gen(request):
+    seed = random.Random(request.node.nodeid).getrandbits(32)
+    torch.manual_seed(seed)
+    return seed
+
+
+def dev():
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def randn(*shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, device=dev()) * scale).to(dtype)
+
+
+def nan(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype, device=dev())
+
+
+def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
+    out64, ref64 = out.double(), ref.double()
+    assert not torch.isnan(out64).any(), f"{name}: NaN in the output (an element left unwritten?)"
+    err = ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+    _ERRORS[name] = max(_ERRORS.get(name, 0.0), err)
+    assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.0e}"
+    return err
+
+
+# ---------------------------------------------------------------------------------------------
+# Library
+
+def test_library_resolves_every_kernel(lib):
+    from engine.cuda.kernels import expected_symbols
+    names = [n for names in expected_symbols().values() for n in names]
+    assert sorted(lib.kernels) == sorted(names)
+    print("kernel origins:", lib.origin)
+
+
+def test_bad_arguments_are_refused_before_launch(lib):
+    from engine.cuda.kernels import KernelArgError
+    x = randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(KernelArgError, match="dtype"):
+        lib.rms_norm(nan((4, 64), torch.bfloat16), x, randn(64, dtype=torch.float16), 1e-6)
+    with pytest.raises(KernelArgError, match="contiguous"):
+        lib.silu_and_mul(nan((64, 4), torch.bfloat16).t(), randn(4, 128, dtype=torch.bfloat16))
+    with pytest.raises(KernelArgError, match="float32"):
+        lib.rms_norm(nan((4, 64), torch.float32), x.float(), randn(64), 1e-6)
+
+
+def test_nvrtc_fallback_loads_every_kernel(lib, gen, tmp_path):
+    """No fatbins: every module is compiled by NVRTC for the device, cached, and computes the same."""
+    from engine.cuda.kernels import KernelLibrary
+    nv = KernelLibrary(lib.device, build_dir=tmp_path / "no-fatbins", cache_dir=tmp_path / "cache")
+    assert set(nv.origin.values()) == {"nvrtc"}, nv.origin
+    assert len(list((tmp_path / "cache").glob("*.cubin"))) == len(nv.origin)
+    x, w = randn(5, 2048, dtype=torch.bfloat16), randn(2048, dtype=torch.bfloat16)
+    a, b = nan((5, 2048), torch.bfloat16), nan((5, 2048), torch.bfloat16)
+    lib.rms_norm(a, x, w, 1e-6)
+    nv.rms_norm(b, x, w, 1e-6)
+    assert torch.equal(a, b)
+    again = KernelLibrary(lib.device, build_dir=tmp_path / "no-fatbins", cache_dir=tmp_path / "cache")
+    assert set(again.origin.values()) == {"nvrtc-cache"}, again.origin
+
+
+def test_engine_streams_stage_and_time(lib, gen):
+    from engine.cuda.streams import EngineStreams
+    streams = EngineStreams(lib.device)
+    src = torch.arange(1 << 20, dtype=torch.float32).pin_memory()
+    dst = torch.empty(1 << 20, device=lib.device)
+    x = randn(64, 4096, dtype=torch.bfloat16)
+    out = nan((64, 4096), torch.bfloat16)
+    weight = torch.ones(4096, dtype=torch.bfloat16, device=lib.device)
+    with streams.compute_context():
+        streams.stage(dst, src)
+        with streams.timed() as t:
+            doubled = dst * 2  # ordered after the staged copy by the event
+            lib.rms_norm(out, x, weight, 1e-6)
+    streams.wait_staged()
+    assert t.elapsed_ns() > 0
+    streams.synchronize()
+    assert torch.equal(doubled.cpu(), src * 2)
+    assert not torch.isnan(out.float()).any()
+    del doubled  # allocated on the compute stream: released before the stream goes
+    torch.cuda.synchronize()
+    streams.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementwise and normalisation
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,vocab,hidden", [(1, 1000, 2048), (37, 5000, 4096), (256, 32000, 1024)])
+def test_embedding(lib, gen, dtype, tokens, vocab, hidden):
+    weight = randn(vocab, hidden, dtype=dtype)
+    ids = torch.randint(0, vocab, (tokens,), device=dev())
+    out = nan((tokens, hidden), dtype)
+    lib.embedding(out, ids, weight)
+    assert torch.equal(out, F.embedding(ids, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(1, 2048), (7, 4096), (256, 2048), (3, 8192), (100, 64), (33, 128),
+                                    (5, 16384), (17, 512)])
+def test_rms_norm(lib, gen, dtype, rows, D):
+    x, w = randn(rows, D, dtype=dtype, scale=3.0), (1 + 0.1 * randn(D)).to(dtype)
+    out = nan((rows, D), dtype)
+    lib.rms_norm(out, x, w, 1e-5)
+    check("rms_norm", out, TORCH.rms_norm(x.float(), w.float(), 1e-5), BF16_TOL)
+    # Same roundings as the torch op on the same dtype: far closer than the dtype's resolution.
+    check("rms_norm_vs_same_dtype", out, TORCH.rms_norm(x, w, 1e-5), 2e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,D", [(1, 32, 8, 128), (50, 16, 2, 64), (300, 8, 8, 128)])
+def test_rms_norm_per_head_on_qkv_views(lib, gen, dtype, T, H, Hkv, D):
+    qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, scale=2.0)
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    w = (1 + 0.1 * randn(D)).to(dtype)
+    for x in (q, k):
+        out = nan(tuple(x.shape), dtype)
+        lib.rms_norm(out, x, w, 1e-6)
+        check("rms_norm_per_head", out, TORCH.rms_norm(x.float(), w.float(), 1e-6), BF16_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,D", [(1, 2048), (64, 4096), (256, 2048), (9, 8192), (40, 64)])
+def test_add_rms_norm(lib, gen, dtype, rows, D):
+    x, r = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype, scale=4.0)
+    w = (1 + 0.1 * randn(D)).to(dtype)
+    out, res = nan((rows, D), dtype), nan((rows, D), dtype)
+    lib.add_rms_norm(out, res, x, r, w, 1e-5)
+    res_ref = x.float() + r.float()
+    check("add_rms_norm_residual", res, res_ref, BF16_TOL)
+    check("add_rms_norm", out, TORCH.rms_norm(res_ref, w.float(), 1e-5), BF16_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,I", [(1, 8192), (64, 5632), (300, 64), (8, 14336)])
+def test_silu_and_mul(lib, gen, dtype, T, I):
+    x = randn(T, 2 * I, dtype=dtype, scale=2.0)
+    out = nan((T, I), dtype)
+    lib.silu_and_mul(out, x)
+    check("silu_and_mul", out, F.silu(x[:, :I].float()) * x[:, I:].float(), BF16_TOL)
+
+
+def rope_table(P: int, D: int) -> torch.Tensor:
+    freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=dev(), dtype=torch.float32) / D))
+    angles = torch.arange(P, device=dev(), dtype=torch.float32)[:, None] * freq[None, :]
+    return torch.cat((angles.cos(), angles.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,Hkv,D,bs", [(1, 32, 8, 64, 16), (37, 32, 8, 128, 16), (256, 16, 4, 128, 32),
+                                          (200, 8, 1, 64, 16), (9, 4, 2, 72, 16),
+                                          (5, 4, 2, 16, 16)])
+def test_rope_cache_write(lib, gen, dtype, T, H, Hkv, D, bs):
+    qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype)
+    q = qkv[:, :H * D].view(T, H, D)
+    k = qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+    v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
+    cos_sin = rope_table(4096, D)
+    rope_index = torch.randint(0, 4096, (T,), device=dev())
+    num_blocks = -(-T // bs) + 3
+    slots = torch.randperm(num_blocks * bs, device=dev())[:T]
+    k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
+    q_out = nan((T, H, D), dtype)
+    lib.rope_cache_write(q_out, q, k, v, cos_sin, rope_index, k_cache, v_cache, slots)
+
+    k_ref = torch.zeros((num_blocks, bs, Hkv, D), device=dev())
+    v_ref = torch.zeros_like(k_ref)
+    q_ref = TORCH.rope_cache_write(q.float(), k.float(), v.float(), cos_sin, rope_index, k_ref, v_ref, slots)
+    flat = num_blocks * bs
+    check("rope_q", q_out, q_ref, BF16_TOL)
+    check("rope_k_cache", k_cache.view(flat, Hkv, D)[slots], k_ref.view(flat, Hkv, D)[slots], BF16_TOL)
+    assert torch.equal(v_cache.view(flat, Hkv, D)[slots], v)
+    untouched = torch.ones(flat, dtype=torch.bool, device=dev())
+    untouched[slots] = False
+    assert torch.isnan(k_cache.view(flat, Hkv, D)[untouched]).all(), "a write outside slot_mapping"
+    assert torch.isnan(v_cache.view(flat, Hkv, D)[untouched]).all(), "a write outside slot_mapping"
+    # The products and sums are rounded one by one as torch's eager ops do: bit-identical.
+    k_same, v_same = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    q_same = TORCH.rope_cache_write(q, k, v, cos_sin, rope_index, k_same, v_same, slots)
+    assert torch.equal(q_out, q_same)
+    assert torch.equal(k_cache.view(flat, Hkv, D)[slots], k_same.view(flat, Hkv, D)[slots])
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the paged cache
+
+def paged_cache(seq_lens: list[int], Hkv: int, D: int, bs: int, dtype, extra_blocks: int = 2):
+    """Random K/V caches with each sequence's blocks scattered; block 0 is the scratch block (unused
+    table entries point at it, as in the engine)."""
+    per_seq = [-(-s // bs) for s in seq_lens]
+    num_blocks = sum(per_seq) + 1
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    table = torch.zeros((len(seq_lens), max(per_seq) + extra_blocks), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(per_seq):
+        table[b, :n] = torch.tensor(perm[at:at + n], dtype=torch.int32)
+        at += n
+    k_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
+    v_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
+    return k_cache, v_cache, table.to(dev())
+
+
+DECODE_CASES = [
+    # B, max context, H, Hkv, D, block_size, window
+    (1, 1, 32, 8, 64, 16, 0),
+    (1, 8229, 32, 8, 128, 16, 0),
+    (3, 3000, 32, 8, 64, 32, 0),
+    (256, 200, 32, 8, 64, 16, 0),
+    (32, 2048, 32, 8, 64, 16, 0),
+    (8, 1000, 8, 8, 128, 16, 0),
+    (4, 1500, 32, 4, 128, 16, 0),
+    (4, 700, 32, 1, 128, 16, 0),
+    (5, 2000, 16, 4, 128, 16, 500),
+    (2, 900, 12, 2, 96, 16, 0),
+    (3, 500, 4, 2, 16, 16, 0),  # the tiny test models' head_dim
+    (2, 700, 8, 2, 32, 16, 64),
+    (2, 1200, 16, 2, 80, 32, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,ctx,H,Hkv,D,bs,window", DECODE_CASES)
+def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
+    seq_lens = [ctx] + [random.Random(gen + b).randint(1, ctx) for b in range(1, B)]
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
+    q = randn(B, H, D, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
+    scale = D ** -0.5
+    ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
+    for splits in sorted({lib.decode_num_splits(B, H, Hkv, MAX_SEQ_LEN), 1}):
+        out = nan((B, H, D), dtype)
+        part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+        lib.decode_attention(out, part_o, part_lse, q, k_cache, v_cache, table, lens, scale, window, splits)
+        if splits > 1:
+            lib.decode_attention_combine(out, part_o, part_lse)
+        check("decode_attention", out, ref, BF16_TOL)
+
+
+PREFILL_CASES = [
+    # [(cached tokens, new tokens) per sequence], H, Hkv, D, block_size, window
+    ([(0, 1)], 32, 8, 64, 16, 0),
+    ([(0, 200)], 32, 8, 128, 16, 0),
+    ([(0, 64), (37, 64), (500, 300), (3, 1)], 32, 8, 64, 16, 0),
+    ([(0, 1000)], 8, 8, 128, 32, 0),
+    ([(100, 900), (0, 130)], 16, 2, 128, 16, 256),
+    ([(0, 2048)], 32, 8, 64, 16, 0),
+    ([(10, 77)], 12, 2, 96, 16, 0),
+    ([(0, 100), (20, 30)], 4, 2, 16, 16, 0),
+    ([(0, 150)], 8, 4, 32, 16, 40),
+    ([(64, 200)], 16, 2, 80, 16, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs,H,Hkv,D,bs,window", PREFILL_CASES)
+def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
+    from engine.cuda.ops import prefill_work
+    seq_lens = [c + n for c, n in seqs]
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
+    q = randn(qsl[-1], H, D, dtype=dtype)
+    scale = D ** -0.5
+    work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
+    out = nan((qsl[-1], H, D), dtype)
+    lib.prefill_attention(out, q, k_cache, v_cache, table, work, scale, window)
+    ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens, scale, window)
+    check("prefill_attention", out, ref, BF16_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling and speculative acceptance
+
+ROW_KINDS = {
+    "greedy": dict(temperature=0.0),
+    "greedy_penalty": dict(temperature=0.0, repetition_penalty=1.3),
+    "temperature": dict(temperature=0.8),
+    "top_k": dict(temperature=1.0, top_k=50),
+    "top_k1": dict(temperature=0.7, top_k=1),
+    "top_p": dict(temperature=0.9, top_p=0.8),
+    "top_p_small": dict(temperature=1.0, top_p=0.05),
+    "top_k_top_p": dict(temperature=0.7, top_k=1000, top_p=0.95),
+    "penalty_temperature": dict(temperature=1.2, repetition_penalty=1.5),
+    "penalty_top_p": dict(temperature=1.0, top_p=0.9, repetition_penalty=0.7),
+}
+
+
+def sampling_tensors(kinds: list[str], vocab: int, seen_fraction: float = 0.05) -> sampling.SamplingTensors:
+    n = len(kinds)
+    params = [ROW_KINDS[k] for k in kinds]
+
+    def col(name, default, dtype):
+        return torch.tensor([p.get(name, default) for p in params], dtype=dtype, device=dev())
+
+    rng = random.Random(int(torch.randint(0, 2**31, ()).item()))
+    seeds = torch.tensor([rng.getrandbits(64) - 2**63 for _ in range(n)], dtype=torch.int64, device=dev())
+    positions = torch.randint(0, 2**34, (n,), dtype=torch.int64, device=dev())
+    return sampling.SamplingTensors(
+        temperature=col("temperature", 0.0, torch.float32), top_k=col("top_k", 0, torch.int64),
+        top_p=col("top_p", 1.0, torch.float32), seed=seeds,
+        repetition_penalty=col("repetition_penalty", 1.0, torch.float32),
+        seen=torch.rand(n, vocab, device=dev()) < seen_fraction, position=positions)
+
+
+def run_sample(lib, logits: torch.Tensor, st: sampling.SamplingTensors):
+    """The four sampling kernels with poisoned outputs; returns (tokens, logprobs, thresholds)."""
+    rows, vocab = logits.shape
+    splits = lib.vocab_splits(rows, vocab)
+    parts = nan((rows, splits, 8), torch.float32)
+    thresholds = torch.full((rows,), -1, dtype=torch.int32, device=dev())
+    tokens = torch.full((rows,), -1, dtype=torch.int64, device=dev())
+    logprobs = nan((rows,), torch.float32)
+    args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
+    lib.sample_stats(parts, *args)
+    lib.sample_select(thresholds, parts, *args)
+    lib.sample_draw(parts, thresholds, *args)
+    lib.sample_finish(tokens, logprobs, parts, logits, st.temperature)
+    return tokens, logprobs, thresholds
+
+
+def float_keys(x: torch.Tensor) -> torch.Tensor:
+    """The kernels' order-preserving uint32 image of fp32 values, in int64."""
+    u = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(u >= 0x80000000, (~u) & 0xFFFFFFFF, u | 0x80000000)
+
+
+SAMPLE_CASES = [
+    # rows, vocab, logit scale, kinds (cycled over the rows)
+    (1, 1000, 3.0, ["greedy"]),
+    (8, 32000, 3.0, ["greedy", "greedy_penalty"]),
+    (64, 32000, 2.0, list(ROW_KINDS)),
+    (16, 128256, 4.0, list(ROW_KINDS)),
+    (3, 151936, 1.0, ["top_p", "temperature", "top_k_top_p"]),
+    (256, 4096, 5.0, list(ROW_KINDS)),
+]
+
+
+@pytest.mark.parametrize("rows,vocab,scale,kinds", SAMPLE_CASES)
+def test_sample_matches_reference(lib, gen, rows, vocab, scale, kinds):
+    logits = randn(rows, vocab, scale=scale)
+    row_kinds = [kinds[i % len(kinds)] for i in range(rows)]
+    st = sampling_tensors(row_kinds, vocab)
+    tokens, logprobs, thresholds = run_sample(lib, logits, st)
+    ref = sampling.sample(logits, st)
+    mismatch = [(i, row_kinds[i]) for i in range(rows) if tokens[i] != ref.token_ids[i]]
+    assert not mismatch, f"token mismatch in rows {mismatch[:10]}"
+    check("sample_logprob", logprobs, ref.logprobs, FP32_TOL)
+
+    # The kept set (key >= threshold) against the reference's finite target log-probabilities.
+    filtered = [i for i, k in enumerate(row_kinds) if "top" in k]
+    if filtered:
+        idx = torch.tensor(filtered, device=dev())
+        sub = sampling.SamplingTensors(*(getattr(st, f)[idx] for f in
+                                         ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "seen",
+                                          "position")))
+        ref_keep = torch.isfinite(sampling.target_logprobs(logits[idx], sub))
+        x = sampling.penalized_logits(logits[idx], sub) / sub.temperature[:, None]
+        keep = float_keys(x) >= (thresholds[idx].to(torch.int64) & 0xFFFFFFFF)[:, None]
+        diff = (keep != ref_keep).sum(dim=1)
+        for j, i in enumerate(filtered):
+            limit = 0 if row_kinds[i] in ("top_k", "top_k1") else 2  # fp32 cumsum rounding at the top-p edge
+            assert int(diff[j]) <= limit, (f"row {i} ({row_kinds[i]}): kept sets differ in {int(diff[j])} tokens "
+                                           f"({int(keep[j].sum())} kept, reference {int(ref_keep[j].sum())})")
+
+
+def test_sample_through_cuda_ops_with_top_logprobs(ops, gen):
+    logits = randn(12, 32000, scale=3.0)
+    st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(12)], 32000)
+    out = ops.sample(logits, st, num_top=5)
+    ref = sampling.sample(logits, st, num_top=5)
+    assert torch.equal(out.token_ids, ref.token_ids)
+    check("sample_logprob", out.logprobs, ref.logprobs, FP32_TOL)
+    assert torch.equal(out.top_ids, ref.top_ids)
+    check("sample_top_logprobs", out.top_logprobs, ref.top_logprobs, FP32_TOL)
+
+
+SPEC_CASES = [
+    # B, K, vocab, with draft probs, greedy target
+    (1, 4, 1000, False, True),
+    (8, 3, 32000, True, False),
+    (16, 5, 5000, False, False),
+    (4, 16, 128256, True, False),
+    (32, 2, 2000, True, True),
+    (64, 4, 8000, False, False),
+]
+
+
+@pytest.mark.parametrize("B,K,vocab,with_probs,greedy", SPEC_CASES)
+def test_spec_accept_matches_reference(lib, gen, B, K, vocab, with_probs, greedy):
+    rows = B * (K + 1)
+    logits = randn(rows, vocab, scale=3.0)
+    kinds = ["greedy"] if greedy else ["temperature", "top_k", "top_p", "top_k_top_p"]
+    st = sampling_tensors([kinds[(r // (K + 1)) % len(kinds)] for r in range(rows)], vocab)
+    st.seed = st.seed.view(B, K + 1)[:, :1].expand(B, K + 1).reshape(rows).contiguous()  # one seed per sequence
+    st.position = (torch.randint(0, 2**31, (B, 1), device=dev()) + torch.arange(K + 1, device=dev())).reshape(rows)
+    target = sampling.target_logprobs(logits, st).view(B, K + 1, vocab)
+    draft_probs = None
+    if with_probs:
+        draft_probs = torch.softmax(logits.view(B, K + 1, vocab)[:, :K] + randn(B, K, vocab), dim=-1)
+        draft_ids = torch.multinomial(draft_probs.view(B * K, vocab), 1).view(B, K)
+    else:
+        from_target = torch.multinomial(target[:, :K].exp().reshape(B * K, vocab), 1).view(B, K)
+        noise = torch.randint(0, vocab, (B, K), device=dev())
+        draft_ids = torch.where(torch.rand(B, K, device=dev()) < 0.8, from_target, noise)
+
+    splits = lib.vocab_splits(B, vocab)
+    parts = nan((B, splits, 8), torch.float32)
+    num_accepted = torch.full((B,), -1, dtype=torch.int64, device=dev())
+    tokens = torch.full((B,), -1, dtype=torch.int64, device=dev())
+    lib.spec_accept_draw(parts, target, draft_ids, draft_probs, st.seed.view(B, K + 1), st.position.view(B, K + 1))
+    lib.spec_accept_finish(num_accepted, tokens, parts, K)
+
+    for b in range(B):
+        r = slice(b * (K + 1), (b + 1) * (K + 1))
+        row_st = sampling.SamplingTensors(st.temperature[r], st.top_k[r], st.top_p[r], st.seed[r],
+                                          st.repetition_penalty[r], st.seen[r], st.position[r])
+        j, tok = sampling.accept_drafts(target[b], draft_ids[b], None if draft_probs is None else draft_probs[b],
+                                        row_st)
+        assert (int(num_accepted[b]), int(tokens[b])) == (j, tok), f"sequence {b}"
+
+
+def test_accept_drafts_through_cuda_ops(ops, gen):
+    B, K, vocab = 6, 3, 4000
+    logits = randn(B * (K + 1), vocab, scale=2.0)
+    st = sampling_tensors(["temperature"] * (B * (K + 1)), vocab)
+    target = sampling.target_logprobs(logits, st).view(B, K + 1, vocab)
+    draft_ids = torch.multinomial(target[:, :K].exp().reshape(B * K, vocab), 1).view(B, K)
+    num_accepted, tokens = ops.accept_drafts(target, draft_ids, None, st.seed.view(B, K + 1),
+                                             st.position.view(B, K + 1))
+    for b in range(B):
+        r = slice(b * (K + 1), (b + 1) * (K + 1))
+        row_st = sampling.SamplingTensors(st.temperature[r], st.top_k[r], st.top_p[r], st.seed[r],
+                                          st.repetition_penalty[r], st.seen[r], st.position[r])
+        assert (int(num_accepted[b]), int(tokens[b])) == sampling.accept_drafts(target[b], draft_ids[b], None, row_st)
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype):
+    """embedding -> rms_norm -> rope_cache_write -> decode_attention -> add_rms_norm -> silu_and_mul ->
+    sample, captured once and replayed while every sequence grows; each step equals the eager ops."""
+    B, H, Hkv, D, bs, vocab_in = 8, 16, 4, 128, 16, 1000
+    hidden = H * D
+    steps, start_len = 40, 60
+    max_blocks = -(-(start_len + steps + 1) // bs)
+    num_blocks = B * max_blocks + 1
+    table = (torch.randperm(num_blocks - 1, device=dev()) + 1)[:B * max_blocks].view(B, max_blocks).to(torch.int32)
+    k_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
+    v_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
+    embed = randn(vocab_in, hidden, dtype=dtype)
+    w1, w2 = (1 + 0.1 * randn(hidden)).to(dtype), (1 + 0.1 * randn(hidden)).to(dtype)
+    cos_sin = rope_table(start_len + steps + 8, D)
+    st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(B)], hidden)
+
+    # Static inputs, updated in place before each replay.
+    ids = torch.randint(0, vocab_in, (B,), device=dev())
+    positions = torch.full((B,), start_len, dtype=torch.int64, device=dev())
+
+    def forward():
+        seq_lens = (positions + 1).to(torch.int32)
+        slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
+        h = ops.embedding(ids, embed)
+        x = ops.rms_norm(h, w1, 1e-6)
+        q, k, v = x.view(B, H, D), x[:, :Hkv * D].view(B, Hkv, D), x[:, Hkv * D:2 * Hkv * D].view(B, Hkv, D)
+        q = ops.rope_cache_write(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
+        a = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, D ** -0.5)
+        y, r = ops.add_rms_norm(a.view(B, hidden), h, w2, 1e-6)
+        m = ops.silu_and_mul(y)
+        logits = torch.cat((m, r[:, :hidden // 2]), dim=-1).float() * 4.0
+        st.position = positions + 1
+        out = ops.sample(logits, st)
+        return a, out.token_ids, out.logprobs
+
+    for _ in range(2):  # warm up on a side stream, as torch.cuda.graph requires
+        forward()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = forward()
+    for step in range(steps):
+        positions.fill_(start_len + step)
+        ids.copy_(torch.randint(0, vocab_in, (B,), device=dev()))
+        eager = [t.clone() for t in forward()]  # writes the same K/V to the same slots as the replay
+        graph.replay()
+        torch.cuda.synchronize()
+        for name, e, g in zip(("attention", "tokens", "logprobs"), eager, static_out):
+            assert torch.equal(e, g), f"step {step}: graph {name} differs from eager"
+    assert not torch.isnan(static_out[0].float()).any()

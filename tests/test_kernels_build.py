@@ -1,0 +1,67 @@
+"""kernels_cu/ builds with nvcc (engine/cuda/build.py) and every fatbin defines every kernel the
+KernelLibrary resolves, in each of its entries (sm_80, sm_90 machine code and compute_90 PTX).
+CPU only: skipped where nvcc is absent (CI asserts nvcc exists separately)."""
+from __future__ import annotations
+
+import pathlib
+import struct
+
+import pytest
+
+from engine.cuda import build
+from engine.cuda.kernels import MODULES, Kernel, expected_symbols
+
+pytestmark = pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not found: kernels_cu/ cannot be compiled here")
+
+
+@pytest.fixture(scope="module")
+def fatbin_dir(tmp_path_factory) -> pathlib.Path:
+    out = tmp_path_factory.mktemp("kernels_build")
+    build.build_all(out, log=None)
+    return out
+
+
+def test_every_source_is_a_loaded_module():
+    assert {p.stem for p in build.sources()} == set(MODULES)
+
+
+def test_every_fatbin_defines_every_kernel(fatbin_dir):
+    for module, names in expected_symbols().items():
+        entries = build.fatbin_symbols(build.fatbin_path(build.KERNEL_DIR / f"{module}.cu", fatbin_dir))
+        assert set(entries) == {"sm_80", "sm_90", "compute_90"}, f"{module}: entries {sorted(entries)}"
+        for target, symbols in entries.items():
+            missing = sorted(set(names) - symbols)
+            assert not missing, f"{module}.fatbin ({target}) lacks {missing}"
+
+
+def test_up_to_date_fatbins_are_skipped(fatbin_dir):
+    nvcc = build.find_nvcc()
+    for src in build.sources():
+        assert build.is_current(src, fatbin_dir)
+        assert build.build_one(nvcc, src, fatbin_dir) is False
+
+
+def test_a_failing_source_reports_nvcc_output(tmp_path):
+    kernel_dir = tmp_path / "kernels_cu"
+    kernel_dir.mkdir()
+    (kernel_dir / "broken.cu").write_text('extern "C" __global__ void broken(int* p) { p[0] = undefined_name; }\n')
+    with pytest.raises(build.BuildError, match=r"broken\.cu[\s\S]*undefined_name"):
+        build.build_all(tmp_path / "out", kernel_dir=kernel_dir, log=None)
+
+
+def test_fast_math_only_where_results_are_not_compared_bitwise():
+    flags = {src.stem: build.extra_flags(src.read_text()) for src in build.sources()}
+    for module in ("sampling", "spec_accept", "rope_cache_write", "rms_norm", "silu_and_mul"):
+        assert "--use_fast_math" not in flags[module], module
+
+
+def test_launch_parameters_pack_into_8_byte_slots():
+    kernel = Kernel("k", None, "pilf")
+    kernel._pack(kernel._buf, 0, 0x1122334455667788, -3, -(2**40), 1.5)
+    raw = bytes(kernel._buf)
+    assert struct.unpack_from("<Q", raw, 0)[0] == 0x1122334455667788
+    assert struct.unpack_from("<i", raw, 8)[0] == -3
+    assert struct.unpack_from("<q", raw, 16)[0] == -(2**40)
+    assert struct.unpack_from("<f", raw, 24)[0] == 1.5
+    base = kernel._ptrs[0]
+    assert [kernel._ptrs[i] - base for i in range(4)] == [0, 8, 16, 24]
