@@ -31,10 +31,14 @@ class ForwardBatch:
 
 def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list[int],
                        tokens: list[list[int]], logits_rows: list[list[int]], block_size: int,
-                       device: torch.device, need_scale_lens: bool) -> ForwardBatch:
+                       device: torch.device, need_scale_lens: bool, per_token: bool = False) -> ForwardBatch:
     """A prefill/verify forward: sequence b (in slot slots[b]) gets tokens[b] at positions
     starts[b] .. starts[b] + len(tokens[b]) - 1. logits_rows[b]: which of its tokens need logits
-    (offsets into tokens[b])."""
+    (offsets into tokens[b]).
+
+    per_token: attention runs as one decode query per token (each sees the keys up to its own
+    position, through its sequence's block-table row). That is how Verify runs its few tokens per
+    sequence: decode attention takes no host-side work list, so the forward is capturable."""
     ids, positions, qsl, seq_lens, logits_idx, scale = [], [], [0], [], [], []
     for start, toks, rows in zip(starts, tokens, logits_rows):
         logits_idx.extend(qsl[-1] + r for r in rows)
@@ -49,6 +53,8 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     seq_index = torch.repeat_interleave(torch.arange(len(slots), device=device),
                                         torch.tensor([len(t) for t in tokens], device=device))
     block_ids = tables[seq_index, pos_t // block_size].long()
+    if per_token:
+        tables, qsl, seq_lens = tables[seq_index], list(range(len(ids) + 1)), [p + 1 for p in positions]
     return ForwardBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=pos_t,
@@ -56,7 +62,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         block_tables=tables,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
-        is_decode=False,
+        is_decode=per_token,
         query_start_loc=qsl,
         seq_lens_host=seq_lens,
         rope_scale_lens=scale if need_scale_lens else None,

@@ -25,8 +25,7 @@ from engine.kv_cache import BlockAllocator, KVCache
 from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.ops.torch_ops import TorchOps
-from engine.sampling import SampleOutput, SamplingParams, SamplingTensors, StoppingCriteria, accept_drafts, \
-    model_logprobs, target_logprobs
+from engine.sampling import SampleOutput, SamplingParams, StoppingCriteria, gumbel, model_logprobs, target_logprobs
 from engine.cuda.graphs import GraphCache
 from engine.sequence import FinishReason, Sequence, SlotTable
 from engine.state import SlotState
@@ -64,6 +63,8 @@ class Engine:
         self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
         self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
+        self.verify_outputs = VerifyOutputs(config.max_batch_size, config.max_draft_tokens, config.max_top_logprobs,
+                                            self.device)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self._next_seq_id = 1
@@ -302,57 +303,174 @@ class Engine:
                 probs = torch.tensor(it.draft_probs, dtype=torch.float32)
                 if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
                     raise InvalidArgument(f"sequence {seq.seq_id}: draft_probs must be finite and >= 0")
+        k = len(items[0].draft_token_ids)
+        uniform = k > 0 and all(len(it.draft_token_ids) == k and not it.draft_probs for it in items)
         with self._on_device() as timer:
-            results = self._verify(seqs, items)
+            if uniform and not self._dynamic_rope:
+                results = self._verify_uniform(seqs, items, k)
+            else:
+                results = self._verify(seqs, items)
         return api.VerifyStepResult(results, timer.elapsed_ns())
 
+    def _verify_uniform(self, seqs: list[Sequence], items: list[api.VerifyItem], k: int) -> list[api.VerifyResult]:
+        """The common case, k drafts for every sequence and no draft distributions: one device step
+        (replayed as a CUDA graph keyed by slots and k, like decode) and one read-back."""
+        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        batch = [seqs[i] for i in order]
+        drafts = [items[i].draft_token_ids for i in order]
+        num_top = self._num_top(seqs)
+        filtered = any(s.sampling.top_k or s.sampling.top_p < 1.0 for s in seqs)
+        self.verify_outputs.drafts[:len(batch), :k].copy_(torch.tensor(drafts, dtype=torch.int64))
+        slots = [s.slot for s in batch]
+
+        def prepare():
+            slots_t = torch.tensor(slots, device=self.device)
+            # Row b * (k + 1) + i counts drafts 0 .. i - 1 of sequence b as seen (repetition penalty).
+            pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(slots)) for i in range(k + 1) for j in range(i)]
+            seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
+            seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
+            return lambda: self._verify_into_outputs(slots_t, k, num_top, filtered, seen_rows, seen_cols)
+
+        if self.graphs is None:
+            prepare()()
+        else:
+            self.graphs.run(("verify", *GraphCache.key_for(slots, k, num_top, filtered)), prepare)
+        accepted, tokens, logprobs, top_ids, top_lps = self.verify_outputs.read(len(batch), k + 1, num_top,
+                                                                                 self.streams)
+        results = []
+        for b, seq in enumerate(batch):
+            j = accepted[b]
+            emitted = list(drafts[b][:j]) + [tokens[b]]
+            host = (None, logprobs[b], top_ids[b * (k + 1):] if num_top else None,
+                    top_lps[b * (k + 1):] if num_top else None)
+            out = []
+            for i, tok in enumerate(emitted):
+                seq.num_cached = seq.seq_len
+                reason = seq.append(tok, self.eos_token_ids)
+                out.append(self._token_result(seq, host, i, reason))
+                if reason != FinishReason.NONE:
+                    break
+            results.append(api.VerifyResult(seq.seq_id, j, out))
+        by_request = [None] * len(seqs)
+        for pos, i in enumerate(order):
+            by_request[i] = results[pos]
+        return by_request
+
+    def _verify_into_outputs(self, slots: torch.Tensor, k: int, num_top: int, filtered: bool,
+                             seen_rows: torch.Tensor, seen_cols: torch.Tensor) -> None:
+        """Device work of a uniform Verify: the last token and k drafts of each slot at their positions,
+        attention per token, target distributions, acceptance, logprobs of what is kept; the slot state
+        moves past the accepted tokens only (the rejected positions' KV is dead). No host sync."""
+        st, n, vocab = self.state, k + 1, self.model_config.vocab_size
+        batch_size = slots.shape[0]
+        drafts = self.verify_outputs.drafts[:batch_size, :k]
+        start = st.num_cached[slots].long()  # [B]: position of each slot's last token
+        offsets = torch.arange(n, device=self.device)
+        positions = (start[:, None] + offsets).reshape(-1)  # [B * n]
+        seq_index = torch.arange(batch_size, device=self.device).repeat_interleave(n)
+        tables = st.block_table[slots][seq_index]
+        rows = torch.arange(batch_size * n, device=self.device)
+        block_ids = tables[rows, positions // self.block_size].long()
+        fb = ForwardBatch(
+            input_ids=torch.cat([st.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size, block_tables=tables,
+            seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
+            query_start_loc=[], seq_lens_host=[])
+        logits = self.model.forward(fb)  # [B * n, vocab]
+        rows_st = st.sampling_rows(slots[seq_index], positions + 1)
+        rows_st.seen.index_put_((seen_rows, drafts.reshape(-1)[seen_cols]), st._true)
+        target = target_logprobs(logits, rows_st, filtered).view(batch_size, n, vocab)
+        accepted, token = self.ops.accept_drafts(target, drafts, None, rows_st.seed.view(batch_size, n),
+                                                 rows_st.position.view(batch_size, n))
+        emitted = torch.cat([drafts, token[:, None]], dim=1)
+        emitted = emitted.scatter(1, accepted[:, None], token[:, None])
+        kept = offsets[None, :] <= accepted[:, None]
+        emitted = torch.where(kept, emitted, token[:, None])  # past the kept tokens: a harmless repeat
+        raw = torch.log_softmax(logits.float(), dim=-1)
+        logprobs = raw.view(batch_size, n, vocab).gather(2, emitted[..., None]).squeeze(-1)
+        st.last_token[slots] = token
+        st.num_cached[slots] = (start + 1 + accepted).to(torch.int32)
+        st.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
+        out = self.verify_outputs
+        out.accepted[:batch_size].copy_(accepted)
+        out.tokens[:batch_size].copy_(token)
+        out.logprobs[:batch_size, :n].copy_(logprobs)
+        if num_top:
+            top = torch.topk(raw, num_top, dim=-1)
+            out.top_ids[:batch_size * n, :num_top].copy_(top.indices)
+            out.top_logprobs[:batch_size * n, :num_top].copy_(top.values)
+
     def _verify(self, seqs: list[Sequence], items: list[api.VerifyItem]) -> list[api.VerifyResult]:
+        """One forward over each sequence's last token and its drafts (attention per token, like decode),
+        the target distributions, acceptance batched per draft length, then the host commit."""
         vocab = self.model_config.vocab_size
+        ks = [len(it.draft_token_ids) for it in items]
         batch = build_extend_batch(
             self.state.block_table, [s.slot for s in seqs], [s.num_cached for s in seqs],
             [[s.token_ids[-1]] + list(it.draft_token_ids) for s, it in zip(seqs, items)],
-            [list(range(len(it.draft_token_ids) + 1)) for it in items], self.block_size, self.device,
-            self._dynamic_rope)
-        logits = self.model.forward(batch)
-        # Per row: its slot's parameters, the drafts before it counted as seen, its token's position.
-        row_slots, row_pos, extra_rows, extra_toks = [], [], [], []
-        for seq, it in zip(seqs, items):
-            for i in range(len(it.draft_token_ids) + 1):
-                for tok in it.draft_token_ids[:i]:
-                    extra_rows.append(len(row_slots))
-                    extra_toks.append(tok)
-                row_slots.append(seq.slot)
-                row_pos.append(seq.seq_len + i)
-        slots_t = torch.tensor(row_slots, device=self.device)
-        st = self.state.sampling_rows(slots_t, torch.tensor(row_pos, device=self.device))
-        if extra_rows:
-            st.seen[torch.tensor(extra_rows), torch.tensor(extra_toks)] = True
+            [list(range(k + 1)) for k in ks], self.block_size, self.device, self._dynamic_rope, per_token=True)
+        logits = self.model.forward(batch)  # [sum(k + 1), vocab]
+        # Per row: its slot's parameters, the drafts before it counted as seen, the position it decides.
+        offsets = [0]
+        for k in ks:
+            offsets.append(offsets[-1] + k + 1)
+        row_slots = [s.slot for s, k in zip(seqs, ks) for _ in range(k + 1)]
+        row_pos = [s.seq_len + i for s, k in zip(seqs, ks) for i in range(k + 1)]
+        extra = [(offsets[b] + i, tok) for b, it in enumerate(items) for i in range(ks[b] + 1)
+                 for tok in it.draft_token_ids[:i]]
+        st = self.state.sampling_rows(torch.tensor(row_slots, device=self.device),
+                                      torch.tensor(row_pos, device=self.device))
+        if extra:
+            st.seen[torch.tensor([r for r, _ in extra], device=self.device),
+                    torch.tensor([t for _, t in extra], device=self.device)] = True
         target = target_logprobs(logits, st)
-        results, row = [], 0
-        for seq, it in zip(seqs, items):
-            k = len(it.draft_token_ids)
-            rows = slice(row, row + k + 1)
-            drafts = torch.tensor(it.draft_token_ids, dtype=torch.int64, device=self.device)
-            probs = torch.tensor(it.draft_probs, device=self.device).view(k, vocab) if it.draft_probs else None
-            row_st = SamplingTensors(st.temperature[rows], st.top_k[rows], st.top_p[rows], st.seed[rows],
-                                     st.repetition_penalty[rows], st.seen[rows], st.position[rows])
-            num_accepted, token = accept_drafts(target[rows], drafts, probs, row_st)
-            emitted = list(it.draft_token_ids[:num_accepted]) + [token]
-            idx = torch.arange(row, row + len(emitted), device=self.device)
-            out = model_logprobs(logits[idx], torch.tensor(emitted, device=self.device), seq.sampling.top_logprobs)
+        decided: dict[int, tuple] = {}  # item index -> (num_accepted, token) as device tensors
+        for k in sorted(set(ks)):
+            group = [b for b in range(len(items)) if ks[b] == k]
+            rows = torch.tensor([offsets[b] + i for b in group for i in range(k + 1)], device=self.device)
+            drafts = torch.tensor([items[b].draft_token_ids for b in group], dtype=torch.int64,
+                                  device=self.device).view(len(group), k)
+            probs = None
+            if any(items[b].draft_probs for b in group):
+                probs = torch.stack([torch.tensor(items[b].draft_probs, dtype=torch.float32).view(k, vocab)
+                                     if items[b].draft_probs else
+                                     torch.nn.functional.one_hot(torch.tensor(items[b].draft_token_ids), vocab).float()
+                                     for b in group]).to(self.device)
+            shape = (len(group), k + 1)
+            if k == 0:  # nothing to accept: the one token is a plain draw from the target
+                tokens = torch.argmax(target[rows] + gumbel(st.seed[rows], st.position[rows], vocab), dim=-1)
+                accepted = torch.zeros_like(tokens)
+            else:
+                accepted, tokens = self.ops.accept_drafts(target[rows].view(*shape, vocab), drafts, probs,
+                                                          st.seed[rows].view(shape), st.position[rows].view(shape))
+            for n, b in enumerate(group):
+                decided[b] = (accepted[n], tokens[n])
+        host = torch.stack([torch.stack(decided[b]) for b in range(len(items))]).tolist()
+        emitted = [list(it.draft_token_ids[:j]) + [tok] for it, (j, tok) in zip(items, host)]
+        rows_e = [offsets[b] + i for b, e in enumerate(emitted) for i in range(len(e))]
+        toks_e = [t for e in emitted for t in e]
+        out = model_logprobs(logits[torch.tensor(rows_e, device=self.device)],
+                             torch.tensor(toks_e, device=self.device), self._num_top(seqs))
+        logp = _host(out)
+        results, at = [], 0
+        for seq, (num_accepted, _), toks in zip(seqs, host, emitted):
             tokens = []
-            host = _host(out)
-            for j, tok in enumerate(emitted):
+            for j, tok in enumerate(toks):
                 seq.num_cached = seq.seq_len
                 reason = seq.append(tok, self.eos_token_ids)
-                tokens.append(self._token_result(seq, host, j, reason))
+                tokens.append(self._token_result(seq, logp, at + j, reason))
                 if reason != FinishReason.NONE:
                     break
-            self.state.seen[seq.slot, torch.tensor(emitted[:len(tokens)], device=self.device)] = True
-            self.state.last_token[seq.slot] = seq.token_ids[-1]
-            self.state.num_cached[seq.slot] = seq.num_cached
+            at += len(toks)
             results.append(api.VerifyResult(seq.seq_id, num_accepted, tokens))
-            row += k + 1
+        # The slot state follows: last token, KV length (past the accepted tokens only), seen tokens.
+        slots_t = torch.tensor([s.slot for s in seqs], device=self.device)
+        self.state.last_token[slots_t] = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+        self.state.num_cached[slots_t] = torch.tensor([s.num_cached for s in seqs], dtype=torch.int32,
+                                                      device=self.device)
+        kept = [(s.slot, t.token_id) for s, r in zip(seqs, results) for t in r.tokens]
+        self.state.mark_seen(torch.tensor([k[0] for k in kept], device=self.device),
+                             torch.tensor([k[1] for k in kept], device=self.device))
         return results
 
     # ---------------------------------------------------------------------------------------------
@@ -430,6 +548,7 @@ class Engine:
             self.graphs.clear()
         if self.streams is not None:
             self.outputs.host.clear()  # pinned buffers the compute stream copied into go before the stream
+            self.verify_outputs.host.clear()
             self.streams.close()
 
 
@@ -485,3 +604,33 @@ class StepOutputs:
         return (tokens[:n].tolist(), logprobs[:n].tolist(),
                 top_ids[:n, :num_top].tolist() if num_top else None,
                 top_lps[:n, :num_top].tolist() if num_top else None)
+
+
+class VerifyOutputs:
+    """Static buffers of the uniform Verify step: the drafts it reads (written before each step) and
+    its results, plus pinned host mirrors of the results."""
+
+    def __init__(self, max_batch: int, max_drafts: int, max_top: int, device: torch.device):
+        pin, n = device.type == "cuda", max_drafts + 1
+        self.drafts = torch.zeros(max_batch, max_drafts, dtype=torch.int64, device=device)
+        self.accepted = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.logprobs = torch.zeros(max_batch, n, dtype=torch.float32, device=device)
+        self.top_ids = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.float32, device=device)
+        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                     for t in (self.accepted, self.tokens, self.logprobs, self.top_ids, self.top_logprobs)]
+
+    def read(self, batch: int, n: int, num_top: int, streams):
+        accepted, tokens, logprobs, top_ids, top_lps = self.host
+        accepted[:batch].copy_(self.accepted[:batch], non_blocking=True)
+        tokens[:batch].copy_(self.tokens[:batch], non_blocking=True)
+        logprobs[:batch, :n].copy_(self.logprobs[:batch, :n], non_blocking=True)
+        if num_top:
+            top_ids[:batch * n, :num_top].copy_(self.top_ids[:batch * n, :num_top], non_blocking=True)
+            top_lps[:batch * n, :num_top].copy_(self.top_logprobs[:batch * n, :num_top], non_blocking=True)
+        if streams is not None:
+            streams.compute.synchronize()
+        return (accepted[:batch].tolist(), tokens[:batch].tolist(), logprobs[:batch, :n].tolist(),
+                top_ids[:batch * n, :num_top].tolist() if num_top else None,
+                top_lps[:batch * n, :num_top].tolist() if num_top else None)

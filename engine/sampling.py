@@ -126,17 +126,19 @@ def penalized_logits(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return torch.where(st.seen & (pen != 1.0), scaled, logits)
 
 
-def target_logprobs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+def target_logprobs(logits: torch.Tensor, st: SamplingTensors, filtered: bool | None = None) -> torch.Tensor:
     """[N, vocab] log-probabilities of the distribution a row samples from: penalty, temperature,
-    top-k, top-p (in that order, as transformers applies them). Greedy rows get a one-hot (0 / -inf)."""
+    top-k, top-p (in that order, as transformers applies them). Greedy rows get a one-hot (0 / -inf).
+    filtered: whether any row uses top-k/top-p; None reads it from st (a host sync), a bool given by
+    the caller keeps the function free of host syncs (capturable)."""
     x = penalized_logits(logits.float(), st)
     greedy = st.temperature == 0.0
     x = x / torch.where(greedy, torch.ones_like(st.temperature), st.temperature)[:, None]
     argmax = torch.argmax(x, dim=-1)
     onehot = torch.full_like(x, float("-inf")).scatter(-1, argmax[:, None], 0.0)
-    if bool(greedy.all()):
-        return onehot
-    if not bool(((st.top_k > 0) | (st.top_p < 1.0)).any()):
+    if filtered is None:
+        filtered = bool(((st.top_k > 0) | (st.top_p < 1.0)).any())
+    if not filtered:
         return torch.where(greedy[:, None], onehot, torch.log_softmax(x, dim=-1))
     vocab = x.shape[-1]
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
@@ -184,12 +186,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors, num_top: int = 0) -> Sampl
 
 
 def accept_drafts(target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
-                  st: SamplingTensors) -> tuple[int, int]:
+                  seed: torch.Tensor, position: torch.Tensor) -> tuple[int, int]:
     """Speculative acceptance for one sequence.
 
     target_logp [k+1, vocab]: the target's sampling distribution at each draft position and one past.
     draft_ids [k]; draft_probs [k, vocab] or None (drafts taken as deterministic: q = one-hot).
-    st: the k+1 rows' parameters (position = index of the token each row decides).
+    seed, position [k+1]: each row's seed and the index of the token it decides.
     Accept draft i with probability min(1, p(x)/q(x)); on the first rejection draw from
     normalize(max(p - q, 0)); if all are accepted draw the bonus token from row k. This keeps the
     target distribution exactly (Leviathan et al. 2023, Chen et al. 2023); for greedy rows p is a
@@ -205,7 +207,7 @@ def accept_drafts(target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_prob
     rows = torch.arange(k, device=p.device)
     p_x = p[rows, draft_ids]
     q_x = q[rows, draft_ids]
-    u = uniform(st.seed[:k], st.position[:k], STREAM_ACCEPT, torch.zeros_like(st.position[:k]))
+    u = uniform(seed[:k], position[:k], STREAM_ACCEPT, torch.zeros_like(position[:k]))
     accepted = (u * q_x < p_x) & (p_x > 0)
     rejected = (~accepted).nonzero()
     j = int(rejected[0]) if rejected.numel() else k
@@ -216,7 +218,5 @@ def accept_drafts(target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_prob
         logp_j = torch.log(residual)
     else:
         logp_j = target_logp[k]
-    row = SamplingTensors(st.temperature[j:j + 1], st.top_k[j:j + 1], st.top_p[j:j + 1], st.seed[j:j + 1],
-                          st.repetition_penalty[j:j + 1], st.seen[j:j + 1], st.position[j:j + 1])
-    token = draw(logp_j[None, :], row)
-    return j, int(token[0])
+    noise = gumbel(seed[j:j + 1], position[j:j + 1], logp_j.shape[-1])
+    return j, int(torch.argmax(logp_j[None, :] + noise, dim=-1)[0])

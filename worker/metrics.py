@@ -23,15 +23,17 @@ class _Call:
 
 
 class _EngineCollector:
-    """Gauges read from the last engine snapshot (taken on the engine thread after each step)."""
+    """Gauges read at scrape time from engine.info(), which only reads counters (free-list lengths,
+    graph statistics): no engine-thread round trip, so a scrape never waits behind a step; a value
+    may be from the middle of a step."""
 
     def __init__(self):
-        self.info: api.EngineInfo | None = None
+        self.engine = None
 
     def collect(self):
-        info = self.info
-        if info is None:
+        if self.engine is None:
             return
+        info = self.engine.info()
         used = info.total_blocks - info.free_blocks
         yield GaugeMetricFamily("metrale_kv_blocks_used", "KV-cache blocks reserved by live sequences", value=used)
         yield GaugeMetricFamily("metrale_kv_blocks_free", "KV-cache blocks free", value=info.free_blocks)

@@ -33,8 +33,7 @@ class _Stream:
 
 
 class EngineRunner:
-    def __init__(self, make_engine: Callable[[], Engine], after_step: Callable[[Engine], None] = lambda e: None):
-        self._after_step = after_step
+    def __init__(self, make_engine: Callable[[], Engine]):
         self._work: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
         self._stopping = False
@@ -115,7 +114,6 @@ class EngineRunner:
                 self._run(engine, *item)
             if self._streams and not self._stopping:
                 self._stream_step(engine)
-            self._after_step(engine)
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
         engine.close()

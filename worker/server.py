@@ -124,8 +124,9 @@ class Worker:
 
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
         t0 = time.perf_counter()
-        self.runner = await asyncio.to_thread(EngineRunner, lambda: Engine(self.engine_config), self._after_step)
+        self.runner = await asyncio.to_thread(EngineRunner, lambda: Engine(self.engine_config))
         await self.runner.call(warm_up)
+        self.metrics.engine.engine = self.runner.engine
         self.servicer.runner = self.runner
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
@@ -134,9 +135,6 @@ class Worker:
         log.info("serving %s on %s (port %d) in %.1fs; metrics port %s", self.runner.engine.model_path, cfg.host,
                  self.port, time.perf_counter() - t0, self.metrics_port or "off")
         return self.port
-
-    def _after_step(self, engine: Engine) -> None:
-        self.metrics.engine.info = engine.info()
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME):

@@ -112,3 +112,13 @@ class TorchOps:
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors,
                num_top: int = 0) -> sampling.SampleOutput:
         return sampling.sample(logits, st, num_top)
+
+    def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
+                      seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched speculative acceptance: target_logp [B, K+1, V], draft_ids [B, K], draft_probs
+        [B, K, V] or None, seed / position [B, K+1] -> (num_accepted [B], the token after them [B])."""
+        out = [sampling.accept_drafts(target_logp[b], draft_ids[b], None if draft_probs is None else draft_probs[b],
+                                      seed[b], position[b]) for b in range(draft_ids.shape[0])]
+        device = target_logp.device
+        return (torch.tensor([j for j, _ in out], dtype=torch.int64, device=device),
+                torch.tensor([t for _, t in out], dtype=torch.int64, device=device))
