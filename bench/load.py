@@ -64,6 +64,14 @@ def make_requests(n: int, seed: int, vocab: int, prompt_mean: int, output_mean: 
     return [Request(tuple(int(t) for t in np.tile(rng.integers(0, vocab, 8), p // 8 + 1)[:p]), o) for p, o in pairs]
 
 
+def quantiles_ms(xs: list[float], n: int = 1000) -> list[float]:
+    """The distribution in at most n evenly spaced quantiles (enough for a CDF plot), in ms."""
+    if not xs:
+        return []
+    qs = np.linspace(0, 100, min(n, len(xs)))
+    return [round(1e3 * float(v), 4) for v in np.percentile(xs, qs)]
+
+
 def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
@@ -417,8 +425,8 @@ async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineC
             await run_level(grpc_backend, reqs[:min(n, 2 * c)], c, args.spec)  # warm-up
             level = await run_level(grpc_backend, reqs, c, args.spec)
             results["grpc"].append(level.summary())
-            results["raw_grpc"].append({"concurrency": c, "ttft_ms": [1e3 * x for x in level.ttft],
-                                        "itl_ms": [1e3 * x for x in level.itl]})
+            results["raw_grpc"].append({"concurrency": c, "ttft_ms": quantiles_ms(level.ttft),
+                                        "itl_ms": quantiles_ms(level.itl)})
             line = level.summary()
             if engine is not None:
                 eb = EngineBackend(engine)

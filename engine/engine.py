@@ -179,9 +179,11 @@ class Engine:
         return api.StepResult(tokens, timer.elapsed_ns())
 
     def _prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
+        seen = [(seq.slot, t) for seq, it in zip(seqs, items) for t in it.token_ids]
+        if seen:
+            self.state.mark_seen(torch.tensor([s for s, _ in seen], device=self.device),
+                                 torch.tensor([t for _, t in seen], device=self.device))
         for seq, it in zip(seqs, items):
-            if it.token_ids:
-                self.state.seen[seq.slot, torch.tensor(it.token_ids, device=self.device)] = True
             seq.token_ids.extend(it.token_ids)
             if not it.partial and seq.num_cached == seq.seq_len:
                 seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits

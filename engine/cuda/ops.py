@@ -27,6 +27,8 @@ class CudaOps:
     def __init__(self, lib: KernelLibrary, max_seq_len: int):
         self.lib = lib
         self.max_seq_len = max_seq_len
+        self._prefill_work_key: tuple | None = None
+        self._prefill_work: torch.Tensor | None = None
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> "CudaOps":
@@ -84,11 +86,17 @@ class CudaOps:
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                           scale: float, sliding_window: int = 0) -> torch.Tensor:
-        work = prefill_work(query_start_loc, seq_lens)
+        # The work list is the same for every layer of a forward: copied to the device once, since a
+        # pageable host-to-device copy waits for the GPU work queued before it.
+        key = (tuple(query_start_loc), tuple(seq_lens))
+        if self._prefill_work_key != key:
+            work = prefill_work(query_start_loc, seq_lens)
+            self._prefill_work = torch.tensor(work, dtype=torch.int32, device=q.device) if work else None
+            self._prefill_work_key = key
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if not work:
+        work_t = self._prefill_work
+        if work_t is None:
             return out
-        work_t = torch.tensor(work, dtype=torch.int32, device=q.device)
         self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
                                    sliding_window)
         return out
