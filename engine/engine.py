@@ -65,6 +65,8 @@ class Engine:
         self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
         self.verify_outputs = VerifyOutputs(config.max_batch_size, config.max_draft_tokens, config.max_top_logprobs,
                                             self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # all set-up writes (default stream) land before any step
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self._next_seq_id = 1

@@ -128,6 +128,7 @@ def test_engine_streams_stage_and_time(lib, gen):
     x = randn(64, 4096, dtype=torch.bfloat16)
     out = nan((64, 4096), torch.bfloat16)
     weight = torch.ones(4096, dtype=torch.bfloat16, device=lib.device)
+    torch.cuda.synchronize()  # the inputs were written on the default stream; the compute stream must see them
     with streams.compute_context():
         streams.stage(dst, src)
         with streams.timed() as t:
@@ -475,10 +476,8 @@ def test_spec_accept_matches_reference(lib, gen, B, K, vocab, with_probs, greedy
 
     for b in range(B):
         r = slice(b * (K + 1), (b + 1) * (K + 1))
-        row_st = sampling.SamplingTensors(st.temperature[r], st.top_k[r], st.top_p[r], st.seed[r],
-                                          st.repetition_penalty[r], st.seen[r], st.position[r])
         j, tok = sampling.accept_drafts(target[b], draft_ids[b], None if draft_probs is None else draft_probs[b],
-                                        row_st)
+                                        st.seed[r], st.position[r])
         assert (int(num_accepted[b]), int(tokens[b])) == (j, tok), f"sequence {b}"
 
 
@@ -492,9 +491,8 @@ def test_accept_drafts_through_cuda_ops(ops, gen):
                                              st.position.view(B, K + 1))
     for b in range(B):
         r = slice(b * (K + 1), (b + 1) * (K + 1))
-        row_st = sampling.SamplingTensors(st.temperature[r], st.top_k[r], st.top_p[r], st.seed[r],
-                                          st.repetition_penalty[r], st.seen[r], st.position[r])
-        assert (int(num_accepted[b]), int(tokens[b])) == sampling.accept_drafts(target[b], draft_ids[b], None, row_st)
+        assert (int(num_accepted[b]), int(tokens[b])) == sampling.accept_drafts(target[b], draft_ids[b], None,
+                                                                                st.seed[r], st.position[r])
 
 
 # ---------------------------------------------------------------------------------------------
