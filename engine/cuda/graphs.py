@@ -183,4 +183,12 @@ class TorchGraphBackend:
         graph.reset()
 
     def pool_bytes(self) -> int:
-        return self._bytes
+        """Bytes of the device segments the shared graph pool holds (the allocator's snapshot), or the
+        growth of reserved memory across captures where the snapshot has no pool ids."""
+        try:
+            pool = tuple(self.pool)
+            segments = self.torch.cuda.memory_snapshot()
+            held = [s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool]
+            return sum(held) if held or not self._bytes else self._bytes
+        except Exception:  # noqa: BLE001: statistics only
+            return self._bytes
