@@ -84,6 +84,20 @@ class _Base:
     def _backoff(self, attempt: int) -> float:
         return min(0.05 * 2 ** attempt, 1.0)
 
+    @staticmethod
+    def _alloc_request(max_total_tokens: int, sampling: Sampling | None, stopping: Stopping | None,
+                       request_id: str) -> pb.AllocSequenceRequest:
+        return pb.AllocSequenceRequest(max_total_tokens=max_total_tokens, sampling=(sampling or Sampling()).to_pb(),
+                                       stopping=(stopping or Stopping()).to_pb(), request_id=request_id)
+
+    def _generate_call(self, prompt_ids, max_new_tokens, sampling, stop_token_ids, ignore_eos, timeout, request_id):
+        """The Generate call; its default deadline grows with the number of tokens asked for."""
+        req = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=(sampling or Sampling()).to_pb(),
+                                 stopping=Stopping(max_new_tokens, stop_token_ids, ignore_eos).to_pb(),
+                                 request_id=request_id)
+        return self.stub.Generate(req, timeout=timeout or self.timeout * max(1, max_new_tokens / 8),
+                                  metadata=self._md)
+
 
 class Session:
     """One sequence: prefill, then decode/verify, then release (also on leaving a `with` block)."""
@@ -162,8 +176,7 @@ class WorkerClient(_Base):
 
     def alloc(self, max_total_tokens: int, sampling: Sampling | None = None, stopping: Stopping | None = None,
               request_id: str = "", timeout: float | None = None) -> pb.AllocSequenceResponse:
-        req = pb.AllocSequenceRequest(max_total_tokens=max_total_tokens, sampling=(sampling or Sampling()).to_pb(),
-                                      stopping=(stopping or Stopping()).to_pb(), request_id=request_id)
+        req = self._alloc_request(max_total_tokens, sampling, stopping, request_id)
         return self._call(self.stub.AllocSequence, req, timeout, False)
 
     def session(self, max_total_tokens: int, max_new_tokens: int = 0, sampling: Sampling | None = None,
@@ -200,11 +213,8 @@ class WorkerClient(_Base):
                  request_id: str = "") -> Iterator[pb.Token]:
         """Streams the tokens of one sequence (the Generate RPC). Breaking out early cancels the call
         and the worker frees the sequence."""
-        req = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=(sampling or Sampling()).to_pb(),
-                                 stopping=Stopping(max_new_tokens, stop_token_ids, ignore_eos).to_pb(),
-                                 request_id=request_id)
-        call = self.stub.Generate(req, timeout=timeout or self.timeout * max(1, max_new_tokens / 8),
-                                  metadata=self._md)
+        call = self._generate_call(prompt_ids, max_new_tokens, sampling, stop_token_ids, ignore_eos, timeout,
+                                   request_id)
         try:
             for resp in call:
                 yield resp.token
@@ -249,8 +259,7 @@ class AsyncWorkerClient(_Base):
 
     async def alloc(self, max_total_tokens: int, sampling: Sampling | None = None, stopping: Stopping | None = None,
                     request_id: str = "", timeout: float | None = None) -> pb.AllocSequenceResponse:
-        req = pb.AllocSequenceRequest(max_total_tokens=max_total_tokens, sampling=(sampling or Sampling()).to_pb(),
-                                      stopping=(stopping or Stopping()).to_pb(), request_id=request_id)
+        req = self._alloc_request(max_total_tokens, sampling, stopping, request_id)
         return await self._call(self.stub.AllocSequence, req, timeout, False)
 
     async def prefill(self, items: Seq[pb.PrefillItem], timeout: float | None = None) -> pb.PrefillResponse:
@@ -281,11 +290,8 @@ class AsyncWorkerClient(_Base):
     async def generate(self, prompt_ids: Seq[int], max_new_tokens: int, sampling: Sampling | None = None,
                        stop_token_ids: Seq[int] = (), ignore_eos: bool = False, timeout: float | None = None,
                        request_id: str = "") -> AsyncIterator[pb.Token]:
-        req = pb.GenerateRequest(prompt_token_ids=prompt_ids, sampling=(sampling or Sampling()).to_pb(),
-                                 stopping=Stopping(max_new_tokens, stop_token_ids, ignore_eos).to_pb(),
-                                 request_id=request_id)
-        call = self.stub.Generate(req, timeout=timeout or self.timeout * max(1, max_new_tokens / 8),
-                                  metadata=self._md)
+        call = self._generate_call(prompt_ids, max_new_tokens, sampling, stop_token_ids, ignore_eos, timeout,
+                                   request_id)
         try:
             async for resp in call:
                 yield resp.token

@@ -1,0 +1,66 @@
+"""The Python client against a real server: sync and asyncio, sessions, streaming, deadlines, retries."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from conftest import random_prompts
+from metrale.worker.v1 import worker_pb2 as pb
+from worker.client import AsyncWorkerClient, Sampling, Stopping, WorkerClient
+
+
+def test_sync_session_and_generate_agree(server):
+    prompt = random_prompts([12], 512, seed=4)[0]
+    with WorkerClient(server.address) as client:
+        assert client.health() == 1 and client.info().vocab_size == 512
+        with client.session(64, stopping=Stopping(max_new_tokens=10, ignore_eos=True)) as seq:
+            tokens = [seq.prefill(prompt[:5], partial=True), seq.prefill(prompt[5:])]
+            assert tokens[0] is None
+            while not seq.finished:
+                tokens.append(seq.decode())
+        assert seq.released and client.info().live_sequences == 0
+        session_ids = [t.token_id for t in tokens[1:]]
+        streamed = list(client.generate(prompt, 10, ignore_eos=True))
+        assert [t.token_id for t in streamed] == session_ids
+        assert streamed[-1].finish_reason == pb.FINISH_REASON_LENGTH and streamed[-1].seq_len == 22
+
+
+def test_async_client_matches_sync(server):
+    prompt = random_prompts([9], 512, seed=6)[0]
+    sampling = Sampling(temperature=0.8, top_k=20, seed=11)
+    with WorkerClient(server.address) as client:
+        expected = [t.token_id for t in client.generate(prompt, 8, sampling=sampling, ignore_eos=True)]
+
+    async def run():
+        async with AsyncWorkerClient(server.address) as client:
+            streamed = [t.token_id async for t in client.generate(prompt, 8, sampling=sampling, ignore_eos=True)]
+            alloc = await client.alloc(32, sampling=sampling, stopping=Stopping(max_new_tokens=8, ignore_eos=True))
+            first = await client.prefill([pb.PrefillItem(sequence_id=alloc.sequence_id, token_ids=prompt)])
+            stepped = [first.tokens[0].token_id]
+            while len(stepped) < 8:
+                stepped.append((await client.decode([alloc.sequence_id])).tokens[0].token_id)
+            assert await client.release([alloc.sequence_id]) == 1
+            return streamed, stepped, (await client.info()).live_sequences
+    streamed, stepped, live = asyncio.run(run())
+    assert streamed == expected == stepped and live == 0
+
+
+def test_deadlines_and_no_retry_of_state_changing_calls(server):
+    with WorkerClient(server.address, timeout=5) as client:
+        sid = client.alloc(32).sequence_id
+        with pytest.raises(grpc.RpcError) as info:
+            client.decode([sid])  # before prefill: FAILED_PRECONDITION, not retried
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert client.release([sid]) == 1
+        with pytest.raises(grpc.RpcError) as info:
+            client.release([sid])  # first attempt NOT_FOUND: an error, not a retry artefact
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_unreachable_worker_fails_after_bounded_retries():
+    with WorkerClient("127.0.0.1:1", timeout=0.5, retries=2) as client:
+        with pytest.raises(grpc.RpcError) as info:
+            client.info()
+        assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
