@@ -1,4 +1,5 @@
-"""Every environment variable the project reads, read once, here. Prefix: METRALE_."""
+"""Every environment variable the project reads, read once, here. Prefix: METRALE_ (and the
+standard CUDA_HOME / CUDA_PATH)."""
 import os
 import pathlib
 
@@ -6,3 +7,5 @@ import pathlib
 CACHE_DIR = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "metrale-worker")
 # Python logging level name for the worker (DEBUG, INFO, WARNING, ...).
 LOG_LEVEL = os.environ.get("METRALE_LOG_LEVEL", "INFO")
+# CUDA toolkit roots searched for nvcc when it is not on PATH (the standard CUDA variables).
+CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r)

@@ -20,6 +20,8 @@ import struct
 import subprocess
 import sys
 
+from engine import env
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO_ROOT / "kernels_cu"
 BUILD_DIR = KERNEL_DIR / "build"
@@ -64,8 +66,8 @@ def find_nvcc() -> str | None:
     nvcc = shutil.which("nvcc")
     if nvcc:
         return nvcc
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (pathlib.Path(root) / "bin" / "nvcc").is_file():
+    for root in env.CUDA_ROOTS:
+        if (pathlib.Path(root) / "bin" / "nvcc").is_file():
             return str(pathlib.Path(root) / "bin" / "nvcc")
     return None
 
