@@ -25,7 +25,6 @@ import os
 import pathlib
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile

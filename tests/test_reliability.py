@@ -19,7 +19,7 @@ from engine.engine import Engine
 from engine.sampling import SamplingParams, StoppingCriteria
 from grpc_health.v1 import health_pb2
 from metrale.worker.v1 import worker_pb2 as pb
-from worker.client import Sampling, Stopping, WorkerClient
+from worker.client import Stopping, WorkerClient
 
 
 def solo_greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:

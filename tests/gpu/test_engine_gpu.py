@@ -160,7 +160,8 @@ def test_graph_pool_does_not_grow_over_10000_steps_of_churn(ckpt_tiny):
         step(i)
     torch.cuda.synchronize()
     s = engine.graphs.stats
-    print(f"10k churn steps: {s}; reserved {reserved_early} -> {torch.cuda.memory_reserved()}")
+    print(f"10k churn steps: {s}; reserved {reserved_early} -> {torch.cuda.memory_reserved()}; "
+          f"graph pool {pool_early} -> {s.pool_bytes} bytes")
     assert torch.cuda.memory_reserved() <= reserved_early
     assert s.graphs_held <= 8 and s.evictions > 100
 

@@ -9,7 +9,6 @@ Set METRALE_KERNEL_REPORT=path to get a summary of the errors measured.
 """
 from __future__ import annotations
 
-import math
 import os
 import random
 
