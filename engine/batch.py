@@ -1,8 +1,10 @@
 """ForwardBatch: everything one forward pass needs, built once per step and passed down."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -39,24 +41,26 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     per_token: attention runs as one decode query per token (each sees the keys up to its own
     position, through its sequence's block-table row). That is how Verify runs its few tokens per
     sequence: decode attention takes no host-side work list, so the forward is capturable."""
-    ids, positions, qsl, seq_lens, logits_idx, scale = [], [], [0], [], [], []
-    for start, toks, rows in zip(starts, tokens, logits_rows):
-        logits_idx.extend(qsl[-1] + r for r in rows)
-        ids.extend(toks)
-        positions.extend(range(start, start + len(toks)))
-        qsl.append(qsl[-1] + len(toks))
-        seq_lens.append(start + len(toks))
-        scale.extend([start + len(toks)] * len(toks))
-    slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
-    tables = block_table[slots_t]
-    pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-    seq_index = torch.repeat_interleave(torch.arange(len(slots), device=device),
-                                        torch.tensor([len(t) for t in tokens], device=device))
+    # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one copy each.
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    qsl_a = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl_a[1:])
+    num_tokens = int(qsl_a[-1])
+    seq_index_a = np.repeat(np.arange(len(tokens)), lens)
+    starts_a = np.asarray(starts, dtype=np.int64)
+    positions_a = starts_a[seq_index_a] + np.arange(num_tokens) - qsl_a[:-1][seq_index_a]
+    seq_lens_a = starts_a + lens
+    qsl, seq_lens = qsl_a.tolist(), seq_lens_a.tolist()
+    logits_idx = [qsl[b] + r for b, rows in enumerate(logits_rows) for r in rows]
+    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=num_tokens))
+    tables = block_table[torch.tensor(slots, dtype=torch.int64, device=device)]
+    pos_t = torch.from_numpy(positions_a).to(device)
+    seq_index = torch.from_numpy(seq_index_a).to(device)
     block_ids = tables[seq_index, pos_t // block_size].long()
     if per_token:
-        tables, qsl, seq_lens = tables[seq_index], list(range(len(ids) + 1)), [p + 1 for p in positions]
+        tables, qsl, seq_lens = tables[seq_index], list(range(num_tokens + 1)), (positions_a + 1).tolist()
     return ForwardBatch(
-        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        input_ids=ids.to(device),
         positions=pos_t,
         slot_mapping=block_ids * block_size + pos_t % block_size,
         block_tables=tables,
@@ -65,7 +69,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         is_decode=per_token,
         query_start_loc=qsl,
         seq_lens_host=seq_lens,
-        rope_scale_lens=scale if need_scale_lens else None,
+        rope_scale_lens=seq_lens_a[seq_index_a].tolist() if need_scale_lens else None,
     )
 
 

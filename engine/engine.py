@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import pathlib
 import secrets
 import time
 
+import numpy as np
 import torch
 
 from engine import api
@@ -181,10 +183,12 @@ class Engine:
         return api.StepResult(tokens, timer.elapsed_ns())
 
     def _prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
-        seen = [(seq.slot, t) for seq, it in zip(seqs, items) for t in it.token_ids]
-        if seen:
-            self.state.mark_seen(torch.tensor([s for s, _ in seen], device=self.device),
-                                 torch.tensor([t for _, t in seen], device=self.device))
+        lens = [len(it.token_ids) for it in items]
+        if sum(lens):
+            tokens = np.fromiter(itertools.chain.from_iterable(it.token_ids for it in items), dtype=np.int64,
+                                 count=sum(lens))
+            slots = np.repeat(np.asarray([s.slot for s in seqs], dtype=np.int64), lens)
+            self.state.mark_seen(torch.from_numpy(slots).to(self.device), torch.from_numpy(tokens).to(self.device))
         for seq, it in zip(seqs, items):
             seq.token_ids.extend(it.token_ids)
             if not it.partial and seq.num_cached == seq.seq_len:
@@ -530,6 +534,8 @@ class Engine:
 
     def _check_tokens(self, token_ids: list[int], what: str) -> None:
         vocab = self.model_config.vocab_size
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+            return
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidArgument(f"{what}: token ids {bad[:8]} are outside the vocabulary (size {vocab})")
