@@ -29,6 +29,8 @@ class CudaOps:
         self.max_seq_len = max_seq_len
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
+        self._sdpa_key: tuple | None = None
+        self._sdpa_plan: list = []
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> "CudaOps":
@@ -86,9 +88,15 @@ class CudaOps:
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                           scale: float, sliding_window: int = 0) -> torch.Tensor:
+        """Fresh prompts (no cached prefix, no active sliding window) run through torch's fused
+        scaled_dot_product_attention (FlashAttention) on the keys gathered from the cache; prompt chunks
+        that continue a cached prefix run the paged kernel of kernels_cu/prefill_attention.cu."""
+        key = (tuple(query_start_loc), tuple(seq_lens))
+        fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
+        if fresh and (not sliding_window or max(seq_lens, default=0) <= sliding_window):
+            return self._prefill_sdpa(q, k_cache, v_cache, block_tables, key, scale)
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
-        key = (tuple(query_start_loc), tuple(seq_lens))
         if self._prefill_work_key != key:
             work = prefill_work(query_start_loc, seq_lens)
             self._prefill_work = torch.tensor(work, dtype=torch.int32, device=q.device) if work else None
@@ -99,6 +107,30 @@ class CudaOps:
             return out
         self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
                                    sliding_window)
+        return out
+
+    def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      key: tuple, scale: float) -> torch.Tensor:
+        """Sequences of equal length go through one scaled_dot_product_attention call (causal, GQA)."""
+        if self._sdpa_key != key:
+            self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
+            self._sdpa_key = key
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = k_cache.shape[2]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        out = torch.empty_like(q)
+        for rows, kv_index, n, length in self._sdpa_plan:
+            qg = (q if rows is None else q[rows]).view(n, length, num_heads, head_dim).transpose(1, 2)
+            kg = k_flat[kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            vg = v_flat[kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
+                                                                  enable_gqa=num_heads != num_kv_heads)
+            og = og.transpose(1, 2).reshape(n * length, num_heads, head_dim)
+            if rows is None:
+                out = og
+            else:
+                out[rows] = og
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +176,25 @@ class CudaOps:
                                   draft_probs, seed.long().contiguous(), position.long().contiguous())
         self.lib.spec_accept_finish(num_accepted, tokens, parts, k1 - 1)
         return num_accepted, tokens
+
+
+def sdpa_plan(query_start_loc: tuple, seq_lens: tuple, block_tables: torch.Tensor, block_size: int) -> list:
+    """Per group of equal-length fresh sequences: (query rows or None for the whole batch, flat KV-cache
+    index of every key, sequences, length). Index tensors are built once per forward."""
+    groups: dict[int, list[int]] = {}
+    for b, n in enumerate(seq_lens):
+        groups.setdefault(n, []).append(b)
+    device = block_tables.device
+    plan = []
+    for length, seqs in groups.items():
+        pos = torch.arange(length, device=device).repeat(len(seqs))
+        rows_b = torch.tensor(seqs, device=device).repeat_interleave(length)
+        kv_index = block_tables[rows_b, pos // block_size].long() * block_size + pos % block_size
+        whole = len(groups) == 1
+        rows = None if whole else (torch.tensor([query_start_loc[b] for b in seqs], device=device)
+                                   .repeat_interleave(length) + pos)
+        plan.append((rows, kv_index, len(seqs), length))
+    return plan
 
 
 def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:

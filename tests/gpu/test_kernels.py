@@ -548,3 +548,29 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
         for name, e, g in zip(("attention", "tokens", "logprobs"), eager, static_out):
             assert torch.equal(e, g), f"step {step}: graph {name} differs from eager"
     assert not torch.isnan(static_out[0].float()).any()
+
+
+@pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
+                                             ([2048], 16, 16, 64), ([7, 7, 300], 8, 1, 96)])
+def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, Hkv, D):
+    """Fresh prompts go through torch's fused attention on keys gathered from the paged cache."""
+    bs = 16
+    blocks_per = [-(-n // bs) for n in lengths]
+    perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1  # scattered blocks
+    table = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(blocks_per):
+        table[b, :nb] = perm[at:at + nb]
+        at += nb
+    table = table.to(dev())
+    num_blocks = sum(blocks_per) + 4
+    k_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
+    v_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
+    qsl = [0]
+    for n in lengths:
+        qsl.append(qsl[-1] + n)
+    q = randn(qsl[-1], H, D, dtype=torch.bfloat16)
+    scale = D ** -0.5
+    out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
+    ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale, 0)
+    check("prefill_attention (sdpa)", out, ref, BF16_TOL)
