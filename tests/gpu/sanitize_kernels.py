@@ -17,8 +17,10 @@ def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=4096)
     torch.manual_seed(0)
-    for dt in (torch.bfloat16, torch.float16):
-        B, H, Hkv, D, bs, hidden, inter, vocab = 3, 8, 2, 64, 16, 512, 256, 3000
+    vocab = 3000
+    for dt, D in ((torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 16), (torch.bfloat16, 80),
+                  (torch.bfloat16, 128)):
+        B, H, Hkv, bs, hidden, inter = 3, 8, 2, 16, 512, 256
         ids = torch.randint(0, vocab, (B,), device=dev)
         emb = torch.randn(vocab, hidden, device=dev).to(dt)
         w = torch.ones(hidden, device=dev, dtype=dt)
@@ -47,9 +49,11 @@ def main() -> int:
         qr = ops.rope_cache_write(q, k, v, cos_sin, pos, kc, vc, slots)
         for window in (0, 50):
             ops.decode_attention(qr, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32, device=dev), 0.125, window)
-            qp = torch.randn(sum(seq_lens), H, D, device=dev).to(dt)
-            qsl = [0, 1, 71, 371]
+            qsl = [0, 1, 31, 131]  # chunks that continue a cached prefix: the paged kernel
+            qp = torch.randn(qsl[-1], H, D, device=dev).to(dt)
             ops.prefill_attention(qp, kc, vc, table, qsl, seq_lens, 0.125, window)
+            qp = torch.randn(sum(seq_lens), H, D, device=dev).to(dt)  # fresh prompts: fused SDPA
+            ops.prefill_attention(qp, kc, vc, table, [0, 1, 71, 371], seq_lens, 0.125, window)
     n = 6
     st = sampling.SamplingTensors(
         temperature=torch.tensor([0.0, 0.7, 1.0, 0.9, 0.8, 1.0], device=dev),
