@@ -188,6 +188,12 @@ async def run_level(backend, requests: list[Request], concurrency: int, spec: in
     def more() -> bool:
         return next_req < len(queue) or (duration and time.perf_counter() - t_start < duration)
 
+    async def retire(done: list[int]) -> None:
+        for sid in done:
+            running.pop(sid)
+        if done:
+            await backend.release(done)
+
     while running or more():
         # Admit new sequences up to the concurrency, prefilled together.
         admit = []
@@ -206,10 +212,7 @@ async def run_level(backend, requests: list[Request], concurrency: int, spec: in
                 running[sid] = {"history": list(r.prompt) + [tok], "last": now}
                 if finished:
                     done.append(sid)
-            for sid in done:
-                running.pop(sid)
-            if done:
-                await backend.release(done)
+            await retire(done)
         if not running:
             continue
         ids = list(running)
@@ -233,10 +236,7 @@ async def run_level(backend, requests: list[Request], concurrency: int, spec: in
             res.output_tokens += len(tokens)
             if fin:
                 finished.append(sid)
-        for sid in finished:
-            running.pop(sid)
-        if finished:
-            await backend.release(finished)
+        await retire(finished)
         if on_tick:
             on_tick(res)
     res.seconds = time.perf_counter() - t_start
