@@ -39,6 +39,9 @@ for what in "$@"; do
     load1b)  stage load-1b 420 python3 bench/load.py --shape 1b --concurrency 1 8 32 128 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
+    profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
+    fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
+    kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py
               stage sanitize-racecheck 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py ;;
     *) echo "unknown stage $what" ;;

@@ -25,6 +25,7 @@ class ForwardBatch:
     query_start_loc: list[int]  # [B + 1] host: token offsets of the sequences
     seq_lens_host: list[int]  # [B] host copy of seq_lens
     rope_scale_lens: list[int] | None = None  # per token, its sequence's seq_len (dynamic NTK only)
+    logits_all_rows: bool = False  # logits_indices is every row in order (decode, verify)
 
     @property
     def num_tokens(self) -> int:
@@ -70,6 +71,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         query_start_loc=qsl,
         seq_lens_host=seq_lens,
         rope_scale_lens=seq_lens_a[seq_index_a].tolist() if need_scale_lens else None,
+        logits_all_rows=logits_idx == list(range(num_tokens)),
     )
 
 
@@ -94,4 +96,5 @@ def build_decode_batch(block_table: torch.Tensor, last_token: torch.Tensor, num_
         query_start_loc=list(range(batch + 1)),
         seq_lens_host=seq_lens_host,
         rope_scale_lens=seq_lens_host if need_scale_lens else None,
+        logits_all_rows=True,
     )

@@ -11,7 +11,14 @@
 //   k_cache / v_cache [num_blocks, block_size, Hkv, D];  block_tables [B, bt_stride] int32;
 //   seq_lens [B] int32 (read on the device only).
 //   part_o [B, H, num_splits, D] fp32 and part_lse [B, H, num_splits] fp32 (log2 units): per-split
-//   partial results, used when num_splits > 1 and merged by decode_attention_combine_*.
+//   partial results, used when num_splits > 1.  counters [B * Hkv * head_chunks] int32, zero before
+//   the launch and zero again after it.
+//
+// Merging the splits: when num_splits > 1, each block writes its partial result, fences, and takes a
+// ticket from its (b, head group)'s counter; the block that draws the last ticket merges the
+// group's splits (out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the non-empty splits, the
+// partials read through L2) and resets the counter. No second launch; the merge order is fixed
+// (by split index), so results do not depend on which block finishes last.
 //
 // Work split: block (split s, KV head hkv x head chunk c, batch b) handles the query heads
 // [hkv * G + 16 c, +16) of the group (the 16 rows of one tensor-core tile; G > 16 takes several chunks)
@@ -28,10 +35,8 @@
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes, STAGES = 2 if D >= 128 else 3
 //   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
 //   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);
-//   q, caches 16-byte aligned; num_splits == 1 writes out directly and leaves part_* untouched.
-// decode_attention_combine_{bf16,fp16}:
-//   grid (ceil(B * H / 4)), block (128): one warp per (b, h);
-//   out[b, h] = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the non-empty splits. D <= 256.
+//   q, caches 16-byte aligned; num_splits == 1 writes out directly and leaves part_* and counters
+//   untouched.
 #include "common.cuh"
 
 #define DA_THREADS 128
@@ -44,11 +49,85 @@ struct DecodeCfg {
   static constexpr int VPR = D / 8;  // 16-byte vectors per row
 };
 
+// Merges the splits of one (b, h) row with one warp: lanes read the splits' lse in parallel; then the
+// lanes form 32 / (D / 8) groups, group g summing splits g, g + groups, ... for its 8-element vectors
+// (independent loads in flight), and the groups are added with shuffles. Partials are read with
+// ld.global.cg (L2): other blocks wrote them during this launch.
+template <class T>
+__device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* __restrict__ part_o,
+                                            const float* __restrict__ part_lse, i64 row, int num_splits, int D,
+                                            int lane) {
+  const int vpr = D >> 3;  // <= 32 (D <= 256)
+  const int groups = 32 / vpr;
+  const int grp = lane / vpr, c = lane - grp * vpr;
+  const float* lse = part_lse + row * num_splits;
+  float M = NEG_INF;
+  for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, __ldcg(lse + s));
+  M = warp_max(M);
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float L = 0.f;
+  if (M != NEG_INF && grp < groups) {
+    for (int s = grp; s < num_splits; s += groups) {
+      const float ls = __ldcg(lse + s);
+      if (ls == NEG_INF) continue;
+      const float wgt = exp2f(ls - M);
+      L += wgt;
+      const float4* src = reinterpret_cast<const float4*>(part_o + (row * num_splits + s) * D + c * 8);
+      const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
+      acc[0] += lo.x * wgt;
+      acc[1] += lo.y * wgt;
+      acc[2] += lo.z * wgt;
+      acc[3] += lo.w * wgt;
+      acc[4] += hi.x * wgt;
+      acc[5] += hi.y * wgt;
+      acc[6] += hi.z * wgt;
+      acc[7] += hi.w * wgt;
+    }
+  }
+  for (int g = 1; g < groups; ++g) {  // group 0 gathers the other groups (uniform trip count)
+    const int src_lane = (lane + g * vpr) & 31;
+    const float l2 = __shfl_sync(FULL_MASK, L, src_lane);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float a2 = __shfl_sync(FULL_MASK, acc[e], src_lane);
+      if (grp == 0) acc[e] += a2;
+    }
+    if (grp == 0) L += l2;
+  }
+  if (grp != 0) return;
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] *= inv;
+  reinterpret_cast<Vec16*>(out + row * D)[c] = pack8<T>(acc);
+}
+
+// After a split block wrote its partials: the last block of the (b, head group) to arrive merges the
+// group's rows [h0, h0 + rows). Called by every thread of the block (block-uniform).
+template <class T>
+__device__ __forceinline__ void finish_split(u16* __restrict__ out, const float* __restrict__ part_o,
+                                             const float* __restrict__ part_lse, int* __restrict__ counters,
+                                             int group, i64 row0, int rows, int num_splits, int D) {
+  __shared__ int is_last;
+  __threadfence();  // this thread's partials are visible device-wide before the ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int ticket = atomicAdd(counters + group, 1);
+    is_last = ticket == num_splits - 1;
+    if (is_last) counters[group] = 0;  // every other block has taken its ticket
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int r = warp; r < rows; r += DA_THREADS / 32)
+    combine_row<T>(out, part_o, part_lse, row0 + r, num_splits, D, lane);
+}
+
 template <class T, int D>
 __device__ __forceinline__ void decode_attention_impl(
-    u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, const u16* __restrict__ q,
-    const u16* __restrict__ k_cache, const u16* __restrict__ v_cache, const int* __restrict__ block_tables,
-    const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,
+    u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
+    const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,
     int num_splits, int window, float scale_log2) {
   typedef DecodeCfg<D> C;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
@@ -77,6 +156,8 @@ __device__ __forceinline__ void decode_attention_impl(
   if (t0 >= t1) {  // an empty split (or an empty sequence): block-uniform exit
     if (num_splits > 1) {
       if (tid < rows) part_lse[((i64)b * H + h0 + tid) * num_splits + split] = NEG_INF;
+      finish_split<T>(out, part_o, part_lse, counters, b * gridDim.y + blockIdx.y, (i64)b * H + h0, rows,
+                      num_splits, D);
     } else {
       const Vec16 zero = {{0u, 0u, 0u, 0u}};
       for (int i = tid; i < rows * VPR; i += DA_THREADS)
@@ -276,67 +357,19 @@ __device__ __forceinline__ void decode_attention_impl(
       if (c == 0) part_lse[bh * num_splits + split] = M + log2f(L);
     }
   }
+  if (num_splits > 1)
+    finish_split<T>(out, part_o, part_lse, counters, b * gridDim.y + blockIdx.y, (i64)b * H + h0, rows, num_splits,
+                    D);
 }
 
-// One warp per (b, h) row: lanes read the splits' lse in parallel; then the lanes form
-// 32 / (D / 8) groups, group g summing splits g, g + groups, ... for its 8-element vectors (independent
-// loads in flight), and the groups are added with shuffles.
-template <class T>
-__device__ __forceinline__ void decode_attention_combine_impl(u16* __restrict__ out, const float* __restrict__ part_o,
-                                                              const float* __restrict__ part_lse, int num_rows,
-                                                              int num_splits, int D) {
-  const int lane = threadIdx.x & 31;
-  const int row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);  // b * H + h
-  if (row >= num_rows) return;  // whole warps
-  const int vpr = D >> 3;  // <= 32 (D <= 256)
-  const int groups = 32 / vpr;
-  const int grp = lane / vpr, c = lane - grp * vpr;
-  const float* lse = part_lse + (i64)row * num_splits;
-  float M = NEG_INF;
-  for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, lse[s]);
-  M = warp_max(M);
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float L = 0.f;
-  if (M != NEG_INF && grp < groups) {
-    for (int s = grp; s < num_splits; s += groups) {
-      const float ls = lse[s];
-      if (ls == NEG_INF) continue;
-      const float wgt = exp2f(ls - M);
-      L += wgt;
-      const Vec16* src = reinterpret_cast<const Vec16*>(part_o + ((i64)row * num_splits + s) * D + c * 8);
-      const Vec16 lo = src[0], hi = src[1];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[e] += __uint_as_float(lo.w[e]) * wgt;
-        acc[4 + e] += __uint_as_float(hi.w[e]) * wgt;
-      }
-    }
-  }
-  for (int g = 1; g < groups; ++g) {  // group 0 gathers the other groups (uniform trip count)
-    const int src_lane = (lane + g * vpr) & 31;
-    const float l2 = __shfl_sync(FULL_MASK, L, src_lane);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float a2 = __shfl_sync(FULL_MASK, acc[e], src_lane);
-      if (grp == 0) acc[e] += a2;
-    }
-    if (grp == 0) L += l2;
-  }
-  if (grp != 0) return;
-  const float inv = L > 0.f ? 1.f / L : 0.f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) acc[e] *= inv;
-  reinterpret_cast<Vec16*>(out + (i64)row * D)[c] = pack8<T>(acc);
-}
-
-#define DECODE_ENTRY(SUFFIX, T, D)                                                                        \
-  extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##SUFFIX##_d##D(              \
-      u16* out, float* part_o, float* part_lse, const u16* q, const u16* k_cache, const u16* v_cache,     \
-      const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,          \
-      int head_chunks, int bs_log2, int num_splits, int window, float scale_log2) {                       \
-    decode_attention_impl<T, D>(out, part_o, part_lse, q, k_cache, v_cache, block_tables, seq_lens,       \
-                                q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits, window,    \
-                                scale_log2);                                                              \
+#define DECODE_ENTRY(SUFFIX, T, D)                                                                          \
+  extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##SUFFIX##_d##D(                \
+      u16* out, float* part_o, float* part_lse, int* counters, const u16* q, const u16* k_cache,            \
+      const u16* v_cache, const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, \
+      int Hkv, int head_chunks, int bs_log2, int num_splits, int window, float scale_log2) {                \
+    decode_attention_impl<T, D>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,         \
+                                seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits,    \
+                                window, scale_log2);                                                        \
   }
 
 DECODE_ENTRY(bf16, Bf16, 16)
@@ -351,12 +384,3 @@ DECODE_ENTRY(fp16, Fp16, 64)
 DECODE_ENTRY(fp16, Fp16, 80)
 DECODE_ENTRY(fp16, Fp16, 96)
 DECODE_ENTRY(fp16, Fp16, 128)
-
-extern "C" __global__ void decode_attention_combine_bf16(u16* out, const float* part_o, const float* part_lse,
-                                                         int num_rows, int num_splits, int D) {
-  decode_attention_combine_impl<Bf16>(out, part_o, part_lse, num_rows, num_splits, D);
-}
-extern "C" __global__ void decode_attention_combine_fp16(u16* out, const float* part_o, const float* part_lse,
-                                                         int num_rows, int num_splits, int D) {
-  decode_attention_combine_impl<Fp16>(out, part_o, part_lse, num_rows, num_splits, D);
-}

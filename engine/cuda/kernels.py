@@ -50,17 +50,35 @@ def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
     return [KernelSpec(fmt.format(dt=dt), args) for dt in ("bf16", "fp16")]
 
 
+# Skinny linear layers (kernels_cu/skinny_linear.cu): one kernel per epilogue x dtype x token bucket.
+SKINNY_MAX_M = 32
+SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-tiles of 8 tokens
+SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
+SKINNY_THREADS = 256
+SKINNY_K_ALIGN = 32  # K elements per warp step
+SKINNY_EPILOGUE_ARGS = {
+    "store": "pppppp" + "iii",      # out, x, w, bias, norm_w, inv_rms, M, N, K
+    "f32": "pppppp" + "iii",        # the same, fp32 out
+    "silu": "ppppp" + "iii",        # out, x, w, norm_w, inv_rms, M, I, K
+    "residual": "pppppp" + "iii" + "f",  # residual, x, w, inv_rms_out, partials, counter, M, N, K, eps
+    "rope_kv": "p" * 11 + "iiiii",  # q_out, x, w, bias, norm_w, inv_rms, cos_sin, rope_index, k_cache,
+                                    # v_cache, slot_mapping, M, H, Hkv, D, K
+}
+
+
 MODULES: dict[str, list[KernelSpec]] = {
     "embedding": _per_dtype("embedding_{dt}", "pppil"),
-    "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif") + _per_dtype("add_rms_norm_{dt}", "pppppiif"),
+    "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
-    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "pppppppp" + "l" + "iiiiiii" + "f")
-                         for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS]
-                        + _per_dtype("decode_attention_combine_{dt}", "pppiii"),
+    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f")
+                         for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
+    "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS]
+                     + _per_dtype("rms_stats_{dt}", "ppif"),
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
@@ -78,6 +96,19 @@ def decode_smem_bytes(head_dim: int) -> int:
 
 def prefill_smem_bytes(head_dim: int) -> int:
     return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
+
+
+def skinny_m_bucket(num_tokens: int) -> int:
+    """The token bucket (kernel suffix _m8 / _m16 / _m32) of a skinny launch: the smallest that holds M."""
+    for bucket in SKINNY_M_BUCKETS:
+        if num_tokens <= bucket:
+            return bucket
+    raise KernelArgError(f"skinny linear: {num_tokens} tokens; the kernels take at most {SKINNY_MAX_M}")
+
+
+def skinny_partials_size(N: int, num_tokens: int = SKINNY_MAX_M) -> int:
+    """fp32 scratch (floats) of skinny_residual: one sum of squares per (16-row tile, token)."""
+    return N // SKINNY_TILE * num_tokens
 
 
 def expected_symbols() -> dict[str, list[str]]:
@@ -241,6 +272,12 @@ def _suffix(dtype: torch.dtype, what: str) -> str:
     except KeyError:
         raise KernelArgError(f"{what}: the CUDA kernels take bfloat16 or float16 activations, got {dtype} "
                              f"(use TorchOps for float32)") from None
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of two contiguous tensors overlaps."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _raw_stream_fn():
@@ -415,28 +452,6 @@ class KernelLibrary:
         self.kernels[f"rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
                                         o, xp, w, rows, inner, s_outer, s_inner, D, float(eps))
 
-    def add_rms_norm(self, out: torch.Tensor, residual_out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor,
-                     weight: torch.Tensor, eps: float) -> None:
-        sfx = _suffix(x.dtype, "add_rms_norm x")
-        xp = _tensor(x, "add_rms_norm x", x.dtype, 2)
-        rp = _tensor(residual, "add_rms_norm residual", x.dtype, 2)
-        _shape(residual, "add_rms_norm residual", x.shape)
-        D = x.shape[1]
-        w = _tensor(weight, "add_rms_norm weight", x.dtype, 1)
-        _shape(weight, "add_rms_norm weight", (D,))
-        o = _tensor(out, "add_rms_norm out", x.dtype)
-        ro = _tensor(residual_out, "add_rms_norm residual_out", x.dtype)
-        _shape(out, "add_rms_norm out", x.shape)
-        _shape(residual_out, "add_rms_norm residual_out", x.shape)
-        if D % 8:
-            raise KernelArgError(f"add_rms_norm: D ({D}) must be a multiple of 8")
-        rows = x.shape[0]
-        if rows == 0:
-            return
-        tpr, rpb = self._norm_layout(D)
-        self.kernels[f"add_rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
-                                            o, ro, xp, rp, w, rows, D, float(eps))
-
     @staticmethod
     def _norm_layout(D: int) -> tuple[int, int]:
         """(threads per row, rows per block) for rms_norm: 16-byte vectors, at most 4 per thread; short
@@ -496,7 +511,7 @@ class KernelLibrary:
         return ptr
 
     def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
-                         q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, sliding_window: int, num_splits: int) -> None:
         sfx = _suffix(q.dtype, "decode q")
         if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
@@ -520,36 +535,24 @@ class KernelLibrary:
         _shape(seq_lens, "seq_lens", (B,))
         o = _tensor(out, "decode out", q.dtype)
         _shape(out, "decode out", (B, H, D))
-        po = pl = 0
+        head_chunks = -(-(H // Hkv) // 16)
+        po = pl = ct = 0
         if num_splits > 1:
             po = _tensor(part_o, "decode part_o", torch.float32)
             pl = _tensor(part_lse, "decode part_lse", torch.float32, align=False)
             _shape(part_o, "decode part_o", (B, H, num_splits, D))
             _shape(part_lse, "decode part_lse", (B, H, num_splits))
+            ct = _tensor(counters, "decode counters", torch.int32, 1, align=False)
+            if counters.shape[0] < B * Hkv * head_chunks:
+                raise KernelArgError(f"decode counters: {counters.shape[0]} tickets for {B * Hkv * head_chunks} "
+                                     f"(batch x KV heads x head chunks)")
         if B == 0:
             return
-        head_chunks = -(-(H // Hkv) // 16)
         bs_log2 = k_cache.shape[1].bit_length() - 1
         self.kernels[f"decode_attention_{sfx}_d{D}"](
             (num_splits, Hkv * head_chunks, B), (128, 1, 1), decode_smem_bytes(D), self.stream(),
-            o, po, pl, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
+            o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
             num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e))
-
-    def decode_attention_combine(self, out: torch.Tensor, part_o: torch.Tensor, part_lse: torch.Tensor) -> None:
-        sfx = _suffix(out.dtype, "combine out")
-        o = _tensor(out, "combine out", out.dtype, 3)
-        B, H, D = out.shape
-        po = _tensor(part_o, "combine part_o", torch.float32, 4)
-        S = part_o.shape[2]
-        _shape(part_o, "combine part_o", (B, H, S, D))
-        pl = _tensor(part_lse, "combine part_lse", torch.float32, align=False)
-        _shape(part_lse, "combine part_lse", (B, H, S))
-        if D % 8 or D > 256:
-            raise KernelArgError(f"decode attention combine: head_dim {D} must be a multiple of 8 and <= 256")
-        if B * H == 0:
-            return
-        self.kernels[f"decode_attention_combine_{sfx}"]((-(-(B * H) // 4), 1, 1), (128, 1, 1), 0, self.stream(),
-                                                        o, po, pl, B * H, S, D)
 
     def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:
@@ -596,6 +599,151 @@ class KernelLibrary:
         if T == 0:
             return
         self.kernels[f"silu_and_mul_{sfx}"]((T, -(-(I // 8) // 256), 1), (256, 1, 1), 0, self.stream(), o, xp, I)
+
+    # Skinny linear layers for decode (kernels_cu/skinny_linear.cu): y = x @ weight^T for 1..32 tokens,
+    # reading the weight once, with the neighbouring elementwise ops fused. With norm_weight and
+    # inv_rms (the NORM prologue), x is the raw residual stream and is RMS-normalised on the fly
+    # (inv_rms [M] from rms_stats or from the previous skinny_residual).
+
+    def _skinny_inputs(self, what: str, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+                       inv_rms: torch.Tensor | None, pair_span: int) -> tuple:
+        """Checks x [M, K], weight [N, K] and the NORM operands; pair_span = the distance the epilogue
+        pairs rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and pair_span % 16 == 0.
+        Returns (suffix, M, N, K, x, weight, norm_weight, inv_rms) with pointers (0 = absent)."""
+        sfx = _suffix(x.dtype, f"{what} x")
+        xp = _tensor(x, f"{what} x", x.dtype, 2)
+        wp = _tensor(weight, f"{what} weight", x.dtype, 2)
+        M, K = x.shape
+        N = weight.shape[0]
+        if weight.shape[1] != K:
+            raise KernelArgError(f"{what}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)} "
+                                 f"(expected [N, {K}])")
+        if K == 0 or K % SKINNY_K_ALIGN:
+            raise KernelArgError(f"{what}: K = {K} must be a positive multiple of {SKINNY_K_ALIGN}")
+        if N == 0 or pair_span <= 0 or pair_span % SKINNY_TILE or N % pair_span:
+            raise KernelArgError(f"{what}: N = {N} rows cannot be cut into 16-row tiles of row pairs {pair_span // 2} "
+                                 f"apart (need N % {pair_span} == 0 and {pair_span} % 16 == 0)")
+        if M > SKINNY_MAX_M:
+            raise KernelArgError(f"{what}: {M} tokens; the skinny kernels take at most {SKINNY_MAX_M} (use a GEMM)")
+        if (norm_weight is None) != (inv_rms is None):
+            raise KernelArgError(f"{what}: norm_weight and inv_rms go together (the NORM prologue needs both)")
+        nw = ir = 0
+        if norm_weight is not None:
+            nw = _tensor(norm_weight, f"{what} norm_weight", x.dtype, 1)
+            _shape(norm_weight, f"{what} norm_weight", (K,))
+            ir = _tensor(inv_rms, f"{what} inv_rms", torch.float32, 1, align=False)
+            _shape(inv_rms, f"{what} inv_rms", (M,))
+        return sfx, M, N, K, xp, wp, nw, ir
+
+    @staticmethod
+    def _skinny_output(out: torch.Tensor, what: str, dtype, shape: tuple, x: torch.Tensor, weight: torch.Tensor) -> int:
+        ptr = _tensor(out, what, dtype, len(shape), align=False)
+        _shape(out, what, shape)
+        if out.numel() and (_overlaps(out, x) or _overlaps(out, weight)):
+            raise KernelArgError(f"{what}: must not overlap x or the weight (other blocks still read them)")
+        return ptr
+
+    @staticmethod
+    def _skinny_bias(bias: torch.Tensor | None, what: str, dtype: torch.dtype, N: int) -> int:
+        if bias is None:
+            return 0
+        ptr = _tensor(bias, f"{what} bias", dtype, 1, align=False)
+        _shape(bias, f"{what} bias", (N,))
+        return ptr
+
+    def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, *args) -> None:
+        self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}"]((N // SKINNY_TILE, 1, 1), (SKINNY_THREADS, 1, 1), 0,
+                                                                   self.stream(), *args)
+
+    def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     norm_weight: torch.Tensor | None = None, inv_rms: torch.Tensor | None = None) -> None:
+        """out [M, N] = x @ weight^T (+ bias); out in x's dtype, or fp32 (logits: no rounding)."""
+        N = weight.shape[0] if weight.dim() == 2 else 0
+        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_store", x, weight, norm_weight, inv_rms, N)
+        ep = "f32" if out.dtype == torch.float32 else "store"
+        o = self._skinny_output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, weight)
+        bp = self._skinny_bias(bias, "skinny_store", x.dtype, N)
+        if M == 0:
+            return
+        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, ir, M, N, K)
+
+    def skinny_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                    norm_weight: torch.Tensor | None = None, inv_rms: torch.Tensor | None = None) -> None:
+        """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x @ gate^T) * (x @ up^T)."""
+        N = weight.shape[0] if weight.dim() == 2 else 0
+        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_silu", x, weight, norm_weight, inv_rms, N)
+        I = N // 2
+        o = self._skinny_output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
+        if M == 0:
+            return
+        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, ir, M, I, K)
+
+    def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, inv_rms_out: torch.Tensor,
+                        partials: torch.Tensor, counter: torch.Tensor, eps: float) -> None:
+        """residual [M, N] += x @ weight^T in place (one rounding), and inv_rms_out [M] = rsqrt(mean(residual^2)
+        + eps) of the updated rows (for the next NORM prologue). partials: fp32 scratch of at least
+        skinny_partials_size(N, M) floats; counter: int32, zero, owned by the caller and left zero (launches
+        that share it must be ordered: one stream)."""
+        N = weight.shape[0] if weight.dim() == 2 else 0
+        sfx, M, N, K, xp, wp, _, _ = self._skinny_inputs("skinny_residual", x, weight, None, None, N)
+        rp = self._skinny_output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
+        io = _tensor(inv_rms_out, "skinny_residual inv_rms_out", torch.float32, 1, align=False)
+        _shape(inv_rms_out, "skinny_residual inv_rms_out", (M,))
+        pp = _tensor(partials, "skinny_residual partials", torch.float32, align=False)
+        if partials.numel() < skinny_partials_size(N, M):
+            raise KernelArgError(f"skinny_residual partials: {partials.numel()} floats; N = {N}, M = {M} need "
+                                 f"{skinny_partials_size(N, M)}")
+        cp = _tensor(counter, "skinny_residual counter", torch.int32, align=False)
+        if counter.numel() < 1:
+            raise KernelArgError("skinny_residual counter: expected one int32")
+        if M == 0:
+            return
+        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, io, pp, cp, M, N, K, float(eps))
+
+    def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       norm_weight: torch.Tensor | None, inv_rms: torch.Tensor | None, cos_sin: torch.Tensor,
+                       rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+        """The fused QKV projection: qkv = x @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)];
+        q and k rotated (rotate-half) by cos_sin[rope_index]; q -> q_out [M, H, D]; k and v -> the caches at
+        slot_mapping (a negative slot skips the token's cache write)."""
+        H, Hkv = int(num_heads), int(num_kv_heads)
+        N = weight.shape[0] if weight.dim() == 2 else 0
+        if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
+            raise KernelArgError(f"skinny_rope_kv: weight {tuple(weight.shape)} is not [(H + 2 Hkv) D, K] for "
+                                 f"H = {H}, Hkv = {Hkv}")
+        D = N // (H + 2 * Hkv)
+        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_rope_kv", x, weight, norm_weight, inv_rms, D)
+        qo = self._skinny_output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, weight)
+        bp = self._skinny_bias(bias, "skinny_rope_kv", x.dtype, N)
+        cs = _tensor(cos_sin, "cos_sin", torch.float32, 2, align=False)
+        if cos_sin.shape[1] != D:
+            raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
+        ri = _tensor(rope_index, "rope_index", torch.int64, 1, align=False)
+        sm = _tensor(slot_mapping, "slot_mapping", torch.int64, 1, align=False)
+        if rope_index.shape[0] != M or slot_mapping.shape[0] != M:
+            raise KernelArgError(f"rope_index / slot_mapping: expected [{M}], got {tuple(rope_index.shape)} / "
+                                 f"{tuple(slot_mapping.shape)}")
+        kc = self._cache(k_cache, "k_cache", x.dtype, Hkv, D)
+        vc = self._cache(v_cache, "v_cache", x.dtype, Hkv, D)
+        _shape(v_cache, "v_cache", k_cache.shape)
+        if M == 0:
+            return
+        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, ir, cs, ri, kc, vc, sm, M, H, Hkv, D, K)
+
+    def rms_stats(self, inv_rms: torch.Tensor, x: torch.Tensor, eps: float) -> None:
+        """inv_rms [M] = rsqrt(mean(x^2, -1) + eps) of x [M, K] (fp32 inside): the NORM prologue's statistic
+        for rows no skinny_residual produced (the embedding output)."""
+        sfx = _suffix(x.dtype, "rms_stats x")
+        xp = _tensor(x, "rms_stats x", x.dtype, 2)
+        M, K = x.shape
+        io = _tensor(inv_rms, "rms_stats inv_rms", torch.float32, 1, align=False)
+        _shape(inv_rms, "rms_stats inv_rms", (M,))
+        if K == 0 or K % 8:
+            raise KernelArgError(f"rms_stats: K = {K} must be a positive multiple of 8")
+        if M == 0:
+            return
+        self.kernels[f"rms_stats_{sfx}"]((M, 1, 1), (SKINNY_THREADS, 1, 1), 0, self.stream(), io, xp, K, float(eps))
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

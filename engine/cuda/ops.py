@@ -1,7 +1,13 @@
-"""CudaOps: TorchOps' methods with the same signatures, computed by the kernels of kernels_cu/ (GEMMs
-stay in torch). Activations are bfloat16 or float16; logits are float32.
+"""CudaOps: TorchOps with its primitives computed by the kernels of kernels_cu/. Activations are bfloat16
+or float16; logits are float32.
 
-Every decode-path method (embedding, rms_norm, add_rms_norm, rope_cache_write, decode_attention,
+Small batches (at most SKINNY_MAX_M tokens: decode and verify steps) run each fused op as one
+"skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
+neighbours fused in: the rms_norm before it (from the 1/rms statistics the residual writer produced),
+and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
+forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs.
+
+Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
 silu_and_mul, sample) is sync-free and capturable in a CUDA graph: it allocates its outputs with
 sizes taken from tensor shapes and host-known configuration only, reads no device value on the host,
 and launches on the current torch stream. prefill_attention sizes its grid from its host lists and
@@ -15,25 +21,50 @@ from __future__ import annotations
 import torch
 
 from engine import sampling
-from engine.cuda.kernels import SAMPLE_PART_STRIDE, CudaError, KernelArgError, KernelLibrary, KernelLoadError
+from engine.cuda.kernels import (
+    SAMPLE_PART_STRIDE,
+    SKINNY_MAX_M,
+    CudaError,
+    KernelArgError,
+    KernelLibrary,
+    KernelLoadError,
+    skinny_partials_size,
+)
 from engine.errors import ConfigError
+from engine.ops.torch_ops import AttentionShape, Residual, TorchOps
 
 PREFILL_ROWS = 64  # query rows per prefill attention block (kernels_cu/prefill_attention.cu)
+SKINNY_TOKENS = SKINNY_MAX_M  # forwards of at most this many tokens use the skinny kernels
+SKINNY_PARTIALS = 1 << 16  # fp32 scratch of the residual kernel's statistics: (N / 16) tiles x M rows
+DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
-class CudaOps:
+def skinny_fits(weight: torch.Tensor, span: int) -> bool:
+    """Whether the skinny kernels take this weight [N, K] with row pairs (r, r + span / 2)."""
+    n, k = weight.shape
+    return (weight.dtype in (torch.bfloat16, torch.float16) and k % 32 == 0 and span % 16 == 0
+            and n % span == 0 and skinny_partials_size(n, SKINNY_TOKENS) <= SKINNY_PARTIALS)
+
+
+class CudaOps(TorchOps):
     name = "cuda"
 
     def __init__(self, lib: KernelLibrary, max_seq_len: int):
         self.lib = lib
         self.max_seq_len = max_seq_len
+        # The residual kernel's scratch: allocated once (outside any graph pool); launches on one
+        # stream are serialised, and the counter is back at 0 after each.
+        self._partials = torch.zeros(SKINNY_PARTIALS, dtype=torch.float32, device=lib.device)
+        self._counter = torch.zeros(1, dtype=torch.int32, device=lib.device)
+        # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
+        self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
         self._sdpa_key: tuple | None = None
         self._sdpa_plan: list = []
 
     @classmethod
-    def create(cls, device: torch.device, max_seq_len: int) -> "CudaOps":
+    def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
         """Loads every kernel for `device`; max_seq_len bounds the context (it sizes decode attention's
         split-K grid). Raises ConfigError naming what is missing."""
         try:
@@ -43,6 +74,52 @@ class CudaOps:
         return cls(lib, max_seq_len)
 
     # ---------------------------------------------------------------------------------------------
+    # Fused ops: the skinny kernels while the residual stream's statistics are tracked (set by embed
+    # for small batches, kept by every skinny residual write), else TorchOps' composition.
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor, eps: float) -> Residual:
+        x = self.embedding(input_ids, weight)
+        if not 0 < x.shape[0] <= SKINNY_TOKENS or x.shape[1] % 32:
+            return Residual(x)
+        inv_rms = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        self.lib.rms_stats(inv_rms, x, eps)
+        return Residual(x, inv_rms)
+
+    def norm_qkv_rope(self, h: Residual, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
+                      cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
+        if h.inv_rms is None or q_norm is not None or not skinny_fits(qkv, shape.head_dim):
+            return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
+                                         v_cache, slot_mapping, eps)
+        q = torch.empty((h.x.shape[0], shape.num_heads, shape.head_dim), dtype=h.x.dtype, device=h.x.device)
+        self.lib.skinny_rope_kv(q, h.x, qkv, bias, norm, h.inv_rms, cos_sin, rope_index.long(), k_cache, v_cache,
+                                slot_mapping.long(), shape.num_heads, shape.num_kv_heads)
+        return q
+
+    def linear_add(self, h: Residual, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        if h.inv_rms is None or not skinny_fits(weight, weight.shape[0]):
+            return super().linear_add(h, x, weight, eps)
+        self.lib.skinny_residual(h.x, x.contiguous(), weight, h.inv_rms, self._partials, self._counter, eps)
+
+    def norm_gate_up(self, h: Residual, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+        if h.inv_rms is None or not skinny_fits(gate_up, gate_up.shape[0]):
+            return super().norm_gate_up(h, norm, gate_up, eps)
+        out = torch.empty((h.x.shape[0], gate_up.shape[0] // 2), dtype=h.x.dtype, device=h.x.device)
+        self.lib.skinny_silu(out, h.x, gate_up, norm, h.inv_rms)
+        return out
+
+    def norm_logits(self, h: Residual, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        if h.inv_rms is None or not skinny_fits(lm_head, lm_head.shape[0]):
+            return super().norm_logits(h, rows, norm, lm_head, eps)
+        x, inv_rms = (h.x, h.inv_rms) if rows is None else (h.x[rows], h.inv_rms[rows])
+        out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
+        self.lib.skinny_store(out, x, lm_head, None, norm, inv_rms)
+        return out
+
+    # ---------------------------------------------------------------------------------------------
+    # Primitives.
 
     def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty((input_ids.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
@@ -53,14 +130,6 @@ class CudaOps:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         self.lib.rms_norm(out, x, weight, eps)
         return out
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = x.contiguous(), residual.contiguous()
-        out = torch.empty_like(x)
-        residual_out = torch.empty_like(x)
-        self.lib.add_rms_norm(out, residual_out, x, residual, weight, eps)
-        return out, residual_out
 
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                          rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -79,10 +148,8 @@ class CudaOps:
         if splits > 1:
             part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
-        self.lib.decode_attention(out, part_o, part_lse, q, k_cache, v_cache, block_tables,
+        self.lib.decode_attention(out, part_o, part_lse, self._split_counters, q, k_cache, v_cache, block_tables,
                                   seq_lens.to(torch.int32), scale, sliding_window, splits)
-        if splits > 1:
-            self.lib.decode_attention_combine(out, part_o, part_lse)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,6 +2,10 @@
 against. The CUDA backend (engine/cuda/ops.py) implements the same methods with the same
 signatures; the model calls only these (GEMMs stay torch in both).
 
+The model calls the fused ops (embed, norm_qkv_rope, linear_add, norm_gate_up, norm_logits), which
+compose the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
+does for small batches), so the model has one forward for every backend and batch.
+
 Layouts:
   hidden      [T, hidden] (T = tokens in the forward)
   q           [T, num_heads, head_dim];  k, v [T, num_kv_heads, head_dim]
@@ -11,14 +15,70 @@ Layouts:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from engine import sampling
 
 
+@dataclass
+class Residual:
+    """The residual stream of a forward, [T, hidden], updated in place by linear_add. inv_rms: [T] fp32
+    1/rms of each row when the backend tracks it (CudaOps' small-batch kernels produce it as they
+    write the stream and consume it in the next norm), else None."""
+
+    x: torch.Tensor
+    inv_rms: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class TorchOps:
     name = "torch"
+
+    # ---------------------------------------------------------------- fused ops (what the model calls)
+
+    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor, eps: float) -> Residual:
+        """The residual stream's start: the embedding rows of input_ids."""
+        return Residual(self.embedding(input_ids, weight))
+
+    def norm_qkv_rope(self, h: Residual, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
+                      cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
+        """Attention's input half: rms_norm, the fused QKV projection (+ bias), per-head q/k norm
+        (Qwen3), RoPE on q and k, k and v written to the cache. Returns the rotated q [T, H, D]."""
+        T, H, Hkv, D = h.x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
+        out = F.linear(self.rms_norm(h.x, norm, eps), qkv, bias)
+        q, k, v = out.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+        if q_norm is not None:
+            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
+        return self.rope_cache_write(q, k, v, cos_sin, rope_index, k_cache, v_cache, slot_mapping)
+
+    def linear_add(self, h: Residual, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+        """h.x += x @ weight^T in place (one rounding: a GEMM with beta = 1)."""
+        h.x.addmm_(x, weight.t())
+        h.inv_rms = None
+
+    def norm_gate_up(self, h: Residual, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+        """The MLP's input half: silu(gate) * up of rms_norm(h) @ gate_up^T. Returns [T, I]."""
+        return self.silu_and_mul(F.linear(self.rms_norm(h.x, norm, eps), gate_up))
+
+    def norm_logits(self, h: Residual, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+        """fp32 logits of the final rms_norm of h's rows `rows` (None: every row)."""
+        x = h.x if rows is None else h.x[rows]
+        return logits(self.rms_norm(x, norm, eps), lm_head)
+
+    # ---------------------------------------------------------------- primitives
 
     def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, weight)
@@ -28,12 +88,6 @@ class TorchOps:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return weight * xf.to(x.dtype)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual = x + residual; returns (rms_norm(residual), residual)."""
-        residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
 
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                          rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,3 +176,11 @@ class TorchOps:
         device = target_logp.device
         return (torch.tensor([j for j, _ in out], dtype=torch.int64, device=device),
                 torch.tensor([t for _, t in out], dtype=torch.int64, device=device))
+
+
+def logits(x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
+    """fp32 logits [N, vocab]. On a GPU with 16-bit weights cuBLAS writes fp32 directly: bf16 logits
+    (resolution 0.25 at 40) would tie far more often, and sampling reads them in fp32 anyway."""
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        return torch.mm(x, lm_head.t(), out_dtype=torch.float32)
+    return F.linear(x, lm_head).float()

@@ -4,16 +4,25 @@ heads, head_dim 64, intermediate 8192, vocab 128256). Run on a GPU: `python test
 device us: median over 5 replays of a CUDA graph holding 20 back-to-back calls, per call (no launch
 gaps). host us: wall time per eager call (Python wrapper + cuLaunchKernel), 200 calls, synchronised
 at the end. Decode attention also shows the KV bytes it reads over its device time.
+
+The skinny linear kernels (kernels_cu/skinny_linear.cu) are timed at the decode GEMM shapes of
+Llama-3.2-1B and Llama-3.1-8B for 1, 8 and 32 tokens, next to torch's F.linear (cuBLAS) at the same
+shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
+and the plain skinny_store. Note: weight bytes read / device time. Each timed graph cycles through
+enough weight copies (>= 256 MiB) that no call finds its weight in L2.
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine import sampling
+from engine.cuda.kernels import skinny_partials_size
 from engine.cuda.ops import CudaOps
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
@@ -61,6 +70,71 @@ def sampling_rows(n: int, kind: str) -> sampling.SamplingTensors:
         position=torch.arange(n, dtype=torch.int64, device=dev) + 100)
 
 
+# (label, N, K, fused epilogue); rope_kv shapes are 32 query heads and 8 KV heads.
+SKINNY_SHAPES = [
+    ("1B qkv", 3072, 2048, "rope_kv"), ("1B o", 2048, 2048, "residual"), ("1B gate_up", 16384, 2048, "silu"),
+    ("1B down", 2048, 8192, "residual"), ("1B lm_head", 128256, 2048, "f32"),
+    ("8B qkv", 6144, 4096, "rope_kv"), ("8B o", 4096, 4096, "residual"), ("8B gate_up", 28672, 4096, "silu"),
+    ("8B down", 4096, 14336, "residual"), ("8B lm_head", 128256, 4096, "f32"),
+]
+SKINNY_HEADS, SKINNY_KV_HEADS = 32, 8
+ROTATE_BYTES = 256 << 20  # weight bytes cycled through per timed graph: more than any L2
+
+
+def rotating(fn, weights: list[torch.Tensor]):
+    """A call of fn(weight) on the next weight copy each time (captured 20 times: 20 different weights)."""
+    ring = itertools.cycle(weights)
+    return lambda: fn(next(ring))
+
+
+def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[torch.Tensor]) -> dict:
+    """{name: fn} for one shape and token count: torch's F.linear, skinny_store, and the fused epilogue."""
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    nw, inv = torch.ones(K, device=dev, dtype=dt), torch.ones(M, device=dev)
+    out = torch.empty(M, N, device=dev, dtype=dt)
+    cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
+             "skinny_store": rotating(lambda w: lib.skinny_store(out, x, w), weights)}
+    if ep == "f32":
+        logits = torch.empty(M, N, device=dev)
+        fused = rotating(lambda w: lib.skinny_store(logits, x, w, norm_weight=nw, inv_rms=inv), weights)
+    elif ep == "silu":
+        act = torch.empty(M, N // 2, device=dev, dtype=dt)
+        fused = rotating(lambda w: lib.skinny_silu(act, x, w, nw, inv), weights)
+    elif ep == "residual":
+        res = torch.zeros(M, N, device=dev, dtype=dt)
+        inv_out, counter = torch.empty(M, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+        partials = torch.empty(skinny_partials_size(N, M), device=dev)
+        fused = rotating(lambda w: lib.skinny_residual(res, x, w, inv_out, partials, counter, 1e-5), weights)
+    else:
+        H, Hkv = SKINNY_HEADS, SKINNY_KV_HEADS
+        D = N // (H + 2 * Hkv)
+        q_out = torch.empty(M, H, D, device=dev, dtype=dt)
+        kc = torch.zeros(M // BS + 1, BS, Hkv, D, device=dev, dtype=dt)
+        vc = torch.zeros_like(kc)
+        cs = torch.randn(8192, D, device=dev)
+        pos = torch.arange(M, dtype=torch.int64, device=dev) + 100
+        slots = torch.arange(M, dtype=torch.int64, device=dev)
+        fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, inv, cs, pos, kc, vc, slots, H, Hkv),
+                         weights)
+    cases[f"skinny_{ep}"] = fused
+    return cases
+
+
+def skinny_rows(lib, dev, dt) -> list[tuple]:
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        nbytes = N * K * 2
+        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
+        weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
+        for M in (1, 8, 32):
+            for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
+                d_us = device_us(fn)
+                rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
@@ -73,7 +147,6 @@ def main() -> int:
     for batch in (1, 32):
         ids = torch.randint(0, VOCAB, (batch,), device=dev)
         x = torch.randn(batch, HIDDEN, device=dev).to(dt)
-        r = torch.randn(batch, HIDDEN, device=dev).to(dt)
         qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
         q = qkv[:, :H * D].view(batch, H, D)
         k = qkv[:, H * D:(H + HKV) * D].view(batch, HKV, D)
@@ -83,7 +156,6 @@ def main() -> int:
         cases = [
             ("embedding", lambda: ops.embedding(ids, embed), None),
             ("rms_norm", lambda: ops.rms_norm(x, w, 1e-5), None),
-            ("add_rms_norm", lambda: ops.add_rms_norm(x, r, w, 1e-5), None),
             ("silu_and_mul", lambda: ops.silu_and_mul(gate_up), None),
         ]
         for ctx in (128, 2048):
@@ -125,6 +197,7 @@ def main() -> int:
     t_us = host_us(fn, 20)
     flops = 4 * T * T / 2 * H * D
     rows.append((1, f"prefill_attention 1x{T}", t_us, t_us, f"{flops / t_us / 1e6:8.1f} TFLOP/s"))
+    rows += skinny_rows(ops.lib, dev, dt)
 
     print(f"{'batch':>5}  {'kernel':<28} {'device us':>10} {'host us':>9}  note")
     for batch, name, d_us, h_us, extra in rows:

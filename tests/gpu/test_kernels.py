@@ -182,18 +182,6 @@ def test_rms_norm_per_head_on_qkv_views(lib, gen, dtype, T, H, Hkv, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,D", [(1, 2048), (64, 4096), (256, 2048), (9, 8192), (40, 64)])
-def test_add_rms_norm(lib, gen, dtype, rows, D):
-    x, r = randn(rows, D, dtype=dtype), randn(rows, D, dtype=dtype, scale=4.0)
-    w = (1 + 0.1 * randn(D)).to(dtype)
-    out, res = nan((rows, D), dtype), nan((rows, D), dtype)
-    lib.add_rms_norm(out, res, x, r, w, 1e-5)
-    res_ref = x.float() + r.float()
-    check("add_rms_norm_residual", res, res_ref, BF16_TOL)
-    check("add_rms_norm", out, TORCH.rms_norm(res_ref, w.float(), 1e-5), BF16_TOL)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,I", [(1, 8192), (64, 5632), (300, 64), (8, 14336)])
 def test_silu_and_mul(lib, gen, dtype, T, I):
     x = randn(T, 2 * I, dtype=dtype, scale=2.0)
@@ -289,13 +277,18 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
     scale = D ** -0.5
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
-    for splits in sorted({lib.decode_num_splits(B, H, Hkv, MAX_SEQ_LEN), 1}):
-        out = nan((B, H, D), dtype)
-        part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-        lib.decode_attention(out, part_o, part_lse, q, k_cache, v_cache, table, lens, scale, window, splits)
-        if splits > 1:
-            lib.decode_attention_combine(out, part_o, part_lse)
-        check("decode_attention", out, ref, BF16_TOL)
+    counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
+    for splits in sorted({lib.decode_num_splits(B, H, Hkv, MAX_SEQ_LEN), 1, 7}):
+        outs = []
+        for _ in range(2):
+            out = nan((B, H, D), dtype)
+            part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+            lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, scale, window,
+                                 splits)
+            check("decode_attention", out, ref, BF16_TOL)
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1]), "the merge of the splits must not depend on block timing"
+        assert not counters.any(), "the split tickets must be back at zero after the launch"
 
 
 PREFILL_CASES = [
@@ -498,10 +491,13 @@ def test_accept_drafts_through_cuda_ops(ops, gen):
 # CUDA graphs
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype):
-    """embedding -> rms_norm -> rope_cache_write -> decode_attention -> add_rms_norm -> silu_and_mul ->
-    sample, captured once and replayed while every sequence grows; each step equals the eager ops."""
-    B, H, Hkv, D, bs, vocab_in = 8, 16, 4, 128, 16, 1000
+@pytest.mark.parametrize("B", [8, 40])  # the skinny kernels (B <= SKINNY_MAX_M), and cuBLAS with the kernels
+def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype, B):
+    """One decoder layer through the fused ops (embed -> norm_qkv_rope -> decode_attention -> linear_add ->
+    norm_gate_up -> linear_add -> norm_logits) and sample, captured once and replayed while every
+    sequence grows; each step equals the eager ops bit for bit."""
+    from engine.ops.torch_ops import AttentionShape
+    H, Hkv, D, bs, vocab, inter = 16, 4, 128, 16, 1024, 1536
     hidden = H * D
     steps, start_len = 40, 60
     max_blocks = -(-(start_len + steps + 1) // bs)
@@ -509,29 +505,32 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
     table = (torch.randperm(num_blocks - 1, device=dev()) + 1)[:B * max_blocks].view(B, max_blocks).to(torch.int32)
     k_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
     v_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
-    embed = randn(vocab_in, hidden, dtype=dtype)
-    w1, w2 = (1 + 0.1 * randn(hidden)).to(dtype), (1 + 0.1 * randn(hidden)).to(dtype)
+    embed = randn(vocab, hidden, dtype=dtype)
+    norms = [(1 + 0.1 * randn(hidden)).to(dtype) for _ in range(3)]
+    w_qkv, w_o = (0.02 * randn((H + 2 * Hkv) * D, hidden)).to(dtype), (0.02 * randn(hidden, H * D)).to(dtype)
+    w_gate_up, w_down = (0.02 * randn(2 * inter, hidden)).to(dtype), (0.02 * randn(hidden, inter)).to(dtype)
+    lm_head = (0.05 * randn(vocab, hidden)).to(dtype)
     cos_sin = rope_table(start_len + steps + 8, D)
-    st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(B)], hidden)
+    st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(B)], vocab)
+    shape = AttentionShape(H, Hkv, D)
 
     # Static inputs, updated in place before each replay.
-    ids = torch.randint(0, vocab_in, (B,), device=dev())
+    ids = torch.randint(0, vocab, (B,), device=dev())
     positions = torch.full((B,), start_len, dtype=torch.int64, device=dev())
 
     def forward():
         seq_lens = (positions + 1).to(torch.int32)
         slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
-        h = ops.embedding(ids, embed)
-        x = ops.rms_norm(h, w1, 1e-6)
-        q, k, v = x.view(B, H, D), x[:, :Hkv * D].view(B, Hkv, D), x[:, Hkv * D:2 * Hkv * D].view(B, Hkv, D)
-        q = ops.rope_cache_write(q, k, v, cos_sin, positions, k_cache, v_cache, slot_mapping)
+        h = ops.embed(ids, embed, 1e-6)
+        q = ops.norm_qkv_rope(h, norms[0], w_qkv, None, None, None, shape, cos_sin, positions, k_cache, v_cache,
+                              slot_mapping, 1e-6)
         a = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, D ** -0.5)
-        y, r = ops.add_rms_norm(a.view(B, hidden), h, w2, 1e-6)
-        m = ops.silu_and_mul(y)
-        logits = torch.cat((m, r[:, :hidden // 2]), dim=-1).float() * 4.0
+        ops.linear_add(h, a.view(B, hidden), w_o, 1e-6)
+        ops.linear_add(h, ops.norm_gate_up(h, norms[1], w_gate_up, 1e-6), w_down, 1e-6)
+        logits = ops.norm_logits(h, None, norms[2], lm_head, 1e-6)
         st.position = positions + 1
         out = ops.sample(logits, st)
-        return a, out.token_ids, out.logprobs
+        return a, logits, out.token_ids, out.logprobs
 
     for _ in range(2):  # warm up on a side stream, as torch.cuda.graph requires
         forward()
@@ -541,13 +540,72 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
         static_out = forward()
     for step in range(steps):
         positions.fill_(start_len + step)
-        ids.copy_(torch.randint(0, vocab_in, (B,), device=dev()))
+        ids.copy_(torch.randint(0, vocab, (B,), device=dev()))
         eager = [t.clone() for t in forward()]  # writes the same K/V to the same slots as the replay
         graph.replay()
         torch.cuda.synchronize()
-        for name, e, g in zip(("attention", "tokens", "logprobs"), eager, static_out):
+        for name, e, g in zip(("attention", "logits", "tokens", "logprobs"), eager, static_out):
             assert torch.equal(e, g), f"step {step}: graph {name} differs from eager"
-    assert not torch.isnan(static_out[0].float()).any()
+    assert not torch.isnan(static_out[1]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 32, 33, 200])
+def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
+    """A decoder layer's fused ops on the kernels (skinny for T <= 32, cuBLAS + kernels above) against
+    TorchOps' composition in fp32 from the same inputs: relative error <= 1e-2 on q, the cache rows
+    written, the residual stream after each add, the MLP activation and the logits."""
+    from engine.ops.torch_ops import AttentionShape, Residual
+    H, Hkv, D, bs, vocab, inter = 16, 4, 64, 16, 2048, 1408
+    hidden, eps = 1024, 1e-5
+    shape = AttentionShape(H, Hkv, D)
+    num_blocks = -(-T // bs) + 2
+    k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
+    k_ref, v_ref = torch.zeros((num_blocks, bs, Hkv, D), device=dev()), torch.zeros((num_blocks, bs, Hkv, D), device=dev())
+    slot_mapping = torch.randperm(num_blocks * bs, device=dev())[:T]
+    positions = torch.randint(0, 500, (T,), device=dev())
+    cos_sin = rope_table(512, D)
+    x0 = randn(T, hidden, dtype=dtype)
+    norms = [(1 + 0.1 * randn(hidden)).to(dtype) for _ in range(3)]
+    w_qkv, bias = (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype), (0.1 * randn((H + 2 * Hkv) * D)).to(dtype)
+    w_o = (0.05 * randn(hidden, H * D)).to(dtype)
+    w_gate_up, w_down = (0.05 * randn(2 * inter, hidden)).to(dtype), (0.05 * randn(hidden, inter)).to(dtype)
+    lm_head = (0.05 * randn(vocab, hidden)).to(dtype)
+
+    h = Residual(x0.clone())
+    if T <= 32:
+        h.inv_rms = torch.empty(T, dtype=torch.float32, device=dev())
+        ops.lib.rms_stats(h.inv_rms, h.x, eps)
+    r = Residual(x0.float())
+    f32 = [t.float() for t in (*norms, w_qkv, bias, w_o, w_gate_up, w_down, lm_head)]
+    q = ops.norm_qkv_rope(h, norms[0], w_qkv, bias, None, None, shape, cos_sin, positions, k_cache, v_cache,
+                          slot_mapping, eps)
+    q_ref = TORCH.norm_qkv_rope(r, f32[0], f32[3], f32[4], None, None, shape, cos_sin, positions, k_ref, v_ref,
+                                slot_mapping, eps)
+    check("fused qkv_rope q", q, q_ref, BF16_TOL)
+    flat = slot_mapping
+    check("fused qkv_rope k", k_cache.view(-1, Hkv, D)[flat], k_ref.view(-1, Hkv, D)[flat], BF16_TOL)
+    check("fused qkv_rope v", v_cache.view(-1, Hkv, D)[flat], v_ref.view(-1, Hkv, D)[flat], BF16_TOL)
+    untouched = torch.ones(num_blocks * bs, dtype=torch.bool, device=dev())
+    untouched[flat] = False
+    assert torch.isnan(k_cache.view(-1, Hkv, D)[untouched].float()).all(), "a cache row outside slot_mapping changed"
+    a = randn(T, H * D, dtype=dtype)
+    ops.linear_add(h, a, w_o, eps)
+    TORCH.linear_add(r, a.float(), f32[5], eps)
+    check("fused linear_add", h.x, r.x, BF16_TOL)
+    if h.inv_rms is not None:
+        want = torch.rsqrt(h.x.float().pow(2).mean(-1) + eps)
+        check("fused linear_add inv_rms", h.inv_rms, want, FP32_TOL)
+    m = ops.norm_gate_up(h, norms[1], w_gate_up, eps)
+    m_ref = TORCH.norm_gate_up(r, f32[1], f32[6], eps)
+    check("fused norm_gate_up", m, m_ref, BF16_TOL)
+    ops.linear_add(h, m, w_down, eps)
+    TORCH.linear_add(r, m.float(), f32[7], eps)
+    check("fused linear_add (down)", h.x, r.x, BF16_TOL)
+    rows = None if T < 3 else torch.tensor([0, T - 1], device=dev())
+    logits = ops.norm_logits(h, rows, norms[2], lm_head, eps)
+    assert logits.dtype == torch.float32
+    check("fused norm_logits", logits, TORCH.norm_logits(r, rows, f32[2], f32[8], eps), BF16_TOL)
 
 
 @pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
