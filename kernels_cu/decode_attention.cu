@@ -14,18 +14,19 @@
 //   partial results, used when num_splits > 1.  counters [B * Hkv * head_chunks] int32, zero before
 //   the launch and zero again after it.
 //
-// Merging the splits: when num_splits > 1, each block writes its partial result, fences, and takes a
-// ticket from its (b, head group)'s counter; the block that draws the last ticket merges the
-// group's splits (out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the non-empty splits, the
+// Merging the splits: when more than one split has keys, each such block writes its partial result,
+// fences, and takes a ticket from its (b, head group)'s counter; the block that draws the last ticket
+// merges the group's splits (out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M) over the non-empty splits, the
 // partials read through L2) and resets the counter. No second launch; the merge order is fixed
 // (by split index), so results do not depend on which block finishes last.
 //
 // Work split: block (split s, KV head hkv x head chunk c, batch b) handles the query heads
 // [hkv * G + 16 c, +16) of the group (the 16 rows of one tensor-core tile; G > 16 takes several chunks)
 // over the key range of split s. The range is computed ON THE DEVICE from seq_lens: the window's keys
-// are cut into num_splits chunks of a multiple of 64 tokens; trailing splits may be empty (they write
-// lse = -inf). The grid depends only on host-known sizes, so the launch can be captured in a CUDA
-// graph and replayed while seq_lens grow.
+// are cut into chunks of a multiple of 64 tokens, at least DA_MIN_CHUNK (256), at most num_splits of
+// them; blocks of splits past the last chunk exit at once. The grid depends only on host-known sizes,
+// so the launch can be captured in a CUDA graph and replayed while seq_lens grow. The kernel is
+// launched with programmatic dependent launch and waits for the previous kernel before reading.
 // Inside a block: 4 warps; 64-token tiles of K and V stream through shared memory with cp.async
 // (STAGES deep); warp w scores tokens [16 w, 16 w + 16) of each tile with mma.m16n8k16 (fp32
 // accumulation), keeps its own online softmax, and the 4 warps merge at the end.
@@ -35,12 +36,13 @@
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes, STAGES = 2 if D >= 128 else 3
 //   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
 //   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);
-//   q, caches 16-byte aligned; num_splits == 1 writes out directly and leaves part_* and counters
-//   untouched.
+//   q, caches 16-byte aligned; a sequence whose keys fit one chunk is written to out directly (part_*
+//   and counters untouched).
 #include "common.cuh"
 
 #define DA_THREADS 128
 #define DA_TILE 64
+#define DA_MIN_CHUNK 256  // keys per split at least: short contexts take one block per head group
 
 template <int D>
 struct DecodeCfg {
@@ -55,19 +57,19 @@ struct DecodeCfg {
 // ld.global.cg (L2): other blocks wrote them during this launch.
 template <class T>
 __device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* __restrict__ part_o,
-                                            const float* __restrict__ part_lse, i64 row, int num_splits, int D,
-                                            int lane) {
+                                            const float* __restrict__ part_lse, i64 row, int num_splits, int used,
+                                            int D, int lane) {
   const int vpr = D >> 3;  // <= 32 (D <= 256)
   const int groups = 32 / vpr;
   const int grp = lane / vpr, c = lane - grp * vpr;
   const float* lse = part_lse + row * num_splits;
   float M = NEG_INF;
-  for (int s = lane; s < num_splits; s += 32) M = fmaxf(M, __ldcg(lse + s));
+  for (int s = lane; s < used; s += 32) M = fmaxf(M, __ldcg(lse + s));
   M = warp_max(M);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   float L = 0.f;
   if (M != NEG_INF && grp < groups) {
-    for (int s = grp; s < num_splits; s += groups) {
+    for (int s = grp; s < used; s += groups) {
       const float ls = __ldcg(lse + s);
       if (ls == NEG_INF) continue;
       const float wgt = exp2f(ls - M);
@@ -106,13 +108,13 @@ __device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* 
 template <class T>
 __device__ __forceinline__ void finish_split(u16* __restrict__ out, const float* __restrict__ part_o,
                                              const float* __restrict__ part_lse, int* __restrict__ counters,
-                                             int group, i64 row0, int rows, int num_splits, int D) {
+                                             int group, i64 row0, int rows, int num_splits, int used, int D) {
   __shared__ int is_last;
   __threadfence();  // this thread's partials are visible device-wide before the ticket
   __syncthreads();
   if (threadIdx.x == 0) {
     const int ticket = atomicAdd(counters + group, 1);
-    is_last = ticket == num_splits - 1;
+    is_last = ticket == used - 1;
     if (is_last) counters[group] = 0;  // every other block has taken its ticket
   }
   __syncthreads();
@@ -120,7 +122,7 @@ __device__ __forceinline__ void finish_split(u16* __restrict__ out, const float*
   __threadfence();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   for (int r = warp; r < rows; r += DA_THREADS / 32)
-    combine_row<T>(out, part_o, part_lse, row0 + r, num_splits, D, lane);
+    combine_row<T>(out, part_o, part_lse, row0 + r, num_splits, used, D, lane);
 }
 
 template <class T, int D>
@@ -145,24 +147,25 @@ __device__ __forceinline__ void decode_attention_impl(
   const int h0 = hkv * G + hc * 16;
   const int rows = min(16, G - hc * 16);
 
+  grid_dependency_wait();  // q and the new token's K/V come from the kernel before (PDL)
+  allow_dependents();
   const int seq_len = seq_lens[b];
   const int start = window > 0 ? max(0, seq_len - window) : 0;
   const int total = seq_len - start;
+  // Splits of at least DA_MIN_CHUNK keys (a multiple of the tile): `used` of the num_splits blocks
+  // have keys; the others leave at once. One used split writes out directly (no partials, no merge).
   int chunk = (total + num_splits - 1) / num_splits;
-  chunk = (chunk + DA_TILE - 1) / DA_TILE * DA_TILE;
+  chunk = max(DA_MIN_CHUNK, (chunk + DA_TILE - 1) / DA_TILE * DA_TILE);
+  const int used = max(1, (total + chunk - 1) / chunk);
+  const bool direct = used == 1;
+  if (split >= used) return;
   const int t0 = start + split * chunk;
   const int t1 = min(t0 + chunk, seq_len);
 
-  if (t0 >= t1) {  // an empty split (or an empty sequence): block-uniform exit
-    if (num_splits > 1) {
-      if (tid < rows) part_lse[((i64)b * H + h0 + tid) * num_splits + split] = NEG_INF;
-      finish_split<T>(out, part_o, part_lse, counters, b * gridDim.y + blockIdx.y, (i64)b * H + h0, rows,
-                      num_splits, D);
-    } else {
-      const Vec16 zero = {{0u, 0u, 0u, 0u}};
-      for (int i = tid; i < rows * VPR; i += DA_THREADS)
-        reinterpret_cast<Vec16*>(out + ((i64)b * H + h0 + i / VPR) * D)[i % VPR] = zero;
-    }
+  if (t0 >= t1) {  // an empty sequence (split 0, direct): block-uniform exit
+    const Vec16 zero = {{0u, 0u, 0u, 0u}};
+    for (int i = tid; i < rows * VPR; i += DA_THREADS)
+      reinterpret_cast<Vec16*>(out + ((i64)b * H + h0 + i / VPR) * D)[i % VPR] = zero;
     return;
   }
 
@@ -342,7 +345,7 @@ __device__ __forceinline__ void decode_attention_impl(
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] *= inv;
     const i64 bh = (i64)b * H + h0 + r;
-    if (num_splits == 1) {
+    if (direct) {
       reinterpret_cast<Vec16*>(out + bh * D)[c] = pack8<T>(acc);
     } else {
       float* dst = part_o + (bh * num_splits + split) * D + c * 8;
@@ -357,9 +360,9 @@ __device__ __forceinline__ void decode_attention_impl(
       if (c == 0) part_lse[bh * num_splits + split] = M + log2f(L);
     }
   }
-  if (num_splits > 1)
+  if (!direct)
     finish_split<T>(out, part_o, part_lse, counters, b * gridDim.y + blockIdx.y, (i64)b * H + h0, rows, num_splits,
-                    D);
+                    used, D);
 }
 
 #define DECODE_ENTRY(SUFFIX, T, D)                                                                          \

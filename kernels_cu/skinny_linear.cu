@@ -1,22 +1,23 @@
 // Op: "skinny" linear layers for decode batches (M = 1..32 tokens): y = x @ W^T, read from HBM once,
 // with the neighbouring elementwise ops fused in (fp32 accumulation on the tensor cores):
 //
-//   prologue NORM (norm_w != null): x is the raw residual stream and inv_rms[m] its RMS statistic;
-//     the B operand is transformers' LlamaRMSNorm of x:  xb = T(norm_w[k] * T(x[m, k] * inv_rms[m]))
-//   value[m, r] = acc[m, r] + bias[r]   (bias optional; fp32)
+//   prologue NORM (norm_w != null): x is the raw residual stream; the block computes each token's
+//     inv_rms[m] = rsqrt(mean_k(x[m, k]^2) + eps) from the x it loads anyway (all of K, spread over
+//     its warps), feeds the tensor cores T(norm_w[k] * x[m, k]) and scales the fp32 result by
+//     inv_rms[m]: RMSNorm applied after the dot product instead of before (the same value in exact
+//     arithmetic; roundings differ from transformers' LlamaRMSNorm within bf16 resolution).
+//   value[m, r] = acc[m, r] (* inv_rms[m]) + bias[r]   (bias optional; fp32)
 //   epilogues:
 //     store     out[m, r] = T(value)                                                   out [M, N] T
 //     f32       out[m, r] = value                                                      out [M, N] fp32
 //     silu      W = [gate (I rows) | up (I rows)];  out[m, p] = T(T(silu(T(g))) * T(u))  out [M, I] T
 //               with g = value[m, p], u = value[m, I + p], silu(g) = g / (1 + exp(-g))
-//     residual  residual[m, r] = T(residual[m, r] + acc[m, r])  (in place, one rounding), and
-//               inv_rms_out[m] = rsqrt(mean_r(residual[m, r]^2) + eps) for the next NORM prologue
+//     residual  residual[m, r] = T(residual[m, r] + value[m, r])  (in place, one rounding, as cuBLAS
+//               addmm with beta = 1)
 //     rope_kv   W = [q heads (H*D rows) | k heads (Hkv*D) | v heads (Hkv*D)]; v = T(value); q and k
 //               heads rotate-half with cs = cos_sin[rope_index[m]] (rope_cache_write.cu's numerics:
 //               products and sums rounded one by one, no FMA); q -> q_out[m, h], k and v ->
 //               k_cache / v_cache at slot_mapping[m] (negative: no cache write for that token)
-//   rms_stats: inv_rms[m] = rsqrt(mean_k(x[m, k]^2) + eps) (the statistic of the first layer's norm)
-// Roundings follow the torch reference (engine/ops/torch_ops.py; F.linear on bf16/fp16 tensors).
 //
 // Tensor-core mapping (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type",
 // .bf16/.f16 A and B; groupID g = lane >> 2, threadID_in_group t = lane & 3):
@@ -47,36 +48,24 @@
 // group accumulates into chain u % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles already give
 // independent chains), so the mma dependency chain is short; the chains are added in a fixed order.
 // W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which every block
-// re-reads from L1/L2). The 8 warps' fragments are summed through shared memory in warp order
-// (deterministic) and warp 0 runs the epilogue. Output stores are scattered 2- or 4-byte stores.
-// Occupancy: __launch_bounds__(256, 2), i.e. <= 128 registers, so two blocks share an SM (one block's
-// reduction and epilogue overlap the other's loads; 2 x 32 KiB of W in flight per SM); ptxas spills
-// a few bytes in the _m32 variants, mostly outside the main loop.
-// The NORM transform uses one packed T multiply for T(w * T(x * inv)) (see norm2): bit-identical,
-// and half the instructions of the fp32 form; it runs once per x element per block, so it costs
-// NT times more per W element than the mma does (at _m32 it is the largest part of the main loop).
-// Tuning knobs to measure (same code): SK_GROUP per NT, the launch bound, and the L2 prefetch size.
-//
-// residual statistics without float atomics: warp 0 of each block writes its per-token sums of
-// squares over its 16 rows to partials[blockIdx.x * M + m], fences, and takes a ticket from
-// *counter; the block that draws ticket gridDim.x - 1 fences again, sums the partials (8 warps: warp
-// w takes tokens w, w + 8, ..; lane l blocks l, l + 32, .. in order, then a fixed shuffle tree: the
-// result does not depend on which block finishes last), writes inv_rms_out and resets *counter to 0.
-// Partials are read with ld.relaxed.gpu (L2, never a stale L1 line). The counter serves every launch
-// that is ordered after the previous one (one stream, or graph replays of one stream).
+// re-reads from L1/L2). The 8 warps' fragments (and NORM's sums of squares) are summed through
+// shared memory in warp order (deterministic) and warp 0 runs the epilogue.
+// Programmatic dependent launch: a block first prefetches the start of its W rows into L2 (weights:
+// no kernel writes them), then waits for the previous kernel (x, the residual, the caches are its
+// outputs), then lets the next kernel launch. Launched without the attribute, the wait returns at once.
+// Occupancy: __launch_bounds__(256, 2), i.e. <= 128 registers, so two blocks share an SM.
 //
 // Layouts (all contiguous; T = bf16 (…_bf16) or fp16 (…_fp16), storage u16):
-//   x [M, K] T; W [N, K] T; bias [N] T; norm_w [K] T; inv_rms [M] fp32.
+//   x [M, K] T; W [N, K] T; bias [N] T; norm_w [K] T.
 //   rope_kv: N = (H + 2 Hkv) D; q_out [M, H, D] T; cos_sin [P, D] fp32 (cos of the D/2 frequencies,
 //     then their sin); rope_index [M] int64; k_cache / v_cache [num_blocks * block_size, Hkv, D] T
 //     (element offset slot * Hkv * D + kh * D + i); slot_mapping [M] int64.
-//   residual: residual [M, N] T (in/out); inv_rms_out [M] fp32; partials >= (N / 16) * M fp32
-//     scratch; counter: one int32, zero before the launch and zero again after it (caller-owned).
+//   residual: residual [M, N] T (in/out).
 // Launch contract (skinny_{store,f32,silu,residual,rope_kv}_{bf16,fp16}_m{8,16,32}):
 //   grid (N / 16), block (256), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
 //   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must not overlap
-//   x or W. rms_stats_{bf16,fp16}: grid (M), block (256); K % 8 == 0; x 16-byte aligned.
+//   x or W.
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
 #include "common.cuh"
 
@@ -84,6 +73,7 @@
 #define SK_WARPS 8
 #define SK_CHUNK 32  // k elements per warp per step (two mmas)
 #define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
+#define SK_PREFETCH 8  // chunks per warp prefetched into L2 before waiting for the previous kernel
 
 enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4 };
 
@@ -94,10 +84,6 @@ struct SkinnyArgs {
   const u16* w;          // [N, K]
   const u16* bias;       // [N] or null
   const u16* norm_w;     // [K] or null (no NORM prologue)
-  const float* inv_rms;  // [M] (with norm_w)
-  float* inv_rms_out;    // residual: [M]
-  float* partials;       // residual: [gridDim.x * M]
-  int* counter;          // residual
   const float* cos_sin;  // rope_kv
   const i64* rope_index;
   u16* k_cache;
@@ -105,7 +91,7 @@ struct SkinnyArgs {
   const i64* slot_mapping;
   int M, N, K, half;  // half = S / 2, the distance between the two rows of a pair
   int H, Hkv, D;      // rope_kv
-  float eps;          // residual
+  float eps;          // NORM
 };
 
 // 16-byte loads. W is streamed once (no L1 allocation, 256-byte L2 prefetch: the 8 warps of a block
@@ -129,12 +115,7 @@ __device__ __forceinline__ Vec16 zero16() {
   Vec16 v = {{0u, 0u, 0u, 0u}};
   return v;
 }
-// Partials written by other blocks of this launch: a gpu-scope load, served by L2.
-__device__ __forceinline__ float ld_relaxed_gpu(const float* p) {
-  float v;
-  asm volatile("ld.relaxed.gpu.global.f32 %0, [%1];\n" : "=f"(v) : "l"(p) : "memory");
-  return v;
-}
+__device__ __forceinline__ void prefetch_l2(const u16* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
 // Packed multiply of two T pairs, one rounding each (fma with -0: exact sign of zero products).
 template <class T>
@@ -156,13 +137,11 @@ struct Mul2<Fp16> {
   }
 };
 
-// NORM prologue on one register (two elements): T(w * T(x * inv)). The product of two T values is
-// exact in fp32 (8- or 11-bit significands), so rounding it to T equals the packed T multiply: the
-// same bits as the fp32 formulation at half the instructions (this transform runs once per x
-// element per block, NT times per W element).
+// Sum of squares of the two T values of one register, added to s.
 template <class T>
-__device__ __forceinline__ u32 norm2(u32 x, u32 w, float inv) {
-  return Mul2<T>::run(T::pack(lo_of<T>(x) * inv, hi_of<T>(x) * inv), w);
+__device__ __forceinline__ float add_squares(float s, u32 x) {
+  const float lo = lo_of<T>(x), hi = hi_of<T>(x);
+  return fmaf(hi, hi, fmaf(lo, lo, s));
 }
 
 // Per-lane operand pointers of the main loop.
@@ -173,14 +152,14 @@ struct LaneOperands {
   const u16* x;       // token g, + 8t; token 8j + g is at x + j * xstride (read only where xv[j])
   i64 xstride;        // 8 K
   bool xv[NT];        // token 8j + g < M
-  float inv[NT];      // inv_rms of that token (0 where !xv[j])
   const u16* nw;      // norm_w + 8t
 };
 
 // U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only).
 template <class T, int NT, int U, int CH, bool NORM, bool FULL>
-__device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], const LaneOperands<NT>& L, int c, int C) {
+__device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
+                                             int c, int C) {
   Vec16 wa[U], wb[U], xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -202,10 +181,12 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], const Lane
     if (!FULL && c + SK_WARPS * u >= C) continue;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      if (NORM) {
-        // Tokens >= M: x = 0 and inv = 0, so the operand stays 0.
+      if (NORM) {  // tokens >= M: x = 0, so the operand and the sum stay 0
 #pragma unroll
-        for (int i = 0; i < 4; ++i) xb[u][j].w[i] = norm2<T>(xb[u][j].w[i], nw[u].w[i], L.inv[j]);
+        for (int i = 0; i < 4; ++i) {
+          ss[j] = add_squares<T>(ss[j], xb[u][j].w[i]);
+          xb[u][j].w[i] = Mul2<T>::run(xb[u][j].w[i], nw[u].w[i]);
+        }
       }
       const u32 a_lo[4] = {wa[u].w[0], wb[u].w[0], wa[u].w[1], wb[u].w[1]};
       const u32 a_hi[4] = {wa[u].w[2], wb[u].w[2], wa[u].w[3], wb[u].w[3]};
@@ -216,10 +197,11 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], const Lane
 }
 
 template <class T, int NT, int U, int CH, bool NORM>
-__device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], const LaneOperands<NT>& L, int warp, int C) {
+__device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
+                                                int warp, int C) {
   int c = warp;
-  for (; c + SK_WARPS * (U - 1) < C; c += SK_WARPS * U) skinny_group<T, NT, U, CH, NORM, true>(acc, L, c, C);
-  if (c < C) skinny_group<T, NT, U, CH, NORM, false>(acc, L, c, C);
+  for (; c + SK_WARPS * (U - 1) < C; c += SK_WARPS * U) skinny_group<T, NT, U, CH, NORM, true>(acc, ss, L, c, C);
+  if (c < C) skinny_group<T, NT, U, CH, NORM, false>(acc, ss, L, c, C);
 }
 
 // rope_kv epilogue for one token m: v0 / v1 = the rounded values of rows r0 / r1 (pair i of `head`).
@@ -255,10 +237,11 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   constexpr int U = SK_GROUP;
   constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
   __shared__ float red[SK_WARPS - 1][NT * 4][32];  // fragments of warps 1..7
-  __shared__ int is_last;
+  __shared__ float sq_red[SK_WARPS][NT * 8];       // NORM: per-warp sums of squares per token
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int M = a.M, K = a.K, half = a.half;
+  const bool norm = a.norm_w != nullptr;
 
   // The pair of this lane's fragment rows g / g + 8.
   const int p = blockIdx.x * 8 + g;
@@ -272,26 +255,33 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   L.x = a.x + (i64)g * K + 8 * t;
   L.xstride = (i64)8 * K;
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int tok = 8 * j + g;
-    L.xv[j] = tok < M;
-    L.inv[j] = a.norm_w && L.xv[j] ? a.inv_rms[tok] : 0.f;
+  for (int j = 0; j < NT; ++j) L.xv[j] = 8 * j + g < M;
+  const int C = K / SK_CHUNK;
+
+  // Programmatic dependent launch: the first chunks of this warp's W rows go to L2 while the previous
+  // kernel finishes; then wait for its outputs, and let the next kernel launch (and prefetch).
+  for (int c = warp, n = 0; c < C && n < SK_PREFETCH; c += SK_WARPS, ++n) {
+    prefetch_l2(L.wa + (i64)c * SK_CHUNK);
+    prefetch_l2(L.wb + (i64)c * SK_CHUNK);
   }
+  grid_dependency_wait();
+  allow_dependents();
 
   float chains[CH][NT][4];
+  float ss[NT];
 #pragma unroll
-  for (int h = 0; h < CH; ++h) {
+  for (int j = 0; j < NT; ++j) {
+    ss[j] = 0.f;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
+    for (int h = 0; h < CH; ++h) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
     }
   }
-  const int C = K / SK_CHUNK;
-  if (a.norm_w)
-    skinny_mainloop<T, NT, U, CH, true>(chains, L, warp, C);
+  if (norm)
+    skinny_mainloop<T, NT, U, CH, true>(chains, ss, L, warp, C);
   else
-    skinny_mainloop<T, NT, U, CH, false>(chains, L, warp, C);
+    skinny_mainloop<T, NT, U, CH, false>(chains, ss, L, warp, C);
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -310,171 +300,111 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) red[warp - 1][j * 4 + e][lane] = acc[j][e];
     }
   }
-  __syncthreads();
-
-  if (warp == 0) {
-#pragma unroll
-    for (int w = 0; w < SK_WARPS - 1; ++w) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
-      }
-    }
-    float b0 = 0.f, b1 = 0.f;
-    if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
-      b0 = T::to_float(a.bias[r0]);
-      b1 = T::to_float(a.bias[r1]);
-    }
-    // acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token).
+  if (norm) {
+    // This warp's sum for token 8j + g: lanes of equal g (t = 0..3) hold its four 8-element columns.
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      float sq[2] = {0.f, 0.f};  // residual: this lane's sums of squares for its two tokens
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int m = 8 * j + 2 * t + s;
-        if (m >= M) continue;
-        const float v0 = acc[j][s] + b0, v1 = acc[j][2 + s] + b1;
-        if (EP == EP_STORE) {
-          u16* out = (u16*)a.out + (i64)m * a.N;
-          out[r0] = T::from_float(v0);
-          out[r1] = T::from_float(v1);
-        } else if (EP == EP_F32) {
-          float* out = (float*)a.out + (i64)m * a.N;
-          out[r0] = v0;
-          out[r1] = v1;
-        } else if (EP == EP_SILU) {
-          const float gate = round_to<T>(v0), up = round_to<T>(v1);
-          const float act = round_to<T>(gate / (1.0f + expf(-gate)));
-          ((u16*)a.out)[(i64)m * half + p] = T::from_float(act * up);
-        } else if (EP == EP_RESIDUAL) {
-          u16* res = (u16*)a.out + (i64)m * a.N;
-          const float n0 = round_to<T>(T::to_float(res[r0]) + v0);
-          const float n1 = round_to<T>(T::to_float(res[r1]) + v1);
-          res[r0] = T::from_float(n0);
-          res[r1] = T::from_float(n1);
-          sq[s] = n0 * n0 + n1 * n1;
-        } else {  // EP_ROPE_KV: all 8 pairs of a tile lie in one head (half % 8 == 0)
-          rope_kv_store<T>(a, m, p / half, p % half, round_to<T>(v0), round_to<T>(v1));
-        }
-      }
-      if (EP == EP_RESIDUAL) {
-        // Sum over the 8 lanes of equal t (the tile's 16 rows), a fixed shuffle tree.
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          sq[0] += __shfl_xor_sync(FULL_MASK, sq[0], o);
-          sq[1] += __shfl_xor_sync(FULL_MASK, sq[1], o);
-        }
-        const int m = 8 * j + 2 * t;
-        if (g == 0 && m < M) a.partials[(i64)blockIdx.x * M + m] = sq[0];
-        if (g == 0 && m + 1 < M) a.partials[(i64)blockIdx.x * M + m + 1] = sq[1];
-      }
-    }
-    if (EP == EP_RESIDUAL) {
-      __threadfence();  // this lane's partials are visible device-wide before the ticket
-      __syncwarp();
-      if (lane == 0) {
-        __threadfence();
-        const unsigned ticket = atomicAdd(a.counter, 1);
-        __threadfence();  // acquire: the partials of every block that drew an earlier ticket
-        is_last = ticket == gridDim.x - 1;
-      }
+      float v = ss[j];
+      v += __shfl_xor_sync(FULL_MASK, v, 1);
+      v += __shfl_xor_sync(FULL_MASK, v, 2);
+      if (t == 0) sq_red[warp][8 * j + g] = v;
     }
   }
-
-  if (EP == EP_RESIDUAL) {
-    __syncthreads();
-    if (!is_last) return;
-    __threadfence();
-    const int nb = gridDim.x;
-    for (int m = warp; m < M; m += SK_WARPS) {
-      float s = 0.f;
-      for (int b0 = 0; b0 < nb; b0 += 32 * 8) {
-        float v[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int b = b0 + 32 * i + lane;
-          v[i] = b < nb ? ld_relaxed_gpu(a.partials + (i64)b * M + m) : 0.f;
-        }
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s += v[i];
-      }
-      s = warp_sum(s);
-      if (lane == 0) a.inv_rms_out[m] = rsqrtf(s / (float)a.N + a.eps);
-    }
-    if (threadIdx.x == 0) *a.counter = 0;  // every block has drawn its ticket
-  }
-}
-
-template <class T>
-__device__ __forceinline__ void rms_stats_impl(float* __restrict__ inv_rms, const u16* __restrict__ x, int K,
-                                               float eps) {
-  __shared__ float red[SK_WARPS];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const Vec16* row = reinterpret_cast<const Vec16*>(x + (i64)blockIdx.x * K);
-  float s = 0.f;
-  for (int v = threadIdx.x; v < (K >> 3); v += SK_THREADS) {
-    float f[8];
-    unpack8<T>(row[v], f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) s += f[e] * f[e];
-  }
-  s = warp_sum(s);
-  if (lane == 0) red[warp] = s;
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
+  if (warp != 0) return;
+
 #pragma unroll
-    for (int w = 0; w < SK_WARPS; ++w) total += red[w];
-    inv_rms[blockIdx.x] = rsqrtf(total / (float)K + eps);
+  for (int w = 0; w < SK_WARPS - 1; ++w) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
+    }
+  }
+  float b0 = 0.f, b1 = 0.f;
+  if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
+    b0 = T::to_float(a.bias[r0]);
+    b1 = T::to_float(a.bias[r1]);
+  }
+  // acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token).
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int m = 8 * j + 2 * t + s;
+      if (m >= M) continue;
+      float scale = 1.f;
+      if (norm) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < SK_WARPS; ++w) sum += sq_red[w][m];
+        scale = rsqrtf(sum / (float)K + a.eps);
+      }
+      const float v0 = acc[j][s] * scale + b0, v1 = acc[j][2 + s] * scale + b1;
+      if (EP == EP_STORE) {
+        u16* out = (u16*)a.out + (i64)m * a.N;
+        out[r0] = T::from_float(v0);
+        out[r1] = T::from_float(v1);
+      } else if (EP == EP_F32) {
+        float* out = (float*)a.out + (i64)m * a.N;
+        out[r0] = v0;
+        out[r1] = v1;
+      } else if (EP == EP_SILU) {
+        const float gate = round_to<T>(v0), up = round_to<T>(v1);
+        const float act = round_to<T>(gate / (1.0f + expf(-gate)));
+        ((u16*)a.out)[(i64)m * half + p] = T::from_float(act * up);
+      } else if (EP == EP_RESIDUAL) {
+        u16* res = (u16*)a.out + (i64)m * a.N;
+        res[r0] = T::from_float(T::to_float(res[r0]) + v0);
+        res[r1] = T::from_float(T::to_float(res[r1]) + v1);
+      } else {  // EP_ROPE_KV: all 8 pairs of a tile lie in one head (half % 8 == 0)
+        rope_kv_store<T>(a, m, p / half, p % half, round_to<T>(v0), round_to<T>(v1));
+      }
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Entry points.
 
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                                                                   \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_store_##SUFFIX##_m##MB(                  \
-      u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* inv_rms, int M, \
-      int N, int K) {                                                                                       \
-    SkinnyArgs a = {};                                                                                      \
-    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w; a.inv_rms = inv_rms;                   \
-    a.M = M; a.N = N; a.K = K; a.half = N / 2;                                                              \
-    skinny_impl<T, NT, EP_STORE>(a);                                                                        \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_f32_##SUFFIX##_m##MB(                    \
-      float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* inv_rms,     \
-      int M, int N, int K) {                                                                                \
-    SkinnyArgs a = {};                                                                                      \
-    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w; a.inv_rms = inv_rms;                   \
-    a.M = M; a.N = N; a.K = K; a.half = N / 2;                                                              \
-    skinny_impl<T, NT, EP_F32>(a);                                                                          \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_silu_##SUFFIX##_m##MB(                   \
-      u16* out, const u16* x, const u16* w, const u16* norm_w, const float* inv_rms, int M, int I, int K) { \
-    SkinnyArgs a = {};                                                                                      \
-    a.out = out; a.x = x; a.w = w; a.norm_w = norm_w; a.inv_rms = inv_rms;                                  \
-    a.M = M; a.N = 2 * I; a.K = K; a.half = I;                                                              \
-    skinny_impl<T, NT, EP_SILU>(a);                                                                         \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_residual_##SUFFIX##_m##MB(               \
-      u16* residual, const u16* x, const u16* w, float* inv_rms_out, float* partials, int* counter, int M,  \
-      int N, int K, float eps) {                                                                            \
-    SkinnyArgs a = {};                                                                                      \
-    a.out = residual; a.x = x; a.w = w; a.inv_rms_out = inv_rms_out; a.partials = partials;                 \
-    a.counter = counter; a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                            \
-    skinny_impl<T, NT, EP_RESIDUAL>(a);                                                                     \
-  }                                                                                                         \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_rope_kv_##SUFFIX##_m##MB(                \
-      u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* inv_rms,     \
-      const float* cos_sin, const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping,     \
-      int M, int H, int Hkv, int D, int K) {                                                                \
-    SkinnyArgs a = {};                                                                                      \
-    a.out = q_out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w; a.inv_rms = inv_rms;                 \
-    a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;               \
-    a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;              \
-    a.H = H; a.Hkv = Hkv; a.D = D;                                                                          \
-    skinny_impl<T, NT, EP_ROPE_KV>(a);                                                                      \
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                                                                           \
+  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_store_##SUFFIX##_m##MB(                        \
+      u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
+    a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
+    skinny_impl<T, NT, EP_STORE>(a);                                                                                \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_f32_##SUFFIX##_m##MB(                          \
+      float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
+    a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
+    skinny_impl<T, NT, EP_F32>(a);                                                                                  \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_silu_##SUFFIX##_m##MB(                         \
+      u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
+    a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
+    skinny_impl<T, NT, EP_SILU>(a);                                                                                 \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_residual_##SUFFIX##_m##MB(                     \
+      u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
+    skinny_impl<T, NT, EP_RESIDUAL>(a);                                                                             \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_rope_kv_##SUFFIX##_m##MB(                      \
+      u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
+      const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
+      int K, float eps) {                                                                                           \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = q_out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                              \
+    a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
+    a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
+    a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
+    skinny_impl<T, NT, EP_ROPE_KV>(a);                                                                              \
   }
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)
@@ -483,10 +413,3 @@ SKINNY_ENTRIES(bf16, Bf16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, 32, 4)
-
-extern "C" __global__ void __launch_bounds__(SK_THREADS) rms_stats_bf16(float* inv_rms, const u16* x, int K, float eps) {
-  rms_stats_impl<Bf16>(inv_rms, x, K, eps);
-}
-extern "C" __global__ void __launch_bounds__(SK_THREADS) rms_stats_fp16(float* inv_rms, const u16* x, int K, float eps) {
-  rms_stats_impl<Fp16>(inv_rms, x, K, eps);
-}

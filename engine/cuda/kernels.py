@@ -57,13 +57,16 @@ SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_THREADS = 256
 SKINNY_K_ALIGN = 32  # K elements per warp step
 SKINNY_EPILOGUE_ARGS = {
-    "store": "pppppp" + "iii",      # out, x, w, bias, norm_w, inv_rms, M, N, K
-    "f32": "pppppp" + "iii",        # the same, fp32 out
-    "silu": "ppppp" + "iii",        # out, x, w, norm_w, inv_rms, M, I, K
-    "residual": "pppppp" + "iii" + "f",  # residual, x, w, inv_rms_out, partials, counter, M, N, K, eps
-    "rope_kv": "p" * 11 + "iiiii",  # q_out, x, w, bias, norm_w, inv_rms, cos_sin, rope_index, k_cache,
-                                    # v_cache, slot_mapping, M, H, Hkv, D, K
+    "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
+    "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
+    "silu": "pppp" + "iii" + "f",       # out, x, w, norm_w, M, I, K, eps
+    "residual": "ppp" + "iii",          # residual, x, w, M, N, K
+    "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
+                                          # slot_mapping, M, H, Hkv, D, K, eps
 }
+# Kernels launched with programmatic stream serialization (they call griddepcontrol.wait before reading
+# what an earlier kernel wrote; see common.cuh).
+PDL_PREFIXES = ("skinny_", "decode_attention_")
 
 
 MODULES: dict[str, list[KernelSpec]] = {
@@ -77,8 +80,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS]
-                     + _per_dtype("rms_stats_{dt}", "ppif"),
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
@@ -104,11 +106,6 @@ def skinny_m_bucket(num_tokens: int) -> int:
         if num_tokens <= bucket:
             return bucket
     raise KernelArgError(f"skinny linear: {num_tokens} tokens; the kernels take at most {SKINNY_MAX_M}")
-
-
-def skinny_partials_size(N: int, num_tokens: int = SKINNY_MAX_M) -> int:
-    """fp32 scratch (floats) of skinny_residual: one sum of squares per (16-row tile, token)."""
-    return N // SKINNY_TILE * num_tokens
 
 
 def expected_symbols() -> dict[str, list[str]]:
@@ -163,11 +160,13 @@ _SLOT = {"p": "Q", "l": "q", "i": "i4x", "f": "f4x"}
 
 
 class Kernel:
-    """One CUfunction with a reusable parameter buffer."""
+    """One CUfunction with a reusable parameter buffer. pdl: launched with programmatic stream
+    serialization (cuLaunchKernelEx; the kernel may start while the previous one in the stream
+    finishes, and waits for it with griddepcontrol.wait before reading its outputs)."""
 
-    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok")
+    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok", "_config")
 
-    def __init__(self, name: str, func, argtypes: str):
+    def __init__(self, name: str, func, argtypes: str, pdl: bool = False):
         self.name = name
         self.func = func
         self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in argtypes)).pack_into
@@ -177,13 +176,32 @@ class Kernel:
         self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + 8 * i for i in range(n)])
         self._params = ctypes.addressof(self._ptrs)
         driver = _driver()
-        self._launch = driver.cuLaunchKernel
         self._ok = driver.CUresult.CUDA_SUCCESS
+        self._config = None
+        if pdl:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config = driver.CUlaunchConfig()
+            config.attrs = [attr]
+            config.numAttrs = 1
+            self._config = config
+            self._launch = driver.cuLaunchKernelEx
+        else:
+            self._launch = driver.cuLaunchKernel
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args):
         self._pack(self._buf, 0, *args)
-        err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
-                            self._params, 0)
+        config = self._config
+        if config is None:
+            err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                                self._params, 0)
+        else:
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = smem
+            config.hStream = stream
+            err, = self._launch(config, self.func, self._params, 0)
         if err != self._ok:
             raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})", err)
 
@@ -293,7 +311,9 @@ class KernelLibrary:
     """Every kernel of kernels_cu/, loaded for one device."""
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
-                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None):
+                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
+                 pdl: bool = True):
+        """pdl: launch the kernels of PDL_PREFIXES with programmatic dependent launch (Hopper and newer)."""
         if not torch.cuda.is_available():
             raise KernelLoadError("torch sees no CUDA device")
         if device is None:
@@ -320,6 +340,7 @@ class KernelLibrary:
         minor = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._cu_device))
         self.compute_capability = (major, minor)
+        self.pdl = pdl and major >= 9
         self.num_sms = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device))
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
@@ -338,7 +359,8 @@ class KernelLibrary:
                 if err != driver.CUresult.CUDA_SUCCESS:
                     missing.append(f"{spec.name} (in {module}, {self.origin[module]}: {_error_text(err)})")
                     continue
-                self.kernels[spec.name] = Kernel(spec.name, func, spec.args)
+                self.kernels[spec.name] = Kernel(spec.name, func, spec.args,
+                                                 pdl=self.pdl and spec.name.startswith(PDL_PREFIXES))
         if missing:
             raise KernelLoadError("kernels missing from the loaded modules: " + ", ".join(missing))
         smem_attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -601,15 +623,14 @@ class KernelLibrary:
         self.kernels[f"silu_and_mul_{sfx}"]((T, -(-(I // 8) // 256), 1), (256, 1, 1), 0, self.stream(), o, xp, I)
 
     # Skinny linear layers for decode (kernels_cu/skinny_linear.cu): y = x @ weight^T for 1..32 tokens,
-    # reading the weight once, with the neighbouring elementwise ops fused. With norm_weight and
-    # inv_rms (the NORM prologue), x is the raw residual stream and is RMS-normalised on the fly
-    # (inv_rms [M] from rms_stats or from the previous skinny_residual).
+    # reading the weight once, with the neighbouring elementwise ops fused. With norm_weight (the NORM
+    # prologue), x is the raw residual stream and the result is that of rms_norm(x, norm_weight, eps).
 
     def _skinny_inputs(self, what: str, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
-                       inv_rms: torch.Tensor | None, pair_span: int) -> tuple:
-        """Checks x [M, K], weight [N, K] and the NORM operands; pair_span = the distance the epilogue
-        pairs rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and pair_span % 16 == 0.
-        Returns (suffix, M, N, K, x, weight, norm_weight, inv_rms) with pointers (0 = absent)."""
+                       pair_span: int) -> tuple:
+        """Checks x [M, K], weight [N, K] and norm_weight [K]; pair_span = the distance the epilogue pairs
+        rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and pair_span % 16 == 0.
+        Returns (suffix, M, N, K, x, weight, norm_weight) with pointers (0 = absent)."""
         sfx = _suffix(x.dtype, f"{what} x")
         xp = _tensor(x, f"{what} x", x.dtype, 2)
         wp = _tensor(weight, f"{what} weight", x.dtype, 2)
@@ -625,15 +646,11 @@ class KernelLibrary:
                                  f"apart (need N % {pair_span} == 0 and {pair_span} % 16 == 0)")
         if M > SKINNY_MAX_M:
             raise KernelArgError(f"{what}: {M} tokens; the skinny kernels take at most {SKINNY_MAX_M} (use a GEMM)")
-        if (norm_weight is None) != (inv_rms is None):
-            raise KernelArgError(f"{what}: norm_weight and inv_rms go together (the NORM prologue needs both)")
-        nw = ir = 0
+        nw = 0
         if norm_weight is not None:
             nw = _tensor(norm_weight, f"{what} norm_weight", x.dtype, 1)
             _shape(norm_weight, f"{what} norm_weight", (K,))
-            ir = _tensor(inv_rms, f"{what} inv_rms", torch.float32, 1, align=False)
-            _shape(inv_rms, f"{what} inv_rms", (M,))
-        return sfx, M, N, K, xp, wp, nw, ir
+        return sfx, M, N, K, xp, wp, nw
 
     @staticmethod
     def _skinny_output(out: torch.Tensor, what: str, dtype, shape: tuple, x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -656,64 +673,53 @@ class KernelLibrary:
                                                                    self.stream(), *args)
 
     def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     norm_weight: torch.Tensor | None = None, inv_rms: torch.Tensor | None = None) -> None:
-        """out [M, N] = x @ weight^T (+ bias); out in x's dtype, or fp32 (logits: no rounding)."""
+                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+        """out [M, N] = x' @ weight^T (+ bias), x' = rms_norm(x, norm_weight, eps) or x; out in x's dtype, or
+        fp32 (logits: no rounding)."""
         N = weight.shape[0] if weight.dim() == 2 else 0
-        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_store", x, weight, norm_weight, inv_rms, N)
+        sfx, M, N, K, xp, wp, nw = self._skinny_inputs("skinny_store", x, weight, norm_weight, N)
         ep = "f32" if out.dtype == torch.float32 else "store"
         o = self._skinny_output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, weight)
         bp = self._skinny_bias(bias, "skinny_store", x.dtype, N)
         if M == 0:
             return
-        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, ir, M, N, K)
+        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
 
     def skinny_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                    norm_weight: torch.Tensor | None = None, inv_rms: torch.Tensor | None = None) -> None:
-        """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x @ gate^T) * (x @ up^T)."""
+                    norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+        """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T)."""
         N = weight.shape[0] if weight.dim() == 2 else 0
-        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_silu", x, weight, norm_weight, inv_rms, N)
+        sfx, M, N, K, xp, wp, nw = self._skinny_inputs("skinny_silu", x, weight, norm_weight, N)
         I = N // 2
         o = self._skinny_output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
         if M == 0:
             return
-        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, ir, M, I, K)
+        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
 
-    def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, inv_rms_out: torch.Tensor,
-                        partials: torch.Tensor, counter: torch.Tensor, eps: float) -> None:
-        """residual [M, N] += x @ weight^T in place (one rounding), and inv_rms_out [M] = rsqrt(mean(residual^2)
-        + eps) of the updated rows (for the next NORM prologue). partials: fp32 scratch of at least
-        skinny_partials_size(N, M) floats; counter: int32, zero, owned by the caller and left zero (launches
-        that share it must be ordered: one stream)."""
+    def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
         N = weight.shape[0] if weight.dim() == 2 else 0
-        sfx, M, N, K, xp, wp, _, _ = self._skinny_inputs("skinny_residual", x, weight, None, None, N)
+        sfx, M, N, K, xp, wp, _ = self._skinny_inputs("skinny_residual", x, weight, None, N)
         rp = self._skinny_output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
-        io = _tensor(inv_rms_out, "skinny_residual inv_rms_out", torch.float32, 1, align=False)
-        _shape(inv_rms_out, "skinny_residual inv_rms_out", (M,))
-        pp = _tensor(partials, "skinny_residual partials", torch.float32, align=False)
-        if partials.numel() < skinny_partials_size(N, M):
-            raise KernelArgError(f"skinny_residual partials: {partials.numel()} floats; N = {N}, M = {M} need "
-                                 f"{skinny_partials_size(N, M)}")
-        cp = _tensor(counter, "skinny_residual counter", torch.int32, align=False)
-        if counter.numel() < 1:
-            raise KernelArgError("skinny_residual counter: expected one int32")
         if M == 0:
             return
-        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, io, pp, cp, M, N, K, float(eps))
+        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, M, N, K)
 
     def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       norm_weight: torch.Tensor | None, inv_rms: torch.Tensor | None, cos_sin: torch.Tensor,
-                       rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
-        """The fused QKV projection: qkv = x @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)];
-        q and k rotated (rotate-half) by cos_sin[rope_index]; q -> q_out [M, H, D]; k and v -> the caches at
-        slot_mapping (a negative slot skips the token's cache write)."""
+                       norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                       num_kv_heads: int, eps: float = 1e-6) -> None:
+        """The fused QKV projection: qkv = x' @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)]
+        and x' = rms_norm(x, norm_weight, eps) or x; q and k rotated (rotate-half) by cos_sin[rope_index];
+        q -> q_out [M, H, D]; k and v -> the caches at slot_mapping (a negative slot skips the token's cache
+        write)."""
         H, Hkv = int(num_heads), int(num_kv_heads)
         N = weight.shape[0] if weight.dim() == 2 else 0
         if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
             raise KernelArgError(f"skinny_rope_kv: weight {tuple(weight.shape)} is not [(H + 2 Hkv) D, K] for "
                                  f"H = {H}, Hkv = {Hkv}")
         D = N // (H + 2 * Hkv)
-        sfx, M, N, K, xp, wp, nw, ir = self._skinny_inputs("skinny_rope_kv", x, weight, norm_weight, inv_rms, D)
+        sfx, M, N, K, xp, wp, nw = self._skinny_inputs("skinny_rope_kv", x, weight, norm_weight, D)
         qo = self._skinny_output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, weight)
         bp = self._skinny_bias(bias, "skinny_rope_kv", x.dtype, N)
         cs = _tensor(cos_sin, "cos_sin", torch.float32, 2, align=False)
@@ -729,21 +735,7 @@ class KernelLibrary:
         _shape(v_cache, "v_cache", k_cache.shape)
         if M == 0:
             return
-        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, ir, cs, ri, kc, vc, sm, M, H, Hkv, D, K)
-
-    def rms_stats(self, inv_rms: torch.Tensor, x: torch.Tensor, eps: float) -> None:
-        """inv_rms [M] = rsqrt(mean(x^2, -1) + eps) of x [M, K] (fp32 inside): the NORM prologue's statistic
-        for rows no skinny_residual produced (the embedding output)."""
-        sfx = _suffix(x.dtype, "rms_stats x")
-        xp = _tensor(x, "rms_stats x", x.dtype, 2)
-        M, K = x.shape
-        io = _tensor(inv_rms, "rms_stats inv_rms", torch.float32, 1, align=False)
-        _shape(inv_rms, "rms_stats inv_rms", (M,))
-        if K == 0 or K % 8:
-            raise KernelArgError(f"rms_stats: K = {K} must be a positive multiple of 8")
-        if M == 0:
-            return
-        self.kernels[f"rms_stats_{sfx}"]((M, 1, 1), (SKINNY_THREADS, 1, 1), 0, self.stream(), io, xp, K, float(eps))
+        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

@@ -3,8 +3,8 @@ or float16; logits are float32.
 
 Small batches (at most SKINNY_MAX_M tokens: decode and verify steps) run each fused op as one
 "skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
-neighbours fused in: the rms_norm before it (from the 1/rms statistics the residual writer produced),
-and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
+neighbours fused in: the rms_norm before it (its statistics computed by the kernel from the x it
+loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
 forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs.
 
 Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
@@ -23,27 +23,25 @@ import torch
 from engine import sampling
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
-    SKINNY_MAX_M,
     CudaError,
     KernelArgError,
     KernelLibrary,
     KernelLoadError,
-    skinny_partials_size,
 )
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionShape, Residual, TorchOps
+from engine.ops.torch_ops import AttentionShape, TorchOps
 
 PREFILL_ROWS = 64  # query rows per prefill attention block (kernels_cu/prefill_attention.cu)
-SKINNY_TOKENS = SKINNY_MAX_M  # forwards of at most this many tokens use the skinny kernels
-SKINNY_PARTIALS = 1 << 16  # fp32 scratch of the residual kernel's statistics: (N / 16) tiles x M rows
+SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
-def skinny_fits(weight: torch.Tensor, span: int) -> bool:
-    """Whether the skinny kernels take this weight [N, K] with row pairs (r, r + span / 2)."""
+def skinny(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
+    """Whether x [M, K] @ weight^T goes through the skinny kernels: few tokens, and a weight [N, K] they
+    take with row pairs (r, r + span / 2)."""
     n, k = weight.shape
-    return (weight.dtype in (torch.bfloat16, torch.float16) and k % 32 == 0 and span % 16 == 0
-            and n % span == 0 and skinny_partials_size(n, SKINNY_TOKENS) <= SKINNY_PARTIALS)
+    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
+            and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
 class CudaOps(TorchOps):
@@ -52,10 +50,6 @@ class CudaOps(TorchOps):
     def __init__(self, lib: KernelLibrary, max_seq_len: int):
         self.lib = lib
         self.max_seq_len = max_seq_len
-        # The residual kernel's scratch: allocated once (outside any graph pool); launches on one
-        # stream are serialised, and the counter is back at 0 after each.
-        self._partials = torch.zeros(SKINNY_PARTIALS, dtype=torch.float32, device=lib.device)
-        self._counter = torch.zeros(1, dtype=torch.int32, device=lib.device)
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._prefill_work_key: tuple | None = None
@@ -74,48 +68,40 @@ class CudaOps(TorchOps):
         return cls(lib, max_seq_len)
 
     # ---------------------------------------------------------------------------------------------
-    # Fused ops: the skinny kernels while the residual stream's statistics are tracked (set by embed
-    # for small batches, kept by every skinny residual write), else TorchOps' composition.
+    # Fused ops: one skinny kernel each for forwards of at most SKINNY_TOKENS tokens, else TorchOps'
+    # composition (cuBLAS and the kernels below).
 
-    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor, eps: float) -> Residual:
-        x = self.embedding(input_ids, weight)
-        if not 0 < x.shape[0] <= SKINNY_TOKENS or x.shape[1] % 32:
-            return Residual(x)
-        inv_rms = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        self.lib.rms_stats(inv_rms, x, eps)
-        return Residual(x, inv_rms)
-
-    def norm_qkv_rope(self, h: Residual, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+    def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
-        if h.inv_rms is None or q_norm is not None or not skinny_fits(qkv, shape.head_dim):
+        if q_norm is not None or not skinny(h, qkv, shape.head_dim):
             return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
                                          v_cache, slot_mapping, eps)
-        q = torch.empty((h.x.shape[0], shape.num_heads, shape.head_dim), dtype=h.x.dtype, device=h.x.device)
-        self.lib.skinny_rope_kv(q, h.x, qkv, bias, norm, h.inv_rms, cos_sin, rope_index.long(), k_cache, v_cache,
-                                slot_mapping.long(), shape.num_heads, shape.num_kv_heads)
+        q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
+        self.lib.skinny_rope_kv(q, h, qkv, bias, norm, cos_sin, rope_index.long(), k_cache, v_cache,
+                                slot_mapping.long(), shape.num_heads, shape.num_kv_heads, eps)
         return q
 
-    def linear_add(self, h: Residual, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-        if h.inv_rms is None or not skinny_fits(weight, weight.shape[0]):
-            return super().linear_add(h, x, weight, eps)
-        self.lib.skinny_residual(h.x, x.contiguous(), weight, h.inv_rms, self._partials, self._counter, eps)
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        if not skinny(h, weight, weight.shape[0]):
+            return super().linear_add(h, x, weight)
+        self.lib.skinny_residual(h, x.contiguous(), weight)
 
-    def norm_gate_up(self, h: Residual, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
-        if h.inv_rms is None or not skinny_fits(gate_up, gate_up.shape[0]):
+    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+        if not skinny(h, gate_up, gate_up.shape[0]):
             return super().norm_gate_up(h, norm, gate_up, eps)
-        out = torch.empty((h.x.shape[0], gate_up.shape[0] // 2), dtype=h.x.dtype, device=h.x.device)
-        self.lib.skinny_silu(out, h.x, gate_up, norm, h.inv_rms)
+        out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
+        self.lib.skinny_silu(out, h, gate_up, norm, eps)
         return out
 
-    def norm_logits(self, h: Residual, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
+    def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float) -> torch.Tensor:
-        if h.inv_rms is None or not skinny_fits(lm_head, lm_head.shape[0]):
-            return super().norm_logits(h, rows, norm, lm_head, eps)
-        x, inv_rms = (h.x, h.inv_rms) if rows is None else (h.x[rows], h.inv_rms[rows])
+        x = h if rows is None else h[rows]
+        if not skinny(x, lm_head, lm_head.shape[0]):
+            return super().norm_logits(x, None, norm, lm_head, eps)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
-        self.lib.skinny_store(out, x, lm_head, None, norm, inv_rms)
+        self.lib.skinny_store(out, x, lm_head, None, norm, eps)
         return out
 
     # ---------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ class LlamaModel:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
-        h = ops.embed(batch.input_ids, self.w.embed, eps)
+        h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
         for i, layer in enumerate(self.w.layers):
             q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                   self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i], batch.slot_mapping,
@@ -60,7 +60,7 @@ class LlamaModel:
                 attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens_host, self.scale,
                                              cfg.sliding_window)
-            ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj, eps)
-            ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down, eps)
+            ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj)
+            ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down)
         rows = None if batch.logits_all_rows else batch.logits_indices
         return ops.norm_logits(h, rows, self.w.norm, self.w.lm_head, eps)

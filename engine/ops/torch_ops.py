@@ -2,8 +2,8 @@
 against. The CUDA backend (engine/cuda/ops.py) implements the same methods with the same
 signatures; the model calls only these (GEMMs stay torch in both).
 
-The model calls the fused ops (embed, norm_qkv_rope, linear_add, norm_gate_up, norm_logits), which
-compose the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
+The model calls the fused ops (norm_qkv_rope, linear_add, norm_gate_up, norm_logits), which compose
+the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
 does for small batches), so the model has one forward for every backend and batch.
 
 Layouts:
@@ -23,16 +23,6 @@ import torch.nn.functional as F
 from engine import sampling
 
 
-@dataclass
-class Residual:
-    """The residual stream of a forward, [T, hidden], updated in place by linear_add. inv_rms: [T] fp32
-    1/rms of each row when the backend tracks it (CudaOps' small-batch kernels produce it as they
-    write the stream and consume it in the next norm), else None."""
-
-    x: torch.Tensor
-    inv_rms: torch.Tensor | None = None
-
-
 @dataclass(frozen=True)
 class AttentionShape:
     num_heads: int
@@ -45,37 +35,32 @@ class TorchOps:
 
     # ---------------------------------------------------------------- fused ops (what the model calls)
 
-    def embed(self, input_ids: torch.Tensor, weight: torch.Tensor, eps: float) -> Residual:
-        """The residual stream's start: the embedding rows of input_ids."""
-        return Residual(self.embedding(input_ids, weight))
-
-    def norm_qkv_rope(self, h: Residual, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+    def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
         """Attention's input half: rms_norm, the fused QKV projection (+ bias), per-head q/k norm
         (Qwen3), RoPE on q and k, k and v written to the cache. Returns the rotated q [T, H, D]."""
-        T, H, Hkv, D = h.x.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        out = F.linear(self.rms_norm(h.x, norm, eps), qkv, bias)
+        T, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
+        out = F.linear(self.rms_norm(h, norm, eps), qkv, bias)
         q, k, v = out.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         if q_norm is not None:
             q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
         return self.rope_cache_write(q, k, v, cos_sin, rope_index, k_cache, v_cache, slot_mapping)
 
-    def linear_add(self, h: Residual, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
-        """h.x += x @ weight^T in place (one rounding: a GEMM with beta = 1)."""
-        h.x.addmm_(x, weight.t())
-        h.inv_rms = None
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1)."""
+        h.addmm_(x, weight.t())
 
-    def norm_gate_up(self, h: Residual, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
         """The MLP's input half: silu(gate) * up of rms_norm(h) @ gate_up^T. Returns [T, I]."""
-        return self.silu_and_mul(F.linear(self.rms_norm(h.x, norm, eps), gate_up))
+        return self.silu_and_mul(F.linear(self.rms_norm(h, norm, eps), gate_up))
 
-    def norm_logits(self, h: Residual, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
+    def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float) -> torch.Tensor:
         """fp32 logits of the final rms_norm of h's rows `rows` (None: every row)."""
-        x = h.x if rows is None else h.x[rows]
+        x = h if rows is None else h[rows]
         return logits(self.rms_norm(x, norm, eps), lm_head)
 
     # ---------------------------------------------------------------- primitives

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.cuda.kernels import skinny_partials_size
 from engine.cuda.ops import CudaOps
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
@@ -90,21 +89,19 @@ def rotating(fn, weights: list[torch.Tensor]):
 def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[torch.Tensor]) -> dict:
     """{name: fn} for one shape and token count: torch's F.linear, skinny_store, and the fused epilogue."""
     x = torch.randn(M, K, device=dev, dtype=dt)
-    nw, inv = torch.ones(K, device=dev, dtype=dt), torch.ones(M, device=dev)
+    nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
     cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
              "skinny_store": rotating(lambda w: lib.skinny_store(out, x, w), weights)}
     if ep == "f32":
         logits = torch.empty(M, N, device=dev)
-        fused = rotating(lambda w: lib.skinny_store(logits, x, w, norm_weight=nw, inv_rms=inv), weights)
+        fused = rotating(lambda w: lib.skinny_store(logits, x, w, norm_weight=nw), weights)
     elif ep == "silu":
         act = torch.empty(M, N // 2, device=dev, dtype=dt)
-        fused = rotating(lambda w: lib.skinny_silu(act, x, w, nw, inv), weights)
+        fused = rotating(lambda w: lib.skinny_silu(act, x, w, nw), weights)
     elif ep == "residual":
         res = torch.zeros(M, N, device=dev, dtype=dt)
-        inv_out, counter = torch.empty(M, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
-        partials = torch.empty(skinny_partials_size(N, M), device=dev)
-        fused = rotating(lambda w: lib.skinny_residual(res, x, w, inv_out, partials, counter, 1e-5), weights)
+        fused = rotating(lambda w: lib.skinny_residual(res, x, w), weights)
     else:
         H, Hkv = SKINNY_HEADS, SKINNY_KV_HEADS
         D = N // (H + 2 * Hkv)
@@ -114,7 +111,7 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         cs = torch.randn(8192, D, device=dev)
         pos = torch.arange(M, dtype=torch.int64, device=dev) + 100
         slots = torch.arange(M, dtype=torch.int64, device=dev)
-        fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, inv, cs, pos, kc, vc, slots, H, Hkv),
+        fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
     cases[f"skinny_{ep}"] = fused
     return cases

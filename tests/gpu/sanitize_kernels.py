@@ -28,15 +28,15 @@ def main() -> int:
         h = ops.embedding(ids, emb)
         ops.rms_norm(h, w, 1e-6)
         for T in (B, 40):  # the skinny kernels, and the cuBLAS composition
-            hr = ops.embed(torch.randint(0, vocab, (T,), device=dev), emb, 1e-6)
+            hr = ops.embedding(torch.randint(0, vocab, (T,), device=dev), emb)
             wq = torch.randn((H + 2 * Hkv) * D, hidden, device=dev).to(dt) * 0.05
             kc0 = torch.zeros(T + 16, 16, Hkv, D, device=dev, dtype=dt)
             slots_t = torch.arange(T, device=dev) * 3
             qf = ops.norm_qkv_rope(hr, w, wq, None, None, None, AttentionShape(H, Hkv, D), torch.randn(512, D, device=dev),
                                    torch.arange(T, device=dev), kc0, kc0.clone(), slots_t, 1e-6)
-            ops.linear_add(hr, qf.reshape(T, H * D), torch.randn(hidden, H * D, device=dev).to(dt) * 0.05, 1e-6)
+            ops.linear_add(hr, qf.reshape(T, H * D), torch.randn(hidden, H * D, device=dev).to(dt) * 0.05)
             act = ops.norm_gate_up(hr, w, torch.randn(2 * inter, hidden, device=dev).to(dt) * 0.05, 1e-6)
-            ops.linear_add(hr, act, torch.randn(hidden, inter, device=dev).to(dt) * 0.05, 1e-6)
+            ops.linear_add(hr, act, torch.randn(hidden, inter, device=dev).to(dt) * 0.05)
             ops.norm_logits(hr, None, w, emb, 1e-6)
         ops.silu_and_mul(torch.randn(B, 2 * inter, device=dev).to(dt))
         qkv = torch.randn(B, (H + 2 * Hkv) * D, device=dev).to(dt)
