@@ -250,19 +250,3 @@ struct Mma<Fp16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
-
-// Programmatic dependent launch (sm_90+; no-ops before): a kernel launched with programmatic stream
-// serialization may start while the kernel before it in the stream finishes. It may read only data
-// that no earlier kernel of the step writes (weights) before grid_dependency_wait(), which returns
-// once the previous grid has completed and its writes are visible. allow_dependents() lets the next
-// such kernel launch as soon as every block of this grid has called it (or exited).
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}

@@ -50,9 +50,10 @@
 // W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which every block
 // re-reads from L1/L2). The 8 warps' fragments (and NORM's sums of squares) are summed through
 // shared memory in warp order (deterministic) and warp 0 runs the epilogue.
-// Programmatic dependent launch: a block first prefetches the start of its W rows into L2 (weights:
-// no kernel writes them), then waits for the previous kernel (x, the residual, the caches are its
-// outputs), then lets the next kernel launch. Launched without the attribute, the wait returns at once.
+// Measured and left out (H200): programmatic dependent launch (griddepcontrol.wait before reading x,
+// the next kernel launched early) changed the 1B decode step by < 1% and made the 8B step 16% slower
+// (4.44 -> 5.17 ms); prefetching a block's W rows into L2 before that wait made the many-block shapes
+// slower (1B lm_head 122 -> 174 us).
 // Occupancy: __launch_bounds__(256, 2), i.e. <= 128 registers, so two blocks share an SM.
 //
 // Layouts (all contiguous; T = bf16 (…_bf16) or fp16 (…_fp16), storage u16):
@@ -73,7 +74,6 @@
 #define SK_WARPS 8
 #define SK_CHUNK 32  // k elements per warp per step (two mmas)
 #define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
-#define SK_PREFETCH 8  // chunks per warp prefetched into L2 before waiting for the previous kernel
 
 enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4 };
 
@@ -115,8 +115,6 @@ __device__ __forceinline__ Vec16 zero16() {
   Vec16 v = {{0u, 0u, 0u, 0u}};
   return v;
 }
-__device__ __forceinline__ void prefetch_l2(const u16* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-
 // Packed multiply of two T pairs, one rounding each (fma with -0: exact sign of zero products).
 template <class T>
 struct Mul2;
@@ -258,14 +256,6 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   for (int j = 0; j < NT; ++j) L.xv[j] = 8 * j + g < M;
   const int C = K / SK_CHUNK;
 
-  // Programmatic dependent launch: the first chunks of this warp's W rows go to L2 while the previous
-  // kernel finishes; then wait for its outputs, and let the next kernel launch (and prefetch).
-  for (int c = warp, n = 0; c < C && n < SK_PREFETCH; c += SK_WARPS, ++n) {
-    prefetch_l2(L.wa + (i64)c * SK_CHUNK);
-    prefetch_l2(L.wb + (i64)c * SK_CHUNK);
-  }
-  grid_dependency_wait();
-  allow_dependents();
 
   float chains[CH][NT][4];
   float ss[NT];

@@ -64,9 +64,6 @@ SKINNY_EPILOGUE_ARGS = {
     "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
                                           # slot_mapping, M, H, Hkv, D, K, eps
 }
-# Kernels launched with programmatic stream serialization (they call griddepcontrol.wait before reading
-# what an earlier kernel wrote; see common.cuh).
-PDL_PREFIXES = ("skinny_", "decode_attention_")
 
 
 MODULES: dict[str, list[KernelSpec]] = {
@@ -160,13 +157,11 @@ _SLOT = {"p": "Q", "l": "q", "i": "i4x", "f": "f4x"}
 
 
 class Kernel:
-    """One CUfunction with a reusable parameter buffer. pdl: launched with programmatic stream
-    serialization (cuLaunchKernelEx; the kernel may start while the previous one in the stream
-    finishes, and waits for it with griddepcontrol.wait before reading its outputs)."""
+    """One CUfunction with a reusable parameter buffer."""
 
-    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok", "_config")
+    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok")
 
-    def __init__(self, name: str, func, argtypes: str, pdl: bool = False):
+    def __init__(self, name: str, func, argtypes: str):
         self.name = name
         self.func = func
         self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in argtypes)).pack_into
@@ -176,32 +171,13 @@ class Kernel:
         self._ptrs = (ctypes.c_void_p * max(n, 1))(*[base + 8 * i for i in range(n)])
         self._params = ctypes.addressof(self._ptrs)
         driver = _driver()
+        self._launch = driver.cuLaunchKernel
         self._ok = driver.CUresult.CUDA_SUCCESS
-        self._config = None
-        if pdl:
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config = driver.CUlaunchConfig()
-            config.attrs = [attr]
-            config.numAttrs = 1
-            self._config = config
-            self._launch = driver.cuLaunchKernelEx
-        else:
-            self._launch = driver.cuLaunchKernel
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args):
         self._pack(self._buf, 0, *args)
-        config = self._config
-        if config is None:
-            err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
-                                self._params, 0)
-        else:
-            config.gridDimX, config.gridDimY, config.gridDimZ = grid
-            config.blockDimX, config.blockDimY, config.blockDimZ = block
-            config.sharedMemBytes = smem
-            config.hStream = stream
-            err, = self._launch(config, self.func, self._params, 0)
+        err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                            self._params, 0)
         if err != self._ok:
             raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})", err)
 
@@ -311,9 +287,7 @@ class KernelLibrary:
     """Every kernel of kernels_cu/, loaded for one device."""
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
-                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
-                 pdl: bool = True):
-        """pdl: launch the kernels of PDL_PREFIXES with programmatic dependent launch (Hopper and newer)."""
+                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None):
         if not torch.cuda.is_available():
             raise KernelLoadError("torch sees no CUDA device")
         if device is None:
@@ -340,7 +314,6 @@ class KernelLibrary:
         minor = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._cu_device))
         self.compute_capability = (major, minor)
-        self.pdl = pdl and major >= 9
         self.num_sms = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device))
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
@@ -359,8 +332,7 @@ class KernelLibrary:
                 if err != driver.CUresult.CUDA_SUCCESS:
                     missing.append(f"{spec.name} (in {module}, {self.origin[module]}: {_error_text(err)})")
                     continue
-                self.kernels[spec.name] = Kernel(spec.name, func, spec.args,
-                                                 pdl=self.pdl and spec.name.startswith(PDL_PREFIXES))
+                self.kernels[spec.name] = Kernel(spec.name, func, spec.args)
         if missing:
             raise KernelLoadError("kernels missing from the loaded modules: " + ", ".join(missing))
         smem_attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

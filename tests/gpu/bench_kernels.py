@@ -133,10 +133,15 @@ def skinny_rows(lib, dev, dt) -> list[tuple]:
 
 
 def main() -> int:
+    """Flag: --skinny (only the skinny linear rows)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--skinny" in sys.argv:
+        for batch, name, d_us, h_us, extra in skinny_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<28} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
+        return 0
     rows = []
     embed = torch.randn(VOCAB, HIDDEN, device=dev).to(dt)
     w = torch.ones(HIDDEN, device=dev, dtype=dt)
