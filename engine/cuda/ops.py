@@ -36,9 +36,9 @@ SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
-def skinny(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
-    """Whether x [M, K] @ weight^T goes through the skinny kernels: few tokens, and a weight [N, K] they
-    take with row pairs (r, r + span / 2)."""
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a weight [N, K]
+    they can cut into 16-row tiles of row pairs (r, r + span / 2)."""
     n, k = weight.shape
     return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
@@ -52,6 +52,7 @@ class CudaOps(TorchOps):
         self.max_seq_len = max_seq_len
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
+        self._skinny = False  # set per forward by begin_forward
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
         self._sdpa_key: tuple | None = None
@@ -68,14 +69,19 @@ class CudaOps(TorchOps):
         return cls(lib, max_seq_len)
 
     # ---------------------------------------------------------------------------------------------
-    # Fused ops: one skinny kernel each for forwards of at most SKINNY_TOKENS tokens, else TorchOps'
-    # composition (cuBLAS and the kernels below).
+    # Fused ops: one skinny kernel each in decode and verify forwards of at most SKINNY_TOKENS tokens,
+    # else TorchOps' composition (cuBLAS and the kernels below). Prompts always take the second path,
+    # so a prompt's KV cache does not depend on how many other prompts share its forward (seeded
+    # sampling gives the same tokens alone and in a batch).
+
+    def begin_forward(self, num_tokens: int, decode: bool) -> None:
+        self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
 
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
-        if q_norm is not None or not skinny(h, qkv, shape.head_dim):
+        if q_norm is not None or not self._skinny or not skinny_fits(h, qkv, shape.head_dim):
             return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
                                          v_cache, slot_mapping, eps)
         q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
@@ -84,12 +90,12 @@ class CudaOps(TorchOps):
         return q
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        if not skinny(h, weight, weight.shape[0]):
+        if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):
             return super().linear_add(h, x, weight)
         self.lib.skinny_residual(h, x.contiguous(), weight)
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
-        if not skinny(h, gate_up, gate_up.shape[0]):
+        if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
             return super().norm_gate_up(h, norm, gate_up, eps)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         self.lib.skinny_silu(out, h, gate_up, norm, eps)
@@ -98,7 +104,7 @@ class CudaOps(TorchOps):
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float) -> torch.Tensor:
         x = h if rows is None else h[rows]
-        if not skinny(x, lm_head, lm_head.shape[0]):
+        if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
             return super().norm_logits(x, None, norm, lm_head, eps)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         self.lib.skinny_store(out, x, lm_head, None, norm, eps)

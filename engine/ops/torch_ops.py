@@ -35,6 +35,10 @@ class TorchOps:
 
     # ---------------------------------------------------------------- fused ops (what the model calls)
 
+    def begin_forward(self, num_tokens: int, decode: bool) -> None:
+        """Called by the model before each forward: a backend may pick its kernels by the forward's shape
+        (the same choice for every op of the forward, from host-known values only)."""
+
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

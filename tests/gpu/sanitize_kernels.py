@@ -28,6 +28,7 @@ def main() -> int:
         h = ops.embedding(ids, emb)
         ops.rms_norm(h, w, 1e-6)
         for T in (B, 40):  # the skinny kernels, and the cuBLAS composition
+            ops.begin_forward(T, decode=True)
             hr = ops.embedding(torch.randint(0, vocab, (T,), device=dev), emb)
             wq = torch.randn((H + 2 * Hkv) * D, hidden, device=dev).to(dt) * 0.05
             kc0 = torch.zeros(T + 16, 16, Hkv, D, device=dev, dtype=dt)

@@ -521,6 +521,7 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
     def forward():
         seq_lens = (positions + 1).to(torch.int32)
         slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
+        ops.begin_forward(B, decode=True)
         h = ops.embedding(ids, embed)
         q = ops.norm_qkv_rope(h, norms[0], w_qkv, None, None, None, shape, cos_sin, positions, k_cache, v_cache,
                               slot_mapping, 1e-6)
@@ -574,6 +575,7 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
 
     h = randn(T, hidden, dtype=dtype)
     r = h.float()
+    ops.begin_forward(T, decode=True)
     f32 = [t.float() for t in (*norms, w_qkv, bias, w_o, w_gate_up, w_down, lm_head)]
     q = ops.norm_qkv_rope(h, norms[0], w_qkv, bias, None, None, shape, cos_sin, positions, k_cache, v_cache,
                           slot_mapping, eps)
