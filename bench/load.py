@@ -7,8 +7,8 @@ ones. Requests are (prompt_len, output_len) pairs from a seeded distribution or 
 
 Reported per concurrency level: output tokens/s; time to first token p50/p99 (Alloc+Prefill call to
 the first token); inter-token latency p50/p99 (between a sequence's consecutive steps); RPC overhead
-per step (Decode/Verify wall time minus the worker's forward_ns). The in-process run drives the same
-scheduler against Engine directly, so gRPC's share is the difference.
+per step (Decode/Verify wall time, as the sync client sees it, minus the worker's forward_ns). The
+in-process run drives the same scheduler against Engine directly, so gRPC's share is the difference.
 
     python bench/load.py --shape tiny --concurrency 1 4 16 64 128             # spawns a worker
     python bench/load.py --target localhost:50051 --concurrency 32              # an existing worker
@@ -90,32 +90,37 @@ def prompt_lookup(history: list[int], k: int, ngram: int = 2) -> list[int]:
 # Backends: the same five calls over gRPC or in-process.
 
 class GrpcBackend:
+    """The router's calls through the sync client. The router loop makes one call at a time, so a
+    blocking call inside the coroutine costs the loop nothing, and a sync stub call skips the
+    event-loop wake-ups of a grpc.aio call: the RPC overhead measured is what a lean Python router
+    pays, not what an asyncio client adds (bench/rpc_rtt.py measures that difference)."""
+
     def __init__(self, target: str):
-        from worker.client import AsyncWorkerClient
-        self.client = AsyncWorkerClient(target, timeout=120)
+        from worker.client import WorkerClient
+        self.client = WorkerClient(target, timeout=120)
 
     async def alloc(self, total: int, max_new: int) -> int:
         from worker.client import Stopping
-        return (await self.client.alloc(total, stopping=Stopping(max_new_tokens=max_new, ignore_eos=True))).sequence_id
+        return self.client.alloc(total, stopping=Stopping(max_new_tokens=max_new, ignore_eos=True)).sequence_id
 
     async def prefill(self, items):
-        resp = await self.client.prefill([pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
+        resp = self.client.prefill([pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
         return [(t.sequence_id, t.token_id, t.finish_reason != 0) for t in resp.tokens], resp.forward_ns
 
     async def decode(self, ids):
-        resp = await self.client.decode(ids)
+        resp = self.client.decode(ids)
         return [(t.sequence_id, [t.token_id], t.finish_reason != 0) for t in resp.tokens], resp.forward_ns
 
     async def verify(self, items):
-        resp = await self.client.verify([pb.VerifyItem(sequence_id=i, draft_token_ids=d) for i, d in items])
+        resp = self.client.verify([pb.VerifyItem(sequence_id=i, draft_token_ids=d) for i, d in items])
         return ([(r.sequence_id, [t.token_id for t in r.tokens], r.tokens[-1].finish_reason != 0)
                  for r in resp.results], resp.forward_ns)
 
     async def release(self, ids):
-        await self.client.release(ids)
+        self.client.release(ids)
 
     async def close(self):
-        await self.client.close()
+        self.client.close()
 
 
 class EngineBackend:
@@ -251,11 +256,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_worker(model: str, engine_flags: list[str]) -> tuple[subprocess.Popen, str]:
+def spawn_worker(model: str, engine_flags: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts `metrale-worker serve` on a free port (env: extra environment variables); returns it once healthy."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--model", model, "--host", "127.0.0.1",
                              "--port", str(port), *engine_flags], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
     from worker.client import WorkerClient
     client = WorkerClient(f"127.0.0.1:{port}", timeout=5)
     deadline = time.monotonic() + 600
@@ -382,7 +388,7 @@ async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineC
     from worker.config import config_from_args, serve_parser
 
     grpc_backend = GrpcBackend(target)
-    info = await grpc_backend.client.info()
+    info = grpc_backend.client.info()
     vocab = info.vocab_size
     engine_cfg = config_from_args(EngineConfig, serve_parser().parse_args(["--model", model, *engine_flags]))
     engine = None
@@ -410,10 +416,10 @@ async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineC
                 samples.append((round(time.perf_counter() - t0, 2), rss_mb(proc.pid)))
         t0 = time.perf_counter()
         warm = await run_level(grpc_backend, reqs[:32], 16, args.spec)
-        start = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": (await grpc_backend.client.info()).free_blocks}
+        start = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": grpc_backend.client.info().free_blocks}
         level = await run_level(grpc_backend, reqs, 16, args.spec, duration=args.soak, on_tick=tick)
-        end = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": (await grpc_backend.client.info()).free_blocks,
-               "live_sequences": (await grpc_backend.client.info()).live_sequences}
+        end = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": grpc_backend.client.info().free_blocks,
+               "live_sequences": grpc_backend.client.info().live_sequences}
         results["soak"] = {"seconds": args.soak, "start": start, "end": end, "rss_samples": samples,
                            "level": level.summary(), "warmup": warm.summary()}
         print(json.dumps(results["soak"], indent=2))

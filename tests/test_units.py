@@ -1,20 +1,21 @@
-"""CPU unit tests of the small classes: block allocator, slot table, leases, configs, CLI flags."""
+"""CPU unit tests of the small classes: block allocator, slot table, leases, the weighted histogram,
+configs, CLI flags."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-
 from conftest import TINY_CONFIGS  # noqa: F401
+
 from engine.checkpoint import make_config
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError, ResourceExhausted
 from engine.kv_cache import BlockAllocator
-from engine.sampling import StoppingCriteria
+from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason, Sequence, SlotTable
-from engine.sampling import SamplingParams
 from worker.config import WorkerConfig, config_from_args, serve_parser
 from worker.leases import Leases
+from worker.metrics import LATENCY_BUCKETS, WeightedHistogram
 
 
 def test_block_allocator_never_hands_out_the_scratch_block_and_conserves_blocks():
@@ -74,6 +75,23 @@ def test_leases_limit_per_client_and_expire_idle():
     assert len(leases) == 2 and Leases().expired() == []
 
 
+def test_weighted_histogram_exposes_what_n_single_observations_would():
+    from prometheus_client import CollectorRegistry, Histogram
+    from prometheus_client.exposition import generate_latest
+
+    weighted, single = CollectorRegistry(), CollectorRegistry()
+    w = WeightedHistogram("gap_seconds", "doc", LATENCY_BUCKETS, weighted)
+    h = Histogram("gap_seconds", "doc", buckets=LATENCY_BUCKETS, registry=single)
+    for value, n in ((0.0002, 3), (0.0031, 5), (0.5, 1), (99.0, 2)):  # a bound itself, inside, far above
+        w.observe(value, n)
+        for _ in range(n):
+            h.observe(value)
+
+    def samples(registry):
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+    assert samples(weighted) == samples(single)
+
+
 def test_model_config_reads_both_rope_layouts():
     legacy = make_config("llama", "tiny", rope_theta=5e5, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -108,6 +126,7 @@ def test_model_config_missing_key_is_a_clear_error():
 
 def test_checkpoint_missing_tensor_fails_at_load(tmp_path):
     import safetensors.torch
+
     from engine.checkpoint import write_checkpoint
     from engine.engine import Engine
     path = write_checkpoint(tmp_path / "m", arch="qwen3", shape="tiny")
@@ -120,6 +139,7 @@ def test_checkpoint_missing_tensor_fails_at_load(tmp_path):
 
 def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     import torch
+
     from engine.checkpoint import write_checkpoint
     from engine.engine import Engine
     one = write_checkpoint(tmp_path / "one", arch="qwen2", shape="tiny", seed=4)

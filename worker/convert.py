@@ -32,24 +32,47 @@ def verify_items(msg: pb.VerifyRequest) -> list[api.VerifyItem]:
 
 
 def token(t: api.TokenResult) -> pb.Token:
-    return pb.Token(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob,
-                    top_logprobs=[pb.TopLogprob(token_id=i, logprob=lp) for i, lp in t.top_logprobs],
-                    finish_reason=int(t.finish_reason), seq_len=t.seq_len)
+    msg = pb.Token()
+    _fill_token(msg, t)
+    return msg
+
+
+def add_tokens(field, tokens: list[api.TokenResult]) -> None:
+    """Appends the tokens to a repeated Token field in place (no intermediate messages: a step's
+    response is built once)."""
+    for t in tokens:
+        _fill_token(field.add(), t)
+
+
+def _fill_token(msg: pb.Token, t: api.TokenResult) -> None:
+    msg.sequence_id, msg.token_id, msg.logprob = t.seq_id, t.token_id, t.logprob
+    msg.finish_reason, msg.seq_len = t.finish_reason, t.seq_len
+    for i, lp in t.top_logprobs:
+        msg.top_logprobs.add(token_id=i, logprob=lp)
 
 
 def alloc_response(r: api.AllocResult) -> pb.AllocSequenceResponse:
     return pb.AllocSequenceResponse(sequence_id=r.seq_id, slot=r.slot, reserved_tokens=r.reserved_tokens)
 
 
-def step_tokens(r: api.StepResult) -> dict:
-    return dict(tokens=[token(t) for t in r.tokens], forward_ns=r.forward_ns)
+def prefill_response(r: api.StepResult) -> pb.PrefillResponse:
+    msg = pb.PrefillResponse(forward_ns=r.forward_ns)
+    add_tokens(msg.tokens, r.tokens)
+    return msg
+
+
+def decode_response(r: api.StepResult) -> pb.DecodeResponse:
+    msg = pb.DecodeResponse(forward_ns=r.forward_ns)
+    add_tokens(msg.tokens, r.tokens)
+    return msg
 
 
 def verify_response(r: api.VerifyStepResult) -> pb.VerifyResponse:
-    return pb.VerifyResponse(
-        results=[pb.VerifyResult(sequence_id=v.seq_id, num_accepted=v.num_accepted, tokens=[token(t) for t in v.tokens])
-                 for v in r.results],
-        forward_ns=r.forward_ns)
+    msg = pb.VerifyResponse(forward_ns=r.forward_ns)
+    for v in r.results:
+        result = msg.results.add(sequence_id=v.seq_id, num_accepted=v.num_accepted)
+        add_tokens(result.tokens, v.tokens)
+    return msg
 
 
 def info_response(i: api.EngineInfo) -> pb.InfoResponse:

@@ -1,15 +1,26 @@
 """Prometheus metrics, served on their own HTTP port (--metrics-port).
 
-Each Worker has its own registry, so several workers can live in one process (tests)."""
+Each Worker has its own registry, so several workers can live in one process (tests).
+
+Observations are per call and per step, not per token: a step's tokens share one time stamp, so
+the inter-token gaps of a step are observed as one weighted observation per distinct gap."""
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.utils import floatToGoString
 
 from engine import api
 
@@ -20,6 +31,35 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 @dataclass
 class _Call:
     code: grpc.StatusCode = grpc.StatusCode.OK
+
+
+class WeightedHistogram:
+    """A Prometheus histogram (no labels) that takes n equal observations in one call."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self._bounds = [*buckets, float("inf")]
+        self._counts = [0] * len(self._bounds)  # per bucket, not cumulative
+        self._sum = 0.0
+        self._lock = threading.Lock()
+        registry.register(self)
+
+    def observe(self, value: float, n: int = 1) -> None:
+        i = bisect.bisect_left(self._bounds, value)  # the first bound >= value (`le` is inclusive)
+        with self._lock:
+            self._counts[i] += n
+            self._sum += value * n
+
+    def collect(self):
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, buckets = 0, []
+        for bound, count in zip(self._bounds, counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        family = HistogramMetricFamily(self.name, self.documentation)
+        family.add_metric([], buckets, total)
+        yield family
 
 
 class _EngineCollector:
@@ -60,11 +100,11 @@ class Metrics:
         self.calls = Counter("metrale_rpc", "RPCs by method and status code", ["method", "code"], registry=r)
         self.latency = Histogram("metrale_rpc_seconds", "RPC latency by method", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("metrale_time_to_first_token_seconds",
-                              "Prefill call (or Generate start) to the sequence's first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("metrale_inter_token_seconds", "time between a sequence's consecutive tokens",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = WeightedHistogram("metrale_time_to_first_token_seconds",
+                                      "Prefill call (or Generate start) to the sequence's first token",
+                                      LATENCY_BUCKETS, r)
+        self.itl = WeightedHistogram("metrale_inter_token_seconds", "time between a sequence's consecutive tokens",
+                                     LATENCY_BUCKETS, r)
         self.batch = Histogram("metrale_step_batch_size", "sequences per step", ["kind"], buckets=BATCH_BUCKETS,
                                registry=r)
         self.forward = Histogram("metrale_forward_seconds", "forward + sampling time per step", ["kind"],
@@ -72,9 +112,17 @@ class Metrics:
         self.tokens = Counter("metrale_generated_tokens", "tokens generated", registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
+        self._children: dict[tuple, object] = {}  # labelled children, looked up once
         self._last_token: dict[int, float] = {}
         self._stream_start: dict[int, float] = {}
         self._http = None
+
+    def _child(self, metric, *labels):
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def serve(self, port: int, host: str = "0.0.0.0") -> int:
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -97,34 +145,36 @@ class Metrics:
                 call.code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self.calls.labels(method, call.code.name).inc()
-            self.latency.labels(method).observe(time.perf_counter() - t0)
+            self._child(self.calls, method, call.code.name).inc()
+            self._child(self.latency, method).observe(time.perf_counter() - t0)
 
     def _tokens(self, tokens: list[api.TokenResult], now: float, first: bool) -> None:
+        """Inter-token gaps (none for a sequence's first token), grouped by the previous token's time."""
+        previous: collections.Counter[float] = collections.Counter()
+        last_token = self._last_token
         for t in tokens:
-            last = self._last_token.get(t.seq_id)
-            if first or last is None:
-                pass
-            else:
-                self.itl.observe(now - last)
+            last = last_token.get(t.seq_id)
+            if last is not None and not first:
+                previous[last] += 1
             if t.finish_reason:
-                self._last_token.pop(t.seq_id, None)
+                last_token.pop(t.seq_id, None)
             else:
-                self._last_token[t.seq_id] = now
+                last_token[t.seq_id] = now
+        for last, n in previous.items():
+            self.itl.observe(now - last, n)
         self.tokens.inc(len(tokens))
 
     def observe_step(self, kind: str, result: api.StepResult, started: float | None = None) -> None:
         now = time.perf_counter()
-        self.batch.labels(kind).observe(len(result.tokens))
-        self.forward.labels(kind).observe(result.forward_ns / 1e9)
-        if kind == "prefill" and started is not None:
-            for _ in result.tokens:
-                self.ttft.observe(now - started)
+        self._child(self.batch, kind).observe(len(result.tokens))
+        self._child(self.forward, kind).observe(result.forward_ns / 1e9)
+        if kind == "prefill" and started is not None and result.tokens:
+            self.ttft.observe(now - started, len(result.tokens))
         self._tokens(result.tokens, now, first=kind == "prefill")
 
     def observe_verify(self, result: api.VerifyStepResult) -> None:
-        self.batch.labels("verify").observe(len(result.results))
-        self.forward.labels("verify").observe(result.forward_ns / 1e9)
+        self._child(self.batch, "verify").observe(len(result.results))
+        self._child(self.forward, "verify").observe(result.forward_ns / 1e9)
         self._tokens([t for r in result.results for t in r.tokens], time.perf_counter(), first=False)
 
     def start_stream(self, seq_id: int, started: float) -> None:

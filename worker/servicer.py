@@ -97,7 +97,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         started = time.perf_counter()
         result = await self.runner.call(lambda e: self._touching(e.prefill(items), [i.seq_id for i in items]))
         self.metrics.observe_step("prefill", result, started)
-        return pb.PrefillResponse(**convert.step_tokens(result))
+        return convert.prefill_response(result)
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
@@ -105,7 +105,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         override = list(request.input_token_ids) or None
         result = await self.runner.call(lambda e: self._touching(e.decode(ids, override), ids))
         self.metrics.observe_step("decode", result)
-        return pb.DecodeResponse(**convert.step_tokens(result))
+        return convert.decode_response(result)
 
     @rpc
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
