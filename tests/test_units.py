@@ -172,3 +172,35 @@ def test_every_config_field_is_a_flag_with_the_dataclass_default():
     flags = {a.dest for a in parser._actions}
     for cls in (WorkerConfig, EngineConfig):
         assert {f.name for f in dataclasses.fields(cls)} <= flags
+
+
+def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
+    """The fused prefill attention's plan (engine/cuda/ops.py; index math only, so it runs on CPU):
+    prompts grouped by length rounded up to SDPA_BUCKET; each padded position repeats its sequence's
+    last query row and key; every real query row is written exactly once."""
+    import torch
+
+    from engine.cuda.ops import SDPA_BUCKET, sdpa_plan
+    bs, lens = 16, [5, 130, 128, 1, 300]
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    tables = torch.randperm(5 * 40).to(torch.int32).view(5, 40)
+    plan = sdpa_plan(tuple(qsl), tuple(lens), tables, bs)
+    assert sorted((g.num_seqs, g.length) for g in plan) == [(1, 256), (1, 384), (3, 128)]
+    written = []
+    for g in plan:
+        assert g.length % SDPA_BUCKET == 0
+        q_index, kv_index = g.q_index.view(g.num_seqs, g.length), g.kv_index.view(g.num_seqs, g.length)
+        real = set(g.real.tolist())
+        for r in range(g.num_seqs):
+            b = qsl.index(int(q_index[r, 0]))
+            for p in range(g.length):
+                pc = min(p, lens[b] - 1)
+                assert int(q_index[r, p]) == qsl[b] + pc
+                assert int(kv_index[r, p]) == int(tables[b, pc // bs]) * bs + pc % bs
+                assert ((r * g.length + p) in real) == (p < lens[b])
+        written += g.out_rows.tolist()
+    assert sorted(written) == list(range(qsl[-1]))
+    whole = sdpa_plan((0, 512, 1024), (512, 512), tables, bs)
+    assert len(whole) == 1 and whole[0].q_index is None and whole[0].out_rows is None

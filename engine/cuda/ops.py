@@ -18,6 +18,9 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 from engine import sampling
@@ -170,26 +173,30 @@ class CudaOps(TorchOps):
 
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       key: tuple, scale: float) -> torch.Tensor:
-        """Sequences of equal length go through one scaled_dot_product_attention call (causal, GQA)."""
+        """Sequences whose lengths round up to the same multiple of SDPA_BUCKET go through one causal
+        scaled_dot_product_attention call (GQA), padded to that length: the backend plans per shape,
+        so a few bucketed shapes serve every prompt length (a new shape costs tens of milliseconds).
+        Padding sits after each sequence's last key, so causal masking keeps it out of real rows."""
         if self._sdpa_key != key:
             self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
             self._sdpa_key = key
-        num_tokens, num_heads, head_dim = q.shape
+        num_heads, head_dim = q.shape[1:]
         num_kv_heads = k_cache.shape[2]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         out = torch.empty_like(q)
-        for rows, kv_index, n, length in self._sdpa_plan:
-            qg = (q if rows is None else q[rows]).view(n, length, num_heads, head_dim).transpose(1, 2)
-            kg = k_flat[kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            vg = v_flat[kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+        for group in self._sdpa_plan:
+            n, length = group.num_seqs, group.length
+            qg = (q if group.q_index is None else q[group.q_index]).view(n, length, num_heads, head_dim).transpose(1, 2)
+            kg = k_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            vg = v_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
             og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
                                                                   enable_gqa=num_heads != num_kv_heads)
             og = og.transpose(1, 2).reshape(n * length, num_heads, head_dim)
-            if rows is None:
+            if group.out_rows is None:
                 out = og
             else:
-                out[rows] = og
+                out[group.out_rows] = og[group.real]
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -237,23 +244,54 @@ class CudaOps(TorchOps):
         return num_accepted, tokens
 
 
+SDPA_BUCKET = 128  # fresh prompts are padded to a multiple of this for the fused attention call
+
+
+@dataclass
+class SdpaGroup:
+    """One scaled_dot_product_attention call: num_seqs sequences padded to `length` keys each."""
+
+    num_seqs: int
+    length: int
+    kv_index: torch.Tensor  # [num_seqs * length] flat KV-cache row of each (padded) position
+    q_index: torch.Tensor | None  # [num_seqs * length] query row of each position; None: q itself
+    real: torch.Tensor | None  # positions that are real tokens (indices into num_seqs * length)
+    out_rows: torch.Tensor | None  # their rows in the output; None: the call's output is the output
+
+
 def sdpa_plan(query_start_loc: tuple, seq_lens: tuple, block_tables: torch.Tensor, block_size: int) -> list:
-    """Per group of equal-length fresh sequences: (query rows or None for the whole batch, flat KV-cache
-    index of every key, sequences, length). Index tensors are built once per forward."""
+    """The SdpaGroups of a forward of fresh prompts (query_start_loc[b] .. +seq_lens[b] are sequence b's
+    tokens, all of its keys): sequences grouped by their length rounded up to SDPA_BUCKET; a padded
+    position repeats the sequence's last key and query row (its output is dropped). Index arithmetic in
+    numpy, one upload per tensor, once per forward."""
     groups: dict[int, list[int]] = {}
     for b, n in enumerate(seq_lens):
-        groups.setdefault(n, []).append(b)
+        groups.setdefault(-(-n // SDPA_BUCKET) * SDPA_BUCKET, []).append(b)
     device = block_tables.device
+    whole = len(groups) == 1 and all(n == next(iter(groups)) for n in seq_lens)
+    if whole:  # one call, no padding: the output is the call's output in order
+        length = seq_lens[0]
+        pos = np.tile(np.arange(length), len(seq_lens))
+        seq = np.repeat(np.arange(len(seq_lens)), length)
+        return [SdpaGroup(len(seq_lens), length, _kv_index(block_tables, seq, pos, block_size), None, None, None)]
     plan = []
+    starts, lens = np.asarray(query_start_loc[:-1]), np.asarray(seq_lens)
     for length, seqs in groups.items():
-        pos = torch.arange(length, device=device).repeat(len(seqs))
-        rows_b = torch.tensor(seqs, device=device).repeat_interleave(length)
-        kv_index = block_tables[rows_b, pos // block_size].long() * block_size + pos % block_size
-        whole = len(groups) == 1
-        rows = None if whole else (torch.tensor([query_start_loc[b] for b in seqs], device=device)
-                                   .repeat_interleave(length) + pos)
-        plan.append((rows, kv_index, len(seqs), length))
+        seq = np.repeat(np.asarray(seqs), length)
+        pos_all = np.tile(np.arange(length), len(seqs))
+        pos = np.minimum(pos_all, lens[seq] - 1)
+        real = np.flatnonzero(pos_all < lens[seq])
+        q_index = starts[seq] + pos
+        plan.append(SdpaGroup(len(seqs), length, _kv_index(block_tables, seq, pos, block_size),
+                              torch.from_numpy(q_index).to(device), torch.from_numpy(real).to(device),
+                              torch.from_numpy(q_index[real]).to(device)))
     return plan
+
+
+def _kv_index(block_tables: torch.Tensor, seq: np.ndarray, pos: np.ndarray, block_size: int) -> torch.Tensor:
+    device = block_tables.device
+    seq_t, pos_t = torch.from_numpy(seq).to(device), torch.from_numpy(pos).to(device)
+    return block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
 
 
 def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
