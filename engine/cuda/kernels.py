@@ -474,16 +474,8 @@ class KernelLibrary:
         vp = _tensor(v, "rope v", q.dtype, contiguous=False)
         qo = _tensor(q_out, "rope q_out", q.dtype)
         _shape(q_out, "rope q_out", (T, H, D))
-        cs = _tensor(cos_sin, "cos_sin", torch.float32, 2)
-        if cos_sin.shape[1] != D:
-            raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
-        ri = _tensor(rope_index, "rope_index", torch.int64, 1, align=False)
-        sm = _tensor(slot_mapping, "slot_mapping", torch.int64, 1, align=False)
-        if rope_index.shape[0] != T or slot_mapping.shape[0] != T:
-            raise KernelArgError(f"rope_index / slot_mapping: expected [{T}], got {tuple(rope_index.shape)} / "
-                                 f"{tuple(slot_mapping.shape)}")
-        kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
-        vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
+        cs, ri, sm, kc, vc = self._rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, T, Hkv, D,
+                                                 q.dtype)
         if D % 8:
             raise KernelArgError(f"rope: head_dim {D} must be a multiple of 8")
         if T == 0:
@@ -492,6 +484,24 @@ class KernelLibrary:
         self.kernels[f"rope_cache_write_{sfx}_v{vec}"]((T, 1, 1), (128, 1, 1), 0, self.stream(),
                                                        qo, qp, kp, vp, cs, ri, kc, vc, sm,
                                                        q.stride(0), k.stride(0), v.stride(0), H, Hkv, D)
+
+    def _rope_operands(self, cos_sin: torch.Tensor, rope_index: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, T: int, Hkv: int, D: int,
+                       dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+        """Checks what RoPE with a KV-cache write reads besides q/k/v: cos_sin [P, D] fp32, rope_index and
+        slot_mapping [T] int64, the two caches. Returns their pointers."""
+        cs = _tensor(cos_sin, "cos_sin", torch.float32, 2)
+        if cos_sin.shape[1] != D:
+            raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
+        ri = _tensor(rope_index, "rope_index", torch.int64, 1, align=False)
+        sm = _tensor(slot_mapping, "slot_mapping", torch.int64, 1, align=False)
+        if rope_index.shape[0] != T or slot_mapping.shape[0] != T:
+            raise KernelArgError(f"rope_index / slot_mapping: expected [{T}], got {tuple(rope_index.shape)} / "
+                                 f"{tuple(slot_mapping.shape)}")
+        kc = self._cache(k_cache, "k_cache", dtype, Hkv, D)
+        vc = self._cache(v_cache, "v_cache", dtype, Hkv, D)
+        _shape(v_cache, "v_cache", k_cache.shape)
+        return cs, ri, sm, kc, vc
 
     @staticmethod
     def _cache(cache: torch.Tensor, what: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
@@ -694,17 +704,8 @@ class KernelLibrary:
         sfx, M, N, K, xp, wp, nw = self._skinny_inputs("skinny_rope_kv", x, weight, norm_weight, D)
         qo = self._skinny_output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, weight)
         bp = self._skinny_bias(bias, "skinny_rope_kv", x.dtype, N)
-        cs = _tensor(cos_sin, "cos_sin", torch.float32, 2, align=False)
-        if cos_sin.shape[1] != D:
-            raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
-        ri = _tensor(rope_index, "rope_index", torch.int64, 1, align=False)
-        sm = _tensor(slot_mapping, "slot_mapping", torch.int64, 1, align=False)
-        if rope_index.shape[0] != M or slot_mapping.shape[0] != M:
-            raise KernelArgError(f"rope_index / slot_mapping: expected [{M}], got {tuple(rope_index.shape)} / "
-                                 f"{tuple(slot_mapping.shape)}")
-        kc = self._cache(k_cache, "k_cache", x.dtype, Hkv, D)
-        vc = self._cache(v_cache, "v_cache", x.dtype, Hkv, D)
-        _shape(v_cache, "v_cache", k_cache.shape)
+        cs, ri, sm, kc, vc = self._rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M, Hkv, D,
+                                                 x.dtype)
         if M == 0:
             return
         self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))

@@ -1,4 +1,6 @@
 """GPU tests: every test here is marked `gpu` and skipped where torch sees no CUDA device."""
+import random
+
 import pytest
 import torch
 
@@ -10,3 +12,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The kernel library on the current device (one per test module)."""
+    from engine.cuda.kernels import KernelLibrary
+    return KernelLibrary(torch.device("cuda", torch.cuda.current_device()))
+
+
+@pytest.fixture
+def gen(request):
+    """Seeds torch from the test's id: fresh inputs per test, the same on a rerun."""
+    seed = random.Random(request.node.nodeid).getrandbits(32)
+    torch.manual_seed(seed)
+    return seed

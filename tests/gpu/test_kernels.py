@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from engine import sampling
 from engine.ops.torch_ops import TorchOps
+from gpu.helpers import dev, nan, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +28,6 @@ FP32_TOL = 1e-5
 TORCH = TorchOps()
 MAX_SEQ_LEN = 16384  # the context bound CudaOps sizes decode attention's split grid with
 _ERRORS: dict[str, float] = {}
-
-
-@pytest.fixture(scope="module")
-def lib():
-    from engine.cuda.kernels import KernelLibrary
-    return KernelLibrary(torch.device("cuda", torch.cuda.current_device()))
 
 
 @pytest.fixture(scope="module")
@@ -53,25 +48,6 @@ def _report():
         with open(path, "a") as f:
             for name, err in sorted(groups.items()):
                 f.write(f"max relative error {name}: {err:.3e}\n")
-
-
-@pytest.fixture
-def gen(request):
-    seed = random.Random(request.node.nodeid).getrandbits(32)
-    torch.manual_seed(seed)
-    return seed
-
-
-def dev():
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, device=dev()) * scale).to(dtype)
-
-
-def nan(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=dev())
 
 
 def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:

@@ -12,13 +12,13 @@ elementwise kernels or the same-dtype torch op).
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.ops.torch_ops import TorchOps
+from gpu.helpers import dev, nan, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -27,31 +27,6 @@ TOKENS = [1, 3, 8, 9, 16, 17, 32]
 TOL = 1e-2
 EPS = 1e-5
 TORCH = TorchOps()
-
-
-@pytest.fixture(scope="module")
-def lib():
-    from engine.cuda.kernels import KernelLibrary
-    return KernelLibrary(torch.device("cuda", torch.cuda.current_device()))
-
-
-@pytest.fixture
-def gen(request):
-    seed = random.Random(request.node.nodeid).getrandbits(32)
-    torch.manual_seed(seed)
-    return seed
-
-
-def dev():
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, device=dev()) * scale).to(dtype)
-
-
-def nan(shape, dtype):
-    return torch.full(shape, float("nan"), dtype=dtype, device=dev())
 
 
 def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> float:
