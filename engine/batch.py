@@ -71,7 +71,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         query_start_loc=qsl,
         seq_lens_host=seq_lens,
         rope_scale_lens=seq_lens_a[seq_index_a].tolist() if need_scale_lens else None,
-        logits_all_rows=logits_idx == list(range(num_tokens)),
+        logits_all_rows=len(logits_idx) == num_tokens and logits_idx == list(range(num_tokens)),
     )
 
 

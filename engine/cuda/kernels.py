@@ -514,23 +514,33 @@ class KernelLibrary:
             raise KernelArgError(f"{what}: block_size {bs} must be a power of two")
         return ptr
 
-    def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
-                         counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float, sliding_window: int, num_splits: int) -> None:
-        sfx = _suffix(q.dtype, "decode q")
+    def _attention_inputs(self, what: str, q: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor) -> tuple[str, int, int, int, int, int, int]:
+        """Checks q [*, H, D] (contiguous heads) and the paged caches of decode / prefill attention
+        (what = "decode" / "prefill"). Returns (suffix, H, D, Hkv, q, k_cache, v_cache pointers)."""
+        sfx = _suffix(q.dtype, f"{what} q")
         if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
-            raise KernelArgError(f"decode q: expected [B, H, D] with contiguous heads, got shape "
+            rows = "B" if what == "decode" else "T"
+            raise KernelArgError(f"{what} q: expected [{rows}, H, D] with contiguous heads, got shape "
                                  f"{tuple(q.shape)} strides {q.stride()}")
-        B, H, D = q.shape
+        H, D = q.shape[1:]
         if D not in ATTENTION_HEAD_DIMS:
-            raise KernelArgError(f"decode attention: head_dim {D} is not one of {ATTENTION_HEAD_DIMS}")
+            raise KernelArgError(f"{what} attention: head_dim {D} is not one of {ATTENTION_HEAD_DIMS}")
         Hkv = k_cache.shape[2] if k_cache.dim() == 4 else -1
         if Hkv <= 0 or H % Hkv:
-            raise KernelArgError(f"decode attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
-        qp = _tensor(q, "decode q", q.dtype, contiguous=False)
+            raise KernelArgError(f"{what} attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
+        qp = _tensor(q, f"{what} q", q.dtype, contiguous=False)
         kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
         vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
         _shape(v_cache, "v_cache", k_cache.shape)
+        return sfx, H, D, Hkv, qp, kc, vc
+
+    def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
+                         counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int,
+                         num_splits: int) -> None:
+        sfx, H, D, Hkv, qp, kc, vc = self._attention_inputs("decode", q, k_cache, v_cache)
+        B = q.shape[0]
         bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
         if block_tables.stride(1) != 1 or block_tables.shape[0] != B:
             raise KernelArgError(f"block_tables: expected [{B}, max_blocks] with unit column stride, got shape "
@@ -561,20 +571,8 @@ class KernelLibrary:
     def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:
         """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row)."""
-        sfx = _suffix(q.dtype, "prefill q")
-        if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
-            raise KernelArgError(f"prefill q: expected [T, H, D] with contiguous heads, got shape "
-                                 f"{tuple(q.shape)} strides {q.stride()}")
-        T, H, D = q.shape
-        if D not in ATTENTION_HEAD_DIMS:
-            raise KernelArgError(f"prefill attention: head_dim {D} is not one of {ATTENTION_HEAD_DIMS}")
-        Hkv = k_cache.shape[2] if k_cache.dim() == 4 else -1
-        if Hkv <= 0 or H % Hkv:
-            raise KernelArgError(f"prefill attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
-        qp = _tensor(q, "prefill q", q.dtype, contiguous=False)
-        kc = self._cache(k_cache, "k_cache", q.dtype, Hkv, D)
-        vc = self._cache(v_cache, "v_cache", q.dtype, Hkv, D)
-        _shape(v_cache, "v_cache", k_cache.shape)
+        sfx, H, D, Hkv, qp, kc, vc = self._attention_inputs("prefill", q, k_cache, v_cache)
+        T = q.shape[0]
         bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
         if block_tables.stride(1) != 1:
             raise KernelArgError(f"block_tables: the column stride must be 1, got {block_tables.stride()}")
