@@ -40,8 +40,10 @@ for what in "$@"; do
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
+    prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
+    skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;
     sanitize) PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py
               stage sanitize-racecheck 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 python3 tests/gpu/sanitize_kernels.py ;;
     *) echo "unknown stage $what" ;;

@@ -1,8 +1,10 @@
 """Where a step's time goes on the GPU: kernel time per step by kernel name (torch.profiler/CUPTI),
 for eager decode at batch 1 and 32, prefill 8 x 512, and Verify of 4 drafts at batch 1; plus the host
-time of each (cProfile top functions for Verify).
+time of each (cProfile top functions for Verify). For prefill also its timeline: wall time against
+the span the GPU was busy, the idle gaps between kernels (which kernels they sit between) and the SM
+clock while prefills run back to back (nvidia-smi), to tell host stalls from clock drops.
 
-    python bench/profile_step.py --shape 1b"""
+    python bench/profile_step.py --shape 1b [--only prefill]"""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +12,10 @@ import collections
 import cProfile
 import pathlib
 import pstats
+import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -41,10 +45,79 @@ def kernel_table(prof, steps: int, title: str, top: int = 22) -> None:
         print(f"{us / steps:9.1f} us {n / steps:6.1f}x  {name}")
 
 
+def gaps_table(prof, title: str, top: int = 8) -> None:
+    """The GPU timeline of one profiled step: busy span, kernel time, and the largest idle gaps."""
+    ks = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0)
+    if not ks:
+        return
+    gaps, end, prev = [], ks[0][1], ks[0][2]
+    for start, stop, name in ks[1:]:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        if stop >= end:
+            end, prev = stop, name
+    span = end - ks[0][0]
+    busy = span - sum(g for g, _, _ in gaps)
+    print(f"\n== {title}: GPU span {span:.0f} us, busy {busy:.0f} us, idle {span - busy:.0f} us in {len(gaps)} gaps")
+    for g, a, b in sorted(gaps, reverse=True)[:top]:
+        print(f"{g:9.1f} us idle between {a[:50]} -> {b[:50]}")
+
+
+def sm_clocks(seconds_fn) -> str:
+    """Runs seconds_fn() while nvidia-smi samples the SM clock and power every 100 ms."""
+    try:
+        mon = subprocess.Popen(["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+                                "-lms", "100"], stdout=subprocess.PIPE, text=True)
+    except OSError as e:
+        seconds_fn()
+        return f"no nvidia-smi ({e})"
+    try:
+        seconds_fn()
+    finally:
+        mon.terminate()
+    rows = [r.split(",") for r in mon.communicate()[0].strip().splitlines() if r.count(",") == 1]
+    clocks = sorted(float(a) for a, _ in rows)
+    power = sorted(float(b) for _, b in rows)
+    if not clocks:
+        return "no samples"
+    return (f"{len(clocks)} samples: SM clock min/median/max {clocks[0]:.0f}/{clocks[len(clocks) // 2]:.0f}/"
+            f"{clocks[-1]:.0f} MHz, power median/max {power[len(power) // 2]:.0f}/{power[-1]:.0f} W")
+
+
+def profile_prefill(engine: Engine, vocab: int, g: torch.Generator, batch: int = 8, length: int = 512) -> None:
+    def run(profiled=False):
+        ids = [engine.alloc_sequence(length + 8, SamplingParams(), GREEDY).seq_id for _ in range(batch)]
+        items = [PrefillItem(i, torch.randint(0, vocab, (length,), generator=g).tolist()) for i in ids]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if profiled:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                engine.prefill(items)
+                torch.cuda.synchronize()
+        else:
+            engine.prefill(items)
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        engine.release(ids)
+        return (prof if profiled else None), wall
+
+    for _ in range(2):
+        run()
+    walls = []
+    clocks = sm_clocks(lambda: walls.extend(run()[1] * 1e3 for _ in range(12)))
+    print(f"\n== prefill {batch}x{length} back to back: wall ms {[round(w, 1) for w in walls]}; {clocks}")
+    time.sleep(2.0)  # let the clock recover
+    prof, wall = run(profiled=True)
+    kernel_table(prof, 1, f"prefill {batch}x{length} (wall {wall * 1e3:.1f} ms, profiled)")
+    gaps_table(prof, f"prefill {batch}x{length} timeline")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1b")
     p.add_argument("--model")
+    p.add_argument("--only", choices=["decode", "prefill", "verify"], help="one section (default: all)")
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))
@@ -56,7 +129,10 @@ def main() -> None:
         engine.prefill([PrefillItem(i, torch.randint(0, vocab, (n,), generator=g).tolist()) for i in ids])
         return ids
 
-    for b in (1, 32):
+    def want(section: str) -> bool:
+        return args.only in (None, section)
+
+    for b in (1, 32) if want("decode") else ():
         ids = batch(b)
         for _ in range(5):
             engine.decode(ids)
@@ -66,13 +142,10 @@ def main() -> None:
         kernel_table(prof, 10, f"eager decode b{b}")
         engine.release(ids)
 
-    ids = [engine.alloc_sequence(600, SamplingParams(), GREEDY).seq_id for _ in range(8)]
-    items = [PrefillItem(i, torch.randint(0, vocab, (512,), generator=g).tolist()) for i in ids]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.prefill(items)
-    kernel_table(prof, 1, "prefill 8x512")
-    engine.release(ids)
-
+    if want("prefill"):
+        profile_prefill(engine, vocab, g)
+    if not want("verify"):
+        return
     ids = batch(1)
     for _ in range(3):
         engine.verify([VerifyItem(ids[0], [7, 8, 9, 10])])

@@ -79,6 +79,9 @@ class CudaOps(TorchOps):
 
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
+        # Attention plans are built at the first layer of each forward and serve its other layers:
+        # they hold cache rows of this forward's sequences, so they never outlive it.
+        self._prefill_work_key = self._sdpa_key = None
 
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,

@@ -123,7 +123,7 @@ def skinny_rows(lib, dev, dt) -> list[tuple]:
         nbytes = N * K * 2
         copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
         weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
-        for M in (1, 8, 32):
+        for M in (1, 5, 8, 32):  # 5: Verify of 4 drafts at batch 1
             for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                 d_us = device_us(fn)
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))

@@ -205,3 +205,22 @@ def test_verify_and_seeds_on_gpu(ckpt_tiny):
         engine.release(ids)
         return out
     assert sampled(0) == sampled(5)
+
+
+@pytest.mark.parametrize("length", [100, 128])
+def test_prompts_of_one_length_in_consecutive_prefills_read_their_own_cache(ckpt_tiny, length):
+    """Attention plans hold cache rows of one forward's sequences: a prefill right after another of the
+    same prompt lengths (other slots, other blocks) must give what that prompt gives in a fresh engine.
+    Lengths: 100 (padded to the 128 bucket) and 128 (one unpadded call)."""
+    a, b = prompts([length, length], 4096, seed=11)
+    params = SamplingParams(top_logprobs=5)
+
+    def first_token(engine: Engine, p: list[int]) -> tuple:
+        sid = engine.alloc_sequence(length + 8, params, GREEDY).seq_id
+        t = engine.prefill([PrefillItem(sid, p)]).tokens[0]
+        return t.token_id, t.logprob, t.top_logprobs
+
+    alone = first_token(gpu_engine(ckpt_tiny), b)
+    engine = gpu_engine(ckpt_tiny)
+    first_token(engine, a)
+    assert first_token(engine, b) == alone
