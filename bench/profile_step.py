@@ -107,6 +107,13 @@ def profile_prefill(engine: Engine, vocab: int, g: torch.Generator, batch: int =
     walls = []
     clocks = sm_clocks(lambda: walls.extend(run()[1] * 1e3 for _ in range(12)))
     print(f"\n== prefill {batch}x{length} back to back: wall ms {[round(w, 1) for w in walls]}; {clocks}")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(3):
+        run()
+    cp.disable()
+    print(f"\n== prefill {batch}x{length} host profile (3 calls, by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(14)
     time.sleep(2.0)  # let the clock recover
     prof, wall = run(profiled=True)
     kernel_table(prof, 1, f"prefill {batch}x{length} (wall {wall * 1e3:.1f} ms, profiled)")

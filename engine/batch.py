@@ -26,6 +26,7 @@ class ForwardBatch:
     seq_lens_host: list[int]  # [B] host copy of seq_lens
     rope_scale_lens: list[int] | None = None  # per token, its sequence's seq_len (dynamic NTK only)
     logits_all_rows: bool = False  # logits_indices is every row in order (decode, verify)
+    token_slots: torch.Tensor | None = None  # [T] int64: the slot of each token's sequence (prefill, verify)
 
     @property
     def num_tokens(self) -> int:
@@ -42,36 +43,44 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     per_token: attention runs as one decode query per token (each sees the keys up to its own
     position, through its sequence's block-table row). That is how Verify runs its few tokens per
     sequence: decode attention takes no host-side work list, so the forward is capturable."""
-    # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one copy each.
-    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
-    qsl_a = np.zeros(len(tokens) + 1, dtype=np.int64)
+    # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one upload of
+    # everything: each pageable copy waits for the device work queued before it.
+    num_seqs = len(tokens)
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_seqs)
+    qsl_a = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(lens, out=qsl_a[1:])
     num_tokens = int(qsl_a[-1])
-    seq_index_a = np.repeat(np.arange(len(tokens)), lens)
+    seq_index_a = np.repeat(np.arange(num_seqs), lens)
     starts_a = np.asarray(starts, dtype=np.int64)
-    positions_a = starts_a[seq_index_a] + np.arange(num_tokens) - qsl_a[:-1][seq_index_a]
-    seq_lens_a = starts_a + lens
-    qsl, seq_lens = qsl_a.tolist(), seq_lens_a.tolist()
+    qsl, seq_lens_a = qsl_a.tolist(), starts_a + lens
     logits_idx = [qsl[b] + r for b, rows in enumerate(logits_rows) for r in rows]
-    ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=num_tokens))
-    tables = block_table[torch.tensor(slots, dtype=torch.int64, device=device)]
-    pos_t = torch.from_numpy(positions_a).to(device)
-    seq_index = torch.from_numpy(seq_index_a).to(device)
+    num_logits = len(logits_idx)
+    positions_a = starts_a[seq_index_a] + np.arange(num_tokens) - qsl_a[:-1][seq_index_a]
+    if per_token:
+        qsl, seq_lens_a = list(range(num_tokens + 1)), positions_a + 1
+    # One int64 buffer: ids, positions, sequence of each token [T each], logits rows [N], slots [B],
+    # seq_lens [B, or T per_token].
+    parts = [np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=num_tokens), positions_a,
+             seq_index_a, np.asarray(logits_idx, dtype=np.int64), np.asarray(slots, dtype=np.int64), seq_lens_a]
+    ids, pos_t, seq_index, logits_t, slots_t, seq_lens_t = torch.from_numpy(np.concatenate(parts)).to(device).split(
+        [len(a) for a in parts])
+    tables = block_table[slots_t]
     block_ids = tables[seq_index, pos_t // block_size].long()
     if per_token:
-        tables, qsl, seq_lens = tables[seq_index], list(range(num_tokens + 1)), (positions_a + 1).tolist()
+        tables = tables[seq_index]
     return ForwardBatch(
-        input_ids=ids.to(device),
+        input_ids=ids,
         positions=pos_t,
         slot_mapping=block_ids * block_size + pos_t % block_size,
         block_tables=tables,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=device),
+        seq_lens=seq_lens_t.to(torch.int32),
+        logits_indices=logits_t,
         is_decode=per_token,
         query_start_loc=qsl,
-        seq_lens_host=seq_lens,
-        rope_scale_lens=seq_lens_a[seq_index_a].tolist() if need_scale_lens else None,
-        logits_all_rows=len(logits_idx) == num_tokens and logits_idx == list(range(num_tokens)),
+        seq_lens_host=seq_lens_a.tolist(),
+        rope_scale_lens=(starts_a + lens)[seq_index_a].tolist() if need_scale_lens else None,
+        logits_all_rows=num_logits == num_tokens and logits_idx == list(range(num_tokens)),
+        token_slots=slots_t[seq_index],
     )
 
 

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import pathlib
 import secrets
 import time
 
-import numpy as np
 import torch
 
 from engine import api
@@ -27,7 +25,7 @@ from engine.kv_cache import BlockAllocator, KVCache
 from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel
 from engine.ops.torch_ops import TorchOps
-from engine.sampling import SampleOutput, SamplingParams, StoppingCriteria, gumbel, model_logprobs, target_logprobs
+from engine.sampling import SampleOutput, SamplingParams, StoppingCriteria, model_logprobs, target_logprobs
 from engine.cuda.graphs import GraphCache
 from engine.sequence import FinishReason, Sequence, SlotTable
 from engine.state import SlotState
@@ -183,12 +181,6 @@ class Engine:
         return api.StepResult(tokens, timer.elapsed_ns())
 
     def _prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
-        lens = [len(it.token_ids) for it in items]
-        if sum(lens):
-            tokens = np.fromiter(itertools.chain.from_iterable(it.token_ids for it in items), dtype=np.int64,
-                                 count=sum(lens))
-            slots = np.repeat(np.asarray([s.slot for s in seqs], dtype=np.int64), lens)
-            self.state.mark_seen(torch.from_numpy(slots).to(self.device), torch.from_numpy(tokens).to(self.device))
         for seq, it in zip(seqs, items):
             seq.token_ids.extend(it.token_ids)
             if not it.partial and seq.num_cached == seq.seq_len:
@@ -216,21 +208,24 @@ class Engine:
             self.state.block_table, [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk],
             [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk],
             [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope)
+        self.state.mark_seen(batch.token_slots, batch.input_ids)  # the prompt counts for repetition penalty
         logits = self.model.forward(batch)
         for seq, n, _ in chunk:
             seq.num_cached += n
         to_sample = [seq for seq, _, last in chunk if last]
         if not to_sample:
             return {}
-        slots = torch.tensor([s.slot for s in to_sample], device=self.device)
-        positions = torch.tensor([s.seq_len for s in to_sample], device=self.device)
-        out = self.ops.sample(logits, self.state.sampling_rows(slots, positions), self._num_top(to_sample))
+        slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
+                                        device=self.device)
+        num_top = self._num_top(to_sample)
+        out = self.ops.sample(logits, self.state.sampling_rows(slots, positions), num_top)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
         self.state.num_cached[slots] = positions.to(torch.int32)
         self.state.last_token[slots] = out.token_ids
         self.state.mark_seen(slots, out.token_ids)
-        host = _host(out)
+        self.outputs.write(out, num_top)
+        host = self.outputs.read(len(to_sample), num_top, self.streams)
         return {r.seq_id: r for r in self._commit(to_sample, *host)}
 
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
@@ -327,7 +322,6 @@ class Engine:
         batch = [seqs[i] for i in order]
         drafts = [items[i].draft_token_ids for i in order]
         num_top = self._num_top(seqs)
-        filtered = any(s.sampling.top_k or s.sampling.top_p < 1.0 for s in seqs)
         self.verify_outputs.drafts[:len(batch), :k].copy_(torch.tensor(drafts, dtype=torch.int64))
         slots = [s.slot for s in batch]
 
@@ -337,12 +331,12 @@ class Engine:
             pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(slots)) for i in range(k + 1) for j in range(i)]
             seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
             seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
-            return lambda: self._verify_into_outputs(slots_t, k, num_top, filtered, seen_rows, seen_cols)
+            return lambda: self._verify_into_outputs(slots_t, k, num_top, seen_rows, seen_cols)
 
         if self.graphs is None:
             prepare()()
         else:
-            self.graphs.run(("verify", *GraphCache.key_for(slots, k, num_top, filtered)), prepare)
+            self.graphs.run(("verify", *GraphCache.key_for(slots, k, num_top)), prepare)
         accepted, tokens, logprobs, top_ids, top_lps = self.verify_outputs.read(len(batch), k + 1, num_top,
                                                                                  self.streams)
         results = []
@@ -364,12 +358,16 @@ class Engine:
             by_request[i] = results[pos]
         return by_request
 
-    def _verify_into_outputs(self, slots: torch.Tensor, k: int, num_top: int, filtered: bool,
-                             seen_rows: torch.Tensor, seen_cols: torch.Tensor) -> None:
+    def _verify_into_outputs(self, slots: torch.Tensor, k: int, num_top: int, seen_rows: torch.Tensor,
+                             seen_cols: torch.Tensor) -> None:
         """Device work of a uniform Verify: the last token and k drafts of each slot at their positions,
-        attention per token, target distributions, acceptance, logprobs of what is kept; the slot state
-        moves past the accepted tokens only (the rejected positions' KV is dead). No host sync."""
-        st, n, vocab = self.state, k + 1, self.model_config.vocab_size
+        attention per token, then every row samples the token decode would draw there (its slot's
+        parameters, RNG keyed by seed and position, the drafts before it counted as seen). The drafts
+        are accepted while they equal those tokens ("greedy match": exact for greedy rows, and for
+        sampled rows the same target distribution as rejection sampling with one-hot drafts), so
+        Verify emits exactly what decode would have. The slot state moves past the accepted tokens only
+        (the rejected positions' KV is dead). No host sync."""
+        st, n = self.state, k + 1
         batch_size = slots.shape[0]
         drafts = self.verify_outputs.drafts[:batch_size, :k]
         start = st.num_cached[slots].long()  # [B]: position of each slot's last token
@@ -383,34 +381,31 @@ class Engine:
             input_ids=torch.cat([st.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
             slot_mapping=block_ids * self.block_size + positions % self.block_size, block_tables=tables,
             seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
-            query_start_loc=[], seq_lens_host=[])
+            query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
         logits = self.model.forward(fb)  # [B * n, vocab]
         rows_st = st.sampling_rows(slots[seq_index], positions + 1)
         rows_st.seen.index_put_((seen_rows, drafts.reshape(-1)[seen_cols]), st._true)
-        target = target_logprobs(logits, rows_st, filtered).view(batch_size, n, vocab)
-        accepted, token = self.ops.accept_drafts(target, drafts, None, rows_st.seed.view(batch_size, n),
-                                                 rows_st.position.view(batch_size, n))
-        emitted = torch.cat([drafts, token[:, None]], dim=1)
-        emitted = emitted.scatter(1, accepted[:, None], token[:, None])
-        kept = offsets[None, :] <= accepted[:, None]
-        emitted = torch.where(kept, emitted, token[:, None])  # past the kept tokens: a harmless repeat
-        raw = torch.log_softmax(logits.float(), dim=-1)
-        logprobs = raw.view(batch_size, n, vocab).gather(2, emitted[..., None]).squeeze(-1)
+        out = self.ops.sample(logits, rows_st, num_top)
+        sampled = out.token_ids.view(batch_size, n)
+        accepted = (sampled[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]: the matching prefix
+        token = sampled.gather(1, accepted[:, None]).squeeze(1)
+        emitted = torch.where(offsets[None, :] <= accepted[:, None], sampled, token[:, None])  # then repeats
         st.last_token[slots] = token
         st.num_cached[slots] = (start + 1 + accepted).to(torch.int32)
         st.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
-        out = self.verify_outputs
-        out.accepted[:batch_size].copy_(accepted)
-        out.tokens[:batch_size].copy_(token)
-        out.logprobs[:batch_size, :n].copy_(logprobs)
+        res = self.verify_outputs
+        res.accepted[:batch_size].copy_(accepted)
+        res.tokens[:batch_size].copy_(token)
+        res.logprobs[:batch_size, :n].copy_(out.logprobs.view(batch_size, n))
         if num_top:
-            top = torch.topk(raw, num_top, dim=-1)
-            out.top_ids[:batch_size * n, :num_top].copy_(top.indices)
-            out.top_logprobs[:batch_size * n, :num_top].copy_(top.values)
+            res.top_ids[:batch_size * n, :num_top].copy_(out.top_ids)
+            res.top_logprobs[:batch_size * n, :num_top].copy_(out.top_logprobs)
 
     def _verify(self, seqs: list[Sequence], items: list[api.VerifyItem]) -> list[api.VerifyResult]:
-        """One forward over each sequence's last token and its drafts (attention per token, like decode),
-        the target distributions, acceptance batched per draft length, then the host commit."""
+        """The general Verify (draft lengths differ, or draft distributions given): one forward over each
+        sequence's last token and its drafts (attention per token, like decode); the same greedy match
+        as the uniform step for drafts without distributions, rejection sampling batched per draft length
+        for drafts with them; then the host commit."""
         vocab = self.model_config.vocab_size
         ks = [len(it.draft_token_ids) for it in items]
         batch = build_extend_batch(
@@ -431,29 +426,37 @@ class Engine:
         if extra:
             st.seen[torch.tensor([r for r, _ in extra], device=self.device),
                     torch.tensor([t for _, t in extra], device=self.device)] = True
-        target = target_logprobs(logits, st)
-        decided: dict[int, tuple] = {}  # item index -> (num_accepted, token) as device tensors
-        for k in sorted(set(ks)):
-            group = [b for b in range(len(items)) if ks[b] == k]
-            rows = torch.tensor([offsets[b] + i for b in group for i in range(k + 1)], device=self.device)
-            drafts = torch.tensor([items[b].draft_token_ids for b in group], dtype=torch.int64,
-                                  device=self.device).view(len(group), k)
-            probs = None
-            if any(items[b].draft_probs for b in group):
+        # Every row's own draw (what decode would emit there); drafts without distributions are accepted
+        # while they equal it (greedy match), drafts with distributions by rejection sampling.
+        sampled = self.ops.sample(logits, st).token_ids
+        by_probs = [b for b, it in enumerate(items) if it.draft_probs]  # k >= 1: k distributions were given
+        rejection: list[torch.Tensor] = []  # per item of by_probs: (num_accepted, token) on the device
+        if by_probs:
+            target = target_logprobs(logits, st)
+            for k in sorted({ks[b] for b in by_probs}):
+                group = [b for b in by_probs if ks[b] == k]
+                rows = torch.tensor([offsets[b] + i for b in group for i in range(k + 1)], device=self.device)
+                drafts = torch.tensor([items[b].draft_token_ids for b in group], dtype=torch.int64,
+                                      device=self.device).view(len(group), k)
                 probs = torch.stack([torch.tensor(items[b].draft_probs, dtype=torch.float32).view(k, vocab)
-                                     if items[b].draft_probs else
-                                     torch.nn.functional.one_hot(torch.tensor(items[b].draft_token_ids), vocab).float()
                                      for b in group]).to(self.device)
-            shape = (len(group), k + 1)
-            if k == 0:  # nothing to accept: the one token is a plain draw from the target
-                tokens = torch.argmax(target[rows] + gumbel(st.seed[rows], st.position[rows], vocab), dim=-1)
-                accepted = torch.zeros_like(tokens)
-            else:
+                shape = (len(group), k + 1)
                 accepted, tokens = self.ops.accept_drafts(target[rows].view(*shape, vocab), drafts, probs,
                                                           st.seed[rows].view(shape), st.position[rows].view(shape))
-            for n, b in enumerate(group):
-                decided[b] = (accepted[n], tokens[n])
-        host = torch.stack([torch.stack(decided[b]) for b in range(len(items))]).tolist()
+                rejection += [torch.stack([accepted[n], tokens[n]]) for n in range(len(group))]
+        sampled_host = sampled.tolist()
+        rejected = dict(zip(sorted(by_probs, key=lambda b: (ks[b], b)),
+                            torch.stack(rejection).tolist() if rejection else []))
+        host = []
+        for b, it in enumerate(items):
+            if b in rejected:
+                host.append(tuple(rejected[b]))
+                continue
+            row = sampled_host[offsets[b]:offsets[b + 1]]
+            j = 0
+            while j < ks[b] and row[j] == it.draft_token_ids[j]:
+                j += 1
+            host.append((j, row[j]))
         emitted = [list(it.draft_token_ids[:j]) + [tok] for it, (j, tok) in zip(items, host)]
         rows_e = [offsets[b] + i for b, e in enumerate(emitted) for i in range(len(e))]
         toks_e = [t for e in emitted for t in e]

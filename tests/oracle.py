@@ -22,10 +22,11 @@ def hf_logits(path: pathlib.Path, prompt: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def hf_greedy(path: pathlib.Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' generate(do_sample=False), one sequence at a time (no padding)."""
+def hf_greedy(path: pathlib.Path, prompt: list[int], max_new_tokens: int, **generate_kw) -> list[int]:
+    """transformers' generate(do_sample=False), one sequence at a time (no padding); generate_kw: more
+    generate() arguments (e.g. repetition_penalty)."""
     model = hf_model(path)
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
+                         eos_token_id=None, pad_token_id=0, **generate_kw)
     return out[0, len(prompt):].tolist()

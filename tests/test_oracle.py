@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from conftest import TINY_CONFIGS, engine_config, generate_via_grpc, random_prompts, start_server
+from engine.api import PrefillItem
 from engine.batch import build_extend_batch
 from engine.engine import Engine
 from engine.sampling import SamplingParams, StoppingCriteria
@@ -73,3 +74,26 @@ def test_chunked_prefill_budget_splits_forwards(checkpoints):
             server.stop()
     assert results[0] == results[1] == results[2]
     assert results[0][0] == hf_greedy(path, prompts[0], 8)
+
+
+@pytest.mark.parametrize("budget", [8192, 6])
+def test_repetition_penalty_counts_the_prompt_as_transformers_does(checkpoints, budget):
+    """Greedy with a repetition penalty equals transformers' generate(repetition_penalty=...), which
+    penalises prompt tokens as well as generated ones; also when the prompt is computed in chunks of 6
+    tokens over several forwards (budget 6)."""
+    path = checkpoints[CONFIG_NAMES[0]]
+    engine = Engine(engine_config(path, max_prefill_tokens=budget))
+    prompt = random_prompts([25], engine.model_config.vocab_size, seed=21)[0]
+    prompt = prompt + prompt[:10]  # repeated tokens: the penalty has something to act on
+    penalty = 3.0
+
+    def greedy(params: SamplingParams) -> list[int]:
+        seq = engine.alloc_sequence(len(prompt) + 20, params, StoppingCriteria(ignore_eos=True))
+        got = [engine.prefill([PrefillItem(seq.seq_id, prompt)]).tokens[0].token_id]
+        got += [engine.decode([seq.seq_id]).tokens[0].token_id for _ in range(11)]
+        engine.release([seq.seq_id])
+        return got
+
+    ours = greedy(SamplingParams(repetition_penalty=penalty))
+    assert ours == hf_greedy(path, prompt, 12, repetition_penalty=penalty)
+    assert ours != greedy(SamplingParams())  # the penalty changed the output: the comparison has teeth

@@ -130,3 +130,43 @@ def test_rejection_sampling_matches_target_distribution(small_vocab_model, with_
     stat = chi_square(counts, expected)
     assert stat < CHI2_CRITICAL_15DOF_P001, f"chi2={stat:.1f}: counts {counts} vs expected {expected.round(1)}"
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["uniform-step", "general-path"])
+def test_sampled_verify_emits_exactly_what_decode_draws(small_vocab_model, mixed):
+    """Drafts without distributions are accepted while they equal the token decode would draw at that
+    position (same seed, position, top-k/top-p and repetition penalty), so a seeded sequence emits the
+    same tokens whether it decodes or verifies; in a uniform batch (one CUDA-graph-able step) and in a
+    batch whose draft lengths differ (the general path)."""
+    engine = Engine(engine_config(small_vocab_model))
+    params = SamplingParams(temperature=1.5, top_k=12, top_p=0.95, seed=99, repetition_penalty=1.2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    total = 16
+
+    def start() -> tuple[int, list[int]]:
+        sid = engine.alloc_sequence(40, params, StoppingCriteria(ignore_eos=True)).seq_id
+        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id]
+
+    sid, ref = start()
+    while len(ref) < total:
+        ref.append(engine.decode([sid]).tokens[0].token_id)
+    engine.release([sid])
+    assert len(set(ref)) > 3  # actually sampled
+
+    sid, got = start()
+    other = engine.alloc_sequence(40, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
+    engine.prefill([PrefillItem(other, [7, 7])])
+    wrong = list(ref[6:9])  # after 1 + 4 + 1 tokens
+    wrong[1] = (wrong[1] + 1) % VOCAB
+    accepted = []
+    for drafts in (ref[1:5], wrong):  # four right; then one right, one wrong, one after it
+        items = [VerifyItem(sid, drafts)] + ([VerifyItem(other, [1])] if mixed else [])
+        res = engine.verify(items).results[0]
+        accepted.append(res.num_accepted)
+        got += [t.token_id for t in res.tokens]
+    while len(got) < total:
+        got.append(engine.decode([sid]).tokens[0].token_id)
+    assert accepted == [4, 1]
+    assert got == ref
+    engine.release([sid, other])
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

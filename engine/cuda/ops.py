@@ -266,17 +266,17 @@ def sdpa_plan(query_start_loc: tuple, seq_lens: tuple, block_tables: torch.Tenso
     """The SdpaGroups of a forward of fresh prompts (query_start_loc[b] .. +seq_lens[b] are sequence b's
     tokens, all of its keys): sequences grouped by their length rounded up to SDPA_BUCKET; a padded
     position repeats the sequence's last key and query row (its output is dropped). Index arithmetic in
-    numpy, one upload per tensor, once per forward."""
+    numpy, one upload per padded group, once per forward."""
     groups: dict[int, list[int]] = {}
     for b, n in enumerate(seq_lens):
         groups.setdefault(-(-n // SDPA_BUCKET) * SDPA_BUCKET, []).append(b)
     device = block_tables.device
     whole = len(groups) == 1 and all(n == next(iter(groups)) for n in seq_lens)
-    if whole:  # one call, no padding: the output is the call's output in order
-        length = seq_lens[0]
-        pos = np.tile(np.arange(length), len(seq_lens))
-        seq = np.repeat(np.arange(len(seq_lens)), length)
-        return [SdpaGroup(len(seq_lens), length, _kv_index(block_tables, seq, pos, block_size), None, None, None)]
+    if whole:  # one call, no padding: the output is the call's output in order; no upload
+        num_seqs, length = len(seq_lens), seq_lens[0]
+        seq = torch.arange(num_seqs, device=device).repeat_interleave(length)
+        pos = torch.arange(length, device=device).repeat(num_seqs)
+        return [SdpaGroup(num_seqs, length, _kv_index(block_tables, seq, pos, block_size), None, None, None)]
     plan = []
     starts, lens = np.asarray(query_start_loc[:-1]), np.asarray(seq_lens)
     for length, seqs in groups.items():
@@ -285,16 +285,16 @@ def sdpa_plan(query_start_loc: tuple, seq_lens: tuple, block_tables: torch.Tenso
         pos = np.minimum(pos_all, lens[seq] - 1)
         real = np.flatnonzero(pos_all < lens[seq])
         q_index = starts[seq] + pos
-        plan.append(SdpaGroup(len(seqs), length, _kv_index(block_tables, seq, pos, block_size),
-                              torch.from_numpy(q_index).to(device), torch.from_numpy(real).to(device),
-                              torch.from_numpy(q_index[real]).to(device)))
+        parts = [seq, pos, q_index, real, q_index[real]]
+        seq_t, pos_t, q_t, real_t, rows_t = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(
+            device).split([len(a) for a in parts])
+        plan.append(SdpaGroup(len(seqs), length, _kv_index(block_tables, seq_t, pos_t, block_size), q_t, real_t,
+                              rows_t))
     return plan
 
 
-def _kv_index(block_tables: torch.Tensor, seq: np.ndarray, pos: np.ndarray, block_size: int) -> torch.Tensor:
-    device = block_tables.device
-    seq_t, pos_t = torch.from_numpy(seq).to(device), torch.from_numpy(pos).to(device)
-    return block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
+def _kv_index(block_tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:

@@ -224,3 +224,35 @@ def test_prompts_of_one_length_in_consecutive_prefills_read_their_own_cache(ckpt
     engine = gpu_engine(ckpt_tiny)
     first_token(engine, a)
     assert first_token(engine, b) == alone
+
+
+def test_sampled_verify_emits_what_decode_draws_on_gpu(ckpt_tiny):
+    """Seeded sampling (top-k, top-p, repetition penalty): Verify of drafts taken from a decode run
+    accepts them all and emits the same tokens, through the sampling kernels and the verify graph
+    (several rounds, so the graph is captured and replayed); a wrong draft stops acceptance there and
+    the token drawn in its place is decode's."""
+    engine = gpu_engine(ckpt_tiny, capture_after=1)
+    params = SamplingParams(temperature=1.2, top_k=40, top_p=0.95, seed=5, repetition_penalty=1.1)
+    prompt = [5, 6, 7, 8, 9]
+
+    def start() -> tuple[int, list[int]]:
+        sid = engine.alloc_sequence(80, params, GREEDY).seq_id
+        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id]
+
+    sid, ref = start()
+    while len(ref) < 40:
+        ref.append(engine.decode([sid]).tokens[0].token_id)
+    engine.release([sid])
+    assert len(set(ref)) > 5
+    sid, got = start()
+    for _ in range(6):
+        res = engine.verify([VerifyItem(sid, ref[len(got):len(got) + 4])]).results[0]
+        assert res.num_accepted == 4
+        got += [t.token_id for t in res.tokens]
+    drafts = list(ref[len(got):len(got) + 4])
+    drafts[2] = (drafts[2] + 1) % 4096
+    res = engine.verify([VerifyItem(sid, drafts)]).results[0]
+    got += [t.token_id for t in res.tokens]
+    assert res.num_accepted == 2 and got == ref[:len(got)]
+    assert engine.graphs.stats.hits > 0
+    engine.release([sid])
