@@ -209,14 +209,15 @@ class Engine:
             [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk],
             [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope)
         self.state.mark_seen(batch.token_slots, batch.input_ids)  # the prompt counts for repetition penalty
+        to_sample = [seq for seq, _, last in chunk if last]
+        if to_sample:  # uploaded before the forward is queued: a blocking copy would wait for all of it
+            slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
+                                            device=self.device)
         logits = self.model.forward(batch)
         for seq, n, _ in chunk:
             seq.num_cached += n
-        to_sample = [seq for seq, _, last in chunk if last]
         if not to_sample:
             return {}
-        slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
-                                        device=self.device)
         num_top = self._num_top(to_sample)
         out = self.ops.sample(logits, self.state.sampling_rows(slots, positions), num_top)
         for seq in to_sample:
