@@ -93,14 +93,22 @@ def build_decode_batch(block_table: torch.Tensor, last_token: torch.Tensor, num_
     tables = block_table[slots_t]
     rows = torch.arange(slots_t.shape[0], device=slots_t.device)
     block_ids = tables[rows, positions // block_size].long()
+    return decode_batch(last_token[slots_t], positions, block_ids * block_size + positions % block_size, tables,
+                        (positions + 1).to(torch.int32), seq_lens_host, need_scale_lens)
+
+
+def decode_batch(input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list[int],
+                 need_scale_lens: bool) -> ForwardBatch:
+    """The ForwardBatch of a decode step from its gathered inputs (one query token per sequence)."""
     batch = len(seq_lens_host)
     return ForwardBatch(
-        input_ids=last_token[slots_t],
+        input_ids=input_ids,
         positions=positions,
-        slot_mapping=block_ids * block_size + positions % block_size,
-        block_tables=tables,
-        seq_lens=(positions + 1).to(torch.int32),
-        logits_indices=rows,
+        slot_mapping=slot_mapping,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        logits_indices=torch.arange(batch, device=input_ids.device),
         is_decode=True,
         query_start_loc=list(range(batch + 1)),
         seq_lens_host=seq_lens_host,

@@ -16,7 +16,7 @@ import time
 import torch
 
 from engine import api
-from engine.batch import ForwardBatch, build_decode_batch, build_extend_batch
+from engine.batch import ForwardBatch, build_extend_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model import default_model_dir
 from engine.device import select_device, select_dtype
@@ -277,15 +277,9 @@ class Engine:
         """Device work of one decode step: inputs from the slot state, forward, sample; the sampled
         tokens and new lengths back to the slot state, the results to the static output buffers.
         No host synchronisation and no host reads (it is captured into CUDA graphs)."""
-        st = self.state
-        batch: ForwardBatch = build_decode_batch(st.block_table, st.last_token, st.num_cached, slots, self.block_size,
-                                                 seq_lens, self._dynamic_rope)
-        logits = self.model.forward(batch)
-        out = self.ops.sample(logits, st.sampling_rows(slots, batch.positions + 1), num_top)
-        st.num_cached[slots] += 1
-        st.last_token[slots] = out.token_ids
-        st.mark_seen(slots, out.token_ids)
-        self.outputs.write(out, num_top)
+        batch, rows = self.ops.decode_inputs(self.state, slots, self.block_size, seq_lens, self._dynamic_rope)
+        out = self.ops.sample(self.model.forward(batch), rows, num_top)
+        self.ops.decode_commit(self.state, slots, out, self.outputs, num_top)
 
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
         seqs = self._check_ids([it.seq_id for it in items])

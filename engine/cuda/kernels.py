@@ -81,6 +81,7 @@ MODULES: dict[str, list[KernelSpec]] = {
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
+    "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili"), KernelSpec("decode_commit", "p" * 8 + "il")],
 }
 
 # Launch constants shared with the .cu files (their header comments state the same numbers).
@@ -787,3 +788,88 @@ class KernelLibrary:
         _shape(tokens, "tokens", (B,))
         pp = _tensor(parts, "accept parts", torch.float32, 3)
         self.kernels["spec_accept_finish"]((B, 1, 1), (32, 1, 1), 0, self.stream(), na, tk, pp, num_drafts, S)
+
+    # Decode step state (kernels_cu/decode_step.cu): the slot-resident state a decode step reads before its
+    # forward and writes back after sampling. Slot and token values are not checked here (no host sync).
+
+    @staticmethod
+    def _slot_rows(tensors, S: int) -> list[int]:
+        """Checks per-slot state columns [(tensor, name, dtype)], each 1-D [S]; returns their pointers."""
+        ptrs = []
+        for t, name, dt in tensors:
+            ptrs.append(_tensor(t, name, dt, 1, align=False))
+            _shape(t, name, (S,))
+        return ptrs
+
+    @staticmethod
+    def _batch_rows(tensors, B: int) -> list[int]:
+        """Checks per-row outputs [(tensor, name, dtype)], each 1-D [B]; returns their pointers."""
+        ptrs = []
+        for t, name, dt in tensors:
+            ptrs.append(_tensor(t, name, dt, 1, align=False))
+            _shape(t, name, (B,))
+        return ptrs
+
+    def decode_prepare(self, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
+                       seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
+                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen) -> None:
+        """The inputs of a decode forward and its sampling rows, read from the slot state (one row per
+        slots[b]): input_ids, positions, slot_mapping, seq_lens, tables [B, MB], row_* (row_position =
+        position + 1, the index of the token each row draws), row_seen [B, V]."""
+        sl = _tensor(slots, "slots", torch.int64, 1, align=False)
+        B = slots.shape[0]
+        S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
+        nc, lt, tp, tk, pp, sd, pn = self._slot_rows(
+            ((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64),
+             (temperature, "temperature", torch.float32), (top_k, "top_k", torch.int64),
+             (top_p, "top_p", torch.float32), (seed, "seed", torch.int64),
+             (penalty, "repetition_penalty", torch.float32)), S)
+        bt = _tensor(block_table, "block_table", torch.int32, 2, align=False)
+        if block_table.shape[0] != S:
+            raise KernelArgError(f"block_table: expected [{S}, max_blocks] (one row per slot), got "
+                                 f"{tuple(block_table.shape)}")
+        MB = block_table.shape[1]
+        sn = _tensor(seen, "seen", torch.bool, 2, align=False)
+        if seen.shape[0] != S:
+            raise KernelArgError(f"seen: expected [{S}, vocab] (one row per slot), got {tuple(seen.shape)}")
+        V = seen.shape[1]
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise KernelArgError(f"block_size: expected a positive int, got {block_size!r}")
+        outs = self._batch_rows(
+            ((input_ids, "input_ids", torch.int64), (positions, "positions", torch.int64),
+             (slot_mapping, "slot_mapping", torch.int64), (seq_lens, "seq_lens", torch.int32)), B)
+        tb = _tensor(tables, "tables", torch.int32, 2, align=False)
+        _shape(tables, "tables", (B, MB))
+        rows = self._batch_rows(
+            ((row_temperature, "row_temperature", torch.float32), (row_top_k, "row_top_k", torch.int64),
+             (row_top_p, "row_top_p", torch.float32), (row_seed, "row_seed", torch.int64),
+             (row_penalty, "row_penalty", torch.float32), (row_position, "row_position", torch.int64)), B)
+        rs = _tensor(row_seen, "row_seen", torch.bool, 2, align=False)
+        _shape(row_seen, "row_seen", (B, V))
+        if B == 0:
+            return
+        self.kernels["decode_prepare"]((B, 1, 1), (256, 1, 1), 0, self.stream(), *outs, tb, *rows, rs,
+                                       sl, nc, lt, bt, tp, tk, pp, sd, pn, sn, MB, V, block_size)
+
+    def decode_commit(self, slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs) -> None:
+        """The sampled tokens back to the slot state (num_cached[s] += 1, last_token[s] = token,
+        seen[s, token] = True for s = slots[b]; the slots must be distinct) and to the first B entries of
+        out_tokens / out_logprobs."""
+        sl = _tensor(slots, "slots", torch.int64, 1, align=False)
+        B = slots.shape[0]
+        tk, lp = self._batch_rows(((tokens, "tokens", torch.int64), (logprobs, "logprobs", torch.float32)), B)
+        S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
+        nc, lt = self._slot_rows(((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64)), S)
+        sn = _tensor(seen, "seen", torch.bool, 2, align=False)
+        if seen.shape[0] != S:
+            raise KernelArgError(f"seen: expected [{S}, vocab] (one row per slot), got {tuple(seen.shape)}")
+        V = seen.shape[1]
+        ot = _tensor(out_tokens, "out_tokens", torch.int64, 1, align=False)
+        ol = _tensor(out_logprobs, "out_logprobs", torch.float32, 1, align=False)
+        for t, name in ((out_tokens, "out_tokens"), (out_logprobs, "out_logprobs")):
+            if t.shape[0] < B:
+                raise KernelArgError(f"{name}: {t.shape[0]} entries for a batch of {B}")
+        if B == 0:
+            return
+        self.kernels["decode_commit"]((-(-B // 128), 1, 1), (128, 1, 1), 0, self.stream(),
+                                      ot, ol, nc, lt, sn, sl, tk, lp, B, V)

@@ -19,11 +19,13 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine import sampling
+from engine.batch import ForwardBatch, decode_batch
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
     CudaError,
@@ -33,6 +35,10 @@ from engine.cuda.kernels import (
 )
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionShape, TorchOps
+
+if TYPE_CHECKING:
+    from engine.engine import StepOutputs
+    from engine.state import SlotState
 
 PREFILL_ROWS = 64  # query rows per prefill attention block (kernels_cu/prefill_attention.cu)
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
@@ -227,6 +233,37 @@ class CudaOps(TorchOps):
             top = torch.topk(torch.log_softmax(logits, dim=-1), num_top, dim=-1)
             return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
         return sampling.SampleOutput(tokens, logprobs, None, None)
+
+    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
+                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """One kernel (kernels_cu/decode_step.cu) gathers what TorchOps.decode_inputs gathers with ~20."""
+        batch_size, dev = slots.shape[0], slots.device
+
+        def empty(*shape, like: torch.Tensor) -> torch.Tensor:
+            return torch.empty(shape, dtype=like.dtype, device=dev)
+
+        input_ids, positions, slot_mapping = (torch.empty(batch_size, dtype=torch.int64, device=dev) for _ in range(3))
+        seq_lens = torch.empty(batch_size, dtype=torch.int32, device=dev)
+        tables = empty(batch_size, state.block_table.shape[1], like=state.block_table)
+        rows = sampling.SamplingTensors(
+            empty(batch_size, like=state.temperature), empty(batch_size, like=state.top_k),
+            empty(batch_size, like=state.top_p), empty(batch_size, like=state.seed),
+            empty(batch_size, like=state.repetition_penalty), empty(batch_size, state.seen.shape[1], like=state.seen),
+            torch.empty(batch_size, dtype=torch.int64, device=dev))
+        self.lib.decode_prepare(slots, state.num_cached, state.last_token, state.block_table, state.temperature,
+                                state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen, block_size,
+                                input_ids, positions, slot_mapping, seq_lens, tables, rows.temperature, rows.top_k,
+                                rows.top_p, rows.seed, rows.repetition_penalty, rows.position, rows.seen)
+        return decode_batch(input_ids, positions, slot_mapping, tables, seq_lens, seq_lens_host, need_scale_lens), rows
+
+    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
+                      outputs: StepOutputs, num_top: int) -> None:
+        self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
+                               outputs.tokens, outputs.logprobs)
+        if num_top:
+            n = slots.shape[0]
+            outputs.top_ids[:n, :num_top].copy_(out.top_ids)
+            outputs.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,11 +16,17 @@ Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from engine import sampling
+from engine.batch import ForwardBatch, build_decode_batch
+
+if TYPE_CHECKING:
+    from engine.engine import StepOutputs
+    from engine.state import SlotState
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,27 @@ class TorchOps:
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors,
                num_top: int = 0) -> sampling.SampleOutput:
         return sampling.sample(logits, st, num_top)
+
+    # ---------------------------------------------------------------------------------------------
+    # The decode step's slot state (engine/state.py): inputs gathered from the rows of its slots before
+    # the forward, results written back after sampling. Device ops only (captured into CUDA graphs).
+
+    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
+                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """slots [B] int64 -> the step's ForwardBatch (each slot's last token at position
+        num_cached[slot]) and the sampling rows (its parameters, drawing position num_cached + 1)."""
+        batch = build_decode_batch(state.block_table, state.last_token, state.num_cached, slots, block_size,
+                                   seq_lens_host, need_scale_lens)
+        return batch, state.sampling_rows(slots, batch.positions + 1)
+
+    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
+                      outputs: StepOutputs, num_top: int) -> None:
+        """Each slot moves one token on (num_cached + 1, last token = the sampled one, marked seen); the
+        results go to the step's static output buffers."""
+        state.num_cached[slots] += 1
+        state.last_token[slots] = out.token_ids
+        state.mark_seen(slots, out.token_ids)
+        outputs.write(out, num_top)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -79,6 +79,28 @@ def main() -> int:
                       torch.ones(2, 4, dtype=torch.int64, device=dev), torch.arange(8, device=dev).view(2, 4))
     ops.accept_drafts(target, drafts, None, torch.ones(2, 4, dtype=torch.int64, device=dev),
                       torch.arange(8, device=dev).view(2, 4))
+    # Decode step state: prepare, then commit (a vocab of 3000 copies seen rows by bytes, 4096 by 16-byte vectors).
+    for V in (vocab, 4096):
+        S, MB, bs, B = 10, 8, 16, 4
+        state = dict(num_cached=torch.randint(0, MB * bs, (S,), dtype=torch.int32, device=dev),
+                     last_token=torch.randint(0, V, (S,), device=dev),
+                     block_table=torch.randint(0, 100, (S, MB), dtype=torch.int32, device=dev),
+                     temperature=torch.rand(S, device=dev), top_k=torch.zeros(S, dtype=torch.int64, device=dev),
+                     top_p=torch.ones(S, device=dev), seed=torch.arange(S, device=dev),
+                     penalty=torch.ones(S, device=dev), seen=torch.rand(S, V, device=dev) < 0.1)
+        slots_t = torch.tensor([9, 0, 4, 7], device=dev)
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        rows = dict(input_ids=torch.empty(B, dtype=i64, device=dev), positions=torch.empty(B, dtype=i64, device=dev),
+                    slot_mapping=torch.empty(B, dtype=i64, device=dev), seq_lens=torch.empty(B, dtype=i32, device=dev),
+                    tables=torch.empty(B, MB, dtype=i32, device=dev), row_temperature=torch.empty(B, device=dev),
+                    row_top_k=torch.empty(B, dtype=i64, device=dev), row_top_p=torch.empty(B, device=dev),
+                    row_seed=torch.empty(B, dtype=i64, device=dev), row_penalty=torch.empty(B, device=dev),
+                    row_position=torch.empty(B, dtype=i64, device=dev),
+                    row_seen=torch.empty(B, V, dtype=torch.bool, device=dev))
+        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows)
+        ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
+                              state["num_cached"], state["last_token"], state["seen"],
+                              torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=f32, device=dev))
     torch.cuda.synchronize()
     print("sanitize_kernels: every kernel ran")
     return 0

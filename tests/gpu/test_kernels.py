@@ -464,6 +464,134 @@ def test_accept_drafts_through_cuda_ops(ops, gen):
 
 
 # ---------------------------------------------------------------------------------------------
+# Decode step state (the slot state a decode step reads and writes back)
+
+STEP_SLOTS, STEP_MAX_BLOCKS = 80, 40
+
+
+def slot_state(S: int, MB: int, V: int, bs: int) -> dict[str, torch.Tensor]:
+    """Random per-slot state as engine/state.py SlotState holds it; keys are decode_prepare's argument names."""
+    return dict(
+        num_cached=torch.randint(0, MB * bs, (S,), dtype=torch.int32, device=dev()),
+        last_token=torch.randint(0, V, (S,), dtype=torch.int64, device=dev()),
+        block_table=torch.randint(0, 10000, (S, MB), dtype=torch.int32, device=dev()),
+        temperature=torch.rand(S, device=dev()) * 2,
+        top_k=torch.randint(0, 1000, (S,), dtype=torch.int64, device=dev()),
+        top_p=torch.rand(S, device=dev()),
+        seed=torch.randint(-2**62, 2**62, (S,), dtype=torch.int64, device=dev()),
+        penalty=torch.rand(S, device=dev()) + 0.5,
+        seen=torch.rand(S, V, device=dev()) < 0.3,
+    )
+
+
+def prepare_outputs(B: int, MB: int, V: int) -> dict[str, torch.Tensor]:
+    """decode_prepare's outputs, poisoned (-7, NaN, True) so an unwritten element fails the comparison."""
+    def poison(*shape, dtype):
+        return torch.full(shape, -7, dtype=dtype, device=dev())
+
+    return dict(
+        input_ids=poison(B, dtype=torch.int64), positions=poison(B, dtype=torch.int64),
+        slot_mapping=poison(B, dtype=torch.int64), seq_lens=poison(B, dtype=torch.int32),
+        tables=poison(B, MB, dtype=torch.int32), row_temperature=nan((B,), torch.float32),
+        row_top_k=poison(B, dtype=torch.int64), row_top_p=nan((B,), torch.float32),
+        row_seed=poison(B, dtype=torch.int64), row_penalty=nan((B,), torch.float32),
+        row_position=poison(B, dtype=torch.int64),
+        row_seen=torch.ones(B, V, dtype=torch.bool, device=dev()),
+    )
+
+
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("V", [4096, 17, 128256])
+@pytest.mark.parametrize("B", [1, 7, 64])
+def test_decode_prepare_matches_torch(lib, gen, B, V, bs):
+    S, MB = STEP_SLOTS, STEP_MAX_BLOCKS
+    st = slot_state(S, MB, V, bs)
+    slots = torch.randperm(S, device=dev())[:B]
+    out = prepare_outputs(B, MB, V)
+    lib.decode_prepare(slots, **st, block_size=bs, **out)
+
+    pos = st["num_cached"][slots].long()
+    ref = dict(
+        input_ids=st["last_token"][slots], positions=pos,
+        slot_mapping=st["block_table"][slots, pos // bs].long() * bs + pos % bs,
+        seq_lens=(pos + 1).to(torch.int32), tables=st["block_table"][slots],
+        row_temperature=st["temperature"][slots], row_top_k=st["top_k"][slots], row_top_p=st["top_p"][slots],
+        row_seed=st["seed"][slots], row_penalty=st["penalty"][slots], row_position=pos + 1,
+        row_seen=st["seen"][slots],
+    )
+    for name, want in ref.items():
+        got = out[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got, want), f"{name} differs from the torch reference"
+
+
+@pytest.mark.parametrize("B", [1, 5, 64])
+def test_decode_commit_matches_torch(lib, gen, B):
+    S, V, max_batch = STEP_SLOTS, 151936, 96
+    num_cached = torch.randint(0, 5000, (S,), dtype=torch.int32, device=dev())
+    last_token = torch.randint(0, V, (S,), dtype=torch.int64, device=dev())
+    seen = torch.rand(S, V, device=dev()) < 0.3
+    slots = torch.randperm(S, device=dev())[:B]
+    tokens = torch.randint(0, V, (B,), dtype=torch.int64, device=dev())
+    logprobs = -5 * torch.rand(B, device=dev())
+    out_tokens = torch.full((max_batch,), -7, dtype=torch.int64, device=dev())
+    out_logprobs = nan((max_batch,), torch.float32)
+
+    ref_cached, ref_last, ref_seen = num_cached.clone(), last_token.clone(), seen.clone()
+    ref_cached[slots] += 1
+    ref_last[slots] = tokens
+    ref_seen[slots, tokens] = True
+    lib.decode_commit(slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs)
+
+    assert torch.equal(num_cached, ref_cached)
+    assert torch.equal(last_token, ref_last)
+    assert torch.equal(seen, ref_seen)
+    assert torch.equal(out_tokens[:B], tokens)
+    assert torch.equal(out_logprobs[:B], logprobs)
+    assert (out_tokens[B:] == -7).all(), "an output entry past the batch changed"
+    assert torch.isnan(out_logprobs[B:]).all(), "an output entry past the batch changed"
+
+
+def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
+    from engine.cuda.kernels import KernelArgError
+    S, MB, V, B, bs = 8, 4, 64, 3, 16
+    st = slot_state(S, MB, V, bs)
+    out = prepare_outputs(B, MB, V)
+    slots = torch.arange(B, device=dev())
+    lib.decode_prepare(slots, **st, block_size=bs, **out)  # the valid call launches
+    with pytest.raises(KernelArgError, match="slots.*dtype"):
+        lib.decode_prepare(slots.int(), **st, block_size=bs, **out)
+    with pytest.raises(KernelArgError, match="input_ids"):
+        lib.decode_prepare(slots[:2], **st, block_size=bs, **out)  # outputs sized for 3 rows
+    with pytest.raises(KernelArgError, match="row_seen"):
+        lib.decode_prepare(slots, **st, block_size=bs, **{**out, "row_seen": out["row_seen"][:, :V - 1].contiguous()})
+    with pytest.raises(KernelArgError, match="seen"):
+        lib.decode_prepare(slots, **{**st, "seen": st["seen"][:S - 1]}, block_size=bs, **out)
+    with pytest.raises(KernelArgError, match="block_table.*contiguous"):
+        lib.decode_prepare(slots, **{**st, "block_table": st["block_table"].t().contiguous().t()}, block_size=bs,
+                           **out)
+    with pytest.raises(KernelArgError, match="block_size"):
+        lib.decode_prepare(slots, **st, block_size=0, **out)
+
+    tokens = torch.zeros(B, dtype=torch.int64, device=dev())
+    logprobs = torch.zeros(B, dtype=torch.float32, device=dev())
+    out_tokens = torch.zeros(B, dtype=torch.int64, device=dev())
+    out_logprobs = torch.zeros(B, dtype=torch.float32, device=dev())
+    commit = (st["num_cached"], st["last_token"], st["seen"])
+    lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs)  # the valid call launches
+    with pytest.raises(KernelArgError, match="slots.*dtype"):
+        lib.decode_commit(slots.int(), tokens, logprobs, *commit, out_tokens, out_logprobs)
+    with pytest.raises(KernelArgError, match="tokens"):
+        lib.decode_commit(slots[:2], tokens, logprobs, *commit, out_tokens, out_logprobs)
+    with pytest.raises(KernelArgError, match="seen.*dtype"):
+        lib.decode_commit(slots, tokens, logprobs, st["num_cached"], st["last_token"], st["seen"].to(torch.uint8),
+                          out_tokens, out_logprobs)
+    with pytest.raises(KernelArgError, match="out_logprobs"):
+        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:B - 1])
+    torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graphs
 
 @pytest.mark.parametrize("dtype", DTYPES)
