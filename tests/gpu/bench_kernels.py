@@ -132,12 +132,36 @@ def skinny_rows(lib, dev, dt) -> list[tuple]:
     return rows
 
 
+def norm_layout_rows(lib, dev, dt) -> list[tuple]:
+    """rms_norm at prompt-sized inputs under several (threads per row, rows per block) layouts: the
+    shipped one (KernelLibrary._norm_layout) first."""
+    rows = []
+    shipped = lib._norm_layout
+    for tokens, hidden in ((4096, 4096), (4096, 2048), (2048, 4096), (32, 4096)):
+        x = torch.randn(tokens, hidden, device=dev).to(dt)
+        w = torch.ones(hidden, device=dev, dtype=dt)
+        out = torch.empty_like(x)
+        vecs = hidden // 8
+        layouts = [shipped(hidden)] + [(t, 1) for t in (64, 128, 256, 512) if vecs <= 4 * t and (t, 1) != shipped(hidden)]
+        for tpr, rpb in layouts:
+            lib._norm_layout = lambda D, tpr=tpr, rpb=rpb: (tpr, rpb)
+            d_us = device_us(lambda: lib.rms_norm(out, x, w, 1e-5))
+            rows.append((tokens, f"rms_norm {hidden} tpr={tpr} rpb={rpb}", d_us, 0.0,
+                         f"{2 * x.numel() * 2 / d_us / 1e3:8.0f} GB/s"))
+        lib._norm_layout = shipped
+    return rows
+
+
 def main() -> int:
-    """Flag: --skinny (only the skinny linear rows)."""
+    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--norm" in sys.argv:
+        for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
+        return 0
     if "--skinny" in sys.argv:
         for batch, name, d_us, h_us, extra in skinny_rows(ops.lib, dev, dt):
             print(f"{batch:>5}  {name:<28} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
