@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # any multiple of 16 up to 128 could be added
 MIN_COMPUTE_CAPABILITY = (8, 0)  # cp.async, ldmatrix, bf16 mma.sync
+NORM_MANY_ROWS = 1024  # rms_norm over at least this many rows takes 4 vectors per thread
 
 
 @dataclass(frozen=True)
@@ -443,16 +444,19 @@ class KernelLibrary:
         rows = outer * inner
         if rows == 0:
             return
-        tpr, rpb = self._norm_layout(D)
+        tpr, rpb = self._norm_layout(D, rows)
         self.kernels[f"rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
                                         o, xp, w, rows, inner, s_outer, s_inner, D, float(eps))
 
     @staticmethod
-    def _norm_layout(D: int) -> tuple[int, int]:
+    def _norm_layout(D: int, rows: int) -> tuple[int, int]:
         """(threads per row, rows per block) for rms_norm: 16-byte vectors, at most 4 per thread; short
-        rows share a 128-thread block, long rows get 2 vectors per thread."""
+        rows share a 128-thread block. Long rows get 2 vectors per thread, or 4 when there are at least
+        NORM_MANY_ROWS rows (prompts; H200: [4096, 4096] 23.4 -> 20.3 us, while 32 rows are faster
+        with 2)."""
         vecs = D // 8
-        want = vecs if vecs <= 32 else -(-vecs // 2)
+        per_thread = 4 if rows >= NORM_MANY_ROWS else 2
+        want = vecs if vecs <= 32 else -(-vecs // per_thread)
         tpr = min(1024, 1 << (max(want, 1) - 1).bit_length())
         if -(-vecs // tpr) > 4:
             raise KernelArgError(f"rms_norm: D = {D} is too large (at most {1024 * 32})")

@@ -142,9 +142,10 @@ def norm_layout_rows(lib, dev, dt) -> list[tuple]:
         w = torch.ones(hidden, device=dev, dtype=dt)
         out = torch.empty_like(x)
         vecs = hidden // 8
-        layouts = [shipped(hidden)] + [(t, 1) for t in (64, 128, 256, 512) if vecs <= 4 * t and (t, 1) != shipped(hidden)]
+        layouts = [shipped(hidden, tokens)] + [(t, 1) for t in (64, 128, 256, 512)
+                                               if vecs <= 4 * t and (t, 1) != shipped(hidden, tokens)]
         for tpr, rpb in layouts:
-            lib._norm_layout = lambda D, tpr=tpr, rpb=rpb: (tpr, rpb)
+            lib._norm_layout = lambda D, rows, tpr=tpr, rpb=rpb: (tpr, rpb)
             d_us = device_us(lambda: lib.rms_norm(out, x, w, 1e-5))
             rows.append((tokens, f"rms_norm {hidden} tpr={tpr} rpb={rpb}", d_us, 0.0,
                          f"{2 * x.numel() * 2 / d_us / 1e3:8.0f} GB/s"))

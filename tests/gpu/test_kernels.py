@@ -134,7 +134,7 @@ def test_embedding(lib, gen, dtype, tokens, vocab, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,D", [(1, 2048), (7, 4096), (256, 2048), (3, 8192), (100, 64), (33, 128),
-                                    (5, 16384), (17, 512)])
+                                    (5, 16384), (17, 512), (1024, 2048), (1500, 4096), (1030, 8192), (1024, 128)])
 def test_rms_norm(lib, gen, dtype, rows, D):
     x, w = randn(rows, D, dtype=dtype, scale=3.0), (1 + 0.1 * randn(D)).to(dtype)
     out = nan((rows, D), dtype)
