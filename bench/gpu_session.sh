@@ -40,6 +40,7 @@ for what in "$@"; do
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
+    replay)  stage profile-replay-1b 200 python3 bench/profile_step.py --shape 1b --only replay ;;
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;

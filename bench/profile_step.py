@@ -120,13 +120,42 @@ def profile_prefill(engine: Engine, vocab: int, g: torch.Generator, batch: int =
     gaps_table(prof, f"prefill {batch}x{length} timeline")
 
 
+def profile_replay_host(path, steps: int = 300) -> None:
+    """The host side of a replayed decode step at batch 1 (CUDA graphs on): wall vs device time per
+    step, and where the host time goes (cProfile, by own time)."""
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=2048, max_seq_len=4096))
+    vocab = engine.model_config.vocab_size
+    ids = [engine.alloc_sequence(128 + 2 * steps + 40, SamplingParams(), GREEDY).seq_id]
+    engine.prefill([PrefillItem(ids[0], torch.randint(0, vocab, (128,)).tolist())])
+    for _ in range(10):
+        engine.decode(ids)
+    torch.cuda.synchronize()
+    t0, device_ns = time.perf_counter(), 0
+    for _ in range(steps):
+        device_ns += engine.decode(ids).forward_ns
+    wall = (time.perf_counter() - t0) / steps * 1e6
+    print(f"\n== replayed decode b1: wall {wall:.1f} us/step, device {device_ns / steps / 1e3:.1f} us/step, "
+          f"host gap {wall - device_ns / steps / 1e3:.1f} us/step")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(steps):
+        engine.decode(ids)
+    cp.disable()
+    print(f"== replayed decode b1 host profile ({steps} steps, by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1b")
     p.add_argument("--model")
-    p.add_argument("--only", choices=["decode", "prefill", "verify"], help="one section (default: all)")
+    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay"], help="one section (default: all "
+                   "but replay)")
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
+    if args.only == "replay":
+        profile_replay_host(path)
+        return
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
