@@ -17,6 +17,7 @@ a time (the engine has one device thread).
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import math
 import os
@@ -141,7 +142,9 @@ def _error_text(result) -> str:
     return str(getattr(result, "name", result))
 
 
+@functools.cache
 def _driver():
+    """cuda-python's driver module, imported on first use (CPU-only installs never import it)."""
     from cuda.bindings import driver
     return driver
 
