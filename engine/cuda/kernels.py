@@ -800,21 +800,13 @@ class KernelLibrary:
     # forward and writes back after sampling. Slot and token values are not checked here (no host sync).
 
     @staticmethod
-    def _slot_rows(tensors, S: int) -> list[int]:
-        """Checks per-slot state columns [(tensor, name, dtype)], each 1-D [S]; returns their pointers."""
+    def _vectors(tensors, n: int) -> list[int]:
+        """Checks 1-D tensors [(tensor, name, dtype)] of n entries each (per-slot state columns, or a
+        step's per-row values); returns their pointers."""
         ptrs = []
         for t, name, dt in tensors:
             ptrs.append(_tensor(t, name, dt, 1, align=False))
-            _shape(t, name, (S,))
-        return ptrs
-
-    @staticmethod
-    def _batch_rows(tensors, B: int) -> list[int]:
-        """Checks per-row outputs [(tensor, name, dtype)], each 1-D [B]; returns their pointers."""
-        ptrs = []
-        for t, name, dt in tensors:
-            ptrs.append(_tensor(t, name, dt, 1, align=False))
-            _shape(t, name, (B,))
+            _shape(t, name, (n,))
         return ptrs
 
     def decode_prepare(self, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
@@ -826,7 +818,7 @@ class KernelLibrary:
         sl = _tensor(slots, "slots", torch.int64, 1, align=False)
         B = slots.shape[0]
         S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
-        nc, lt, tp, tk, pp, sd, pn = self._slot_rows(
+        nc, lt, tp, tk, pp, sd, pn = self._vectors(
             ((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64),
              (temperature, "temperature", torch.float32), (top_k, "top_k", torch.int64),
              (top_p, "top_p", torch.float32), (seed, "seed", torch.int64),
@@ -842,12 +834,12 @@ class KernelLibrary:
         V = seen.shape[1]
         if not isinstance(block_size, int) or block_size <= 0:
             raise KernelArgError(f"block_size: expected a positive int, got {block_size!r}")
-        outs = self._batch_rows(
+        outs = self._vectors(
             ((input_ids, "input_ids", torch.int64), (positions, "positions", torch.int64),
              (slot_mapping, "slot_mapping", torch.int64), (seq_lens, "seq_lens", torch.int32)), B)
         tb = _tensor(tables, "tables", torch.int32, 2, align=False)
         _shape(tables, "tables", (B, MB))
-        rows = self._batch_rows(
+        rows = self._vectors(
             ((row_temperature, "row_temperature", torch.float32), (row_top_k, "row_top_k", torch.int64),
              (row_top_p, "row_top_p", torch.float32), (row_seed, "row_seed", torch.int64),
              (row_penalty, "row_penalty", torch.float32), (row_position, "row_position", torch.int64)), B)
@@ -864,9 +856,9 @@ class KernelLibrary:
         out_tokens / out_logprobs."""
         sl = _tensor(slots, "slots", torch.int64, 1, align=False)
         B = slots.shape[0]
-        tk, lp = self._batch_rows(((tokens, "tokens", torch.int64), (logprobs, "logprobs", torch.float32)), B)
+        tk, lp = self._vectors(((tokens, "tokens", torch.int64), (logprobs, "logprobs", torch.float32)), B)
         S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
-        nc, lt = self._slot_rows(((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64)), S)
+        nc, lt = self._vectors(((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64)), S)
         sn = _tensor(seen, "seen", torch.bool, 2, align=False)
         if seen.shape[0] != S:
             raise KernelArgError(f"seen: expected [{S}, vocab] (one row per slot), got {tuple(seen.shape)}")
