@@ -440,12 +440,12 @@ class Engine:
                                                           st.seed[rows].view(shape), st.position[rows].view(shape))
                 rejection += [torch.stack([accepted[n], tokens[n]]) for n in range(len(group))]
         sampled_host = sampled.tolist()
-        rejected = dict(zip(sorted(by_probs, key=lambda b: (ks[b], b)),
-                            torch.stack(rejection).tolist() if rejection else []))
+        decided = dict(zip(sorted(by_probs, key=lambda b: (ks[b], b)),  # the order `rejection` was built in
+                           torch.stack(rejection).tolist() if rejection else []))
         host = []
         for b, it in enumerate(items):
-            if b in rejected:
-                host.append(tuple(rejected[b]))
+            if b in decided:
+                host.append(tuple(decided[b]))
                 continue
             row = sampled_host[offsets[b]:offsets[b + 1]]
             j = 0
