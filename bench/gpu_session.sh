@@ -36,10 +36,11 @@ for what in "$@"; do
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
-    load1b)  stage load-1b 420 python3 bench/load.py --shape 1b --concurrency 1 8 32 128 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    load1b)  stage load-1b 420 python3 bench/load.py --shape 1b --concurrency 1 4 16 32 64 128 --pipeline 1 2 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
+    ttft)    stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
     replay)  stage profile-replay-1b 200 python3 bench/profile_step.py --shape 1b --only replay ;;
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;

@@ -5,10 +5,20 @@ Prefill), decodes the running batch with one Decode RPC per step (or, with --spe
 tokens per sequence by prompt lookup and sends one Verify RPC for the batch), and releases finished
 ones. Requests are (prompt_len, output_len) pairs from a seeded distribution or a trace file.
 
+Decode needs no tokens from the router (each sequence's input is the token it sampled last, kept on
+the worker), so the router keeps --pipeline D Decode calls in flight (default 2): step n+1 is sent
+before step n's reply arrives, and the worker starts it as soon as step n ends, so the round trip
+overlaps the device step instead of adding to it. A sequence is never sent past its max_new_tokens,
+so no step is wasted. With --spec (drafts need the last tokens) and --pipeline 1 a step is sent only
+after the previous reply.
+
 Reported per concurrency level: output tokens/s; time to first token p50/p99 (Alloc+Prefill call to
 the first token); inter-token latency p50/p99 (between a sequence's consecutive steps); RPC overhead
-per step (Decode/Verify wall time, as the sync client sees it, minus the worker's forward_ns). The
-in-process run drives the same scheduler against Engine directly, so gRPC's share is the difference.
+per step: how long the router waited for the step, from when it was sent or the previous step's
+reply arrived (the later of the two), minus the worker's forward_ns; steps with an admission in that
+interval are left out. With one call in flight this is the call's wall time minus forward_ns.
+The in-process run drives the same scheduler (one step at a time) against Engine directly, so
+gRPC's share is the difference.
 
     python bench/load.py --shape tiny --concurrency 1 4 16 64 128             # spawns a worker
     python bench/load.py --target localhost:50051 --concurrency 32              # an existing worker
@@ -18,12 +28,12 @@ Writes bench/results/load-<date>-<device>.json and PNG plots beside it (--out to
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import json
 import os
 import pathlib
 import platform
+import queue
 import socket
 import subprocess
 import sys
@@ -87,69 +97,98 @@ def prompt_lookup(history: list[int], k: int, ngram: int = 2) -> list[int]:
 
 
 # --------------------------------------------------------------------------------------------------
-# Backends: the same five calls over gRPC or in-process.
+# Backends: the same calls over gRPC or in-process. A call never blocks the router: its reply comes
+# back as an event (kind, tag, reply) on `events`, in the order the replies arrive.
 
 class GrpcBackend:
-    """The router's calls through the sync client. The router loop makes one call at a time, so a
-    blocking call inside the coroutine costs the loop nothing, and a sync stub call skips the
-    event-loop wake-ups of a grpc.aio call: the RPC overhead measured is what a lean Python router
-    pays, not what an asyncio client adds (bench/rpc_rtt.py measures that difference)."""
+    """The router's calls through the sync client, each started without waiting (`WorkerClient.future`);
+    a reply's callback posts it to the router's event queue."""
 
     def __init__(self, target: str):
         from worker.client import WorkerClient
         self.client = WorkerClient(target, timeout=120)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
 
-    async def alloc(self, total: int, max_new: int) -> int:
+    def _start(self, kind: str, tag, method: str, request, parse) -> None:
+        def done(call):
+            try:
+                self.events.put((kind, tag, parse(call.result())))
+            except Exception as e:  # noqa: BLE001 - the router raises it
+                self.events.put((kind, tag, e))
+        self.client.future(method, request).add_done_callback(done)
+
+    def alloc(self, tag, total: int, max_new: int) -> None:
         from worker.client import Stopping
-        return self.client.alloc(total, stopping=Stopping(max_new_tokens=max_new, ignore_eos=True)).sequence_id
+        req = self.client.alloc_request(total, stopping=Stopping(max_new_tokens=max_new, ignore_eos=True))
+        self._start("alloc", tag, "AllocSequence", req, lambda r: r.sequence_id)
 
-    async def prefill(self, items):
-        resp = self.client.prefill([pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
-        return [(t.sequence_id, t.token_id, t.finish_reason != 0) for t in resp.tokens], resp.forward_ns
+    def prefill(self, tag, items) -> None:
+        req = pb.PrefillRequest(items=[pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
+        self._start("prefill", tag, "Prefill", req, lambda r: (
+            [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns))
 
-    async def decode(self, ids):
-        resp = self.client.decode(ids)
-        return [(t.sequence_id, [t.token_id], t.finish_reason != 0) for t in resp.tokens], resp.forward_ns
+    def decode(self, tag, ids) -> None:
+        self._start("decode", tag, "Decode", pb.DecodeRequest(sequence_ids=ids), lambda r: (
+            [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns))
 
-    async def verify(self, items):
-        resp = self.client.verify([pb.VerifyItem(sequence_id=i, draft_token_ids=d) for i, d in items])
-        return ([(r.sequence_id, [t.token_id for t in r.tokens], r.tokens[-1].finish_reason != 0)
-                 for r in resp.results], resp.forward_ns)
+    def verify(self, tag, items) -> None:
+        req = pb.VerifyRequest(items=[pb.VerifyItem(sequence_id=i, draft_token_ids=d) for i, d in items])
+        self._start("verify", tag, "Verify", req, lambda r: (
+            [(v.sequence_id, [t.token_id for t in v.tokens], v.tokens[-1].finish_reason != 0, v.tokens[-1].seq_len)
+             for v in r.results], r.forward_ns))
 
-    async def release(self, ids):
-        self.client.release(ids)
+    def release(self, tag, ids) -> None:
+        self._start("release", tag, "Release", pb.ReleaseRequest(sequence_ids=ids), lambda r: r.released)
 
-    async def close(self):
+    def close(self) -> None:
         self.client.close()
 
 
 class EngineBackend:
+    """The same calls on Engine in this process: each runs at once and posts its reply."""
+
     def __init__(self, engine):
         self.engine = engine
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
 
-    async def alloc(self, total: int, max_new: int) -> int:
+    def _post(self, kind: str, tag, fn) -> None:
+        try:
+            self.events.put((kind, tag, fn()))
+        except Exception as e:  # noqa: BLE001 - the router raises it
+            self.events.put((kind, tag, e))
+
+    def alloc(self, tag, total: int, max_new: int) -> None:
         from engine.sampling import SamplingParams, StoppingCriteria
-        return self.engine.alloc_sequence(total, SamplingParams(), StoppingCriteria(max_new, ignore_eos=True)).seq_id
+        self._post("alloc", tag, lambda: self.engine.alloc_sequence(
+            total, SamplingParams(), StoppingCriteria(max_new, ignore_eos=True)).seq_id)
 
-    async def prefill(self, items):
+    def prefill(self, tag, items) -> None:
         from engine.api import PrefillItem
-        r = self.engine.prefill([PrefillItem(i, list(t)) for i, t in items])
-        return [(t.seq_id, t.token_id, bool(t.finish_reason)) for t in r.tokens], r.forward_ns
 
-    async def decode(self, ids):
-        r = self.engine.decode(ids)
-        return [(t.seq_id, [t.token_id], bool(t.finish_reason)) for t in r.tokens], r.forward_ns
+        def run():
+            r = self.engine.prefill([PrefillItem(i, list(t)) for i, t in items])
+            return [(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns
+        self._post("prefill", tag, run)
 
-    async def verify(self, items):
+    def decode(self, tag, ids) -> None:
+        def run():
+            r = self.engine.decode(ids)
+            return [(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns
+        self._post("decode", tag, run)
+
+    def verify(self, tag, items) -> None:
         from engine.api import VerifyItem
-        r = self.engine.verify([VerifyItem(i, d) for i, d in items])
-        return [(v.seq_id, [t.token_id for t in v.tokens], bool(v.tokens[-1].finish_reason)) for v in r.results], \
-            r.forward_ns
 
-    async def release(self, ids):
-        self.engine.release(ids)
+        def run():
+            r = self.engine.verify([VerifyItem(i, d) for i, d in items])
+            return ([(v.seq_id, [t.token_id for t in v.tokens], bool(v.tokens[-1].finish_reason), v.tokens[-1].seq_len)
+                     for v in r.results], r.forward_ns)
+        self._post("verify", tag, run)
 
-    async def close(self):
+    def release(self, tag, ids) -> None:
+        self._post("release", tag, lambda: self.engine.release(ids))
+
+    def close(self) -> None:
         pass
 
 
@@ -159,91 +198,146 @@ class EngineBackend:
 @dataclass
 class LevelResult:
     concurrency: int
+    pipeline: int = 1
     output_tokens: int = 0
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     steps: int = 0
+    out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
     accepted_drafts: int = 0
     proposed_drafts: int = 0
 
     def summary(self) -> dict:
         return {
-            "concurrency": self.concurrency, "output_tokens": self.output_tokens, "seconds": round(self.seconds, 3),
+            "concurrency": self.concurrency, "pipeline": self.pipeline, "output_tokens": self.output_tokens,
+            "seconds": round(self.seconds, 3),
             "tokens_per_s": round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0,
             "ttft_p50_ms": round(1e3 * percentile(self.ttft, 50), 3), "ttft_p99_ms": round(1e3 * percentile(self.ttft, 99), 3),
             "itl_p50_ms": round(1e3 * percentile(self.itl, 50), 3), "itl_p99_ms": round(1e3 * percentile(self.itl, 99), 3),
             "rpc_overhead_p50_us": round(percentile(self.overhead_us, 50), 1),
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
-            "steps": self.steps,
+            "steps": self.steps, "out_of_order": self.out_of_order,
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
         }
 
 
-async def run_level(backend, requests: list[Request], concurrency: int, spec: int, duration: float = 0.0,
-                    on_tick=None) -> LevelResult:
-    """Serves `requests` (cycled until `duration` seconds when duration > 0) at `concurrency`."""
-    res = LevelResult(concurrency)
-    queue = list(requests)
-    running: dict[int, dict] = {}
-    t_start = time.perf_counter()
+def run_level(backend, requests: list[Request], concurrency: int, spec: int, duration: float = 0.0,
+              on_tick=None, pipeline: int = 1) -> LevelResult:
+    """Serves `requests` (cycled until `duration` seconds when duration > 0) at `concurrency`.
+
+    Event-driven, like a router: a finished sequence's place is refilled at once (Alloc, then one
+    Prefill call at a time for whatever has been allocated), while up to `pipeline` decode steps stay
+    in flight (1 with spec: drafting needs the last step's tokens). Nothing waits for anything but
+    the next reply."""
+    pipeline = 1 if spec else max(1, pipeline)
+    res = LevelResult(concurrency, pipeline)
+    pending = list(requests)
     next_req = 0
+    running: dict[int, dict] = {}  # per sequence: history, last token time, steps sent / wanted
+    allocating = 0
+    allocated: list[tuple[int, Request, float]] = []  # waiting for a prefill call
+    prefilling: list[tuple[int, Request, float]] = []  # in the prefill call in flight
+    steps: list[tuple[list[int], float]] = []  # decode/verify steps in flight: (ids, sent at), also their tags
+    releasing = 0
+    t_start = time.perf_counter()
+    last_step_reply = last_prefill_reply = t_start
 
     def more() -> bool:
-        return next_req < len(queue) or (duration and time.perf_counter() - t_start < duration)
+        return next_req < len(pending) or bool(duration and time.perf_counter() - t_start < duration)
 
-    async def retire(done: list[int]) -> None:
+    def take_tokens(outs, now: float, first: bool = False) -> None:
+        """Appends replied tokens in sequence order: a token whose seq_len is not the next one (its
+        step ran or was answered before an earlier one) waits in `early` until the gap is filled."""
+        finished = []
+        for sid, tokens, fin, seq_len in outs:
+            state = running[sid]
+            if seq_len != len(state["history"]) + len(tokens):
+                res.out_of_order += 1
+                state["early"][seq_len] = (tokens, fin)
+                continue
+            while True:
+                if not first:
+                    res.itl.append((now - state["last"]) / len(tokens))
+                state["last"] = now
+                state["history"] += tokens
+                res.output_tokens += len(tokens)
+                if fin:
+                    finished.append(sid)
+                nxt = state["early"].pop(len(state["history"]) + 1, None)
+                if nxt is None:
+                    break
+                tokens, fin = nxt
+        retire(finished)
+
+    def retire(done: list[int]) -> None:
+        nonlocal releasing
         for sid in done:
             running.pop(sid)
         if done:
-            await backend.release(done)
+            releasing += 1
+            backend.release(None, done)
 
-    while running or more():
-        # Admit new sequences up to the concurrency, prefilled together.
-        admit = []
-        while len(running) + len(admit) < concurrency and more():
-            admit.append(queue[next_req % len(queue)])
+    while True:
+        # Refill free places: one Alloc per sequence, then one Prefill for all allocated ones.
+        while len(running) + allocating + len(allocated) + len(prefilling) < concurrency and more():
+            r = pending[next_req % len(pending)]
             next_req += 1
-        if admit:
-            t0 = time.perf_counter()
-            ids = [await backend.alloc(len(r.prompt) + r.output_len + spec + 1, r.output_len) for r in admit]
-            toks, _ = await backend.prefill(list(zip(ids, [r.prompt for r in admit])))
-            now = time.perf_counter()
-            done = []
-            for (sid, tok, finished), r in zip(toks, admit):
-                res.ttft.append(now - t0)
-                res.output_tokens += 1
-                running[sid] = {"history": list(r.prompt) + [tok], "last": now}
-                if finished:
-                    done.append(sid)
-            await retire(done)
-        if not running:
-            continue
-        ids = list(running)
-        t0 = time.perf_counter()
-        if spec:
-            drafts = {i: prompt_lookup(running[i]["history"], spec) for i in ids}
-            outs, forward_ns = await backend.verify([(i, drafts[i]) for i in ids])
-            res.proposed_drafts += sum(len(d) for d in drafts.values())
-            res.accepted_drafts += sum(len(t) - 1 for _, t, _ in outs)
-        else:
-            outs, forward_ns = await backend.decode(ids)
+            allocating += 1
+            backend.alloc((r, time.perf_counter()), len(r.prompt) + r.output_len + spec + 1, r.output_len)
+        if allocated and not prefilling:
+            prefilling, allocated = allocated, []
+            backend.prefill(None, [(sid, r.prompt) for sid, r, _ in prefilling])
+        # Keep `pipeline` steps in flight; a sequence is sent only while it still wants tokens.
+        while len(steps) < pipeline:
+            ids = list(running) if spec else [sid for sid, st in running.items() if st["sent"] < st["want"]]
+            if not ids:
+                break
+            step = (ids, time.perf_counter())
+            steps.append(step)
+            if spec:
+                drafts = [(i, prompt_lookup(running[i]["history"], spec)) for i in ids]
+                res.proposed_drafts += sum(len(d) for _, d in drafts)
+                backend.verify(step, drafts)
+            else:
+                for i in ids:
+                    running[i]["sent"] += 1
+                backend.decode(step, ids)
+        if not (running or allocating or allocated or prefilling or releasing or more()):
+            break
+        kind, tag, reply = backend.events.get()
         now = time.perf_counter()
-        res.overhead_us.append(((now - t0) - forward_ns / 1e9) * 1e6)
-        res.steps += 1
-        finished = []
-        for sid, tokens, fin in outs:
-            state = running[sid]
-            res.itl.append((now - state["last"]) / len(tokens))
-            state["last"] = now
-            state["history"] += tokens
-            res.output_tokens += len(tokens)
-            if fin:
-                finished.append(sid)
-        await retire(finished)
-        if on_tick:
-            on_tick(res)
+        if isinstance(reply, Exception):
+            raise reply
+        if kind == "alloc":
+            allocating -= 1
+            allocated.append((reply, *tag))
+        elif kind == "prefill":
+            last_prefill_reply = now
+            started = {sid: (r, t0) for sid, r, t0 in prefilling}
+            prefilling = []
+            for sid, _, _, _ in reply[0]:
+                r, t0 = started[sid]
+                res.ttft.append(now - t0)
+                running[sid] = {"history": list(r.prompt), "last": now, "sent": 0, "want": r.output_len - 1,
+                                "early": {}}
+            take_tokens(reply[0], now, first=True)
+        elif kind == "release":
+            releasing -= 1
+        else:  # a decode or verify step
+            steps = [st for st in steps if st is not tag]
+            _, sent = tag
+            outs, forward_ns = reply
+            waited_from = max(sent, last_step_reply)
+            last_step_reply = now
+            if last_prefill_reply <= waited_from:  # a prefill that ran in between is not this step's cost
+                res.overhead_us.append(((now - waited_from) - forward_ns / 1e9) * 1e6)
+            res.steps += 1
+            res.accepted_drafts += sum(len(t) - 1 for _, t, _, _ in outs)
+            take_tokens(outs, now)
+            if on_tick:
+                on_tick(res)
     res.seconds = time.perf_counter() - t_start
     return res
 
@@ -291,11 +385,12 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
 
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("grpc", "in_process"):
-        levels = results.get(name) or []
+    series = [("in-process", results.get("in_process") or [])]
+    for depth in sorted({r["pipeline"] for r in results.get("grpc") or []}):
+        series.append((f"gRPC, {depth} in flight", [r for r in results["grpc"] if r["pipeline"] == depth]))
+    for label, levels in series:
         if levels:
-            ax.plot([r["concurrency"] for r in levels], [r["tokens_per_s"] for r in levels], marker="o",
-                    label=name.replace("_", "-"))
+            ax.plot([r["concurrency"] for r in levels], [r["tokens_per_s"] for r in levels], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent sequences")
     ax.set_ylabel("output tokens / s")
@@ -313,7 +408,8 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
         for level in results.get("raw_grpc", []):
             xs = np.sort(np.asarray(level[key]))
             if len(xs):
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"C={level['concurrency']}")
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs),
+                        label=f"C={level['concurrency']}, {level.get('pipeline', 1)} in flight")
         ax.set_xscale("log")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction")
@@ -346,6 +442,8 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=64, help="mean output length")
     p.add_argument("--trace", help="file of 'prompt_len output_len' lines")
     p.add_argument("--spec", type=int, default=0, help="draft tokens per step by prompt lookup (Verify); 0: Decode")
+    p.add_argument("--pipeline", type=int, nargs="+", default=[2],
+                   help="Decode calls kept in flight over gRPC; several values run the gRPC level once each")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     p.add_argument("--soak", type=float, default=0.0, help="run C=16 for this many seconds; report memory/blocks")
@@ -369,7 +467,7 @@ def main(argv=None) -> int:
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return asyncio.run(_run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig))
+        return _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
     finally:
         if proc is not None:
             proc.terminate()
@@ -384,7 +482,7 @@ def _has_cuda() -> bool:
         return False
 
 
-async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig) -> int:
+def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig) -> int:
     from worker.config import config_from_args, serve_parser
 
     grpc_backend = GrpcBackend(target)
@@ -415,9 +513,10 @@ async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineC
             if res.steps % 50 == 0 and proc is not None:
                 samples.append((round(time.perf_counter() - t0, 2), rss_mb(proc.pid)))
         t0 = time.perf_counter()
-        warm = await run_level(grpc_backend, reqs[:32], 16, args.spec)
+        warm = run_level(grpc_backend, reqs[:32], 16, args.spec, pipeline=args.pipeline[0])
         start = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": grpc_backend.client.info().free_blocks}
-        level = await run_level(grpc_backend, reqs, 16, args.spec, duration=args.soak, on_tick=tick)
+        level = run_level(grpc_backend, reqs, 16, args.spec, duration=args.soak, on_tick=tick,
+                                pipeline=args.pipeline[0])
         end = {"rss_mb": rss_mb(proc.pid) if proc else None, "free_blocks": grpc_backend.client.info().free_blocks,
                "live_sequences": grpc_backend.client.info().live_sequences}
         results["soak"] = {"seconds": args.soak, "start": start, "end": end, "rss_samples": samples,
@@ -427,21 +526,24 @@ async def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineC
         for c in args.concurrency:
             n = args.requests or max(4 * c, 32)
             reqs = make_requests(n, args.seed + c, vocab, args.prompt_len, args.output_len, args.trace)
-            await run_level(grpc_backend, reqs[:min(n, 2 * c)], c, args.spec)  # warm-up
-            level = await run_level(grpc_backend, reqs, c, args.spec)
-            results["grpc"].append(level.summary())
-            results["raw_grpc"].append({"concurrency": c, "ttft_ms": quantiles_ms(level.ttft),
-                                        "itl_ms": quantiles_ms(level.itl)})
-            line = level.summary()
+            ref = None
             if engine is not None:
                 eb = EngineBackend(engine)
-                await run_level(eb, reqs[:min(n, 2 * c)], c, args.spec)
-                ref = await run_level(eb, reqs, c, args.spec)
-                results["in_process"].append(ref.summary())
-                line["in_process_tokens_per_s"] = ref.summary()["tokens_per_s"]
-                line["grpc_vs_in_process"] = round(line["tokens_per_s"] / ref.summary()["tokens_per_s"], 3)
-            print(json.dumps(line))
-    await grpc_backend.close()
+                run_level(eb, reqs[:min(n, 2 * c)], c, args.spec)  # warm-up
+                ref = (run_level(eb, reqs, c, args.spec)).summary()
+                results["in_process"].append(ref)
+            for depth in args.pipeline:
+                run_level(grpc_backend, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
+                level = run_level(grpc_backend, reqs, c, args.spec, pipeline=depth)
+                line = level.summary()
+                results["grpc"].append(line)
+                results["raw_grpc"].append({"concurrency": c, "pipeline": line["pipeline"],
+                                            "ttft_ms": quantiles_ms(level.ttft), "itl_ms": quantiles_ms(level.itl)})
+                if ref is not None:
+                    line = {**line, "in_process_tokens_per_s": ref["tokens_per_s"],
+                            "grpc_vs_in_process": round(line["tokens_per_s"] / ref["tokens_per_s"], 3)}
+                print(json.dumps(line))
+    grpc_backend.close()
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device"].split("(")[0].strip().lower()) or "device"

@@ -145,16 +145,112 @@ def profile_replay_host(path, steps: int = 300) -> None:
     pstats.Stats(cp).sort_stats("tottime").print_stats(25)
 
 
+def profile_ttft(path, n: int = 24) -> None:
+    """Latency of one short prompt's prefill (what time to first token is made of), with CUDA graphs
+    on as the worker runs: n lengths around 128, each the first time a length is seen ("cold") and
+    again ("warm"), with the caching allocator's cudaMalloc count of each pass; then n new lengths
+    after one prefill of max_prefill_tokens tokens (the engine's start-up warm-up, when it has one);
+    the host profile of cold calls, the GPU timeline of a warm one, and paged vs fused attention."""
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(1)
+
+    def run(length: int, profiled: cProfile.Profile | None = None, batch: int = 1) -> float:
+        ids = [engine.alloc_sequence(length + 8, SamplingParams(), GREEDY).seq_id for _ in range(batch)]
+        items = [PrefillItem(i, torch.randint(0, vocab, (length,), generator=g).tolist()) for i in ids]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if profiled is not None:
+            profiled.enable()
+        engine.prefill(items)
+        if profiled is not None:
+            profiled.disable()
+        wall = time.perf_counter() - t0
+        engine.release(ids)
+        return wall * 1e3
+
+    def mallocs() -> int:
+        return torch.cuda.memory_stats().get("segment.all.allocated", 0)
+
+    def timed_pass(lengths: list[int]) -> tuple[list[float], int]:
+        before = mallocs()
+        walls = [run(n_) for n_ in lengths]
+        return walls, mallocs() - before
+
+    run(64)
+    lengths = [96 + 7 * i for i in range(n)]
+    cold, cold_mallocs = timed_pass(lengths)
+    warm, warm_mallocs = timed_pass(lengths)
+    print("\n== prefill of one prompt, wall ms (cold = first time at that length, warm = again)")
+    for n_, c, w in zip(lengths, cold, warm):
+        print(f"  len {n_:5d}  cold {c:7.2f}  warm {w:7.2f}")
+    print(f"  median cold {sorted(cold)[n // 2]:.2f} ms ({cold_mallocs} cudaMalloc), "
+          f"warm {sorted(warm)[n // 2]:.2f} ms ({warm_mallocs} cudaMalloc)")
+    budget = engine.config.max_prefill_tokens
+    run(budget // 4, batch=4)
+    fresh, fresh_mallocs = timed_pass([300 + 7 * i for i in range(n)])
+    print(f"  after one {budget}-token prefill, {n} new lengths 300..: median {sorted(fresh)[n // 2]:.2f} ms "
+          f"({fresh_mallocs} cudaMalloc)")
+    cp = cProfile.Profile()
+    for i in range(4):
+        run(500 + 13 * i, cp)
+    print("\n== host profile of 4 prefills at new lengths (by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(16)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        wall = run(lengths[0])
+        torch.cuda.synchronize()
+    kernel_table(prof, 1, f"warm prefill of {lengths[0]} tokens (wall {wall:.2f} ms, profiled)", top=12)
+    gaps_table(prof, f"warm prefill of {lengths[0]} tokens timeline")
+
+    # Where the fused attention (gathered keys) pays off against the paged kernel: warm wall time of
+    # each on the same prompts; CudaOps.sdpa_min_tokens picks between them.
+    ops = engine.ops
+    if not hasattr(ops, "sdpa_min_tokens"):
+        return
+    from torch.nn.attention import SDPBackend
+    default, default_backends = ops.sdpa_min_tokens, ops.sdpa_backends
+    paths = (("paged", 1 << 30, None), ("sdpa", 0, None), ("flash", 0, [SDPBackend.FLASH_ATTENTION]))
+    print(f"\n== prefill wall ms (warm, median of 5): paged kernel, torch's fused attention as torch picks it, "
+          f"and restricted to FlashAttention; sdpa_min_tokens now {default}")
+    for batch, length in ((1, 128), (1, 512), (1, 1024), (1, 2048), (4, 256), (8, 512), (4, 2048)):
+        walls = {}
+        for name, threshold, backends in paths:
+            ops.sdpa_min_tokens, ops.sdpa_backends = threshold, backends
+            walls[name] = sorted(run(length, batch=batch) for _ in range(6))[2]
+        print(f"  {batch}x{length:<5d} " + "  ".join(f"{k} {v:7.2f}" for k, v in walls.items()))
+    print("\n== prefill wall ms at new lengths >= sdpa_min_tokens (cold shapes for the fused attention)")
+    for name, backends in (("as torch picks", None), ("FlashAttention only", [SDPBackend.FLASH_ATTENTION])):
+        ops.sdpa_min_tokens, ops.sdpa_backends = 0, backends
+        offset = 0 if backends is None else 64
+        walls = [run(2048 + offset + 129 * i) for i in range(4)]
+        print(f"  {name}: " + ", ".join(f"{w:.1f}" for w in walls))
+    ops.sdpa_min_tokens, ops.sdpa_backends = default, default_backends
+
+    # cuBLAS's per-shape cost: the host time of a GEMM call the first time its M is seen, and again.
+    w = engine.model.w.layers[0].gate_up
+    firsts, agains = [], []
+    for m in range(301, 333):
+        x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)
+        torch.cuda.synchronize()
+        for out in (firsts, agains):
+            t0 = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            out.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+    print(f"\n== torch.linear host time, M = 301..332 x {tuple(w.shape)}: first call at an M median "
+          f"{sorted(firsts)[16]:.0f} us, second call {sorted(agains)[16]:.0f} us")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1b")
     p.add_argument("--model")
-    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay"], help="one section (default: all "
+    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "ttft"], help="one section (default: all "
                    "but replay)")
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
-    if args.only == "replay":
-        profile_replay_host(path)
+    if args.only in ("replay", "ttft"):
+        (profile_replay_host if args.only == "replay" else profile_ttft)(path)
         return
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))
     vocab = engine.model_config.vocab_size

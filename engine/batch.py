@@ -26,7 +26,7 @@ class ForwardBatch:
     seq_lens_host: list[int]  # [B] host copy of seq_lens
     rope_scale_lens: list[int] | None = None  # per token, its sequence's seq_len (dynamic NTK only)
     logits_all_rows: bool = False  # logits_indices is every row in order (decode, verify)
-    token_slots: torch.Tensor | None = None  # [T] int64: the slot of each token's sequence (prefill, verify)
+    token_slots: torch.Tensor | None = None  # [real T] int64: the slot of each real token's sequence (prefill, verify)
 
     @property
     def num_tokens(self) -> int:
@@ -35,14 +35,19 @@ class ForwardBatch:
 
 def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list[int],
                        tokens: list[list[int]], logits_rows: list[list[int]], block_size: int,
-                       device: torch.device, need_scale_lens: bool, per_token: bool = False) -> ForwardBatch:
+                       device: torch.device, need_scale_lens: bool, per_token: bool = False,
+                       num_padded: int = 0) -> ForwardBatch:
     """A prefill/verify forward: sequence b (in slot slots[b]) gets tokens[b] at positions
     starts[b] .. starts[b] + len(tokens[b]) - 1. logits_rows[b]: which of its tokens need logits
     (offsets into tokens[b]).
 
     per_token: attention runs as one decode query per token (each sees the keys up to its own
     position, through its sequence's block-table row). That is how Verify runs its few tokens per
-    sequence: decode attention takes no host-side work list, so the forward is capturable."""
+    sequence: decode attention takes no host-side work list, so the forward is capturable.
+
+    num_padded: when larger than the token count, pad tokens are appended up to it (so GEMMs see a few
+    bucketed shapes, see CudaOps.prefill_tokens): token 0 at position 0, in no sequence, with cache
+    slot -1 (no cache write); no logits row, no attention work and token_slots cover real tokens only."""
     # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one upload of
     # everything: each pageable copy waits for the device work queued before it.
     num_seqs = len(tokens)
@@ -52,6 +57,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     num_tokens = int(qsl_a[-1])
     seq_index_a = np.repeat(np.arange(num_seqs), lens)
     starts_a = np.asarray(starts, dtype=np.int64)
+    pad = max(0, num_padded - num_tokens)
     qsl, seq_lens_a = qsl_a.tolist(), starts_a + lens
     logits_idx = [qsl[b] + r for b, rows in enumerate(logits_rows) for r in rows]
     num_logits = len(logits_idx)
@@ -60,27 +66,35 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         qsl, seq_lens_a = list(range(num_tokens + 1)), positions_a + 1
     # One int64 buffer: ids, positions, sequence of each token [T each], logits rows [N], slots [B],
     # seq_lens [B, or T per_token].
-    parts = [np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=num_tokens), positions_a,
-             seq_index_a, np.asarray(logits_idx, dtype=np.int64), np.asarray(slots, dtype=np.int64), seq_lens_a]
+    zeros = np.zeros(pad, dtype=np.int64)
+    parts = [np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=num_tokens), zeros,
+             positions_a, zeros, seq_index_a, zeros, np.asarray(logits_idx, dtype=np.int64),
+             np.asarray(slots, dtype=np.int64), seq_lens_a]
+    if pad and not num_seqs:
+        raise ValueError("a padded forward needs a sequence")
+    sizes = [len(a) for a in parts]
     ids, pos_t, seq_index, logits_t, slots_t, seq_lens_t = torch.from_numpy(np.concatenate(parts)).to(device).split(
-        [len(a) for a in parts])
+        [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5], *sizes[6:]])
     tables = block_table[slots_t]
     block_ids = tables[seq_index, pos_t // block_size].long()
+    slot_mapping = block_ids * block_size + pos_t % block_size
+    if pad:
+        slot_mapping[num_tokens:] = -1
     if per_token:
         tables = tables[seq_index]
     return ForwardBatch(
         input_ids=ids,
         positions=pos_t,
-        slot_mapping=block_ids * block_size + pos_t % block_size,
+        slot_mapping=slot_mapping,
         block_tables=tables,
         seq_lens=seq_lens_t.to(torch.int32),
         logits_indices=logits_t,
         is_decode=per_token,
         query_start_loc=qsl,
         seq_lens_host=seq_lens_a.tolist(),
-        rope_scale_lens=(starts_a + lens)[seq_index_a].tolist() if need_scale_lens else None,
-        logits_all_rows=num_logits == num_tokens and logits_idx == list(range(num_tokens)),
-        token_slots=slots_t[seq_index],
+        rope_scale_lens=(starts_a + lens)[seq_index_a].tolist() + [1] * pad if need_scale_lens else None,
+        logits_all_rows=not pad and num_logits == num_tokens and logits_idx == list(range(num_tokens)),
+        token_slots=slots_t[seq_index[:num_tokens]],
     )
 
 

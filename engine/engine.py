@@ -207,8 +207,10 @@ class Engine:
         batch = build_extend_batch(
             self.state.block_table, [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk],
             [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk],
-            [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope)
-        self.state.mark_seen(batch.token_slots, batch.input_ids)  # the prompt counts for repetition penalty
+            [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope,
+            num_padded=self.ops.prefill_tokens(sum(n for _, n, _ in chunk)))
+        # The prompt counts for repetition penalty (real tokens only: pads come after them).
+        self.state.mark_seen(batch.token_slots, batch.input_ids[:batch.token_slots.shape[0]])
         to_sample = [seq for seq, _, last in chunk if last]
         if to_sample:  # uploaded before the forward is queued: a blocking copy would wait for all of it
             slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],

@@ -64,3 +64,37 @@ def test_unreachable_worker_fails_after_bounded_retries():
         with pytest.raises(grpc.RpcError) as info:
             client.info()
         assert info.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_pipelined_decode_matches_one_at_a_time(server):
+    """Up to three Decode calls in flight for the same batch (each sent before the previous reply) give
+    the tokens one call at a time gives, placed by seq_len (calls in flight together may run in
+    either order), and a step sent for sequences that finished meanwhile fails and changes nothing."""
+    prompts = random_prompts([7, 11], 512, seed=9)
+    stopping = Stopping(max_new_tokens=9, ignore_eos=True)
+    with WorkerClient(server.address) as client:
+        def run(depth: int) -> dict[int, list[pb.Token]]:
+            ids = [client.alloc(32, stopping=stopping).sequence_id for _ in prompts]
+            first = client.prefill([pb.PrefillItem(sequence_id=i, token_ids=p) for i, p in zip(ids, prompts)])
+            out = {t.sequence_id: [t] for t in first.tokens}
+            calls = [client.future("Decode", pb.DecodeRequest(sequence_ids=ids)) for _ in range(depth)]
+            sent = depth
+            while calls:
+                for t in calls.pop(0).result().tokens:
+                    out[t.sequence_id].append(t)
+                if sent < stopping.max_new_tokens - 1:
+                    calls.append(client.future("Decode", pb.DecodeRequest(sequence_ids=ids)))
+                    sent += 1
+            # One step past the end: both sequences finished, so it fails and changes nothing.
+            late = client.future("Decode", pb.DecodeRequest(sequence_ids=ids))
+            with pytest.raises(grpc.RpcError) as info:
+                late.result()
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert client.release(ids) == 2
+            return [sorted((t.seq_len, t.token_id, t.finish_reason) for t in out[i]) for i in ids]
+
+        one, three = run(1), run(3)
+    assert one == three
+    for seq, prompt in zip(three, prompts):
+        assert [n for n, _, _ in seq] == list(range(len(prompt) + 1, len(prompt) + 10))
+        assert [r for _, _, r in seq] == [pb.FINISH_REASON_NONE] * 8 + [pb.FINISH_REASON_LENGTH]

@@ -204,3 +204,41 @@ def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
     assert sorted(written) == list(range(qsl[-1]))
     whole = sdpa_plan((0, 512, 1024), (512, 512), tables, bs)
     assert len(whole) == 1 and whole[0].q_index is None and whole[0].out_rows is None
+
+
+def test_prefill_buckets_are_few_and_tight():
+    from engine.cuda.ops import PREFILL_BUCKET, PREFILL_BUCKET_UNTIL, prefill_bucket
+    sizes = [prefill_bucket(n) for n in range(1, 8193)]
+    assert all(b >= n for n, b in zip(range(1, 8193), sizes))
+    assert all(b - n < PREFILL_BUCKET for n, b in zip(range(1, PREFILL_BUCKET_UNTIL + 1), sizes))
+    assert all(b - n < 4 * PREFILL_BUCKET for n, b in zip(range(1, 8193), sizes))
+    assert len(set(sizes)) <= PREFILL_BUCKET_UNTIL // PREFILL_BUCKET + (8192 - PREFILL_BUCKET_UNTIL) // (4 * PREFILL_BUCKET)
+
+
+def test_padded_prefill_forward_equals_the_unpadded_one(tiny_model):
+    """Pad tokens (what CudaOps adds to reach a bucketed token count) change nothing: the same first
+    tokens and log-probs, the same KV cache, the same tokens marked seen, the same decode after."""
+    import torch
+
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem
+    from engine.engine import Engine
+
+    prompts = random_prompts([5, 17, 9], 512, seed=3)
+    runs = []
+    for pad in (0, 37):
+        engine = Engine(engine_config(tiny_model))
+        engine.ops.prefill_tokens = lambda n, pad=pad: n + pad
+        greedy, stop = SamplingParams(), StoppingCriteria(max_new_tokens=6, ignore_eos=True)
+        ids = [engine.alloc_sequence(40, greedy, stop).seq_id for _ in prompts]
+        engine.prefill([PrefillItem(ids[0], prompts[0][:3], partial=True)])  # a chunk, then the rest
+        first = engine.prefill([PrefillItem(ids[0], prompts[0][3:])] +
+                               [PrefillItem(i, p) for i, p in zip(ids[1:], prompts[1:])]).tokens
+        steps = [engine.decode(ids).tokens for _ in range(3)]
+        runs.append(([(t.token_id, t.logprob) for t in first], [[t.token_id for t in s] for s in steps],
+                     engine.kv.k[0].clone(), engine.kv.v[-1].clone(), engine.state.seen.clone()))
+    (first0, steps0, k0, v0, seen0), (first1, steps1, k1, v1, seen1) = runs
+    assert [t for t, _ in first0] == [t for t, _ in first1] and steps0 == steps1
+    assert [lp for _, lp in first0] == pytest.approx([lp for _, lp in first1], abs=1e-4)
+    assert torch.allclose(k0, k1, atol=1e-5) and torch.allclose(v0, v1, atol=1e-5)
+    assert torch.equal(seen0, seen1)

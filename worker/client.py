@@ -12,7 +12,17 @@ Every call carries a deadline (the client's `timeout` unless one is given). Only
 to repeat are retried, on UNAVAILABLE, with backoff: Info, health checks, and Release (a retried
 Release that finds its sequences already gone counts as done). AllocSequence, Prefill, Decode and
 Verify change state and are never retried: a lost reply could otherwise double a step; a sequence
-whose Alloc reply was lost is reclaimed by the worker's idle lease (--sequence-idle-timeout-s)."""
+whose Alloc reply was lost is reclaimed by the worker's idle lease (--sequence-idle-timeout-s).
+
+Pipelined decoding: a Decode needs nothing from the previous step's reply (each sequence's input is
+the token it sampled last, kept on the worker), and the worker runs calls one at a time as they
+reach it. So a router can send step n+1 (`future("Decode", ...)`, or a second task with AsyncWorkerClient) before
+step n's reply comes back; the worker starts it the moment step n ends, and the round trip overlaps
+the device step. Send a sequence only while it still has tokens to make (its max_new_tokens is
+known); a sequence that stops early (EOS, a stop token) makes a step already in flight with it fail
+with FAILED_PRECONDITION, which changes nothing, so resend that step without it. gRPC does not order
+calls in flight together, so two steps may run (or be answered) in either order: place each token by
+its seq_len. bench/load.py's router does all this (--pipeline)."""
 from __future__ import annotations
 
 import asyncio
@@ -85,8 +95,8 @@ class _Base:
         return min(0.05 * 2 ** attempt, 1.0)
 
     @staticmethod
-    def _alloc_request(max_total_tokens: int, sampling: Sampling | None, stopping: Stopping | None,
-                       request_id: str) -> pb.AllocSequenceRequest:
+    def alloc_request(max_total_tokens: int, sampling: Sampling | None = None, stopping: Stopping | None = None,
+                      request_id: str = "") -> pb.AllocSequenceRequest:
         return pb.AllocSequenceRequest(max_total_tokens=max_total_tokens, sampling=(sampling or Sampling()).to_pb(),
                                        stopping=(stopping or Stopping()).to_pb(), request_id=request_id)
 
@@ -176,7 +186,7 @@ class WorkerClient(_Base):
 
     def alloc(self, max_total_tokens: int, sampling: Sampling | None = None, stopping: Stopping | None = None,
               request_id: str = "", timeout: float | None = None) -> pb.AllocSequenceResponse:
-        req = self._alloc_request(max_total_tokens, sampling, stopping, request_id)
+        req = self.alloc_request(max_total_tokens, sampling, stopping, request_id)
         return self._call(self.stub.AllocSequence, req, timeout, False)
 
     def session(self, max_total_tokens: int, max_new_tokens: int = 0, sampling: Sampling | None = None,
@@ -191,6 +201,13 @@ class WorkerClient(_Base):
                timeout: float | None = None) -> pb.DecodeResponse:
         req = pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or [])
         return self._call(self.stub.Decode, req, timeout, False)
+
+    def future(self, method: str, request, timeout: float | None = None) -> grpc.Future:
+        """Any ModelWorker RPC (by name, e.g. "Decode") without waiting: returns the call's future
+        (`.result()` is the reply or raises its RpcError; `.add_done_callback(fn)`). Never retried.
+        A router keeps its calls in flight this way, e.g. the next Decode of a batch before the
+        previous step's reply (see the module docstring)."""
+        return getattr(self.stub, method).future(request, timeout=timeout or self.timeout, metadata=self._md)
 
     def verify(self, items: Seq[pb.VerifyItem], timeout: float | None = None) -> pb.VerifyResponse:
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items), timeout, False)
@@ -259,7 +276,7 @@ class AsyncWorkerClient(_Base):
 
     async def alloc(self, max_total_tokens: int, sampling: Sampling | None = None, stopping: Stopping | None = None,
                     request_id: str = "", timeout: float | None = None) -> pb.AllocSequenceResponse:
-        req = self._alloc_request(max_total_tokens, sampling, stopping, request_id)
+        req = self.alloc_request(max_total_tokens, sampling, stopping, request_id)
         return await self._call(self.stub.AllocSequence, req, timeout, False)
 
     async def prefill(self, items: Seq[pb.PrefillItem], timeout: float | None = None) -> pb.PrefillResponse:

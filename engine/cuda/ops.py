@@ -18,11 +18,13 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import sampling
 from engine.batch import ForwardBatch, decode_batch
@@ -66,6 +68,10 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self._sdpa_key: tuple | None = None
         self._sdpa_plan: list = []
+        self.sdpa_min_tokens = SDPA_MIN_TOKENS
+        # FlashAttention only: torch would pick cuDNN's, which plans every new shape (~40 ms of host time
+        # per prefill at a new length, bench/profile_step.py --only ttft) for ~5% less time warm.
+        self.sdpa_backends: list | None = [SDPBackend.FLASH_ATTENTION]
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
@@ -82,6 +88,13 @@ class CudaOps(TorchOps):
     # else TorchOps' composition (cuBLAS and the kernels below). Prompts always take the second path,
     # so a prompt's KV cache does not depend on how many other prompts share its forward (seeded
     # sampling gives the same tokens alone and in a batch).
+
+    def prefill_tokens(self, num_tokens: int) -> int:
+        """Prefill forwards run on a few token counts: cuBLAS picks its kernel per new GEMM shape, which
+        costs ~100 us of host time per GEMM the first time (bench/profile_step.py --only ttft), i.e.
+        several ms per forward for every new prompt length. Multiples of PREFILL_BUCKET up to
+        PREFILL_BUCKET_UNTIL tokens, then of 4 * PREFILL_BUCKET."""
+        return prefill_bucket(num_tokens)
 
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
@@ -159,12 +172,15 @@ class CudaOps(TorchOps):
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
                           scale: float, sliding_window: int = 0) -> torch.Tensor:
-        """Fresh prompts (no cached prefix, no active sliding window) run through torch's fused
-        scaled_dot_product_attention (FlashAttention) on the keys gathered from the cache; prompt chunks
-        that continue a cached prefix run the paged kernel of kernels_cu/prefill_attention.cu."""
+        """Forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
+        run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
+        everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
+        kernels_cu/prefill_attention.cu: one launch per layer, no gathers, and no per-shape planning
+        (the fused call plans each new shape, which costs milliseconds of host time)."""
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
-        if fresh and (not sliding_window or max(seq_lens, default=0) <= sliding_window):
+        if (fresh and q.shape[0] >= self.sdpa_min_tokens
+                and (not sliding_window or max(seq_lens, default=0) <= sliding_window)):
             return self._prefill_sdpa(q, k_cache, v_cache, block_tables, key, scale)
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
@@ -183,9 +199,9 @@ class CudaOps(TorchOps):
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       key: tuple, scale: float) -> torch.Tensor:
         """Sequences whose lengths round up to the same multiple of SDPA_BUCKET go through one causal
-        scaled_dot_product_attention call (GQA), padded to that length: the backend plans per shape,
-        so a few bucketed shapes serve every prompt length (a new shape costs tens of milliseconds).
-        Padding sits after each sequence's last key, so causal masking keeps it out of real rows."""
+        scaled_dot_product_attention call (GQA), padded to that length, so sequences of different
+        lengths share a call. Padding sits after each sequence's last key, so causal masking keeps it
+        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset."""
         if self._sdpa_key != key:
             self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
             self._sdpa_key = key
@@ -196,14 +212,19 @@ class CudaOps(TorchOps):
         out = torch.empty_like(q)
         for group in self._sdpa_plan:
             n, length = group.num_seqs, group.length
-            qg = (q if group.q_index is None else q[group.q_index]).view(n, length, num_heads, head_dim).transpose(1, 2)
+            qg = (q[:n * length] if group.q_index is None else q[group.q_index]).view(
+                n, length, num_heads, head_dim).transpose(1, 2)
             kg = k_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
             vg = v_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
-                                                                  enable_gqa=num_heads != num_kv_heads)
+            with (sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext()):
+                og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
+                                                                      enable_gqa=num_heads != num_kv_heads)
             og = og.transpose(1, 2).reshape(n * length, num_heads, head_dim)
-            if group.out_rows is None:
-                out = og
+            if group.out_rows is None:  # the output in order; pad tokens (rows after it) stay unset
+                if og.shape[0] == q.shape[0]:
+                    out = og
+                else:
+                    out[:og.shape[0]] = og
             else:
                 out[group.out_rows] = og[group.real]
         return out
@@ -284,7 +305,15 @@ class CudaOps(TorchOps):
         return num_accepted, tokens
 
 
+PREFILL_BUCKET = 64  # prefill forwards are padded to a multiple of this many tokens (see prefill_tokens)
+PREFILL_BUCKET_UNTIL = 2048  # ... and of 4 * PREFILL_BUCKET above this
+SDPA_MIN_TOKENS = 2048  # forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
 SDPA_BUCKET = 128  # fresh prompts are padded to a multiple of this for the fused attention call
+
+
+def prefill_bucket(num_tokens: int) -> int:
+    step = PREFILL_BUCKET if num_tokens <= PREFILL_BUCKET_UNTIL else 4 * PREFILL_BUCKET
+    return -(-num_tokens // step) * step
 
 
 @dataclass
@@ -346,4 +375,4 @@ def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[
     return work
 
 
-__all__ = ["CudaOps", "KernelArgError", "prefill_work"]
+__all__ = ["CudaOps", "KernelArgError", "prefill_bucket", "prefill_work"]

@@ -41,6 +41,11 @@ class TorchOps:
 
     # ---------------------------------------------------------------- fused ops (what the model calls)
 
+    def prefill_tokens(self, num_tokens: int) -> int:
+        """How many tokens a prefill forward of num_tokens real tokens runs (the rest are pads, see
+        build_extend_batch): a backend whose per-shape costs matter rounds up to a few shapes."""
+        return num_tokens
+
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
         """Called by the model before each forward: a backend may pick its kernels by the forward's shape
         (the same choice for every op of the forward, from host-known values only)."""
@@ -88,7 +93,7 @@ class TorchOps:
                          rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
         """Rotates q and k (rotate-half convention) with cos_sin[rope_index]; writes rotated k and v to
-        the cache at slot_mapping. Returns the rotated q [T, num_heads, head_dim]."""
+        the cache at slot_mapping (a negative slot: no write). Returns the rotated q [T, num_heads, head_dim]."""
         cs = cos_sin[rope_index]  # [T, head_dim] fp32
         half = cs.shape[-1] // 2
         cos, sin = cs[:, None, :half], cs[:, None, half:]
@@ -99,8 +104,9 @@ class TorchOps:
             return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
         num_blocks, block_size = k_cache.shape[:2]
-        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = rotate(k)
-        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v
+        keep = slot_mapping >= 0  # a negative slot writes nothing (pad tokens)
+        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping[keep]] = rotate(k)[keep]
+        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
         return rotate(q)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

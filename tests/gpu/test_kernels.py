@@ -710,8 +710,10 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
 
 @pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
                                              ([2048], 16, 16, 64), ([7, 7, 300], 8, 1, 96)])
-def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, Hkv, D):
-    """Fresh prompts go through torch's fused attention on keys gathered from the paged cache."""
+@pytest.mark.parametrize("path", ["sdpa", "paged"])
+def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, Hkv, D, path):
+    """Fresh prompts through torch's fused attention on keys gathered from the paged cache (forwards of
+    at least sdpa_min_tokens tokens), or through the paged kernel (shorter ones)."""
     bs = 16
     blocks_per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1  # scattered blocks
@@ -729,6 +731,12 @@ def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, 
         qsl.append(qsl[-1] + n)
     q = randn(qsl[-1], H, D, dtype=torch.bfloat16)
     scale = D ** -0.5
-    out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
+    default = ops.sdpa_min_tokens
+    ops.sdpa_min_tokens = 0 if path == "sdpa" else 1 << 30
+    try:
+        ops.begin_forward(qsl[-1], decode=False)
+        out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
+    finally:
+        ops.sdpa_min_tokens = default
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale, 0)
-    check("prefill_attention (sdpa)", out, ref, BF16_TOL)
+    check(f"prefill_attention ({path})", out, ref, BF16_TOL)
