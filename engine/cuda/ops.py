@@ -69,8 +69,11 @@ class CudaOps(TorchOps):
         self._sdpa_key: tuple | None = None
         self._sdpa_plan: list = []
         self.sdpa_min_tokens = SDPA_MIN_TOKENS
-        # FlashAttention only: torch would pick cuDNN's, which plans every new shape (~40 ms of host time
-        # per prefill at a new length, bench/profile_step.py --only ttft) for ~5% less time warm.
+        # FlashAttention only. Left to itself torch picks cuDNN's attention on Hopper, which plans every
+        # new shape: the first prefill at each new padded length of >= sdpa_min_tokens tokens took
+        # ~45-50 ms more (1B, H200; bench/profile_step.py --only ttft), a stall no router can predict.
+        # FlashAttention plans nothing; warm it was 3-6% slower at 1B 8x512 / 4x2048 and the same at 8B
+        # 8x512 (44,173 vs 44,198 tok/s, engine-8b-20261201T020345 / T021056). None: torch's choice.
         self.sdpa_backends: list | None = [SDPBackend.FLASH_ATTENTION]
 
     @classmethod
