@@ -15,8 +15,10 @@ after the previous reply.
 Reported per concurrency level: output tokens/s; time to first token p50/p99 (Alloc+Prefill call to
 the first token); inter-token latency p50/p99 (between a sequence's consecutive steps); RPC overhead
 per step: how long the router waited for the step, from when it was sent or the previous step's
-reply arrived (the later of the two), minus the worker's forward_ns; steps with an admission in that
-interval are left out. With one call in flight this is the call's wall time minus forward_ns.
+reply arrived (the later of the two), minus the worker's forward_ns; steps during whose wait a
+Prefill reply arrived are left out. With one call in flight this is the call's wall time minus
+forward_ns. Also the median forward_ns itself (the worker's host time around the device step: a
+busy worker process stretches it).
 The in-process run drives the same scheduler (one step at a time) against Engine directly, so
 gRPC's share is the difference.
 
@@ -204,6 +206,7 @@ class LevelResult:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
+    forward_us: list[float] = field(default_factory=list)  # the worker's forward_ns of each decode/verify step
     steps: int = 0
     out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
     accepted_drafts: int = 0
@@ -218,6 +221,7 @@ class LevelResult:
             "itl_p50_ms": round(1e3 * percentile(self.itl, 50), 3), "itl_p99_ms": round(1e3 * percentile(self.itl, 99), 3),
             "rpc_overhead_p50_us": round(percentile(self.overhead_us, 50), 1),
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
+            "forward_p50_us": round(percentile(self.forward_us, 50), 1),
             "steps": self.steps, "out_of_order": self.out_of_order,
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
         }
@@ -334,6 +338,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             if last_prefill_reply <= waited_from:  # a prefill that ran in between is not this step's cost
                 res.overhead_us.append(((now - waited_from) - forward_ns / 1e9) * 1e6)
             res.steps += 1
+            res.forward_us.append(forward_ns / 1e3)
             res.accepted_drafts += sum(len(t) - 1 for _, t, _, _ in outs)
             take_tokens(outs, now)
             if on_tick:
