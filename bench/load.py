@@ -142,6 +142,10 @@ class GrpcBackend:
     def release(self, tag, ids) -> None:
         self._start("release", tag, "Release", pb.ReleaseRequest(sequence_ids=ids), lambda r: r.released)
 
+    def graph_counters(self) -> tuple[int, int, int]:
+        g = self.client.info().graph_cache
+        return g.hits, g.misses, g.captures
+
     def close(self) -> None:
         self.client.close()
 
@@ -190,6 +194,10 @@ class EngineBackend:
     def release(self, tag, ids) -> None:
         self._post("release", tag, lambda: self.engine.release(ids))
 
+    def graph_counters(self) -> tuple[int, int, int]:
+        g = self.engine.info().graph_cache
+        return g.hits, g.misses, g.captures
+
     def close(self) -> None:
         pass
 
@@ -211,6 +219,7 @@ class LevelResult:
     out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
     accepted_drafts: int = 0
     proposed_drafts: int = 0
+    graphs: tuple[int, int, int] = (0, 0, 0)  # CUDA graph cache hits, misses, captures during the level
 
     def summary(self) -> dict:
         return {
@@ -223,6 +232,7 @@ class LevelResult:
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
             "forward_p50_us": round(percentile(self.forward_us, 50), 1),
             "steps": self.steps, "out_of_order": self.out_of_order,
+            "graph_hits": self.graphs[0], "graph_misses": self.graphs[1], "graph_captures": self.graphs[2],
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
         }
 
@@ -237,6 +247,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
     the next reply."""
     pipeline = 1 if spec else max(1, pipeline)
     res = LevelResult(concurrency, pipeline)
+    graphs_before = backend.graph_counters()
     pending = list(requests)
     next_req = 0
     running: dict[int, dict] = {}  # per sequence: history, last token time, steps sent / wanted
@@ -344,6 +355,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             if on_tick:
                 on_tick(res)
     res.seconds = time.perf_counter() - t_start
+    res.graphs = tuple(b - a for a, b in zip(graphs_before, backend.graph_counters()))
     return res
 
 

@@ -66,6 +66,7 @@ class GraphStats:
     capture_seconds: float = 0.0
     graphs_held: int = 0
     pool_bytes: int = 0
+    fallbacks: int = 0  # steps whose own key had no graph, run through the batch-width fallback key
 
 
 @dataclass

@@ -50,6 +50,9 @@ class EngineConfig:
     capture_after: int = field(default=2, metadata={"help": "times a batch key is seen before its graph is "
                                                             "captured"})
     cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs on GPU"})
+    fallback_graphs: bool = field(default=False, metadata={
+        "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width that "
+                "reads the slot vector from a staging buffer (one small host-to-device copy per step)"})
 
     def __post_init__(self):
         positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",

@@ -63,6 +63,7 @@ class Engine:
         self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
         self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
+        self._slot_staging = SlotStaging(config.max_batch_size, self.device)
         self.verify_outputs = VerifyOutputs(config.max_batch_size, config.max_draft_tokens, config.max_top_logprobs,
                                             self.device)
         if self.device.type == "cuda":
@@ -262,7 +263,9 @@ class Engine:
 
     def _run_decode(self, batch: list[Sequence], num_top: int) -> None:
         """The decode step of `batch` (ascending slots): replayed from a CUDA graph when one is held for
-        its slot vector, else run eagerly (and captured once the key has been seen often enough)."""
+        its slot vector, else run eagerly (and captured once the key has been seen often enough), or,
+        with fallback_graphs, through the graph of its batch width, which reads the slot vector from
+        a staging buffer written just before."""
         slots = [s.slot for s in batch]
         seq_lens = [s.seq_len for s in batch]
 
@@ -272,8 +275,18 @@ class Engine:
 
         if self.graphs is None:
             prepare()()
-        else:
-            self.graphs.run(GraphCache.key_for(slots, num_top), prepare)
+            return
+        fallback = None
+        if self.config.fallback_graphs:
+            width, staged = len(slots), self._slot_staging
+
+            def stage():
+                staged.host_np[:width] = slots
+                staged.device[:width].copy_(staged.host[:width], non_blocking=True)
+
+            fallback = (("width", width, num_top),
+                        lambda: lambda: self._decode_into_outputs(staged.device[:width], seq_lens, num_top), stage)
+        self.graphs.run(GraphCache.key_for(slots, num_top), prepare, fallback)
 
     def _decode_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
         """Device work of one decode step: inputs from the slot state, forward, sample; the sampled
@@ -550,7 +563,8 @@ class Engine:
             max_seq_len=self.max_seq_len, block_size=self.block_size, total_blocks=self.blocks.num_usable_blocks,
             free_blocks=self.blocks.num_free_blocks, max_slots=self.config.max_slots,
             free_slots=self.slots.num_free_slots, max_batch_size=self.config.max_batch_size,
-            live_sequences=len(self.sequences), kernel_backend=self.ops.name, version=VERSION)
+            live_sequences=len(self.sequences), kernel_backend=self.ops.name, version=VERSION,
+            graph_cache=dataclasses.replace(self.graphs.stats) if self.graphs is not None else api.GraphStats())
 
     def close(self) -> None:
         self.sequences.clear()
@@ -559,6 +573,7 @@ class Engine:
         if self.streams is not None:
             self.outputs.host.clear()  # pinned buffers the compute stream copied into go before the stream
             self.verify_outputs.host.clear()
+            self._slot_staging = None
             self.streams.close()
 
 
@@ -614,6 +629,17 @@ class StepOutputs:
         return (tokens[:n].tolist(), logprobs[:n].tolist(),
                 top_ids[:n, :num_top].tolist() if num_top else None,
                 top_lps[:n, :num_top].tolist() if num_top else None)
+
+
+class SlotStaging:
+    """The slot vector a batch-width fallback graph reads (device), written through pinned memory.
+    A step overwrites the host side only after the previous step's read-back synchronised the
+    stream, so the copy it queued has finished."""
+
+    def __init__(self, max_batch: int, device: torch.device):
+        self.device = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host_np = self.host.numpy()
 
 
 class VerifyOutputs:

@@ -113,3 +113,98 @@ def test_clear_destroys_everything():
 def test_bad_limits_rejected():
     with pytest.raises(ValueError):
         GraphCache(FakeBackend(), max_graphs=0, capture_after=1)
+
+
+class ExecBackend:
+    """Records the step at capture and runs it at every replay (what a CUDA graph does, minus the device)."""
+
+    def capture(self, step):
+        return step
+
+    def replay(self, graph):
+        graph()
+        return None
+
+    def is_done(self, marker):
+        return True
+
+    def destroy(self, graph):
+        pass
+
+    def pool_bytes(self):
+        return 4096
+
+
+def test_engine_info_reports_the_graph_cache_counters(tiny_model):
+    """Info (and so the Info RPC and the Prometheus gauges built from it) carries the engine's graph
+    cache counters; decode through the cache gives the tokens decode without it gives."""
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    prompts = random_prompts([6, 9], 512, seed=2)
+    tokens = []
+    for graphs in (False, True):
+        engine = Engine(engine_config(tiny_model))
+        if graphs:
+            engine.graphs = GraphCache(ExecBackend(), max_graphs=4, capture_after=2)
+        ids = [engine.alloc_sequence(32, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
+               for _ in prompts]
+        engine.prefill([PrefillItem(i, p) for i, p in zip(ids, prompts)])
+        tokens.append([[t.token_id for t in engine.decode(ids).tokens] for _ in range(4)]
+                      + [[t.token_id for t in engine.decode(ids[:1]).tokens]])
+        info = engine.info().graph_cache
+        if graphs:  # key (both slots): miss, miss + capture, hit, hit; then one slot: miss
+            assert (info.hits, info.misses, info.captures, info.graphs_held, info.pool_bytes) == (2, 3, 1, 1, 4096)
+            engine.decode(ids)
+            assert engine.info().graph_cache.hits == 3 and info.hits == 2  # a snapshot, not a live view
+        else:
+            assert info.hits == info.misses == info.graphs_held == 0
+    assert tokens[0] == tokens[1]
+
+
+def test_batch_width_fallback_graph_serves_a_churning_batch_exactly(tiny_model):
+    """With fallback_graphs, a batch whose own graph is not captured yet runs through the graph of its
+    width, which reads the slot vector staged just before: over a batch whose members join, finish
+    and are replaced (slots reused), every step gives the tokens of the engine without graphs, and
+    most steps replay a graph."""
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    prompts = random_prompts([5, 8, 3, 11, 7, 4, 9, 6, 5, 10, 2, 7, 8, 3], 512, seed=8)
+    sampled = SamplingParams(temperature=0.9, top_k=40, seed=5)
+
+    def churn(engine: Engine) -> list[list[tuple[int, int]]]:
+        live, queue, out = {}, list(enumerate(prompts)), []
+        step = 0
+        while live or queue:
+            while len(live) < 4 and queue:  # refill to 4 sequences, one join at a time
+                n, prompt = queue.pop(0)
+                sid = engine.alloc_sequence(64, sampled, StoppingCriteria(max_new_tokens=3 + n % 4, ignore_eos=True)).seq_id
+                engine.prefill([PrefillItem(sid, prompt)])
+                live[sid] = n
+                if step % 3:
+                    break
+            ids = list(live)
+            tokens = engine.decode(ids).tokens
+            out.append([(live[t.seq_id], t.token_id) for t in tokens])
+            for t in tokens:
+                if t.finish_reason:
+                    engine.release([t.seq_id])
+                    del live[t.seq_id]
+            step += 1
+        return out
+
+    eager = churn(Engine(engine_config(tiny_model)))
+    stats = {}
+    for fallback in (False, True):
+        engine = Engine(engine_config(tiny_model, fallback_graphs=fallback))
+        engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
+        assert churn(engine) == eager
+        stats[fallback] = s = engine.info().graph_cache
+        assert s.hits + s.misses == len(eager)
+    assert stats[False].fallbacks == 0 < stats[True].fallbacks
+    assert stats[True].hits > stats[False].hits, stats  # more of the churning steps replay a graph

@@ -85,4 +85,4 @@ def info_response(i: api.EngineInfo) -> pb.InfoResponse:
         live_sequences=i.live_sequences,
         graph_cache=pb.GraphCacheInfo(hits=g.hits, misses=g.misses, captures=g.captures, evictions=g.evictions,
                                       capture_failures=g.capture_failures, capture_seconds=g.capture_seconds,
-                                      graphs_held=g.graphs_held, pool_bytes=g.pool_bytes))
+                                      graphs_held=g.graphs_held, pool_bytes=g.pool_bytes, fallbacks=g.fallbacks))

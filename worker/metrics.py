@@ -82,10 +82,11 @@ class _EngineCollector:
         yield GaugeMetricFamily("metrale_free_slots", "sequence slots free", value=info.free_slots)
         g = info.graph_cache
         for name, value, doc in (("hits", g.hits, "decode steps replayed from a CUDA graph"),
-                                 ("misses", g.misses, "decode steps with no graph for their key"),
+                                 ("misses", g.misses, "decode steps run eagerly (no graph held for their key)"),
                                  ("captures", g.captures, "CUDA graphs captured"),
                                  ("evictions", g.evictions, "CUDA graphs evicted (LRU)"),
-                                 ("capture_failures", g.capture_failures, "CUDA graph captures that failed")):
+                                 ("capture_failures", g.capture_failures, "CUDA graph captures that failed"),
+                                 ("fallbacks", g.fallbacks, "decode steps run through their batch width's graph")):
             yield CounterMetricFamily(f"metrale_graph_{name}", doc, value=value)
         yield CounterMetricFamily("metrale_graph_capture_seconds", "time spent capturing graphs",
                                   value=g.capture_seconds)

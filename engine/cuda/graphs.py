@@ -4,7 +4,9 @@ All CUDA-graph logic lives here. A key is the sorted tuple of the batch's slots 
 fixes the step's shapes (the top-logprob count, the draft length); callers permute results back to
 request order. Policy:
 - a key is captured only once it has been seen `capture_after` times; until then the step runs
-  eagerly, so a churning batch never pays a capture on every step;
+  eagerly, so a churning batch never pays a capture on every step, or, when the caller gives a
+  fallback, through a graph keyed by the step's shape alone (the batch width) that reads the slot
+  vector from a staging buffer the caller writes first;
 - at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
   the device has finished every replay of it (each replay records an event);
 - a capture that fails (out of memory, anything) is logged and counted, and the step runs eagerly;
@@ -63,11 +65,16 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def run(self, key: Hashable, prepare: Callable[[], Callable[[], None]]) -> bool:
+    def run(self, key: Hashable, prepare: Callable[[], Callable[[], None]],
+            fallback: tuple[Hashable, Callable[[], Callable[[], None]], Callable[[], None]] | None = None) -> bool:
         """Runs the step for `key`: replays its graph, or captures one, or runs it eagerly. Returns True
         when a graph ran. prepare() (called only when no graph is held) builds the step's inputs and
         returns the step; a captured graph keeps that step (and the inputs it holds) alive. The step
-        must write its results to buffers outside the graph pool and read no device value on the host."""
+        must write its results to buffers outside the graph pool and read no device value on the host.
+
+        fallback = (its key, its prepare, stage): while `key` is held by no graph and not yet due for
+        capture, stage() writes this step's inputs where the fallback step reads them, and the fallback
+        key runs instead (replayed, captured or eager by the same rules); counted in stats.fallbacks."""
         self._reap()
         entry = self._graphs.get(key)
         if entry is not None:
@@ -75,8 +82,13 @@ class GraphCache:
             entry.last_replay = self.backend.replay(entry.graph)
             self.stats.hits += 1
             return True
-        self.stats.misses += 1
         self._seen[key] += 1
+        if fallback is not None and self._seen[key] < self.capture_after:
+            fallback_key, fallback_prepare, stage = fallback
+            stage()
+            self.stats.fallbacks += 1
+            return self.run(fallback_key, fallback_prepare)
+        self.stats.misses += 1
         step = prepare()
         if self._seen[key] < self.capture_after:
             step()

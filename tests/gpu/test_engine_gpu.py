@@ -116,6 +116,18 @@ def test_graph_replay_is_bit_identical_to_eager_under_churn(ckpt_1b):
     assert s.hits > 50 and s.captures > 5
 
 
+def test_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckpt_1b):
+    """fallback_graphs: steps whose slot vector has no graph yet replay their batch width's graph, which
+    reads the slot vector staged (pinned copy) just before; the same tokens and log-probs as eager."""
+    graphs = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=3, max_graphs=64, fallback_graphs=True)
+    eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
+    a, b = churn_workload(graphs), churn_workload(eager)
+    assert a == b
+    s = graphs.info().graph_cache
+    print(f"churn with width fallback: {s}")
+    assert s.fallbacks > 0 and s.hits > s.misses and s.hits + s.misses == 200
+
+
 def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
     def cycle(engine):
         groups = []
