@@ -178,8 +178,8 @@ class CudaOps(TorchOps):
         """Forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
         run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
         everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
-        kernels_cu/prefill_attention.cu: one launch per layer, no gathers, and no per-shape planning
-        (the fused call plans each new shape, which costs milliseconds of host time)."""
+        kernels_cu/prefill_attention.cu: one launch per layer and no gathers, which short prompts,
+        bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
         if (fresh and q.shape[0] >= self.sdpa_min_tokens
