@@ -441,6 +441,14 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
     return written
 
 
+def gpu_name() -> str | None:
+    """The local GPU's model name (the spawned worker's device), when this machine has one."""
+    if not _has_cuda():
+        return None
+    import torch
+    return torch.cuda.get_device_name(0)
+
+
 def device_name(engine) -> str:
     if engine.device.type == "cuda":
         import torch
@@ -510,7 +518,8 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
     if not args.no_in_process or args.soak:
         engine = Engine(engine_cfg) if not args.no_in_process else None
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": info.device if engine is None else device_name(engine), "model": model,
+            "device": (device_name(engine) if engine is not None
+                       else (gpu_name() if proc is not None else None) or info.device), "model": model,
             "architecture": info.architecture, "dtype": info.dtype, "kernel_backend": info.kernel_backend,
             "worker_version": info.version, "python": platform.python_version(), "spec": args.spec,
             "prompt_len_mean": args.prompt_len, "output_len_mean": args.output_len, "seed": args.seed}
