@@ -232,6 +232,27 @@ class Engine:
         host = self.outputs.read(len(to_sample), num_top, self.streams)
         return {r.seq_id: r for r in self._commit(to_sample, *host)}
 
+    def warm_up_prefill(self) -> int:
+        """One prefill forward at each padded token count the backend runs prompts at (a few dozen on
+        a GPU, CudaOps.prefill_tokens), so no request pays a shape's first-call costs: cuBLAS picks
+        its kernels per new GEMM shape, ~6 ms of host time per forward at 1B. Each runs one scratch
+        sequence, released after. Stops at the first size the KV cache cannot hold. Returns the
+        forwards run."""
+        limit = min(self.config.max_prefill_tokens, self.max_seq_len - 1)
+        done = 0
+        for size in self.ops.prefill_buckets(limit):
+            n = min(size, limit)
+            try:
+                seq_id = self.alloc_sequence(n + 1, SamplingParams(), StoppingCriteria(max_new_tokens=1)).seq_id
+            except ResourceExhausted:
+                break
+            try:
+                self.prefill([api.PrefillItem(seq_id, [0] * n)])
+            finally:
+                self.release([seq_id])
+            done += 1
+        return done
+
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         seqs = self._check_ids(seq_ids)
         self._check_running(seqs)

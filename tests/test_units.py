@@ -242,3 +242,25 @@ def test_padded_prefill_forward_equals_the_unpadded_one(tiny_model):
     assert [lp for _, lp in first0] == pytest.approx([lp for _, lp in first1], abs=1e-4)
     assert torch.allclose(k0, k1, atol=1e-5) and torch.allclose(v0, v1, atol=1e-5)
     assert torch.equal(seen0, seen1)
+
+
+def test_warm_up_prefill_runs_each_bucket_once_and_leaves_nothing_allocated(tiny_model):
+    from conftest import engine_config
+    from engine.engine import Engine
+
+    engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=64))
+    assert engine.warm_up_prefill() == 0  # TorchOps: no per-shape costs, nothing to warm
+    bucket = 64
+    seen = []
+    engine.ops.prefill_tokens = lambda n: -(-n // bucket) * bucket
+    engine.ops.prefill_buckets = lambda limit: list(range(bucket, limit + bucket, bucket))
+    forward = engine.model.forward
+    engine.model.forward = lambda batch: (seen.append(batch.num_tokens), forward(batch))[1]
+    free = engine.info().free_blocks
+    assert engine.warm_up_prefill() == 5  # 64 .. 320 (the last one padded past max_seq_len - 1 = 299)
+    assert seen == [64, 128, 192, 256, 320]
+    info = engine.info()
+    assert info.live_sequences == 0 and info.free_blocks == free
+    small = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=10))  # 160 tokens of KV
+    small.ops.prefill_buckets = engine.ops.prefill_buckets
+    assert small.warm_up_prefill() == 2  # 64 and 128 fit; 192 does not: it stops there

@@ -57,13 +57,18 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 
 def warm_up(engine: Engine) -> None:
-    """One real prefill and decode step: the device answered a real forward before we say SERVING."""
+    """One real prefill and decode step: the device answered a real forward before we say SERVING.
+    Then a prefill at each padded prompt size the engine uses, so no request pays a size's first call."""
     seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True))
     try:
         engine.prefill([api.PrefillItem(seq.seq_id, [0, 0])])
         engine.decode([seq.seq_id])
     finally:
         engine.release([seq.seq_id])
+    t0 = time.perf_counter()
+    forwards = engine.warm_up_prefill()
+    if forwards:
+        log.info("warmed up %d prefill sizes in %.1fs", forwards, time.perf_counter() - t0)
 
 
 class Worker:

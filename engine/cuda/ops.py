@@ -99,6 +99,9 @@ class CudaOps(TorchOps):
         PREFILL_BUCKET_UNTIL tokens, then of 4 * PREFILL_BUCKET."""
         return prefill_bucket(num_tokens)
 
+    def prefill_buckets(self, limit: int) -> list[int]:
+        return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
+
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
         # Attention plans are built at the first layer of each forward and serve its other layers:

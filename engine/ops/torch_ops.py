@@ -46,6 +46,11 @@ class TorchOps:
         build_extend_batch): a backend whose per-shape costs matter rounds up to a few shapes."""
         return num_tokens
 
+    def prefill_buckets(self, limit: int) -> list[int]:
+        """The padded token counts prefill forwards of up to `limit` tokens run at, where that set is
+        small enough to warm up (Engine.warm_up_prefill); none here: no per-shape costs to pay."""
+        return []
+
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
         """Called by the model before each forward: a backend may pick its kernels by the forward's shape
         (the same choice for every op of the forward, from host-known values only)."""
