@@ -98,3 +98,27 @@ def test_pipelined_decode_matches_one_at_a_time(server):
     for seq, prompt in zip(three, prompts):
         assert [n for n, _, _ in seq] == list(range(len(prompt) + 1, len(prompt) + 10))
         assert [r for _, _, r in seq] == [pb.FINISH_REASON_NONE] * 8 + [pb.FINISH_REASON_LENGTH]
+
+
+def test_async_client_pipelines_decode_with_tasks(server):
+    """The asyncio client keeps two Decode calls in flight as two tasks; placed by seq_len, the tokens
+    are those of one call at a time."""
+    prompt = random_prompts([10], 512, seed=12)[0]
+    stopping = Stopping(max_new_tokens=7, ignore_eos=True)
+
+    async def run(depth: int) -> list[tuple[int, int]]:
+        async with AsyncWorkerClient(server.address) as client:
+            sid = (await client.alloc(32, stopping=stopping)).sequence_id
+            tokens = list((await client.prefill([pb.PrefillItem(sequence_id=sid, token_ids=prompt)])).tokens)
+            pending, sent = set(), 0
+            while sent < 6 or pending:
+                while sent < 6 and len(pending) < depth:
+                    pending.add(asyncio.ensure_future(client.decode([sid])))
+                    sent += 1
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                tokens += [t for d in done for t in d.result().tokens]
+            assert await client.release([sid]) == 1
+            return sorted((t.seq_len, t.token_id) for t in tokens)
+
+    one, two = asyncio.run(run(1)), asyncio.run(run(2))
+    assert one == two and [n for n, _ in two] == list(range(11, 18))
