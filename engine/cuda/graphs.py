@@ -96,7 +96,7 @@ class GraphCache:
         t0 = time.perf_counter()
         try:
             graph = self.backend.capture(step)
-        except Exception as e:  # noqa: BLE001: any capture failure degrades to eager, never fails the step
+        except Exception as e:  # noqa: BLE001 - any capture failure degrades to eager, never fails the step
             self.stats.capture_failures += 1
             del self._seen[key]
             log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e,
@@ -202,5 +202,5 @@ class TorchGraphBackend:
             segments = self.torch.cuda.memory_snapshot()
             held = [s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool]
             return sum(held) if held or not self._bytes else self._bytes
-        except Exception:  # noqa: BLE001: statistics only
+        except Exception:  # noqa: BLE001 - statistics only
             return self._bytes
