@@ -104,8 +104,8 @@ def graph_stats(engine: Engine) -> tuple[int, int]:
 
 
 def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
-    ids = start_batch(engine, batch, prompt_len, steps + 16)
-    for _ in range(8):  # warm-up: the graph for this slot vector gets captured here
+    ids = start_batch(engine, batch, prompt_len, steps + engine.config.capture_after + 16)
+    for _ in range(engine.config.capture_after + 2):  # warm-up: this slot vector's own graph gets captured here
         engine.decode(ids)
     h0, m0 = graph_stats(engine)
     wall, dev = [], []
@@ -285,10 +285,11 @@ def main(argv=None) -> int:
 
     max_len = 2048 + 16 if not args.quick else 512
     cfg = EngineConfig(model=model_dir, device=device.type, max_slots=256, max_batch_size=256,
-                       max_seq_len=max_len + 512, max_prefill_tokens=8192, max_graphs=64, capture_after=2,
+                       max_seq_len=max_len + 512, max_prefill_tokens=8192,
                        kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
     engine = Engine(cfg)
-    results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name,
+    results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name, capture_after=cfg.capture_after,
+                           fallback_graphs=cfg.fallback_graphs, max_graphs=cfg.max_graphs,
                            weight_bytes=weight_bytes(engine.weights))
     floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None
     results["decode_floor_ms"] = floor_ms

@@ -142,9 +142,8 @@ class GrpcBackend:
     def release(self, tag, ids) -> None:
         self._start("release", tag, "Release", pb.ReleaseRequest(sequence_ids=ids), lambda r: r.released)
 
-    def graph_counters(self) -> tuple[int, int, int]:
-        g = self.client.info().graph_cache
-        return g.hits, g.misses, g.captures
+    def graph_counters(self) -> tuple:
+        return graph_counters(self.client.info().graph_cache)
 
     def close(self) -> None:
         self.client.close()
@@ -194,12 +193,16 @@ class EngineBackend:
     def release(self, tag, ids) -> None:
         self._post("release", tag, lambda: self.engine.release(ids))
 
-    def graph_counters(self) -> tuple[int, int, int]:
-        g = self.engine.info().graph_cache
-        return g.hits, g.misses, g.captures
+    def graph_counters(self) -> tuple:
+        return graph_counters(self.engine.info().graph_cache)
 
     def close(self) -> None:
         pass
+
+
+def graph_counters(g) -> tuple:
+    """The graph cache counters a level reports the change of (GraphCacheInfo or GraphStats)."""
+    return g.hits, g.misses, g.captures, g.fallbacks, g.capture_seconds
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,7 +222,8 @@ class LevelResult:
     out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
     accepted_drafts: int = 0
     proposed_drafts: int = 0
-    graphs: tuple[int, int, int] = (0, 0, 0)  # CUDA graph cache hits, misses, captures during the level
+    prefill_us: float = 0.0  # the worker's forward_ns summed over the level's prefill calls
+    graphs: tuple = (0, 0, 0, 0, 0.0)  # graph cache hits, misses, captures, fallbacks, capture seconds in the level
 
     def summary(self) -> dict:
         return {
@@ -232,7 +236,11 @@ class LevelResult:
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
             "forward_p50_us": round(percentile(self.forward_us, 50), 1),
             "steps": self.steps, "out_of_order": self.out_of_order,
+            # The engine's share of the wall time: decode/verify and prefill forwards summed over seconds.
+            "engine_busy": round((sum(self.forward_us) + self.prefill_us) / 1e6 / self.seconds, 3) if self.seconds else None,
+            "prefill_busy": round(self.prefill_us / 1e6 / self.seconds, 3) if self.seconds else None,
             "graph_hits": self.graphs[0], "graph_misses": self.graphs[1], "graph_captures": self.graphs[2],
+            "graph_fallbacks": self.graphs[3], "graph_capture_s": round(self.graphs[4], 3),
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
         }
 
@@ -331,6 +339,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
         elif kind == "prefill":
             last_prefill_reply = now
             started = {sid: (r, t0) for sid, r, t0 in prefilling}
+            res.prefill_us += reply[1] / 1e3
             prefilling = []
             for sid, _, _, _ in reply[0]:
                 r, t0 = started[sid]
@@ -488,7 +497,9 @@ def main(argv=None) -> int:
     max_c = max(args.concurrency + ([16] if args.soak else []))
     engine_flags = ["--max-slots", str(max(256, 2 * max_c)), "--max-batch-size", str(max(256, 2 * max_c)),
                     *args.engine_flags.split()]
+    t_spawn = time.perf_counter()
     proc, target = (None, args.target) if args.target else spawn_worker(model, engine_flags)
+    args.worker_ready_s = round(time.perf_counter() - t_spawn, 2) if proc is not None else None
     out_dir = pathlib.Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -522,13 +533,15 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
                        else (gpu_name() if proc is not None else None) or info.device), "model": model,
             "architecture": info.architecture, "dtype": info.dtype, "kernel_backend": info.kernel_backend,
             "worker_version": info.version, "python": platform.python_version(), "spec": args.spec,
-            "prompt_len_mean": args.prompt_len, "output_len_mean": args.output_len, "seed": args.seed}
+            "prompt_len_mean": args.prompt_len, "output_len_mean": args.output_len, "seed": args.seed,
+            "engine_flags": engine_flags, "worker_ready_s": args.worker_ready_s}
     try:
         import torch
         import grpc as grpc_mod
         meta.update(torch=torch.__version__, grpcio=grpc_mod.__version__)
     except Exception:
         pass
+    print(json.dumps({k: meta[k] for k in ("device", "engine_flags", "worker_ready_s")}))
     results: dict = {"meta": meta, "grpc": [], "in_process": [], "raw_grpc": []}
 
     if args.soak:

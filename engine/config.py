@@ -47,12 +47,14 @@ class EngineConfig:
     max_top_logprobs: int = field(default=20, metadata={"help": "most top-n alternatives per token"})
     max_draft_tokens: int = field(default=16, metadata={"help": "most draft tokens per Verify item"})
     max_graphs: int = field(default=64, metadata={"help": "most CUDA graphs held (LRU)"})
-    capture_after: int = field(default=2, metadata={"help": "times a batch key is seen before its graph is "
-                                                            "captured"})
+    capture_after: int = field(default=64, metadata={
+        "help": "times a batch's slot vector is seen before it gets a decode graph of its own; until then the "
+                "step replays its batch width's graph (fallback_graphs), which differs only by one small copy, so "
+                "only a batch that stays the same for many steps is worth a capture"})
     cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs on GPU"})
-    fallback_graphs: bool = field(default=False, metadata={
-        "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width that "
-                "reads the slot vector from a staging buffer (one small host-to-device copy per step)"})
+    fallback_graphs: bool = field(default=True, metadata={
+        "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width (captured "
+                "the first time that width runs) that reads the slot vector from a staging buffer"})
 
     def __post_init__(self):
         positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",

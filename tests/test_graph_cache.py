@@ -101,6 +101,41 @@ def test_capture_failure_runs_eagerly_and_is_counted():
     assert run(cache, key, eager) is True  # tried again later, and it works
 
 
+def test_fallback_key_is_captured_the_first_time_it_is_needed():
+    """Keys not yet due for capture run through the fallback key, which is captured at its first use and
+    replayed for every later key of its width; the key itself is captured once seen capture_after times."""
+    backend, eager, staged = FakeBackend(), [], []
+    cache = GraphCache(backend, max_graphs=8, capture_after=3)
+
+    def step(slots):
+        key = GraphCache.key_for(slots)
+        fallback = (("width", len(slots)), lambda: (lambda: eager.append("width")), lambda: staged.append(key))
+        return cache.run(key, lambda: (lambda: eager.append(key)), fallback)
+
+    a, b = [0, 1], [2, 3]
+    assert [step(a), step(b), step(a), step(b)] == [True] * 4  # width graph: captured at once, then replayed
+    assert backend.captured == [1] and eager == [] and len(staged) == 4
+    assert step(a) is True and backend.captured == [1, 2]  # a's third sighting: its own graph
+    assert step(a) is True and len(staged) == 4  # a replays its own graph: nothing staged
+    s = cache.stats
+    assert (s.fallbacks, s.captures, s.hits, s.misses) == (4, 2, 4, 2)
+
+
+def test_admission_counts_remember_only_the_last_max_seen_keys():
+    """A churning batch makes new keys without end: the admission counts stay bounded, forgetting the
+    least recently seen key first."""
+    backend, eager = FakeBackend(), []
+    cache = GraphCache(backend, max_graphs=4, capture_after=2, max_seen=3)
+    keys = [GraphCache.key_for([i]) for i in range(10)]
+    for k in keys:
+        run(cache, k, eager)
+    assert len(cache._seen) == 3 and backend.captured == []
+    run(cache, keys[0], eager)  # forgotten: a first sighting again, so no capture
+    assert backend.captured == []
+    run(cache, keys[9], eager)  # still remembered: its second sighting captures it
+    assert backend.captured == [1]
+
+
 def test_clear_destroys_everything():
     backend, eager = FakeBackend(), []
     cache = GraphCache(backend, max_graphs=3, capture_after=1)
@@ -113,6 +148,8 @@ def test_clear_destroys_everything():
 def test_bad_limits_rejected():
     with pytest.raises(ValueError):
         GraphCache(FakeBackend(), max_graphs=0, capture_after=1)
+    with pytest.raises(ValueError):
+        GraphCache(FakeBackend(), max_graphs=1, capture_after=1, max_seen=0)
 
 
 class ExecBackend:
@@ -146,7 +183,7 @@ def test_engine_info_reports_the_graph_cache_counters(tiny_model):
     prompts = random_prompts([6, 9], 512, seed=2)
     tokens = []
     for graphs in (False, True):
-        engine = Engine(engine_config(tiny_model))
+        engine = Engine(engine_config(tiny_model, fallback_graphs=False))
         if graphs:
             engine.graphs = GraphCache(ExecBackend(), max_graphs=4, capture_after=2)
         ids = [engine.alloc_sequence(32, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id

@@ -6,7 +6,10 @@ request order. Policy:
 - a key is captured only once it has been seen `capture_after` times; until then the step runs
   eagerly, so a churning batch never pays a capture on every step, or, when the caller gives a
   fallback, through a graph keyed by the step's shape alone (the batch width) that reads the slot
-  vector from a staging buffer the caller writes first;
+  vector from a staging buffer the caller writes first. A fallback key is captured the first time
+  it is needed: one graph serves every batch of its width, so it is never wasted on churn;
+- the admission counts remember the last `max_seen` keys (a churning batch makes new keys without
+  end, and a key not seen for that long is not worth a graph);
 - at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
   the device has finished every replay of it (each replay records an event);
 - a capture that fails (out of memory, anything) is logged and counted, and the step runs eagerly;
@@ -43,14 +46,15 @@ class _Entry:
 
 
 class GraphCache:
-    def __init__(self, backend: GraphBackend, max_graphs: int, capture_after: int):
-        if max_graphs < 1 or capture_after < 1:
-            raise ValueError("max_graphs and capture_after must be >= 1")
+    def __init__(self, backend: GraphBackend, max_graphs: int, capture_after: int, max_seen: int = 4096):
+        if max_graphs < 1 or capture_after < 1 or max_seen < 1:
+            raise ValueError("max_graphs, capture_after and max_seen must be >= 1")
         self.backend = backend
         self.max_graphs = max_graphs
         self.capture_after = capture_after
+        self.max_seen = max_seen
         self._graphs: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()  # LRU first
-        self._seen: collections.Counter[Hashable] = collections.Counter()
+        self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # least recently seen first
         self._retired: list[_Entry] = []  # evicted, waiting for their last replay to finish
         self.stats = GraphStats()
 
@@ -74,7 +78,10 @@ class GraphCache:
 
         fallback = (its key, its prepare, stage): while `key` is held by no graph and not yet due for
         capture, stage() writes this step's inputs where the fallback step reads them, and the fallback
-        key runs instead (replayed, captured or eager by the same rules); counted in stats.fallbacks."""
+        key runs instead (replayed, or captured at once); counted in stats.fallbacks."""
+        return self._run(key, prepare, fallback, self.capture_after)
+
+    def _run(self, key: Hashable, prepare: Callable[[], Callable[[], None]], fallback, capture_after: int) -> bool:
         self._reap()
         entry = self._graphs.get(key)
         if entry is not None:
@@ -82,15 +89,18 @@ class GraphCache:
             entry.last_replay = self.backend.replay(entry.graph)
             self.stats.hits += 1
             return True
-        self._seen[key] += 1
-        if fallback is not None and self._seen[key] < self.capture_after:
+        seen = self._seen.pop(key, 0) + 1
+        self._seen[key] = seen
+        if len(self._seen) > self.max_seen:
+            self._seen.popitem(last=False)
+        if fallback is not None and seen < capture_after:
             fallback_key, fallback_prepare, stage = fallback
             stage()
             self.stats.fallbacks += 1
-            return self.run(fallback_key, fallback_prepare)
+            return self._run(fallback_key, fallback_prepare, None, 1)
         self.stats.misses += 1
         step = prepare()
-        if self._seen[key] < self.capture_after:
+        if seen < capture_after:
             step()
             return False
         t0 = time.perf_counter()
@@ -98,14 +108,14 @@ class GraphCache:
             graph = self.backend.capture(step)
         except Exception as e:  # noqa: BLE001 - any capture failure degrades to eager, never fails the step
             self.stats.capture_failures += 1
-            del self._seen[key]
+            self._seen.pop(key, None)
             log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e,
                         exc_info=log.isEnabledFor(logging.DEBUG))
             step()
             return False
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - t0
-        del self._seen[key]
+        self._seen.pop(key, None)
         # Capturing does not execute the work: replay once now so this step's results exist.
         entry = _Entry(graph, inputs=step)
         entry.last_replay = self.backend.replay(graph)
@@ -138,10 +148,6 @@ class GraphCache:
     def _update_gauges(self) -> None:
         self.stats.graphs_held = len(self._graphs)
         self.stats.pool_bytes = self.backend.pool_bytes()
-
-    def forget_seen(self) -> None:
-        """Admission counts decay: called when the set of live keys changes a lot."""
-        self._seen.clear()
 
     def clear(self) -> None:
         while self._graphs:
