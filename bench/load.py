@@ -202,7 +202,7 @@ class EngineBackend:
 
 def graph_counters(g) -> tuple:
     """The graph cache counters a level reports the change of (GraphCacheInfo or GraphStats)."""
-    return g.hits, g.misses, g.captures, g.fallbacks, g.capture_seconds
+    return g.hits, g.misses, g.captures, g.fallbacks, g.capture_seconds, g.graphs_held, g.pool_bytes
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,7 +223,8 @@ class LevelResult:
     accepted_drafts: int = 0
     proposed_drafts: int = 0
     prefill_us: float = 0.0  # the worker's forward_ns summed over the level's prefill calls
-    graphs: tuple = (0, 0, 0, 0, 0.0)  # graph cache hits, misses, captures, fallbacks, capture seconds in the level
+    graphs: tuple = (0, 0, 0, 0, 0.0, 0, 0)  # graph cache: hits, misses, captures, fallbacks, capture seconds in the
+    # level; graphs held and pool bytes at its end
 
     def summary(self) -> dict:
         return {
@@ -241,6 +242,7 @@ class LevelResult:
             "prefill_busy": round(self.prefill_us / 1e6 / self.seconds, 3) if self.seconds else None,
             "graph_hits": self.graphs[0], "graph_misses": self.graphs[1], "graph_captures": self.graphs[2],
             "graph_fallbacks": self.graphs[3], "graph_capture_s": round(self.graphs[4], 3),
+            "graphs_held": self.graphs[5], "graph_pool_mib": round(self.graphs[6] / 2**20, 1),
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
         }
 
@@ -364,7 +366,8 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             if on_tick:
                 on_tick(res)
     res.seconds = time.perf_counter() - t_start
-    res.graphs = tuple(b - a for a, b in zip(graphs_before, backend.graph_counters()))
+    after = backend.graph_counters()
+    res.graphs = (*(b - a for a, b in zip(graphs_before[:5], after[:5])), *after[5:])
     return res
 
 

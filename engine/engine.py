@@ -12,6 +12,7 @@ import logging
 import pathlib
 import secrets
 import time
+from typing import Callable
 
 import torch
 
@@ -283,16 +284,20 @@ class Engine:
         return api.StepResult(by_request, timer.elapsed_ns())
 
     def _run_decode(self, batch: list[Sequence], num_top: int) -> None:
-        """The decode step of `batch` (ascending slots): replayed from a CUDA graph when one is held for
-        its slot vector, else run eagerly (and captured once the key has been seen often enough), or,
-        with fallback_graphs, through the graph of its batch width, which reads the slot vector from
-        a staging buffer written just before."""
-        slots = [s.slot for s in batch]
+        """The decode step of `batch` (ascending slots), through _run_step."""
         seq_lens = [s.seq_len for s in batch]
+        self._run_step("decode", [s.slot for s in batch], (num_top,),
+                       lambda slots_t: lambda: self._decode_into_outputs(slots_t, seq_lens, num_top))
 
+    def _run_step(self, kind: str, slots: list[int], shape: tuple,
+                  make_step: Callable[[torch.Tensor], Callable[[], None]]) -> None:
+        """Runs the device work of a decode or uniform verify step over `slots` (ascending); make_step(the
+        slot vector on the device) returns that work. It is replayed from the CUDA graph of the slot
+        vector when one is held; else, with fallback_graphs, from the graph of the batch width (and
+        `shape`), which reads the slot vector from a staging buffer written just before; else it runs
+        eagerly. GraphCache decides when to capture either."""
         def prepare():
-            slots_t = torch.tensor(slots, device=self.device)  # a replayed graph keeps its own copy
-            return lambda: self._decode_into_outputs(slots_t, seq_lens, num_top)
+            return make_step(torch.tensor(slots, device=self.device))  # a captured graph keeps this tensor
 
         if self.graphs is None:
             prepare()()
@@ -305,9 +310,8 @@ class Engine:
                 staged.host_np[:width] = slots
                 staged.device[:width].copy_(staged.host[:width], non_blocking=True)
 
-            fallback = (("width", width, num_top),
-                        lambda: lambda: self._decode_into_outputs(staged.device[:width], seq_lens, num_top), stage)
-        self.graphs.run(GraphCache.key_for(slots, num_top), prepare, fallback)
+            fallback = ((kind, "width", width, *shape), lambda: make_step(staged.device[:width]), stage)
+        self.graphs.run((kind, *GraphCache.key_for(slots, *shape)), prepare, fallback)
 
     def _decode_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
         """Device work of one decode step: inputs from the slot state, forward, sample; the sampled
@@ -354,20 +358,15 @@ class Engine:
         drafts = [items[i].draft_token_ids for i in order]
         num_top = self._num_top(seqs)
         self.verify_outputs.drafts[:len(batch), :k].copy_(torch.tensor(drafts, dtype=torch.int64))
-        slots = [s.slot for s in batch]
 
-        def prepare():
-            slots_t = torch.tensor(slots, device=self.device)
+        def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
             # Row b * (k + 1) + i counts drafts 0 .. i - 1 of sequence b as seen (repetition penalty).
-            pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(slots)) for i in range(k + 1) for j in range(i)]
+            pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(batch)) for i in range(k + 1) for j in range(i)]
             seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
             seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
             return lambda: self._verify_into_outputs(slots_t, k, num_top, seen_rows, seen_cols)
 
-        if self.graphs is None:
-            prepare()()
-        else:
-            self.graphs.run(("verify", *GraphCache.key_for(slots, k, num_top)), prepare)
+        self._run_step("verify", [s.slot for s in batch], (k, num_top), make_step)
         accepted, tokens, logprobs, top_ids, top_lps = self.verify_outputs.read(len(batch), k + 1, num_top,
                                                                                  self.streams)
         results = []

@@ -245,3 +245,43 @@ def test_batch_width_fallback_graph_serves_a_churning_batch_exactly(tiny_model):
         assert s.hits + s.misses == len(eager)
     assert stats[False].fallbacks == 0 < stats[True].fallbacks
     assert stats[True].hits > stats[False].hits, stats  # more of the churning steps replay a graph
+
+
+def test_width_fallback_graph_serves_churning_verify_steps_exactly(tiny_model):
+    """Uniform Verify steps use the batch-width fallback too (keyed by width and draft count): over a
+    churning batch, every step accepts and emits what the engine without graphs does."""
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem, VerifyItem
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    prompts = random_prompts([5, 8, 3, 11, 7, 4, 9, 6, 5, 10], 512, seed=9)
+    sampled = SamplingParams(temperature=0.8, top_k=50, seed=3)
+
+    def churn(engine: Engine) -> list:
+        live, queue, out = {}, list(enumerate(prompts)), []
+        while live or queue:
+            while len(live) < 3 and queue:
+                n, prompt = queue.pop(0)
+                sid = engine.alloc_sequence(96, sampled, StoppingCriteria(max_new_tokens=4 + n % 5, ignore_eos=True)).seq_id
+                first = engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id
+                live[sid] = (n, [first])
+            # Drafts: the sequence's own last two tokens (some get accepted, some not), two per sequence.
+            items = [VerifyItem(sid, (hist * 2)[-2:]) for sid, (_, hist) in live.items()]
+            results = engine.verify(items).results
+            out.append([(live[r.seq_id][0], r.num_accepted, [t.token_id for t in r.tokens]) for r in results])
+            for r in results:
+                live[r.seq_id][1].extend(t.token_id for t in r.tokens)
+                if r.tokens[-1].finish_reason:
+                    engine.release([r.seq_id])
+                    del live[r.seq_id]
+        return out
+
+    eager = churn(Engine(engine_config(tiny_model)))
+    assert any(step for step in eager)
+    engine = Engine(engine_config(tiny_model, fallback_graphs=True))
+    engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=4)
+    assert churn(engine) == eager
+    s = engine.info().graph_cache
+    assert s.fallbacks > 0 and s.hits + s.misses == len(eager)
+    assert s.hits > s.misses, s  # the width graphs are replayed for most steps

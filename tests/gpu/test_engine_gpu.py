@@ -128,6 +128,43 @@ def test_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckpt_1b):
     assert s.fallbacks > 0 and s.hits > s.misses and s.hits + s.misses == 200
 
 
+def verify_churn_workload(engine: Engine, steps: int = 120, seed: int = 1) -> list[tuple]:
+    """Uniform Verify steps (3 drafts each: the sequence's last tokens, so some are accepted) over a batch
+    whose members join, finish and are released."""
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    live: dict[int, list[int]] = {}
+    log = []
+    for step in range(steps):
+        if len(live) < 3 or (step % 5 == 0 and len(live) < 8):
+            n_new = int(torch.randint(4, 40, (1,), generator=g))
+            max_new = int(torch.randint(8, 40, (1,), generator=g))
+            sid = engine.alloc_sequence(n_new + max_new + 8, SamplingParams(temperature=0.7, seed=step),
+                                        StoppingCriteria(max_new_tokens=max_new, ignore_eos=True)).seq_id
+            t = engine.prefill([PrefillItem(sid, torch.randint(0, vocab, (n_new,), generator=g).tolist())]).tokens[0]
+            live[sid] = [t.token_id]
+            log.append(("prefill", step, t.token_id, t.logprob))
+        results = engine.verify([VerifyItem(sid, (hist * 3)[-3:]) for sid, hist in live.items()]).results
+        for r in results:
+            log.append(("verify", step, r.seq_id, r.num_accepted, tuple((t.token_id, t.logprob) for t in r.tokens)))
+            live[r.seq_id].extend(t.token_id for t in r.tokens)
+            if r.tokens[-1].finish_reason:
+                engine.release([r.seq_id])
+                del live[r.seq_id]
+    engine.release(list(live))
+    return log
+
+
+def test_verify_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckpt_1b):
+    graphs = gpu_engine(ckpt_1b, num_kv_blocks=1024, fallback_graphs=True)  # the defaults: width graphs first
+    eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
+    a, b = verify_churn_workload(graphs), verify_churn_workload(eager)
+    assert a == b
+    s = graphs.info().graph_cache
+    print(f"verify churn with width fallback: {s}")
+    assert s.fallbacks > 0 and s.hits > s.misses
+
+
 def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
     def cycle(engine):
         groups = []
