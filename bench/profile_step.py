@@ -209,15 +209,19 @@ def profile_ttft(path, n: int = 24) -> None:
         return
     from torch.nn.attention import SDPBackend
     default, default_backends = ops.sdpa_min_tokens, ops.sdpa_backends
-    paths = (("paged", 1 << 30, None), ("sdpa", 0, None), ("flash", 0, [SDPBackend.FLASH_ATTENTION]))
-    print(f"\n== prefill wall ms (warm, median of 5): paged kernel, torch's fused attention as torch picks it, "
-          f"and restricted to FlashAttention; sdpa_min_tokens now {default}")
+    graphs = engine.graphs
+    paths = (("graph", 1 << 30, None, graphs), ("paged", 1 << 30, None, None), ("sdpa", 0, None, None),
+             ("flash", 0, [SDPBackend.FLASH_ATTENTION], None))
+    print(f"\n== prefill wall ms (warm, median of 5): the CUDA graph of the padded shape (paged kernel; forwards "
+          f"of up to {engine._prefill_staging.max_tokens} tokens), the paged kernel eagerly, torch's fused "
+          f"attention as torch picks it, and restricted to FlashAttention; sdpa_min_tokens now {default}")
     for batch, length in ((1, 128), (1, 512), (1, 1024), (1, 2048), (4, 256), (8, 512), (4, 2048)):
         walls = {}
-        for name, threshold, backends in paths:
+        for name, threshold, backends, engine.graphs in paths:
             ops.sdpa_min_tokens, ops.sdpa_backends = threshold, backends
             walls[name] = sorted(run(length, batch=batch) for _ in range(6))[2]
         print(f"  {batch}x{length:<5d} " + "  ".join(f"{k} {v:7.2f}" for k, v in walls.items()))
+    engine.graphs = graphs
     print("\n== prefill wall ms at new lengths >= sdpa_min_tokens (cold shapes for the fused attention)")
     for name, backends in (("as torch picks", None), ("FlashAttention only", [SDPBackend.FLASH_ATTENTION])):
         ops.sdpa_min_tokens, ops.sdpa_backends = 0, backends

@@ -1,7 +1,9 @@
 """ForwardBatch: everything one forward pass needs, built once per step and passed down."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +29,9 @@ class ForwardBatch:
     rope_scale_lens: list[int] | None = None  # per token, its sequence's seq_len (dynamic NTK only)
     logits_all_rows: bool = False  # logits_indices is every row in order (decode, verify)
     token_slots: torch.Tensor | None = None  # [real T] int64: the slot of each real token's sequence (prefill, verify)
+    # [W, 4] int32 on the device: the paged prefill attention's work list (prefill_work), padded with
+    # empty rows to a fixed length; given, attention reads it instead of the host lists (CUDA graphs).
+    prefill_work: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +101,118 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         logits_all_rows=not pad and num_logits == num_tokens and logits_idx == list(range(num_tokens)),
         token_slots=slots_t[seq_index[:num_tokens]],
     )
+
+
+PREFILL_ROWS = 64  # query rows per prefill attention work item (kernels_cu/prefill_attention.cu)
+
+
+def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
+    """The paged prefill attention's work list: one (sequence, first query token, rows, position of the
+    first row) per PREFILL_ROWS query rows; the queries of sequence b are the last query_len of its
+    seq_lens[b] keys. A row with 0 rows is empty work (a list padded to a fixed length)."""
+    work = []
+    for b, kv_len in enumerate(seq_lens):
+        start, end = query_start_loc[b], query_start_loc[b + 1]
+        first_pos = kv_len - (end - start)
+        for r in range(0, end - start, PREFILL_ROWS):
+            work.append((b, start + r, min(PREFILL_ROWS, end - start - r), first_pos + r))
+    return work
+
+
+def prefill_work_rows(num_tokens: int, num_seqs: int) -> int:
+    """The most work items a forward of num_tokens tokens over num_seqs sequences can have."""
+    return -(-num_tokens // PREFILL_ROWS) + num_seqs
+
+
+class PrefillStaging:
+    """The static device inputs of prefill forwards that replay CUDA graphs (Engine._prefill_forward).
+
+    A forward padded to T tokens over S sequence rows reads the first T (or S, or prefill_work_rows(T,
+    S)) entries of each region, so the addresses its graph captured never move. The host writes the
+    pinned mirror and queues one copy per buffer; before writing again it waits for the copies it
+    queued last time (a forward that samples nothing returns without a host sync)."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
+        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+        pinned = device.type == "cuda"
+        # Regions: ids, positions, cache slots, token slots [max_tokens each]; logits rows, slots [max_seqs each].
+        self.ints = torch.zeros(4 * max_tokens + 2 * max_seqs, dtype=torch.int64, device=device)
+        self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=pinned)
+        self.work = torch.zeros((prefill_work_rows(max_tokens, max_seqs), 4), dtype=torch.int32, device=device)
+        self.host_work = torch.zeros(self.work.shape, dtype=torch.int32, pin_memory=pinned)
+        self._copied = torch.cuda.Event() if pinned else None
+
+    def region(self, index: int, n: int, host: bool = False) -> torch.Tensor:
+        t = self.host_ints if host else self.ints
+        mt = self.max_tokens
+        start = index * mt if index < 4 else 4 * mt + (index - 4) * self.max_seqs
+        return t[start:start + n]
+
+    def upload(self) -> None:
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.work.copy_(self.host_work, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+
+    def wait_copied(self) -> None:
+        if self._copied is not None:
+            self._copied.synchronize()
+
+
+def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tensor, block_ids: list[list[int]],
+                               slots: list[int], starts: list[int], tokens: list[list[int]],
+                               logits_rows: list[list[int]], block_size: int, num_tokens: int,
+                               num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], ForwardBatch]]:
+    """build_extend_batch for a forward that may replay a CUDA graph: the inputs go to `staging`, padded
+    to num_tokens tokens and num_seqs sequence rows (the graph's shape), with the work list padded by
+    empty rows. Returns (the slot of each real token, the real tokens: both staged, for the eager ops
+    before the forward; and a function that builds the batch from the staged buffers with device ops
+    only, called inside the captured step). Cache slots are computed here from each sequence's block ids;
+    pad tokens get slot -1 (no cache write), pad sequence rows the table row of slots[0] (no work)."""
+    staging.wait_copied()
+    num_real_seqs = len(tokens)
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_real_seqs)
+    qsl_a = np.zeros(num_real_seqs + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl_a[1:])
+    n = int(qsl_a[-1])
+    seq_index = np.repeat(np.arange(num_real_seqs), lens)
+    starts_a = np.asarray(starts, dtype=np.int64)
+    positions = starts_a[seq_index] + np.arange(n) - qsl_a[:-1][seq_index]
+    logits_idx = [int(qsl_a[b]) + r for b, rows in enumerate(logits_rows) for r in rows]
+    ids_h, pos_h, cache_h, tslots_h = (staging.region(i, num_tokens, host=True).numpy() for i in range(4))
+    rows_h, slots_h = staging.region(4, num_seqs, host=True).numpy(), staging.region(5, num_seqs, host=True).numpy()
+    ids_h[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
+    ids_h[n:] = 0
+    pos_h[:n] = positions
+    pos_h[n:] = 0
+    for b, blocks in enumerate(block_ids):
+        lo, hi = int(qsl_a[b]), int(qsl_a[b + 1])
+        p = positions[lo:hi]
+        cache_h[lo:hi] = np.asarray(blocks, dtype=np.int64)[p // block_size] * block_size + p % block_size
+    cache_h[n:] = -1
+    slots_a = np.asarray(slots, dtype=np.int64)
+    tslots_h[:n] = slots_a[seq_index]
+    rows_h[:len(logits_idx)] = logits_idx
+    rows_h[len(logits_idx):] = 0
+    slots_h[:num_real_seqs] = slots_a
+    slots_h[num_real_seqs:] = slots_a[0]
+    work = prefill_work(qsl_a.tolist(), (starts_a + lens).tolist())
+    work_rows = prefill_work_rows(num_tokens, num_seqs)
+    work_h = staging.host_work.numpy()
+    work_h[:len(work)] = work
+    work_h[len(work):work_rows] = 0
+    staging.upload()
+
+    ids, pos, cache, tslots = (staging.region(i, num_tokens) for i in range(4))
+    rows, slots_t = staging.region(4, num_seqs), staging.region(5, num_seqs)
+    work_t = staging.work[:work_rows]
+
+    def make_batch() -> ForwardBatch:
+        return ForwardBatch(input_ids=ids, positions=pos, slot_mapping=cache, block_tables=block_table[slots_t],
+                            seq_lens=torch.empty(0, dtype=torch.int32, device=ids.device), logits_indices=rows,
+                            is_decode=False, query_start_loc=[], seq_lens_host=[], prefill_work=work_t)
+
+    return tslots[:n], ids[:n], make_batch
 
 
 def build_decode_batch(block_table: torch.Tensor, last_token: torch.Tensor, num_cached: torch.Tensor,

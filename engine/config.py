@@ -46,7 +46,8 @@ class EngineConfig:
     max_prefill_tokens: int = field(default=8192, metadata={"help": "tokens per prefill forward (chunk budget)"})
     max_top_logprobs: int = field(default=20, metadata={"help": "most top-n alternatives per token"})
     max_draft_tokens: int = field(default=16, metadata={"help": "most draft tokens per Verify item"})
-    max_graphs: int = field(default=256, metadata={"help": "most CUDA graphs held (LRU); every batch width can hold one"})
+    max_graphs: int = field(default=512, metadata={
+        "help": "most CUDA graphs held (LRU): room for every decode batch width and padded prefill shape"})
     capture_after: int = field(default=64, metadata={
         "help": "times a batch's slot vector is seen before it gets a decode graph of its own; until then the "
                 "step replays its batch width's graph (fallback_graphs), which differs only by one small copy, so "

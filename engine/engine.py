@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from engine import api
-from engine.batch import ForwardBatch, build_extend_batch
+from engine.batch import ForwardBatch, PrefillStaging, build_extend_batch, build_staged_prefill_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model import default_model_dir
 from engine.device import select_device, select_dtype
@@ -34,6 +34,11 @@ from engine.state import SlotState
 log = logging.getLogger(__name__)
 VERSION = "0.1.0"
 CPU_KV_BUDGET_BYTES = 256 << 20  # what a kv_cache_memory fraction is a fraction of, on CPU
+# Prefill forwards of at most this many (padded) tokens over at most PREFILL_GRAPH_SEQS sequences replay
+# CUDA graphs: a short prompt's forward is bound by its ~200-300 launches (bench/profile_step.py --only
+# ttft); from ~1k tokens on at 1B the device time hides them.
+PREFILL_GRAPH_TOKENS = 1024
+PREFILL_GRAPH_SEQS = 16
 
 
 class Engine:
@@ -65,6 +70,11 @@ class Engine:
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
         self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
         self._slot_staging = SlotStaging(config.max_batch_size, self.device)
+        self._prefill_staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
+                                               min(PREFILL_GRAPH_SEQS, config.max_batch_size), self.device)
+        # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
+        self._prefill_logits = torch.empty((self._prefill_staging.max_seqs, mc.vocab_size), dtype=torch.float32,
+                                           device=self.device)
         self.verify_outputs = VerifyOutputs(config.max_batch_size, config.max_draft_tokens, config.max_top_logprobs,
                                             self.device)
         if self.device.type == "cuda":
@@ -205,30 +215,51 @@ class Engine:
 
     def _prefill_forward(self, chunk: list[tuple[Sequence, int, bool]]) -> dict[int, api.TokenResult]:
         """One forward over chunk = [(sequence, tokens to compute, whether its prompt completes)]; samples
-        the first new token of each completing sequence."""
-        batch = build_extend_batch(
-            self.state.block_table, [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk],
-            [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk],
-            [[n - 1] if last else [] for _, n, last in chunk], self.block_size, self.device, self._dynamic_rope,
-            num_padded=self.ops.prefill_tokens(sum(n for _, n, _ in chunk)))
+        the first new token of each completing sequence. The forward is padded to a bucketed token
+        count (CudaOps.prefill_tokens); a small one replays the CUDA graph of its padded shape."""
+        num_tokens = self.ops.prefill_tokens(sum(n for _, n, _ in chunk))
+        slots, starts = [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk]
+        tokens = [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk]
+        logits_rows = [[n - 1] if last else [] for _, n, last in chunk]
+        staging = self._prefill_staging
+        graphed = self.graphs is not None and num_tokens <= staging.max_tokens and len(chunk) <= staging.max_seqs
+        if graphed:
+            num_seqs = 1 << (len(chunk) - 1).bit_length()  # sequence rows, padded to a power of two
+            token_slots, input_ids, make_batch = build_staged_prefill_batch(
+                staging, self.state.block_table, [s.block_ids for s, _, _ in chunk], slots, starts, tokens,
+                logits_rows, self.block_size, num_tokens, num_seqs)
+        else:
+            batch = build_extend_batch(self.state.block_table, slots, starts, tokens, logits_rows, self.block_size,
+                                       self.device, self._dynamic_rope, num_padded=num_tokens)
+            token_slots, input_ids = batch.token_slots, batch.input_ids[:batch.token_slots.shape[0]]
         # The prompt counts for repetition penalty (real tokens only: pads come after them).
-        self.state.mark_seen(batch.token_slots, batch.input_ids[:batch.token_slots.shape[0]])
+        self.state.mark_seen(token_slots, input_ids)
         to_sample = [seq for seq, _, last in chunk if last]
         if to_sample:  # uploaded before the forward is queued: a blocking copy would wait for all of it
-            slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
-                                            device=self.device)
-        logits = self.model.forward(batch)
+            sample_slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
+                                                   device=self.device)
+        if graphed:
+            logits_out = self._prefill_logits
+
+            def prepare():
+                return lambda: logits_out[:num_seqs].copy_(self.model.forward(make_batch()))
+
+            # Padded shapes recur (a few dozen in all): a graph is captured the first time one is needed.
+            self.graphs.run(("prefill", num_tokens, num_seqs), prepare, capture_after=1)
+            logits = logits_out[:len(to_sample)]
+        else:
+            logits = self.model.forward(batch)
         for seq, n, _ in chunk:
             seq.num_cached += n
         if not to_sample:
             return {}
         num_top = self._num_top(to_sample)
-        out = self.ops.sample(logits, self.state.sampling_rows(slots, positions), num_top)
+        out = self.ops.sample(logits, self.state.sampling_rows(sample_slots, positions), num_top)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
-        self.state.num_cached[slots] = positions.to(torch.int32)
-        self.state.last_token[slots] = out.token_ids
-        self.state.mark_seen(slots, out.token_ids)
+        self.state.num_cached[sample_slots] = positions.to(torch.int32)
+        self.state.last_token[sample_slots] = out.token_ids
+        self.state.mark_seen(sample_slots, out.token_ids)
         self.outputs.write(out, num_top)
         host = self.outputs.read(len(to_sample), num_top, self.streams)
         return {r.seq_id: r for r in self._commit(to_sample, *host)}
@@ -236,22 +267,31 @@ class Engine:
     def warm_up_prefill(self) -> int:
         """One prefill forward at each padded token count the backend runs prompts at (a few dozen on
         a GPU, CudaOps.prefill_tokens), so no request pays a shape's first-call costs: cuBLAS picks
-        its kernels per new GEMM shape, ~6 ms of host time per forward at 1B. Each runs one scratch
-        sequence, released after. Stops at the first size the KV cache cannot hold. Returns the
-        forwards run."""
+        its kernels per new GEMM shape, ~6 ms of host time per forward at 1B. With CUDA graphs, sizes
+        that replay graphs also run at every padded sequence count (1, 2, 4 .. PREFILL_GRAPH_SEQS), so
+        each shape's graph is captured here. Scratch sequences, released after. Stops at the first
+        size the KV cache cannot hold. Returns the forwards run."""
         limit = min(self.config.max_prefill_tokens, self.max_seq_len - 1)
-        done = 0
+        staging, done = self._prefill_staging, 0
         for size in self.ops.prefill_buckets(limit):
             n = min(size, limit)
-            try:
-                seq_id = self.alloc_sequence(n + 1, SamplingParams(), StoppingCriteria(max_new_tokens=1)).seq_id
-            except ResourceExhausted:
-                break
-            try:
-                self.prefill([api.PrefillItem(seq_id, [0] * n)])
-            finally:
-                self.release([seq_id])
-            done += 1
+            rows = [1]
+            while self.graphs is not None and n <= staging.max_tokens and rows[-1] * 2 <= min(staging.max_seqs, n):
+                rows.append(rows[-1] * 2)
+            for num_seqs in rows:
+                lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
+                seq_ids = []
+                try:
+                    for m in lengths:
+                        seq_ids.append(self.alloc_sequence(m + 1, SamplingParams(),
+                                                           StoppingCriteria(max_new_tokens=1)).seq_id)
+                    self.prefill([api.PrefillItem(i, [0] * m) for i, m in zip(seq_ids, lengths)])
+                except ResourceExhausted:
+                    return done
+                finally:
+                    if seq_ids:
+                        self.release(seq_ids)
+                done += 1
         return done
 
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:

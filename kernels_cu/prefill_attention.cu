@@ -11,8 +11,8 @@
 //   q [T, H, D] (heads contiguous, token stride q_stride elements); out [T, H, D] contiguous.
 //   k_cache / v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, bt_stride] int32.
 //   work [num_work, 4] int32, one row per block: (b, first query token in q, rows <= 64, position of the
-//   first row). The host builds it from its query_start_loc / seq_lens lists (engine/cuda/ops.py), so
-//   the grid is sized on the host: fine for prefill, which runs eagerly.
+//   first row), built on the host (engine.batch.prefill_work). A row with 0 rows is empty work, so a
+//   forward replayed from a CUDA graph pads its list to a fixed grid.
 //
 // Work split: block (work item w, query head h): 64 query rows of one head, 4 warps of 16 rows.
 // 64-token K/V tiles stream through shared memory with cp.async (2 stages) from the first key any row
@@ -45,6 +45,7 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const Vec16 item = reinterpret_cast<const Vec16*>(work)[blockIdx.x];
   const int b = (int)item.w[0], q_tok = (int)item.w[1], nrows = (int)item.w[2], q_pos0 = (int)item.w[3];
+  if (nrows <= 0) return;  // padding of a fixed-size work list (the whole block returns together)
   const int h = blockIdx.y;
   const int hkv = h / (H / Hkv);
   const int kv_hi = q_pos0 + nrows;  // keys [kv_lo, kv_hi)

@@ -192,8 +192,9 @@ def test_engine_info_reports_the_graph_cache_counters(tiny_model):
         tokens.append([[t.token_id for t in engine.decode(ids).tokens] for _ in range(4)]
                       + [[t.token_id for t in engine.decode(ids[:1]).tokens]])
         info = engine.info().graph_cache
-        if graphs:  # key (both slots): miss, miss + capture, hit, hit; then one slot: miss
-            assert (info.hits, info.misses, info.captures, info.graphs_held, info.pool_bytes) == (2, 3, 1, 1, 4096)
+        if graphs:  # the prefill's shape: miss + capture; decode key (both slots): miss, miss + capture, hit,
+            # hit; then one slot: miss
+            assert (info.hits, info.misses, info.captures, info.graphs_held, info.pool_bytes) == (2, 4, 2, 2, 4096)
             engine.decode(ids)
             assert engine.info().graph_cache.hits == 3 and info.hits == 2  # a snapshot, not a live view
         else:
@@ -242,7 +243,7 @@ def test_batch_width_fallback_graph_serves_a_churning_batch_exactly(tiny_model):
         engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
         assert churn(engine) == eager
         stats[fallback] = s = engine.info().graph_cache
-        assert s.hits + s.misses == len(eager)
+        assert s.hits + s.misses == len(eager) + len(prompts)  # every decode step and prefill forward
     assert stats[False].fallbacks == 0 < stats[True].fallbacks
     assert stats[True].hits > stats[False].hits, stats  # more of the churning steps replay a graph
 
@@ -283,5 +284,45 @@ def test_width_fallback_graph_serves_churning_verify_steps_exactly(tiny_model):
     engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=4)
     assert churn(engine) == eager
     s = engine.info().graph_cache
-    assert s.fallbacks > 0 and s.hits + s.misses == len(eager)
+    assert s.fallbacks > 0 and s.hits + s.misses == len(eager) + len(prompts)  # verify steps and prefills
     assert s.hits > s.misses, s  # the width graphs are replayed for most steps
+
+
+def test_replayed_prefill_graphs_equal_eager_prefill(tiny_model):
+    """Short prefill forwards replay the graph of their padded shape (tokens, sequence rows), reading
+    inputs staged in static buffers: prompts of the same padded shape in later calls, chunked prompts
+    continuing a cached prefix, and pad rows change nothing: the same first tokens, log-probs, KV cache
+    and seen tokens as eager prefill, and the same decode after."""
+    import torch
+
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    rounds = [random_prompts([5, 17, 9], 512, seed=3), random_prompts([7, 12, 11], 512, seed=4),
+              random_prompts([20], 512, seed=5)]
+    runs = []
+    for graphs in (False, True):
+        engine = Engine(engine_config(tiny_model))
+        engine.ops.prefill_tokens = lambda n: -(-n // 16) * 16  # bucketed like CudaOps, so shapes recur
+        if graphs:
+            engine.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=2)
+        greedy, stop = SamplingParams(), StoppingCriteria(max_new_tokens=4, ignore_eos=True)
+        firsts, steps = [], []
+        for prompts in rounds:
+            ids = [engine.alloc_sequence(48, greedy, stop).seq_id for _ in prompts]
+            engine.prefill([PrefillItem(ids[0], prompts[0][:3], partial=True)])  # a chunk, then the rest
+            firsts += [(t.token_id, t.logprob) for t in engine.prefill(
+                [PrefillItem(ids[0], prompts[0][3:])] + [PrefillItem(i, p) for i, p in zip(ids[1:], prompts[1:])]).tokens]
+            steps += [[t.token_id for t in engine.decode(ids).tokens] for _ in range(2)]
+            engine.release(ids)
+        runs.append((firsts, steps, engine.kv.k[0].clone(), engine.kv.v[-1].clone(), engine.state.seen.clone(),
+                     engine.info().graph_cache))
+    (first0, steps0, k0, v0, seen0, _), (first1, steps1, k1, v1, seen1, stats) = runs
+    assert [t for t, _ in first0] == [t for t, _ in first1] and steps0 == steps1
+    assert [lp for _, lp in first0] == pytest.approx([lp for _, lp in first1], abs=1e-5)
+    assert torch.equal(k0, k1) and torch.equal(v0, v1) and torch.equal(seen0, seen1)
+    # Prefill shapes: (16 tokens, 1 row) for each 3-token chunk and for the last round's 17 remaining
+    # tokens is (32, 1); the three-prompt calls are (32 or 48 tokens, 4 rows). Later rounds replay.
+    assert stats.captures >= 3 and stats.hits >= 2, stats

@@ -264,3 +264,25 @@ def test_warm_up_prefill_runs_each_bucket_once_and_leaves_nothing_allocated(tiny
     small = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=10))  # 160 tokens of KV
     small.ops.prefill_buckets = engine.ops.prefill_buckets
     assert small.warm_up_prefill() == 2  # 64 and 128 fit; 192 does not: it stops there
+
+
+def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
+    """With CUDA graphs, warm-up also runs each padded size that replays graphs at 1, 2, 4 .. 16 sequence
+    rows, so every prefill graph is captured before the first request, which then replays one."""
+    from conftest import engine_config
+    from engine.api import PrefillItem
+    from engine.cuda.graphs import GraphCache
+    from engine.engine import Engine
+    from test_graph_cache import ExecBackend
+
+    engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=256))
+    engine.graphs = GraphCache(ExecBackend(), max_graphs=64, capture_after=2)
+    engine.ops.prefill_tokens = lambda n: -(-n // 64) * 64
+    engine.ops.prefill_buckets = lambda limit: list(range(64, limit + 64, 64))
+    free = engine.info().free_blocks
+    assert engine.warm_up_prefill() == 5 * 5  # sizes 64 .. 320, each at 1, 2, 4, 8 and 16 sequences
+    s = engine.info().graph_cache
+    assert s.captures == s.graphs_held == 25 and engine.info().free_blocks == free
+    ids = [engine.alloc_sequence(80, SamplingParams(), StoppingCriteria(max_new_tokens=2)).seq_id for _ in range(3)]
+    engine.prefill([PrefillItem(i, [5] * 40) for i in ids])  # 120 tokens, 3 sequences: shape (128, 4)
+    assert engine.info().graph_cache.hits == s.hits + 1 and engine.info().graph_cache.captures == 25

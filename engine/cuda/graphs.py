@@ -1,4 +1,5 @@
-"""GraphCache: CUDA graphs of decode (and verify) steps, keyed by the batch's slot vector.
+"""GraphCache: CUDA graphs of decode and verify steps, keyed by the batch's slot vector (or width), and
+of short prefill forwards, keyed by their padded shape.
 
 All CUDA-graph logic lives here. A key is the sorted tuple of the batch's slots plus whatever else
 fixes the step's shapes (the top-logprob count, the draft length); callers permute results back to
@@ -8,6 +9,7 @@ request order. Policy:
   fallback, through a graph keyed by the step's shape alone (the batch width) that reads the slot
   vector from a staging buffer the caller writes first. A fallback key is captured the first time
   it is needed: one graph serves every batch of its width, so it is never wasted on churn;
+- keys of a few recurring shapes (padded prefill forwards) are captured the first time too;
 - the admission counts remember the last `max_seen` keys (a churning batch makes new keys without
   end, and a key not seen for that long is not worth a graph);
 - at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
@@ -70,7 +72,8 @@ class GraphCache:
         return len(self._graphs)
 
     def run(self, key: Hashable, prepare: Callable[[], Callable[[], None]],
-            fallback: tuple[Hashable, Callable[[], Callable[[], None]], Callable[[], None]] | None = None) -> bool:
+            fallback: tuple[Hashable, Callable[[], Callable[[], None]], Callable[[], None]] | None = None,
+            capture_after: int | None = None) -> bool:
         """Runs the step for `key`: replays its graph, or captures one, or runs it eagerly. Returns True
         when a graph ran. prepare() (called only when no graph is held) builds the step's inputs and
         returns the step; a captured graph keeps that step (and the inputs it holds) alive. The step
@@ -78,8 +81,11 @@ class GraphCache:
 
         fallback = (its key, its prepare, stage): while `key` is held by no graph and not yet due for
         capture, stage() writes this step's inputs where the fallback step reads them, and the fallback
-        key runs instead (replayed, or captured at once); counted in stats.fallbacks."""
-        return self._run(key, prepare, fallback, self.capture_after)
+        key runs instead (replayed, or captured at once); counted in stats.fallbacks.
+
+        capture_after: this key's admission threshold instead of the cache's (1 for keys of a few
+        recurring shapes, such as a padded prefill forward's)."""
+        return self._run(key, prepare, fallback, capture_after or self.capture_after)
 
     def _run(self, key: Hashable, prepare: Callable[[], Callable[[], None]], fallback, capture_after: int) -> bool:
         self._reap()

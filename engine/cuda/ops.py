@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import sampling
-from engine.batch import ForwardBatch, decode_batch
+from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
     CudaError,
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     from engine.engine import StepOutputs
     from engine.state import SlotState
 
-PREFILL_ROWS = 64  # query rows per prefill attention block (kernels_cu/prefill_attention.cu)
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
@@ -177,12 +176,18 @@ class CudaOps(TorchOps):
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                          scale: float, sliding_window: int = 0) -> torch.Tensor:
-        """Forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
+                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None) -> torch.Tensor:
+        """With `work` (a staged, padded work list: a forward replayed from a CUDA graph), the paged
+        kernel runs it as given. Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
         run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
         everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
         kernels_cu/prefill_attention.cu: one launch per layer and no gathers, which short prompts,
         bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
+        if work is not None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
+                                       sliding_window)
+            return out
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
         if (fresh and q.shape[0] >= self.sdpa_min_tokens
@@ -369,16 +374,4 @@ def _kv_index(block_tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, 
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
-def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
-    """One (sequence, first query token, rows, position of the first row) per 64 query rows: the
-    queries of sequence b are the last query_len of its seq_lens[b] keys."""
-    work = []
-    for b, kv_len in enumerate(seq_lens):
-        start, end = query_start_loc[b], query_start_loc[b + 1]
-        first_pos = kv_len - (end - start)
-        for r in range(0, end - start, PREFILL_ROWS):
-            work.append((b, start + r, min(PREFILL_ROWS, end - start - r), first_pos + r))
-    return work
-
-
-__all__ = ["CudaOps", "KernelArgError", "prefill_bucket", "prefill_work"]
+__all__ = ["CudaOps", "KernelArgError", "prefill_bucket"]

@@ -60,7 +60,7 @@ class LlamaModel:
             else:
                 attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens_host, self.scale,
-                                             cfg.sliding_window)
+                                             cfg.sliding_window, batch.prefill_work)
             ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj)
             ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down)
         rows = None if batch.logits_all_rows else batch.logits_indices

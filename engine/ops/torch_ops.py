@@ -138,16 +138,21 @@ class TorchOps:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                          scale: float, sliding_window: int = 0) -> torch.Tensor:
+                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None) -> torch.Tensor:
         """Several query tokens per sequence, causal over the cached prefix and the new tokens.
         Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]], at the last positions of
-        its seq_lens[b] keys. Host lists: they size the work. Returns [T, H, D]."""
+        its seq_lens[b] keys. Host lists: they size the work. Or, given `work` (engine.batch.prefill_work
+        rows on the device, empty rows ignored), each row's queries against the keys up to its last
+        one. Returns [T, H, D]."""
         out = torch.empty_like(q)
         num_heads, head_dim = q.shape[1:]
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        for b, kv_len in enumerate(seq_lens):
-            start, end = query_start_loc[b], query_start_loc[b + 1]
+        if work is not None:  # the same attention, by work row: (b, first query, rows, its position)
+            items = [(b, q0, q0 + rows, pos0 + rows) for b, q0, rows, pos0 in work.tolist() if rows]
+        else:
+            items = [(b, query_start_loc[b], query_start_loc[b + 1], n) for b, n in enumerate(seq_lens)]
+        for b, start, end, kv_len in items:
             num_blocks = -(-kv_len // block_size)
             table = block_tables[b, :num_blocks].long()
             k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()

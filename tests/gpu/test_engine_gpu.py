@@ -125,7 +125,8 @@ def test_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckpt_1b):
     assert a == b
     s = graphs.info().graph_cache
     print(f"churn with width fallback: {s}")
-    assert s.fallbacks > 0 and s.hits > s.misses and s.hits + s.misses == 200
+    prefills = sum(1 for entry in a if entry[0] == "prefill")
+    assert s.fallbacks > 0 and s.hits > s.misses and s.hits + s.misses == 200 + prefills
 
 
 def verify_churn_workload(engine: Engine, steps: int = 120, seed: int = 1) -> list[tuple]:
@@ -163,6 +164,37 @@ def test_verify_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckp
     s = graphs.info().graph_cache
     print(f"verify churn with width fallback: {s}")
     assert s.fallbacks > 0 and s.hits > s.misses
+
+
+def prefill_rounds(engine: Engine, vocab: int) -> tuple[list, list, torch.Tensor]:
+    """Prefill calls of 1-5 prompts (one chunked: a partial chunk, then the rest), shapes recurring
+    across rounds, then two decode steps each; returns the first tokens with log-probs, the decoded
+    tokens and a checksum of layer 0's KV cache."""
+    firsts, steps = [], []
+    for r, lengths in enumerate([[7, 100, 33], [5, 90, 40], [300], [1, 2, 3, 4, 5], [600, 100], [70, 110, 20]]):
+        ps = prompts(lengths, vocab, seed=r)
+        ids = [engine.alloc_sequence(len(p) + 4, SamplingParams(), GREEDY).seq_id for p in ps]
+        engine.prefill([PrefillItem(ids[0], ps[0][:len(ps[0]) // 2], partial=True)])
+        firsts += [(t.token_id, t.logprob) for t in engine.prefill(
+            [PrefillItem(ids[0], ps[0][len(ps[0]) // 2:])] + [PrefillItem(i, p) for i, p in zip(ids[1:], ps[1:])]).tokens]
+        steps += [[t.token_id for t in engine.decode(ids).tokens] for _ in range(2)]
+        engine.release(ids)
+    return firsts, steps, engine.kv.k[0].float().sum(dtype=torch.float64)
+
+
+def test_prefill_graphs_match_eager_prefill(ckpt_1b):
+    """Short prefill forwards replay the graph of their padded shape, reading staged inputs and a padded
+    work list: the same first tokens, log-probs, KV cache and decode after as eager prefill."""
+    graphs = gpu_engine(ckpt_1b, num_kv_blocks=1024)
+    eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
+    vocab = graphs.model_config.vocab_size
+    (fa, sa, ka), (fb, sb, kb) = prefill_rounds(graphs, vocab), prefill_rounds(eager, vocab)
+    s = graphs.info().graph_cache
+    diff = max(abs(x[1] - y[1]) for x, y in zip(fa, fb))
+    print(f"prefill graphs: {s}; largest first-token log-prob difference {diff:.2e}; KV checksums {ka} {kb}")
+    assert [t for t, _ in fa] == [t for t, _ in fb] and sa == sb
+    assert diff < 1e-3 and abs(ka - kb) <= 1e-6 * abs(kb)
+    assert s.captures >= 4 and s.hits > 0
 
 
 def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):

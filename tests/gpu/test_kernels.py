@@ -285,7 +285,7 @@ PREFILL_CASES = [
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seqs,H,Hkv,D,bs,window", PREFILL_CASES)
 def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
-    from engine.cuda.ops import prefill_work
+    from engine.batch import prefill_work
     seq_lens = [c + n for c, n in seqs]
     qsl = [0]
     for _, n in seqs:
