@@ -244,8 +244,10 @@ class Engine:
             def prepare():
                 return lambda: logits_out[:num_seqs].copy_(self.model.forward(make_batch()))
 
-            # Padded shapes recur (a few dozen in all): a graph is captured the first time one is needed.
-            self.graphs.run(("prefill", num_tokens, num_seqs), prepare, capture_after=1)
+            # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run,
+            # eager, loads the kernels and lets cuBLAS pick its own, which must not happen in a capture
+            # (a prefill shape captured first time invalidated the capture on the H200).
+            self.graphs.run(("prefill", num_tokens, num_seqs), prepare, capture_after=2)
             logits = logits_out[:len(to_sample)]
         else:
             logits = self.model.forward(batch)
@@ -268,9 +270,9 @@ class Engine:
         """One prefill forward at each padded token count the backend runs prompts at (a few dozen on
         a GPU, CudaOps.prefill_tokens), so no request pays a shape's first-call costs: cuBLAS picks
         its kernels per new GEMM shape, ~6 ms of host time per forward at 1B. With CUDA graphs, sizes
-        that replay graphs also run at every padded sequence count (1, 2, 4 .. PREFILL_GRAPH_SEQS), so
-        each shape's graph is captured here. Scratch sequences, released after. Stops at the first
-        size the KV cache cannot hold. Returns the forwards run."""
+        that replay graphs run at every padded sequence count (1, 2, 4 .. PREFILL_GRAPH_SEQS), twice
+        each, so each shape's graph is captured here. Scratch sequences, released after. Stops at the
+        first size the KV cache cannot hold. Returns the shapes run."""
         limit = min(self.config.max_prefill_tokens, self.max_seq_len - 1)
         staging, done = self._prefill_staging, 0
         for size in self.ops.prefill_buckets(limit):
@@ -278,19 +280,21 @@ class Engine:
             rows = [1]
             while self.graphs is not None and n <= staging.max_tokens and rows[-1] * 2 <= min(staging.max_seqs, n):
                 rows.append(rows[-1] * 2)
+            graphed = len(rows) > 1 or (self.graphs is not None and n <= staging.max_tokens)
             for num_seqs in rows:
                 lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
-                seq_ids = []
-                try:
-                    for m in lengths:
-                        seq_ids.append(self.alloc_sequence(m + 1, SamplingParams(),
-                                                           StoppingCriteria(max_new_tokens=1)).seq_id)
-                    self.prefill([api.PrefillItem(i, [0] * m) for i, m in zip(seq_ids, lengths)])
-                except ResourceExhausted:
-                    return done
-                finally:
-                    if seq_ids:
-                        self.release(seq_ids)
+                for _ in range(2 if graphed else 1):
+                    seq_ids = []
+                    try:
+                        for m in lengths:
+                            seq_ids.append(self.alloc_sequence(m + 1, SamplingParams(),
+                                                               StoppingCriteria(max_new_tokens=1)).seq_id)
+                        self.prefill([api.PrefillItem(i, [0] * m) for i, m in zip(seq_ids, lengths)])
+                    except ResourceExhausted:
+                        return done
+                    finally:
+                        if seq_ids:
+                            self.release(seq_ids)
                 done += 1
         return done
 

@@ -40,6 +40,9 @@ class FakeBackend:
     def pool_bytes(self):
         return 1000 * (len(self.captured) - len(self.destroyed))
 
+    def recoverable(self, error):
+        return "out of memory" in str(error)
+
 
 def run(cache, key, log):
     return cache.run(key, lambda: (lambda: log.append(key)))
@@ -136,6 +139,19 @@ def test_admission_counts_remember_only_the_last_max_seen_keys():
     assert backend.captured == [1]
 
 
+def test_an_unrecoverable_capture_failure_stops_captures_but_not_replays():
+    backend, eager = FakeBackend(), []
+    cache = GraphCache(backend, max_graphs=4, capture_after=1)
+    a, b, c = (GraphCache.key_for([i]) for i in range(3))
+    assert run(cache, a, eager) is True
+    backend.capture = lambda step: (_ for _ in ()).throw(RuntimeError("operation not permitted when stream is capturing"))
+    assert run(cache, b, eager) is False and eager == [b] and cache.capture_disabled
+    del backend.capture  # captures would work again, but the cache no longer tries
+    assert run(cache, c, eager) is False and eager == [b, c] and c not in cache
+    assert run(cache, a, eager) is True  # the graph held before still replays
+    assert cache.stats.capture_failures == 1
+
+
 def test_clear_destroys_everything():
     backend, eager = FakeBackend(), []
     cache = GraphCache(backend, max_graphs=3, capture_after=1)
@@ -170,6 +186,9 @@ class ExecBackend:
 
     def pool_bytes(self):
         return 4096
+
+    def recoverable(self, error):
+        return True
 
 
 def test_engine_info_reports_the_graph_cache_counters(tiny_model):

@@ -15,6 +15,8 @@ request order. Policy:
 - at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
   the device has finished every replay of it (each replay records an event);
 - a capture that fails (out of memory, anything) is logged and counted, and the step runs eagerly;
+  after a failure the backend cannot vouch for (anything but out of memory on a GPU) no more graphs
+  are captured;
 - all graphs share one memory pool; the step functions copy their outputs into buffers allocated
   outside it (the caller's static output buffers).
 
@@ -38,6 +40,7 @@ class GraphBackend(Protocol):
     def is_done(self, marker: Any) -> bool: ...  # has the device finished that replay?
     def destroy(self, graph: Any) -> None: ...
     def pool_bytes(self) -> int: ...
+    def recoverable(self, error: Exception) -> bool: ...  # may captures go on after this capture failure?
 
 
 @dataclass
@@ -58,6 +61,7 @@ class GraphCache:
         self._graphs: collections.OrderedDict[Hashable, _Entry] = collections.OrderedDict()  # LRU first
         self._seen: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # least recently seen first
         self._retired: list[_Entry] = []  # evicted, waiting for their last replay to finish
+        self.capture_disabled = False  # set by a capture failure the backend cannot recover from
         self.stats = GraphStats()
 
     @staticmethod
@@ -106,7 +110,7 @@ class GraphCache:
             return self._run(fallback_key, fallback_prepare, None, 1)
         self.stats.misses += 1
         step = prepare()
-        if seen < capture_after:
+        if seen < capture_after or self.capture_disabled:
             step()
             return False
         t0 = time.perf_counter()
@@ -115,8 +119,13 @@ class GraphCache:
         except Exception as e:  # noqa: BLE001 - any capture failure degrades to eager, never fails the step
             self.stats.capture_failures += 1
             self._seen.pop(key, None)
-            log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key), type(e).__name__, e,
-                        exc_info=log.isEnabledFor(logging.DEBUG))
+            if self.backend.recoverable(e):
+                log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key),
+                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            else:
+                self.capture_disabled = True
+                log.error("CUDA graph capture failed for %s (%s: %s); it may have left the capture state broken, so "
+                          "no more graphs are captured (held ones still replay)", _short(key), type(e).__name__, e)
             step()
             return False
         self.stats.captures += 1
@@ -205,6 +214,10 @@ class TorchGraphBackend:
 
     def destroy(self, graph) -> None:
         graph.reset()
+
+    def recoverable(self, error: Exception) -> bool:
+        """Out of memory leaves the capture state clean; other errors (an invalidated capture) may not."""
+        return isinstance(error, self.torch.OutOfMemoryError)
 
     def pool_bytes(self) -> int:
         """Bytes of the device segments the shared graph pool holds (the allocator's snapshot), or the

@@ -171,7 +171,7 @@ def prefill_rounds(engine: Engine, vocab: int) -> tuple[list, list, torch.Tensor
     across rounds, then two decode steps each; returns the first tokens with log-probs, the decoded
     tokens and a checksum of layer 0's KV cache."""
     firsts, steps = [], []
-    for r, lengths in enumerate([[7, 100, 33], [5, 90, 40], [300], [1, 2, 3, 4, 5], [600, 100], [70, 110, 20]]):
+    for r, lengths in enumerate([[7, 100, 33], [5, 90, 40], [300], [2, 1, 3, 4, 5], [600, 100], [70, 110, 20], [7, 100, 33]]):
         ps = prompts(lengths, vocab, seed=r)
         ids = [engine.alloc_sequence(len(p) + 4, SamplingParams(), GREEDY).seq_id for p in ps]
         engine.prefill([PrefillItem(ids[0], ps[0][:len(ps[0]) // 2], partial=True)])
@@ -194,7 +194,7 @@ def test_prefill_graphs_match_eager_prefill(ckpt_1b):
     print(f"prefill graphs: {s}; largest first-token log-prob difference {diff:.2e}; KV checksums {ka} {kb}")
     assert [t for t, _ in fa] == [t for t, _ in fb] and sa == sb
     assert diff < 1e-3 and abs(ka - kb) <= 1e-6 * abs(kb)
-    assert s.captures >= 4 and s.hits > 0
+    assert s.captures >= 2 and s.hits > 0 and s.capture_failures == 0
 
 
 def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
