@@ -637,7 +637,7 @@ class Engine:
         if self.streams is not None:
             self.outputs.host.clear()  # pinned buffers the compute stream copied into go before the stream
             self.verify_outputs.host.clear()
-            self._slot_staging = None
+            self._slot_staging = self._prefill_staging = None
             self.streams.close()
 
 
