@@ -380,17 +380,22 @@ def free_port() -> int:
 
 
 def spawn_worker(model: str, engine_flags: list[str], env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts `metrale-worker serve` on a free port (env: extra environment variables); returns it once healthy."""
+    """Starts `metrale-worker serve` on a free port (env: extra environment variables); returns it once
+    healthy. Its log goes to a file (proc.log_path), never to a pipe nobody reads: a worker that logs
+    more than a pipe holds would block on it."""
     port = free_port()
+    log_file = tempfile.NamedTemporaryFile("w+", prefix="metrale-worker-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--model", model, "--host", "127.0.0.1",
                              "--port", str(port), *engine_flags], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                            stderr=log_file, text=True, env={**os.environ, **(env or {})})
+    proc.log_path = log_file.name
+    log_file.close()
     from worker.client import WorkerClient
     client = WorkerClient(f"127.0.0.1:{port}", timeout=5)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"worker exited: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"worker exited: {pathlib.Path(proc.log_path).read_text()[-2000:]}")
         try:
             if client.health() == 1:
                 return proc, f"127.0.0.1:{port}"
@@ -511,6 +516,10 @@ def main(argv=None) -> int:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
+            warnings = [line for line in pathlib.Path(proc.log_path).read_text().splitlines()
+                        if " WARNING " in line or " ERROR " in line]
+            print(f"worker log {proc.log_path}: {len(warnings)} warnings/errors" +
+                  "".join(f"\n  {line[:300]}" for line in warnings[:5]))
 
 
 def _has_cuda() -> bool:
