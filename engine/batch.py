@@ -1,7 +1,6 @@
 """ForwardBatch: everything one forward pass needs, built once per step and passed down."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
