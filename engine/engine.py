@@ -277,10 +277,10 @@ class Engine:
         staging, done = self._prefill_staging, 0
         for size in self.ops.prefill_buckets(limit):
             n = min(size, limit)
+            graphed = self.graphs is not None and size <= staging.max_tokens  # the padded size replays graphs
             rows = [1]
-            while self.graphs is not None and n <= staging.max_tokens and rows[-1] * 2 <= min(staging.max_seqs, n):
+            while graphed and rows[-1] * 2 <= min(staging.max_seqs, n):
                 rows.append(rows[-1] * 2)
-            graphed = len(rows) > 1 or (self.graphs is not None and n <= staging.max_tokens)
             for num_seqs in rows:
                 lengths = [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)]
                 for _ in range(2 if graphed else 1):
