@@ -37,6 +37,20 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
+def _extend_index(starts: list[int], tokens: list[list[int]], logits_rows: list[list[int]]) -> tuple:
+    """The host-side index arithmetic of an extend forward, in numpy (a prompt can be thousands of
+    tokens): (query start offsets [B + 1], the sequence of each token [T], each token's position [T],
+    each sequence's length after the forward [B], the logits rows as a list)."""
+    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=len(tokens))
+    qsl = np.zeros(len(tokens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=qsl[1:])
+    seq_index = np.repeat(np.arange(len(tokens)), lens)
+    starts_a = np.asarray(starts, dtype=np.int64)
+    positions = starts_a[seq_index] + np.arange(int(qsl[-1])) - qsl[:-1][seq_index]
+    logits_idx = [int(qsl[b]) + r for b, rows in enumerate(logits_rows) for r in rows]
+    return qsl, seq_index, positions, starts_a + lens, logits_idx
+
+
 def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list[int],
                        tokens: list[list[int]], logits_rows: list[list[int]], block_size: int,
                        device: torch.device, need_scale_lens: bool, per_token: bool = False,
@@ -55,17 +69,12 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one upload of
     # everything: each pageable copy waits for the device work queued before it.
     num_seqs = len(tokens)
-    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_seqs)
-    qsl_a = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl_a[1:])
+    qsl_a, seq_index_a, positions_a, kv_lens, logits_idx = _extend_index(starts, tokens, logits_rows)
     num_tokens = int(qsl_a[-1])
-    seq_index_a = np.repeat(np.arange(num_seqs), lens)
-    starts_a = np.asarray(starts, dtype=np.int64)
+    seq_lens_a = kv_lens
     pad = max(0, num_padded - num_tokens)
-    qsl, seq_lens_a = qsl_a.tolist(), starts_a + lens
-    logits_idx = [qsl[b] + r for b, rows in enumerate(logits_rows) for r in rows]
+    qsl = qsl_a.tolist()
     num_logits = len(logits_idx)
-    positions_a = starts_a[seq_index_a] + np.arange(num_tokens) - qsl_a[:-1][seq_index_a]
     if per_token:
         qsl, seq_lens_a = list(range(num_tokens + 1)), positions_a + 1
     # One int64 buffer: ids, positions, sequence of each token [T each], logits rows [N], slots [B],
@@ -96,7 +105,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         is_decode=per_token,
         query_start_loc=qsl,
         seq_lens_host=seq_lens_a.tolist(),
-        rope_scale_lens=(starts_a + lens)[seq_index_a].tolist() + [1] * pad if need_scale_lens else None,
+        rope_scale_lens=kv_lens[seq_index_a].tolist() + [1] * pad if need_scale_lens else None,
         logits_all_rows=not pad and num_logits == num_tokens and logits_idx == list(range(num_tokens)),
         token_slots=slots_t[seq_index[:num_tokens]],
     )
@@ -170,14 +179,8 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     pad tokens get slot -1 (no cache write), pad sequence rows the table row of slots[0] (no work)."""
     staging.wait_copied()
     num_real_seqs = len(tokens)
-    lens = np.fromiter(map(len, tokens), dtype=np.int64, count=num_real_seqs)
-    qsl_a = np.zeros(num_real_seqs + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl_a[1:])
+    qsl_a, seq_index, positions, seq_lens, logits_idx = _extend_index(starts, tokens, logits_rows)
     n = int(qsl_a[-1])
-    seq_index = np.repeat(np.arange(num_real_seqs), lens)
-    starts_a = np.asarray(starts, dtype=np.int64)
-    positions = starts_a[seq_index] + np.arange(n) - qsl_a[:-1][seq_index]
-    logits_idx = [int(qsl_a[b]) + r for b, rows in enumerate(logits_rows) for r in rows]
     ids_h, pos_h, cache_h, tslots_h = (staging.region(i, num_tokens, host=True).numpy() for i in range(4))
     rows_h, slots_h = staging.region(4, num_seqs, host=True).numpy(), staging.region(5, num_seqs, host=True).numpy()
     ids_h[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
@@ -195,7 +198,7 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     rows_h[len(logits_idx):] = 0
     slots_h[:num_real_seqs] = slots_a
     slots_h[num_real_seqs:] = slots_a[0]
-    work = prefill_work(qsl_a.tolist(), (starts_a + lens).tolist())
+    work = prefill_work(qsl_a.tolist(), seq_lens.tolist())
     work_rows = prefill_work_rows(num_tokens, num_seqs)
     work_h = staging.host_work.numpy()
     work_h[:len(work)] = work
