@@ -17,10 +17,10 @@ the first token); inter-token latency p50/p99 (between a sequence's consecutive 
 per step: how long the router waited for the step, from when it was sent or the previous step's
 reply arrived (the later of the two), minus the worker's forward_ns; steps during whose wait a
 Prefill reply arrived are left out. With one call in flight this is the call's wall time minus
-forward_ns. Also the median forward_ns itself (the worker's host time around the device step: a
-busy worker process stretches it).
-The in-process run drives the same scheduler (one step at a time) against Engine directly, so
-gRPC's share is the difference.
+forward_ns. Also the median forward_ns itself (the step's device time on a GPU, its host time on CPU).
+The in-process run drives the same scheduler against Engine directly, with the deepest --pipeline
+(the engine queues a Decode's step behind the running one, as the worker does), so gRPC's share is
+the difference.
 
     python bench/load.py --shape tiny --concurrency 1 4 16 64 128             # spawns a worker
     python bench/load.py --target localhost:50051 --concurrency 32              # an existing worker
@@ -30,6 +30,7 @@ Writes bench/results/load-<date>-<device>.json and PNG plots beside it (--out to
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -150,17 +151,39 @@ class GrpcBackend:
 
 
 class EngineBackend:
-    """The same calls on Engine in this process: each runs at once and posts its reply."""
+    """The same calls on Engine in this process: each runs at once and posts its reply, except Decode,
+    which launches its step (Engine.decode_launch) the way the worker does; a step's reply is posted
+    when the router waits for it or a later call has finished it."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.events = self  # the router calls events.get()
+        self._replies: collections.deque = collections.deque()
+        self._steps: collections.deque = collections.deque()  # (tag, launched step), oldest first
+
+    def get(self):
+        """The next reply; with none waiting, the oldest launched step's (waiting for it)."""
+        self._post_steps(wait=not self._replies)
+        return self._replies.popleft()
+
+    def _post_steps(self, wait: bool = False) -> None:
+        while self._steps and (wait or self._steps[0][1].done):
+            tag, step = self._steps.popleft()
+            wait = False
+            try:
+                r = self.engine.finish(step)
+                reply = [(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns
+            except Exception as e:  # noqa: BLE001 - the router raises it
+                reply = e
+            self._replies.append(("decode", tag, reply))
 
     def _post(self, kind: str, tag, fn) -> None:
         try:
-            self.events.put((kind, tag, fn()))
+            reply = fn()
         except Exception as e:  # noqa: BLE001 - the router raises it
-            self.events.put((kind, tag, e))
+            reply = e
+        self._post_steps()  # steps the call finished first
+        self._replies.append((kind, tag, reply))
 
     def alloc(self, tag, total: int, max_new: int) -> None:
         from engine.sampling import SamplingParams, StoppingCriteria
@@ -176,10 +199,11 @@ class EngineBackend:
         self._post("prefill", tag, run)
 
     def decode(self, tag, ids) -> None:
-        def run():
-            r = self.engine.decode(ids)
-            return [(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns
-        self._post("decode", tag, run)
+        try:
+            self._steps.append((tag, self.engine.decode_launch(ids)))
+        except Exception as e:  # noqa: BLE001 - the router raises it
+            self._post_steps()
+            self._replies.append(("decode", tag, e))
 
     def verify(self, tag, items) -> None:
         from engine.api import VerifyItem
@@ -580,8 +604,9 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
             ref = None
             if engine is not None:
                 eb = EngineBackend(engine)
-                run_level(eb, reqs[:min(n, 2 * c)], c, args.spec)  # warm-up
-                ref = (run_level(eb, reqs, c, args.spec)).summary()
+                depth = max(args.pipeline)  # the engine queues a step behind the running one as the worker does
+                run_level(eb, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
+                ref = (run_level(eb, reqs, c, args.spec, pipeline=depth)).summary()
                 results["in_process"].append(ref)
             for depth in args.pipeline:
                 run_level(grpc_backend, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up

@@ -6,6 +6,7 @@ leaves every sequence, slot and block as it was.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -21,7 +22,8 @@ from engine.batch import ForwardBatch, PrefillStaging, build_extend_batch, build
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model import default_model_dir
 from engine.device import select_device, select_dtype
-from engine.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from engine.errors import (ConfigError, EngineError, FailedPrecondition, InvalidArgument, NotFound,
+                           ResourceExhausted)
 from engine.kv_cache import BlockAllocator, KVCache
 from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel
@@ -39,6 +41,9 @@ CPU_KV_BUDGET_BYTES = 256 << 20  # what a kv_cache_memory fraction is a fraction
 # ttft); from ~1k tokens on at 1B the device time hides them.
 PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_SEQS = 16
+# Decode steps queued on the device and not yet finished (decode_launch / finish): the one running and
+# the one queued behind it, whose launch overlaps the running one's device time.
+MAX_STEPS_IN_FLIGHT = 2
 
 
 class Engine:
@@ -68,8 +73,8 @@ class Engine:
         self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
         self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
-        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device)
-        self._slot_staging = SlotStaging(config.max_batch_size, self.device)
+        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device, MAX_STEPS_IN_FLIGHT)
+        self._slot_staging = SlotStaging(config.max_batch_size, self.device, MAX_STEPS_IN_FLIGHT)
         self._prefill_staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
                                                min(PREFILL_GRAPH_SEQS, config.max_batch_size), self.device)
         # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
@@ -82,6 +87,8 @@ class Engine:
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.sequences: dict[int, Sequence] = {}
         self._next_seq_id = 1
+        self._in_flight: collections.deque[PendingStep] = collections.deque()  # launched, not finished; oldest first
+        self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of MAX_STEPS_IN_FLIGHT)
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
                  "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
@@ -106,15 +113,17 @@ class Engine:
         return ops, streams, graphs
 
     @contextlib.contextmanager
-    def _on_device(self):
+    def _on_device(self, timer: int = 0):
         """Runs device work on the engine's compute stream (GPU) and times it: yields a timer whose
-        elapsed_ns() is the device time of the work in the block."""
+        elapsed_ns() is the device time of the work in the block (and whose wait() / ready() wait for /
+        test its end). timer: which of the streams' timers (0 for work the host waits for at once,
+        1 + ring for a launched decode step)."""
         if self.streams is None:
             timer = _HostTimer()
             yield timer
             timer.stop()
             return
-        with self.streams.compute_context(), self.streams.timed() as timing:
+        with self.streams.compute_context(), self.streams.timed(timer) as timing:
             yield timing
 
     def _num_kv_blocks(self) -> int:
@@ -165,7 +174,9 @@ class Engine:
         return api.AllocResult(seq.seq_id, slot, max_total_tokens)
 
     def release(self, seq_ids: list[int]) -> int:
-        self._check_ids(seq_ids, limit=False)
+        seqs = self._check_ids(seq_ids, limit=False)
+        if any(seq in step.seqs for step in self._in_flight for seq in seqs):
+            self._finish_in_flight()  # a slot is freed only after every step that writes it has finished
         for seq in [self.sequences[i] for i in seq_ids]:
             self.blocks.free(seq.block_ids)
             self.slots.free(seq.slot)
@@ -187,6 +198,7 @@ class Engine:
             if total >= seq.capacity:
                 raise InvalidArgument(f"sequence {seq.seq_id}: a prompt of {total} tokens leaves no room for a new "
                                       f"token in max_total_tokens={seq.capacity}")
+        self._finish_in_flight()
         with self._on_device() as timer:
             sampled = self._prefill(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
@@ -299,6 +311,20 @@ class Engine:
         return done
 
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
+        """One decode step of seq_ids; waits for it (decode_launch, then finish)."""
+        return self.finish(self.decode_launch(seq_ids, input_token_ids))
+
+    def decode_launch(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> "PendingStep":
+        """Validates a decode step and queues its device work without waiting for it; finish(step)
+        returns its result. Up to MAX_STEPS_IN_FLIGHT steps are queued at once, so the host's work
+        between two steps (the commit, the RPC reply, the next launch) overlaps the device's.
+
+        A step is queued behind an unfinished one only while its validity cannot depend on that one's
+        outcome, except by EOS or a stop token: with input_token_ids (which rewrite the token history)
+        or a sequence the queued steps end by length, the queued steps finish first and the step is
+        checked on the committed state. If an earlier step then ends one of its sequences by EOS or a
+        stop token, finish() refuses it as decode would have (FAILED_PRECONDITION), puts every sequence
+        back as it was, and runs again the steps queued after it."""
         seqs = self._check_ids(seq_ids)
         self._check_running(seqs)
         if input_token_ids:
@@ -306,40 +332,117 @@ class Engine:
                 raise InvalidArgument(f"input_token_ids has {len(input_token_ids)} entries for {len(seq_ids)} "
                                       f"sequences; give none or one per sequence")
             self._check_tokens(input_token_ids, "input_token_ids")
-        # The step runs on the slots in ascending order (the graph key); results go back in request order.
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-        batch = [seqs[i] for i in order]
-        num_top = self._num_top(seqs)
-        with self._on_device() as timer:
-            if input_token_ids:
-                for seq, tok in zip(seqs, input_token_ids):
+        if self._in_flight and (input_token_ids or any(_ends_by_length(s) for s in seqs)):
+            self._finish_in_flight()
+            self._check_running(seqs)
+        while len(self._in_flight) >= MAX_STEPS_IN_FLIGHT:
+            self._finish_next()
+            self._check_running(seqs)
+        step = PendingStep(seqs, list(input_token_ids) if input_token_ids else None)
+        self._launch(step)
+        return step
+
+    def finish(self, step: "PendingStep") -> api.StepResult:
+        """Waits for a launched step (and the ones launched before it) and returns its result, or raises
+        the error that refused it."""
+        while not step.done:
+            if step not in self._in_flight:
+                raise RuntimeError("finish(): the step was not launched by this engine, or the engine closed")
+            self._finish_next()
+        if step.error is not None:
+            raise step.error
+        return step.result
+
+    def step_ready(self, step: "PendingStep") -> bool:
+        """Whether finish(step) would not wait for the device (its device work has ended)."""
+        return step.done or step.timer.ready()
+
+    def _launch(self, step: "PendingStep") -> None:
+        """Queues the device work of a decode step; its sequences count its token as cached from now on.
+        The step runs on the slots in ascending order (the graph key); results go back in request order."""
+        seqs = step.seqs
+        step.order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        step.batch = [seqs[i] for i in step.order]
+        step.num_top = self._num_top(seqs)
+        step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % MAX_STEPS_IN_FLIGHT
+        with self._on_device(timer=1 + step.ring) as timer:
+            if step.input_token_ids:
+                for seq, tok in zip(seqs, step.input_token_ids):
                     seq.token_ids[-1] = tok
                     self._rebuild_seen(seq)
                 self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
-                    torch.tensor(input_token_ids, device=self.device)
-            self._run_decode(batch, num_top)
-            host = self.outputs.read(len(batch), num_top, self.streams)
-        for seq in batch:
+                    torch.tensor(step.input_token_ids, device=self.device)
+            self._run_decode(step.batch, step.num_top, step.ring)
+            self.outputs.copy_to_host(len(step.batch), step.num_top, step.ring)
+        step.timer = timer
+        for seq in step.batch:
             seq.num_cached += 1
-        results = self._commit(batch, *host)
-        by_request = [None] * len(seqs)
-        for pos, i in enumerate(order):
-            by_request[i] = results[pos]
-        return api.StepResult(by_request, timer.elapsed_ns())
+        self._in_flight.append(step)
 
-    def _run_decode(self, batch: list[Sequence], num_top: int) -> None:
-        """The decode step of `batch` (ascending slots), through _run_step."""
-        seq_lens = [s.seq_len for s in batch]
+    def _finish_next(self) -> None:
+        """Finishes the oldest launched step: waits for its device work, then commits its tokens (or
+        refuses it, see decode_launch)."""
+        step = self._in_flight[0]
+        step.timer.wait()
+        ended = [s for s in step.seqs if s.finished]  # by a step committed after this one was launched
+        if ended:
+            self._refuse_in_flight()
+            return
+        self._in_flight.popleft()
+        host = self.outputs.host_values(len(step.batch), step.num_top, step.ring)
+        results = self._commit(step.batch, *host)
+        by_request = [None] * len(results)
+        for pos, i in enumerate(step.order):
+            by_request[i] = results[pos]
+        step.result = api.StepResult(by_request, step.timer.elapsed_ns())
+
+    def _refuse_in_flight(self) -> None:
+        """The oldest launched step holds a sequence an earlier step ended: refuses it, rolls every
+        launched step back (host counts, then the slot state from the committed tokens, queued on the
+        compute stream behind them) and launches the later ones again, checked anew."""
+        steps = list(self._in_flight)
+        self._in_flight.clear()
+        for step in steps:
+            step.timer.wait()  # their pinned buffers are reused by the launches below
+            for seq in step.batch:
+                seq.num_cached -= 1
+        seqs = list({seq.seq_id: seq for step in steps for seq in step.seqs}.values())
+        with self._on_device():
+            slots = torch.tensor([s.slot for s in seqs], device=self.device)
+            self.state.num_cached[slots] = torch.tensor([s.num_cached for s in seqs], dtype=torch.int32,
+                                                        device=self.device)
+            self.state.last_token[slots] = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
+            for seq in seqs:
+                self._rebuild_seen(seq)
+        for i, step in enumerate(steps):
+            try:
+                self._check_running(step.seqs)
+                if i == 0:
+                    raise RuntimeError("refused a step whose sequences are all running")
+                self._launch(step)
+            except EngineError as e:
+                step.error = e
+
+    def _finish_in_flight(self) -> None:
+        """Finishes every launched step (their results wait in their PendingStep for finish())."""
+        while self._in_flight:
+            self._finish_next()
+
+    def _run_decode(self, batch: list[Sequence], num_top: int, ring: int = 0) -> None:
+        """The decode step of `batch` (ascending slots), through _run_step. Each sequence's length counts
+        the steps launched before this one (num_cached + 1)."""
+        seq_lens = [s.num_cached + 1 for s in batch]
         self._run_step("decode", [s.slot for s in batch], (num_top,),
-                       lambda slots_t: lambda: self._decode_into_outputs(slots_t, seq_lens, num_top))
+                       lambda slots_t: lambda: self._decode_into_outputs(slots_t, seq_lens, num_top), ring)
 
     def _run_step(self, kind: str, slots: list[int], shape: tuple,
-                  make_step: Callable[[torch.Tensor], Callable[[], None]]) -> None:
+                  make_step: Callable[[torch.Tensor], Callable[[], None]], ring: int = 0) -> None:
         """Runs the device work of a decode or uniform verify step over `slots` (ascending); make_step(the
         slot vector on the device) returns that work. It is replayed from the CUDA graph of the slot
         vector when one is held; else, with fallback_graphs, from the graph of the batch width (and
         `shape`), which reads the slot vector from a staging buffer written just before; else it runs
-        eagerly. GraphCache decides when to capture either."""
+        eagerly. GraphCache decides when to capture either. ring: which pinned staging buffer the slot
+        vector goes through (one per step in flight)."""
         def prepare():
             return make_step(torch.tensor(slots, device=self.device))  # a captured graph keeps this tensor
 
@@ -351,8 +454,8 @@ class Engine:
             width, staged = len(slots), self._slot_staging
 
             def stage():
-                staged.host_np[:width] = slots
-                staged.device[:width].copy_(staged.host[:width], non_blocking=True)
+                staged.host_np[ring][:width] = slots
+                staged.device[:width].copy_(staged.host[ring][:width], non_blocking=True)
 
             fallback = ((kind, "width", width, *shape), lambda: make_step(staged.device[:width]), stage)
         self.graphs.run((kind, *GraphCache.key_for(slots, *shape)), prepare, fallback)
@@ -367,6 +470,7 @@ class Engine:
 
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
         seqs = self._check_ids([it.seq_id for it in items])
+        self._finish_in_flight()  # its checks need every sequence's committed state
         self._check_running(seqs)
         vocab = self.model_config.vocab_size
         for seq, it in zip(seqs, items):
@@ -631,17 +735,52 @@ class Engine:
             graph_cache=dataclasses.replace(self.graphs.stats) if self.graphs is not None else api.GraphStats())
 
     def close(self) -> None:
+        if self.streams is not None:
+            self.streams.synchronize()  # launched steps end before their buffers go; nobody finishes them
+        self._in_flight.clear()
         self.sequences.clear()
         if self.graphs is not None:
             self.graphs.clear()
         if self.streams is not None:
-            self.outputs.host.clear()  # pinned buffers the compute stream copied into go before the stream
+            self.outputs.hosts.clear()  # pinned buffers the compute stream copied into go before the stream
             self.verify_outputs.host.clear()
             self._slot_staging = self._prefill_staging = None
             self.streams.close()
 
 
+class PendingStep:
+    """A decode step launched by Engine.decode_launch: its sequences, then (set by the engine) how it
+    ran, and once finished its result or the error that refused it."""
+
+    def __init__(self, seqs: list[Sequence], input_token_ids: list[int] | None):
+        self.seqs = seqs  # in request order
+        self.input_token_ids = input_token_ids
+        self.batch: list[Sequence] = []  # in slot order (the device's)
+        self.order: list[int] = []  # batch[j] is seqs[order[j]]
+        self.num_top = 0
+        self.ring = 0  # its pinned buffers and timer
+        self.timer = None  # ends when its results are in pinned memory (Timing, or _HostTimer on CPU)
+        self.result: api.StepResult | None = None
+        self.error: EngineError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+def _ends_by_length(seq: Sequence) -> bool:
+    """Whether the launched steps that include seq end it by length: after them it holds num_cached + 1
+    tokens (seq_len, when none includes it, and then it is running)."""
+    tokens = seq.num_cached + 1
+    if tokens == seq.seq_len:
+        return False
+    max_new = seq.stopping.max_new_tokens
+    return tokens >= seq.capacity or bool(max_new and tokens - seq.prompt_len >= max_new)
+
+
 class _HostTimer:
+    """The CPU's stand-in for a device Timing: the work ran when the block did."""
+
     def __init__(self):
         self._t0, self._ns = time.perf_counter_ns(), None
 
@@ -650,6 +789,12 @@ class _HostTimer:
 
     def elapsed_ns(self) -> int:
         return self._ns if self._ns is not None else time.perf_counter_ns() - self._t0
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        pass
 
 
 def _host(out: SampleOutput) -> tuple[list[int], list[float], list | None, list | None]:
@@ -660,17 +805,18 @@ def _host(out: SampleOutput) -> tuple[list[int], list[float], list | None, list 
 
 
 class StepOutputs:
-    """Static device buffers a decode step writes its results to (outside any graph pool), and the
-    pinned host buffers they are read back through."""
+    """Static device buffers a decode step writes its results to (outside any graph pool), and sets of
+    pinned host buffers they are read back through: one set per step in flight (`ring`), since a step
+    copies its results out while the host still reads the previous step's."""
 
-    def __init__(self, max_batch: int, max_top: int, device: torch.device):
+    def __init__(self, max_batch: int, max_top: int, device: torch.device, rings: int = 1):
         pin = device.type == "cuda"
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
         self.top_ids = torch.zeros(max_batch, max(max_top, 1), dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_batch, max(max_top, 1), dtype=torch.float32, device=device)
-        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
-                     for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)]
+        self.hosts = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                       for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)] for _ in range(rings)]
 
     def write(self, out: SampleOutput, num_top: int) -> None:
         n = out.token_ids.shape[0]
@@ -681,29 +827,39 @@ class StepOutputs:
             self.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
 
     def read(self, n: int, num_top: int, streams) -> tuple[list[int], list[float], list | None, list | None]:
-        """Copies the first n results to the host; waits only for this step's work (the stream)."""
-        tokens, logprobs, top_ids, top_lps = self.host
+        """Copies the first n results to the host and waits for them (the stream), through ring 0: no
+        step may be in flight."""
+        self.copy_to_host(n, num_top, 0)
+        if streams is not None:
+            streams.compute.synchronize()
+        return self.host_values(n, num_top, 0)
+
+    def copy_to_host(self, n: int, num_top: int, ring: int) -> None:
+        """Queues the copy of the first n results into pinned set `ring` (no host wait)."""
+        tokens, logprobs, top_ids, top_lps = self.hosts[ring]
         tokens[:n].copy_(self.tokens[:n], non_blocking=True)
         logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
         if num_top:
             top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
             top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
-        if streams is not None:
-            streams.compute.synchronize()
+
+    def host_values(self, n: int, num_top: int, ring: int) -> tuple[list[int], list[float], list | None, list | None]:
+        """The first n results of pinned set `ring`, once its copy has finished."""
+        tokens, logprobs, top_ids, top_lps = self.hosts[ring]
         return (tokens[:n].tolist(), logprobs[:n].tolist(),
                 top_ids[:n, :num_top].tolist() if num_top else None,
                 top_lps[:n, :num_top].tolist() if num_top else None)
 
 
 class SlotStaging:
-    """The slot vector a batch-width fallback graph reads (device), written through pinned memory.
-    A step overwrites the host side only after the previous step's read-back synchronised the
-    stream, so the copy it queued has finished."""
+    """The slot vector a batch-width fallback graph reads (device), written through pinned memory, one
+    pinned buffer per step in flight (`ring`): a step rewrites its ring's buffer only after the step
+    that last used it has finished, so the copy that step queued has run."""
 
-    def __init__(self, max_batch: int, device: torch.device):
+    def __init__(self, max_batch: int, device: torch.device, rings: int = 1):
         self.device = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.host = torch.zeros(max_batch, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.host_np = self.host.numpy()
+        self.host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(rings)]
+        self.host_np = [h.numpy() for h in self.host]
 
 
 class VerifyOutputs:

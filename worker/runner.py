@@ -1,6 +1,12 @@
 """EngineRunner: the one thread that owns the engine.
 
 RPC handlers hand it closures (`await runner.call(fn)`); it runs them one at a time, in arrival order.
+A Decode is a launch (`await runner.step(fn)`, fn returning Engine.decode_launch's step): the runner
+answers it once the engine finished the step, and meanwhile takes the next calls, so a router that
+keeps two Decodes in flight has the next step queued on the device while the host commits, replies
+to and receives the steps around it. While steps are in flight and no call waits, the runner sleeps on
+its queue; a helper thread waits for the oldest step's device work and wakes it.
+
 Between calls it also runs the worker's own decode steps for Generate streams, batching every
 streaming sequence into one Decode, so concurrent Generate calls share steps.
 
@@ -9,6 +15,7 @@ started runs to the end (its result is dropped)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import queue
@@ -18,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import api
-from engine.engine import Engine
+from engine.engine import Engine, PendingStep
+
+_WAKE = object()  # put on the work queue when a step's device work has ended
 
 log = logging.getLogger(__name__)
 
@@ -36,21 +45,42 @@ class EngineRunner:
     def __init__(self, make_engine: Callable[[], Engine]):
         self._work: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
+        self._in_flight: collections.deque[tuple[concurrent.futures.Future, PendingStep, float]] = collections.deque()
+        self._waiter = _DeviceWaiter(self._work)
         self._stopping = False
-        self.step_started: float | None = None  # monotonic start of the work now running, None when idle
+        self.step_started: float | None = None  # monotonic start of the call now running, None when idle
         self.steps = 0
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(make_engine, ready), name="engine", daemon=True)
         self._thread.start()
-        self.engine: Engine = ready.result()
+        try:
+            self.engine: Engine = ready.result()
+        except BaseException:
+            self._waiter.stop()
+            raise
 
     # ------------------------------------------------------------------ event-loop side
 
     async def call(self, fn: Callable[..., Any], *args) -> Any:
         """Runs fn(engine, *args) on the engine thread and returns its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args))
+        self._work.put((fut, fn, args, False))
         return await asyncio.wrap_future(fut)
+
+    async def step(self, fn: Callable[..., PendingStep], *args) -> api.StepResult:
+        """Runs fn(engine, *args), which launches a decode step, on the engine thread, and returns the
+        step's result once the engine has finished it (other calls run in between)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._work.put((fut, fn, args, True))
+        return await asyncio.wrap_future(fut)
+
+    @property
+    def busy_since(self) -> float | None:
+        """Monotonic start of the call running now, else of the oldest step in flight; None when idle."""
+        started = self.step_started
+        if started is None and self._in_flight:
+            started = self._in_flight[0][2]
+        return started
 
     async def start_stream(self, prompt: list[int],
                            alloc: Callable[[Engine], api.AllocResult]) -> tuple[int, asyncio.Queue]:
@@ -88,6 +118,7 @@ class EngineRunner:
         self._stopping = True
         self._work.put(None)
         self._thread.join(timeout=30)
+        self._waiter.stop()
 
     @property
     def num_streams(self) -> int:
@@ -103,32 +134,58 @@ class EngineRunner:
             return
         ready.set_result(engine)
         while not self._stopping:
-            # Run every call waiting now (in order), then one decode step of the Generate streams;
-            # with no stream, sleep until a call comes.
+            # Run every call waiting now (in order), answer the steps that have finished, then one decode
+            # step of the Generate streams; with no stream, sleep until a call comes or a step ends.
+            if self._in_flight and not self._streams:
+                self._waiter.watch(self._in_flight[0][1])
             pending = max(1, self._work.qsize()) if not self._streams else self._work.qsize()
             for _ in range(pending):
                 item = self._work.get()
                 if item is None:
                     self._stopping = True
                     break
-                self._run(engine, *item)
+                if item is not _WAKE:
+                    self._run(engine, *item)
+            self._answer_steps(engine)
             if self._streams and not self._stopping:
                 self._stream_step(engine)
+                self._answer_steps(engine)
+        self._answer_steps(engine, wait=True)
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
         engine.close()
 
-    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple) -> None:
+    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple, step: bool) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # cancelled before it started: skipped entirely
         self.step_started = time.monotonic()
         try:
-            fut.set_result(fn(engine, *args))
+            result = fn(engine, *args)
         except BaseException as e:
+            self._answer_steps(engine)  # steps the call finished first answer first
             fut.set_exception(e)
+        else:
+            if step:
+                self._in_flight.append((fut, result, self.step_started))
+            else:
+                self._answer_steps(engine)
+                fut.set_result(result)
         finally:
             self.step_started = None
             self.steps += 1
+
+    def _answer_steps(self, engine: Engine, wait: bool = False) -> None:
+        """Answers the launched steps that are done or whose device work has ended, oldest first (all of
+        them with wait)."""
+        while self._in_flight:
+            fut, step, _ = self._in_flight[0]
+            if not (wait or engine.step_ready(step)):
+                return
+            self._in_flight.popleft()
+            try:
+                fut.set_result(engine.finish(step))
+            except BaseException as e:
+                fut.set_exception(e)
 
     def _stream_step(self, engine: Engine) -> None:
         """One decode step over every Generate stream; finished ones are released."""
@@ -152,3 +209,35 @@ class EngineRunner:
                 del self._streams[s.seq_id]
                 engine.release([s.seq_id])
                 s.loop.call_soon_threadsafe(s.out.put_nowait, None)
+
+
+class _DeviceWaiter:
+    """A helper thread that waits (the GIL released) for the device work of a step the runner watches,
+    then wakes the runner through its work queue. A stale wake-up is harmless: the runner only looks
+    at which steps are ready."""
+
+    def __init__(self, work: queue.Queue):
+        self._work = work
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._watched = None
+        self._thread = threading.Thread(target=self._main, name="engine-waiter", daemon=True)
+        self._thread.start()
+
+    def watch(self, step: PendingStep) -> None:
+        """Wakes the runner when step's current device work ends (once per launch of it)."""
+        if step.done or step.timer is self._watched:
+            return
+        self._watched = step.timer
+        self._jobs.put(step.timer)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+    def _main(self) -> None:
+        while (timer := self._jobs.get()) is not None:
+            try:
+                timer.wait()
+            except Exception:  # noqa: BLE001 - the engine reports device errors when it finishes the step
+                log.debug("waiting for a step's device work failed", exc_info=True)
+            self._work.put(_WAKE)

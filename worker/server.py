@@ -162,7 +162,7 @@ class Worker:
                     log.warning("released %d sequences idle for over %.0fs: %s", len(ids),
                                 self.config.sequence_idle_timeout_s, ids[:16])
             if self.config.step_watchdog_s:
-                started = self.runner.step_started
+                started = self.runner.busy_since
                 stuck = started is not None and time.monotonic() - started > self.config.step_watchdog_s
                 if stuck != self._watchdog_tripped:
                     self._watchdog_tripped = stuck

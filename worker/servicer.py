@@ -103,7 +103,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
         ids = list(request.sequence_ids)
         override = list(request.input_token_ids) or None
-        result = await self.runner.call(lambda e: self._touching(e.decode(ids, override), ids))
+        result = await self.runner.step(lambda e: self._touching(e.decode_launch(ids, override), ids))
         self.metrics.observe_step("decode", result)
         return convert.decode_response(result)
 

@@ -198,7 +198,9 @@ class TorchGraphBackend:
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+        # thread_local: the runner's waiter thread may wait on an event during a capture; in "global"
+        # mode that call would invalidate the capture.
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             step()
         self._bytes += max(0, torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) - before)
         return graph

@@ -4,7 +4,8 @@
   on the legacy default stream.
 - copy: host-to-device staging from pinned buffers; `stage()` orders the copy before the compute that
   reads it with an event (the compute stream waits on the device, the host does not block).
-- timing: `timed()` brackets work on the compute stream with two timing events.
+- timing: `timed(i)` brackets work on the compute stream with timer i's two timing events (one timer
+  per piece of work that may be in flight at once).
 
 Streams and events are created through cuda-python (non-blocking streams) and wrapped as torch
 ExternalStreams, so torch ops, cuLaunchKernel launches (which use the current torch stream) and CUDA
@@ -19,6 +20,9 @@ import torch
 from engine.cuda.kernels import _check, _driver
 
 
+NUM_TIMERS = 3  # timer 0 for work the host waits for at once, 1 and 2 for decode steps in flight
+
+
 class Timing:
     """Elapsed device time between two events on the compute stream."""
 
@@ -26,12 +30,26 @@ class Timing:
         self._start, self._end = start, end
         self._ns: int | None = None
 
+    def ready(self) -> bool:
+        """Whether the end event has completed (never blocks)."""
+        if self._ns is not None:
+            return True
+        err, = _driver().cuEventQuery(self._end)
+        if err == _driver().CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        _check("cuEventQuery", (err,))
+        return True
+
+    def wait(self) -> None:
+        """Blocks (the GIL released) until the end event has completed."""
+        if self._ns is None:
+            _check("cuEventSynchronize", _driver().cuEventSynchronize(self._end))
+
     def elapsed_ns(self) -> int:
         """Blocks until the end event has completed, then returns the elapsed nanoseconds."""
         if self._ns is None:
-            driver = _driver()
-            _check("cuEventSynchronize", driver.cuEventSynchronize(self._end))
-            ms = _check("cuEventElapsedTime", driver.cuEventElapsedTime(self._start, self._end))
+            self.wait()
+            ms = _check("cuEventElapsedTime", _driver().cuEventElapsedTime(self._start, self._end))
             self._ns = int(round(ms * 1e6))
         return self._ns
 
@@ -51,8 +69,8 @@ class EngineStreams:
             no_timing = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
             self._copy_done = _check("cuEventCreate", driver.cuEventCreate(no_timing))
             self._compute_mark = _check("cuEventCreate", driver.cuEventCreate(no_timing))
-            self._start = _check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
-            self._end = _check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
+            self._timers = [tuple(_check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
+                                  for _ in range(2)) for _ in range(NUM_TIMERS)]
         self._closed = False
 
     @contextlib.contextmanager
@@ -87,16 +105,18 @@ class EngineStreams:
         _check("cuEventSynchronize", _driver().cuEventSynchronize(self._copy_done))
 
     @contextlib.contextmanager
-    def timed(self):
+    def timed(self, timer: int = 0):
         """`with streams.timed() as t: ...` then `t.elapsed_ns()`: device time of the work enqueued on the
-        compute stream inside the block. One timing at a time (the events are reused)."""
+        compute stream inside the block. Timer `timer` (of NUM_TIMERS) times one piece of work at a
+        time: its events are recorded again by its next use."""
         driver = _driver()
-        _check("cuEventRecord", driver.cuEventRecord(self._start, self._compute_handle))
-        timing = Timing(self._start, self._end)
+        start, end = self._timers[timer]
+        _check("cuEventRecord", driver.cuEventRecord(start, self._compute_handle))
+        timing = Timing(start, end)
         try:
             yield timing
         finally:
-            _check("cuEventRecord", driver.cuEventRecord(self._end, self._compute_handle))
+            _check("cuEventRecord", driver.cuEventRecord(end, self._compute_handle))
 
     def synchronize(self) -> None:
         driver = _driver()
@@ -111,7 +131,7 @@ class EngineStreams:
         self._closed = True
         driver = _driver()
         self.synchronize()
-        for event in (self._copy_done, self._compute_mark, self._start, self._end):
+        for event in (self._copy_done, self._compute_mark, *(e for pair in self._timers for e in pair)):
             _check("cuEventDestroy", driver.cuEventDestroy(event))
         for stream in (self._compute_handle, self._copy_handle):
             _check("cuStreamDestroy", driver.cuStreamDestroy(stream))
