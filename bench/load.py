@@ -6,17 +6,17 @@ tokens per sequence by prompt lookup and sends one Verify RPC for the batch), an
 ones. Requests are (prompt_len, output_len) pairs from a seeded distribution or a trace file.
 
 Decode needs no tokens from the router (each sequence's input is the token it sampled last, kept on
-the worker), so the router keeps --pipeline D Decode calls in flight (default 2): step n+1 is sent
-before step n's reply arrives, and the worker starts it as soon as step n ends, so the round trip
-overlaps the device step instead of adding to it. A sequence is never sent past its max_new_tokens,
+the worker), so the router keeps --pipeline D Decode calls in flight (default 3): steps n+1 .. n+D-1
+are sent before step n's reply arrives, and the worker queues a Decode behind the step running on the
+GPU, so the round trip and the worker's host work overlap the device step instead of adding to it. A sequence is never sent past its max_new_tokens,
 so no step is wasted. With --spec (drafts need the last tokens) and --pipeline 1 a step is sent only
 after the previous reply.
 
 Reported per concurrency level: output tokens/s; time to first token p50/p99 (Alloc+Prefill call to
 the first token); inter-token latency p50/p99 (between a sequence's consecutive steps); RPC overhead
 per step: how long the router waited for the step, from when it was sent or the previous step's
-reply arrived (the later of the two), minus the worker's forward_ns; steps during whose wait a
-Prefill reply arrived are left out. With one call in flight this is the call's wall time minus
+reply arrived (the later of the two), minus the worker's forward_ns; steps that waited while a
+Prefill call was in flight (or whose wait a Prefill reply ended in) are left out, and counted. With one call in flight this is the call's wall time minus
 forward_ns. Also the median forward_ns itself (the step's device time on a GPU, its host time on CPU).
 The in-process run drives the same scheduler against Engine directly, with the deepest --pipeline
 (the engine queues a Decode's step behind the running one, as the worker does), so gRPC's share is
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gc
 import json
 import os
 import pathlib
@@ -232,6 +233,8 @@ def graph_counters(g) -> tuple:
 # --------------------------------------------------------------------------------------------------
 # The router loop.
 
+OUTLIER_US = 500  # a step whose RPC overhead is above this is an outlier (#5's p99 floor)
+
 @dataclass
 class LevelResult:
     concurrency: int
@@ -241,6 +244,8 @@ class LevelResult:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
+    overhead_left_out: int = 0  # steps that waited while a prefill was in flight
+    outliers: list = field(default_factory=list)  # (overhead us, an Alloc/Release reply in the wait, sent late)
     forward_us: list[float] = field(default_factory=list)  # the worker's forward_ns of each decode/verify step
     steps: int = 0
     out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
@@ -259,6 +264,12 @@ class LevelResult:
             "itl_p50_ms": round(1e3 * percentile(self.itl, 50), 3), "itl_p99_ms": round(1e3 * percentile(self.itl, 99), 3),
             "rpc_overhead_p50_us": round(percentile(self.overhead_us, 50), 1),
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
+            "rpc_overhead_left_out": self.overhead_left_out,
+            # Steps over OUTLIER_US: how many waited while an Alloc or Release was answered, and how many
+            # were sent only after the previous step's reply (the router, not the worker, was late).
+            "rpc_overhead_outliers": {"over_us": OUTLIER_US, "steps": len(self.outliers),
+                                      "alloc_or_release_in_wait": sum(o[1] for o in self.outliers),
+                                      "sent_late": sum(o[2] for o in self.outliers)},
             "forward_p50_us": round(percentile(self.forward_us, 50), 1),
             "steps": self.steps, "out_of_order": self.out_of_order,
             # The engine's share of the wall time: decode/verify and prefill forwards summed over seconds.
@@ -292,6 +303,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
     releasing = 0
     t_start = time.perf_counter()
     last_step_reply = last_prefill_reply = t_start
+    other_replies: collections.deque = collections.deque(maxlen=256)  # when Alloc and Release replies arrived
 
     def more() -> bool:
         return next_req < len(pending) or bool(duration and time.perf_counter() - t_start < duration)
@@ -375,14 +387,24 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             take_tokens(reply[0], now, first=True)
         elif kind == "release":
             releasing -= 1
-        else:  # a decode or verify step
+        if kind in ("alloc", "release"):
+            other_replies.append(now)
+        if kind not in ("alloc", "prefill", "release"):  # a decode or verify step
             steps = [st for st in steps if st is not tag]
             _, sent = tag
             outs, forward_ns = reply
             waited_from = max(sent, last_step_reply)
-            last_step_reply = now
-            if last_prefill_reply <= waited_from:  # a prefill that ran in between is not this step's cost
-                res.overhead_us.append(((now - waited_from) - forward_ns / 1e9) * 1e6)
+            last_step_reply_before, last_step_reply = last_step_reply, now
+            # A prefill the worker may have run during this wait (one in flight, or answered since) is not
+            # this step's RPC cost: such steps are left out.
+            if prefilling or last_prefill_reply > waited_from:
+                res.overhead_left_out += 1
+            else:
+                overhead = ((now - waited_from) - forward_ns / 1e9) * 1e6
+                res.overhead_us.append(overhead)
+                if overhead > OUTLIER_US:  # what else happened during the wait
+                    res.outliers.append((overhead, any(t > waited_from for t in other_replies),
+                                         sent > last_step_reply_before))
             res.steps += 1
             res.forward_us.append(forward_ns / 1e3)
             res.accepted_drafts += sum(len(t) - 1 for _, t, _, _ in outs)
@@ -508,8 +530,9 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=64, help="mean output length")
     p.add_argument("--trace", help="file of 'prompt_len output_len' lines")
     p.add_argument("--spec", type=int, default=0, help="draft tokens per step by prompt lookup (Verify); 0: Decode")
-    p.add_argument("--pipeline", type=int, nargs="+", default=[2],
-                   help="Decode calls kept in flight over gRPC; several values run the gRPC level once each")
+    p.add_argument("--pipeline", type=int, nargs="+", default=[3],
+                   help="Decode calls kept in flight over gRPC; several values run the gRPC level once each (the "
+                        "in-process run uses the largest)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-in-process", action="store_true", help="skip the in-process comparison")
     p.add_argument("--soak", type=float, default=0.0, help="run C=16 for this many seconds; report memory/blocks")
@@ -564,6 +587,7 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
     engine = None
     if not args.no_in_process or args.soak:
         engine = Engine(engine_cfg) if not args.no_in_process else None
+    gc.freeze()  # as the worker does after start-up: no full collection pauses the router over torch's objects
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": (device_name(engine) if engine is not None
                        else (gpu_name() if proc is not None else None) or info.device), "model": model,

@@ -56,10 +56,13 @@ class EngineConfig:
     fallback_graphs: bool = field(default=True, metadata={
         "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width (captured "
                 "the first time that width runs) that reads the slot vector from a staging buffer"})
+    max_steps_in_flight: int = field(default=2, metadata={
+        "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
+                "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
 
     def __post_init__(self):
         positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
-                    "max_graphs", "capture_after")
+                    "max_graphs", "capture_after", "max_steps_in_flight")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -74,6 +77,8 @@ class EngineConfig:
             raise ConfigError(f"kernels must be auto, cuda or torch, got {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_steps_in_flight > 4:
+            raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
 

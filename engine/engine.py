@@ -41,9 +41,6 @@ CPU_KV_BUDGET_BYTES = 256 << 20  # what a kv_cache_memory fraction is a fraction
 # ttft); from ~1k tokens on at 1B the device time hides them.
 PREFILL_GRAPH_TOKENS = 1024
 PREFILL_GRAPH_SEQS = 16
-# Decode steps queued on the device and not yet finished (decode_launch / finish): the one running and
-# the one queued behind it, whose launch overlaps the running one's device time.
-MAX_STEPS_IN_FLIGHT = 2
 
 
 class Engine:
@@ -73,8 +70,9 @@ class Engine:
         self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
         self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
-        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device, MAX_STEPS_IN_FLIGHT)
-        self._slot_staging = SlotStaging(config.max_batch_size, self.device, MAX_STEPS_IN_FLIGHT)
+        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device,
+                                   config.max_steps_in_flight)
+        self._slot_staging = SlotStaging(config.max_batch_size, self.device, config.max_steps_in_flight)
         self._prefill_staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
                                                min(PREFILL_GRAPH_SEQS, config.max_batch_size), self.device)
         # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
@@ -88,7 +86,7 @@ class Engine:
         self.sequences: dict[int, Sequence] = {}
         self._next_seq_id = 1
         self._in_flight: collections.deque[PendingStep] = collections.deque()  # launched, not finished; oldest first
-        self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of MAX_STEPS_IN_FLIGHT)
+        self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of max_steps_in_flight)
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
                  "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
@@ -105,7 +103,7 @@ class Engine:
         from engine.cuda.streams import EngineStreams
 
         ops = CudaOps.create(self.device, self.max_seq_len)
-        streams = EngineStreams(self.device)
+        streams = EngineStreams(self.device, timers=1 + self.config.max_steps_in_flight)
         torch.cuda.synchronize(self.device)  # weights and KV written on the default stream are ready
         graphs = None
         if self.config.cuda_graphs and self.model_config.rope.rope_type != "dynamic":
@@ -165,8 +163,8 @@ class Engine:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         slot = self.slots.allocate()
         block_ids = self.blocks.allocate(num_blocks)
-        with self._on_device():
-            self.state.assign(slot, block_ids, sampling)
+        # The slot's device row is written by the first prefill: an upload from pageable memory here
+        # would wait for the decode steps in flight.
         seq = Sequence(seq_id=self._next_seq_id, slot=slot, capacity=max_total_tokens, block_ids=block_ids,
                        sampling=sampling, stopping=stopping, request_id=request_id)
         self._next_seq_id += 1
@@ -200,6 +198,9 @@ class Engine:
                                       f"token in max_total_tokens={seq.capacity}")
         self._finish_in_flight()
         with self._on_device() as timer:
+            for seq in seqs:
+                if not seq.token_ids:  # its first chunk: the slot's device row starts here
+                    self.state.assign(seq.slot, seq.block_ids, seq.sampling)
             sampled = self._prefill(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
         return api.StepResult(tokens, timer.elapsed_ns())
@@ -316,7 +317,7 @@ class Engine:
 
     def decode_launch(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> "PendingStep":
         """Validates a decode step and queues its device work without waiting for it; finish(step)
-        returns its result. Up to MAX_STEPS_IN_FLIGHT steps are queued at once, so the host's work
+        returns its result. Up to config.max_steps_in_flight steps are queued at once, so the host's work
         between two steps (the commit, the RPC reply, the next launch) overlaps the device's.
 
         A step is queued behind an unfinished one only while its validity cannot depend on that one's
@@ -335,7 +336,7 @@ class Engine:
         if self._in_flight and (input_token_ids or any(_ends_by_length(s) for s in seqs)):
             self._finish_in_flight()
             self._check_running(seqs)
-        while len(self._in_flight) >= MAX_STEPS_IN_FLIGHT:
+        while len(self._in_flight) >= self.config.max_steps_in_flight:
             self._finish_next()
             self._check_running(seqs)
         step = PendingStep(seqs, list(input_token_ids) if input_token_ids else None)
@@ -364,7 +365,7 @@ class Engine:
         step.order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         step.batch = [seqs[i] for i in step.order]
         step.num_top = self._num_top(seqs)
-        step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % MAX_STEPS_IN_FLIGHT
+        step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % self.config.max_steps_in_flight
         with self._on_device(timer=1 + step.ring) as timer:
             if step.input_token_ids:
                 for seq, tok in zip(seqs, step.input_token_ids):

@@ -21,8 +21,8 @@ def run_load(tmp_path, *args) -> dict:
 
 
 def test_load_benchmark_runs_and_reports(tmp_path):
-    res = run_load(tmp_path, "--concurrency", "1", "8", "--requests", "16", "--spec", "0", "--pipeline", "1", "2")
-    assert [(r["concurrency"], r["pipeline"]) for r in res["grpc"]] == [(1, 1), (1, 2), (8, 1), (8, 2)]
+    res = run_load(tmp_path, "--concurrency", "1", "8", "--requests", "16", "--spec", "0", "--pipeline", "1", "3")
+    assert [(r["concurrency"], r["pipeline"]) for r in res["grpc"]] == [(1, 1), (1, 3), (8, 1), (8, 3)]
     refs = {r["concurrency"]: r for r in res["in_process"]}
     for grpc_level in res["grpc"]:
         ref = refs[grpc_level["concurrency"]]

@@ -6,7 +6,7 @@ import pytest
 
 from conftest import engine_config, random_prompts
 from engine.api import PrefillItem
-from engine.engine import MAX_STEPS_IN_FLIGHT, Engine
+from engine.engine import Engine
 from engine.errors import FailedPrecondition
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason
@@ -83,7 +83,7 @@ def check_launched_steps_equal_one_at_a_time(make_engine, vocab: int) -> Engine:
     max_new = [6, 9, 4, 12, 5, 7, 10, 3]
     engine = make_engine()
     free = engine.info().free_blocks
-    calls, got = run_router(engine, prompts, max_new, depth=MAX_STEPS_IN_FLIGHT)
+    calls, got = run_router(engine, prompts, max_new, depth=engine.config.max_steps_in_flight)
     assert sum(kind == "decode" for kind, _ in calls) == len(got) >= 20
     assert got == replay_one_at_a_time(make_engine(reference=True), prompts, max_new, calls)
     info = engine.info()
@@ -219,3 +219,13 @@ def test_verify_and_prefill_finish_the_steps_in_flight(tiny_model):
     got.append(token_view(engine.finish(pending)))
     got.append(token_view(engine.decode([a, b, c])))
     assert got == expected
+
+
+def test_one_step_in_flight_waits_for_each_step(tiny_model):
+    """max_steps_in_flight = 1: a launch finishes the step before it (the behaviour without overlap)."""
+    engine = Engine(engine_config(tiny_model, max_steps_in_flight=1))
+    sid, = start(engine, random_prompts([5], 512, seed=2), [10])
+    first = engine.decode_launch([sid])
+    second = engine.decode_launch([sid])
+    assert first.done
+    assert engine.finish(second).tokens[0].seq_len == engine.finish(first).tokens[0].seq_len + 1

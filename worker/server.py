@@ -8,6 +8,7 @@ once none is left or the grace period is over."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import pathlib
 import signal
@@ -136,6 +137,9 @@ class Worker:
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
+        # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
+        # reach: a full collection over it would pause every thread for tens of milliseconds.
+        gc.freeze()
         await self._set_health(SERVING)
         log.info("serving %s on %s (port %d) in %.1fs; metrics port %s", self.runner.engine.model_path, cfg.host,
                  self.port, time.perf_counter() - t0, self.metrics_port or "off")

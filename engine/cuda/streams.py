@@ -20,9 +20,6 @@ import torch
 from engine.cuda.kernels import _check, _driver
 
 
-NUM_TIMERS = 3  # timer 0 for work the host waits for at once, 1 and 2 for decode steps in flight
-
-
 class Timing:
     """Elapsed device time between two events on the compute stream."""
 
@@ -55,7 +52,8 @@ class Timing:
 
 
 class EngineStreams:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, timers: int = 1):
+        """timers: how many pieces of timed work may be in flight at once (`timed(i)`, i < timers)."""
         driver = _driver()
         self.device = device
         torch.cuda.init()
@@ -70,7 +68,7 @@ class EngineStreams:
             self._copy_done = _check("cuEventCreate", driver.cuEventCreate(no_timing))
             self._compute_mark = _check("cuEventCreate", driver.cuEventCreate(no_timing))
             self._timers = [tuple(_check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
-                                  for _ in range(2)) for _ in range(NUM_TIMERS)]
+                                  for _ in range(2)) for _ in range(timers)]
         self._closed = False
 
     @contextlib.contextmanager
@@ -107,7 +105,7 @@ class EngineStreams:
     @contextlib.contextmanager
     def timed(self, timer: int = 0):
         """`with streams.timed() as t: ...` then `t.elapsed_ns()`: device time of the work enqueued on the
-        compute stream inside the block. Timer `timer` (of NUM_TIMERS) times one piece of work at a
+        compute stream inside the block. Timer `timer` (of `timers`) times one piece of work at a
         time: its events are recorded again by its next use."""
         driver = _driver()
         start, end = self._timers[timer]

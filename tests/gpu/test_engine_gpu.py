@@ -346,7 +346,8 @@ def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
     from test_pipeline import check_launched_steps_equal_one_at_a_time
     engine = check_launched_steps_equal_one_at_a_time(
         lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=3), 128256)
-    assert engine.info().graph_cache.hits > 20
+    stats = engine.info().graph_cache
+    assert stats.hits > stats.misses and stats.fallbacks > 0, stats
 
 
 def test_a_stop_token_refuses_the_launched_step_behind_it_on_gpu(ckpt_1b):
