@@ -88,3 +88,5 @@ class EngineInfo:
     kernel_backend: str
     version: str
     graph_cache: GraphStats = field(default_factory=GraphStats)
+    steps_in_flight: int = 0  # decode steps launched and not yet finished
+    refused_steps: int = 0  # launched decode steps refused because an earlier step ended one of their sequences

@@ -87,6 +87,7 @@ class Engine:
         self._next_seq_id = 1
         self._in_flight: collections.deque[PendingStep] = collections.deque()  # launched, not finished; oldest first
         self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of max_steps_in_flight)
+        self._refused_steps = 0  # launched steps refused because an earlier step ended one of their sequences
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
                  "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
@@ -403,6 +404,7 @@ class Engine:
         compute stream behind them) and launches the later ones again, checked anew."""
         steps = list(self._in_flight)
         self._in_flight.clear()
+        self._refused_steps += 1
         for step in steps:
             step.timer.wait()  # their pinned buffers are reused by the launches below
             for seq in step.batch:
@@ -733,6 +735,7 @@ class Engine:
             free_blocks=self.blocks.num_free_blocks, max_slots=self.config.max_slots,
             free_slots=self.slots.num_free_slots, max_batch_size=self.config.max_batch_size,
             live_sequences=len(self.sequences), kernel_backend=self.ops.name, version=VERSION,
+            steps_in_flight=len(self._in_flight), refused_steps=self._refused_steps,
             graph_cache=dataclasses.replace(self.graphs.stats) if self.graphs is not None else api.GraphStats())
 
     def close(self) -> None:

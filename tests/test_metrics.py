@@ -75,5 +75,8 @@ def test_metrics_follow_the_calls(tiny_model):
         assert value(m, "metrale_kv_blocks_used") == 0
         assert value(m, "metrale_kv_blocks_free") == client.info().free_blocks
         assert ("metrale_graph_hits_total", ()) in m
+        # Every Decode here was answered (none left in flight), and no sequence stopped early.
+        assert m[("metrale_decode_steps_in_flight", ())] == 0
+        assert m[("metrale_decode_steps_refused_total", ())] == 0
     finally:
         server.stop()

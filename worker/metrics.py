@@ -80,6 +80,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("metrale_live_sequences", "sequences allocated and not released",
                                 value=info.live_sequences)
         yield GaugeMetricFamily("metrale_free_slots", "sequence slots free", value=info.free_slots)
+        yield GaugeMetricFamily("metrale_decode_steps_in_flight", "decode steps queued on the device, not yet finished",
+                                value=info.steps_in_flight)
+        yield CounterMetricFamily("metrale_decode_steps_refused",
+                                  "launched decode steps refused (FAILED_PRECONDITION) because an earlier step ended "
+                                  "one of their sequences (EOS or a stop token); their slot state was rolled back",
+                                  value=info.refused_steps)
         g = info.graph_cache
         for name, value, doc in (("hits", g.hits, "decode steps replayed from a CUDA graph"),
                                  ("misses", g.misses, "decode steps run eagerly (no graph held for their key)"),
