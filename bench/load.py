@@ -246,6 +246,9 @@ class LevelResult:
     overhead_us: list[float] = field(default_factory=list)
     overhead_left_out: int = 0  # steps that waited while a prefill was in flight
     outliers: list = field(default_factory=list)  # (overhead us, an Alloc/Release reply in the wait, sent late)
+    # Per step: (ms since the level started, wait us, forward us, batch, left out, Alloc/Release replies in the
+    # wait, sent late); written with --step-log.
+    step_log: list = field(default_factory=list)
     forward_us: list[float] = field(default_factory=list)  # the worker's forward_ns of each decode/verify step
     steps: int = 0
     out_of_order: int = 0  # tokens replied before an earlier token of their sequence (steps answered out of order)
@@ -397,6 +400,9 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             last_step_reply_before, last_step_reply = last_step_reply, now
             # A prefill the worker may have run during this wait (one in flight, or answered since) is not
             # this step's RPC cost: such steps are left out.
+            res.step_log.append((round((now - t_start) * 1e3, 3), round((now - waited_from) * 1e6),
+                                 round(forward_ns / 1e3), len(outs), int(bool(prefilling or last_prefill_reply > waited_from)),
+                                 sum(t > waited_from for t in other_replies), int(sent > last_step_reply_before)))
             if prefilling or last_prefill_reply > waited_from:
                 res.overhead_left_out += 1
             else:
@@ -539,6 +545,7 @@ def main(argv=None) -> int:
     p.add_argument("--engine-flags", default="", help="extra flags for the spawned worker, e.g. '--max-slots 256'")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc)")
     args = p.parse_args(argv)
 
     from engine.checkpoint import write_checkpoint
@@ -638,7 +645,8 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
                 line = level.summary()
                 results["grpc"].append(line)
                 results["raw_grpc"].append({"concurrency": c, "pipeline": line["pipeline"],
-                                            "ttft_ms": quantiles_ms(level.ttft), "itl_ms": quantiles_ms(level.itl)})
+                                            "ttft_ms": quantiles_ms(level.ttft), "itl_ms": quantiles_ms(level.itl),
+                                            **({"steps": level.step_log} if args.step_log else {})})
                 if ref is not None:
                     line = {**line, "in_process_tokens_per_s": ref["tokens_per_s"],
                             "grpc_vs_in_process": round(line["tokens_per_s"] / ref["tokens_per_s"], 3)}

@@ -377,6 +377,9 @@ class Engine:
             self._run_decode(step.batch, step.num_top, step.ring)
             self.outputs.copy_to_host(len(step.batch), step.num_top, step.ring)
         step.timer = timer
+        if self.streams is not None:  # an event of this launch alone, for a thread that waits on it
+            step.done_event = torch.cuda.Event()
+            step.done_event.record(self.streams.compute)
         for seq in step.batch:
             seq.num_cached += 1
         self._in_flight.append(step)
@@ -764,12 +767,22 @@ class PendingStep:
         self.num_top = 0
         self.ring = 0  # its pinned buffers and timer
         self.timer = None  # ends when its results are in pinned memory (Timing, or _HostTimer on CPU)
+        # Recorded after the timer's end by each launch and never again (the timer's events are reused by
+        # later launches): what another thread may wait on (wait_device); None on CPU.
+        self.done_event = None
         self.result: api.StepResult | None = None
         self.error: EngineError | None = None
 
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
+
+    def wait_device(self) -> None:
+        """Blocks (the GIL released) until the device work of this launch has ended. Safe from any
+        thread: it reads nothing the engine changes."""
+        event = self.done_event
+        if event is not None:
+            event.synchronize()
 
 
 def _ends_by_length(seq: Sequence) -> bool:

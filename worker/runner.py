@@ -3,9 +3,10 @@
 RPC handlers hand it closures (`await runner.call(fn)`); it runs them one at a time, in arrival order.
 A Decode is a launch (`await runner.step(fn)`, fn returning Engine.decode_launch's step): the runner
 answers it once the engine finished the step, and meanwhile takes the next calls, so a router that
-keeps two Decodes in flight has the next step queued on the device while the host commits, replies
-to and receives the steps around it. While steps are in flight and no call waits, the runner sleeps on
-its queue; a helper thread waits for the oldest step's device work and wakes it.
+keeps several Decodes in flight has the next step queued on the device while the host commits, replies
+to and receives the steps around it. While no call waits and a step is queued behind the oldest, the
+runner waits for the oldest itself; with one step in flight it sleeps on its queue (a Decode that comes
+is launched at once) and a helper thread waits for that step's device work and wakes it.
 
 Between calls it also runs the worker's own decode steps for Generate streams, batching every
 streaming sequence into one Decode, so concurrent Generate calls share steps.
@@ -136,6 +137,11 @@ class EngineRunner:
         while not self._stopping:
             # Run every call waiting now (in order), answer the steps that have finished, then one decode
             # step of the Generate streams; with no stream, sleep until a call comes or a step ends.
+            if len(self._in_flight) > 1 and self._work.empty() and not self._streams:
+                # A step is queued on the device behind the oldest: waiting for the oldest here leaves
+                # the device busy, and answers it without the waiter thread's hop.
+                self._answer_steps(engine, wait=True, oldest_only=True)
+                continue
             if self._in_flight and not self._streams:
                 self._waiter.watch(self._in_flight[0][1])
             pending = max(1, self._work.qsize()) if not self._streams else self._work.qsize()
@@ -167,20 +173,22 @@ class EngineRunner:
         else:
             if step:
                 self._in_flight.append((fut, result, self.step_started))
-            else:
-                self._answer_steps(engine)
+            self._answer_steps(engine)  # steps the call finished (a launch may finish the oldest) answer now
+            if not step:
                 fut.set_result(result)
         finally:
             self.step_started = None
             self.steps += 1
 
-    def _answer_steps(self, engine: Engine, wait: bool = False) -> None:
-        """Answers the launched steps that are done or whose device work has ended, oldest first (all of
-        them with wait)."""
+    def _answer_steps(self, engine: Engine, wait: bool = False, oldest_only: bool = False) -> None:
+        """Answers the launched steps that are done or whose device work has ended, oldest first (with
+        wait, all of them, or the oldest only, waiting for them)."""
         while self._in_flight:
             fut, step, _ = self._in_flight[0]
             if not (wait or engine.step_ready(step)):
                 return
+            if oldest_only:
+                wait = False
             self._in_flight.popleft()
             try:
                 fut.set_result(engine.finish(step))
@@ -213,8 +221,8 @@ class EngineRunner:
 
 class _DeviceWaiter:
     """A helper thread that waits (the GIL released) for the device work of a step the runner watches,
-    then wakes the runner through its work queue. A stale wake-up is harmless: the runner only looks
-    at which steps are ready."""
+    on an event of that launch alone (PendingStep.wait_device), then wakes the runner through its work
+    queue. A stale wake-up is harmless: the runner only looks at which steps are ready."""
 
     def __init__(self, work: queue.Queue):
         self._work = work
@@ -225,19 +233,20 @@ class _DeviceWaiter:
 
     def watch(self, step: PendingStep) -> None:
         """Wakes the runner when step's current device work ends (once per launch of it)."""
-        if step.done or step.timer is self._watched:
+        launch = step.done_event if step.done_event is not None else step.timer  # one object per launch
+        if step.done or launch is self._watched:
             return
-        self._watched = step.timer
-        self._jobs.put(step.timer)
+        self._watched = launch
+        self._jobs.put(step)
 
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join(timeout=5)
 
     def _main(self) -> None:
-        while (timer := self._jobs.get()) is not None:
+        while (step := self._jobs.get()) is not None:
             try:
-                timer.wait()
+                step.wait_device()
             except Exception:  # noqa: BLE001 - the engine reports device errors when it finishes the step
                 log.debug("waiting for a step's device work failed", exc_info=True)
             self._work.put(_WAKE)
