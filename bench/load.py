@@ -400,17 +400,18 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             last_step_reply_before, last_step_reply = last_step_reply, now
             # A prefill the worker may have run during this wait (one in flight, or answered since) is not
             # this step's RPC cost: such steps are left out.
+            left_out = bool(prefilling or last_prefill_reply > waited_from)
+            others = sum(t > waited_from for t in other_replies)  # Alloc/Release replies during the wait
+            sent_late = sent > last_step_reply_before
             res.step_log.append((round((now - t_start) * 1e3, 3), round((now - waited_from) * 1e6),
-                                 round(forward_ns / 1e3), len(outs), int(bool(prefilling or last_prefill_reply > waited_from)),
-                                 sum(t > waited_from for t in other_replies), int(sent > last_step_reply_before)))
-            if prefilling or last_prefill_reply > waited_from:
+                                 round(forward_ns / 1e3), len(outs), int(left_out), others, int(sent_late)))
+            if left_out:
                 res.overhead_left_out += 1
             else:
                 overhead = ((now - waited_from) - forward_ns / 1e9) * 1e6
                 res.overhead_us.append(overhead)
-                if overhead > OUTLIER_US:  # what else happened during the wait
-                    res.outliers.append((overhead, any(t > waited_from for t in other_replies),
-                                         sent > last_step_reply_before))
+                if overhead > OUTLIER_US:
+                    res.outliers.append((overhead, others > 0, sent_late))
             res.steps += 1
             res.forward_us.append(forward_ns / 1e3)
             res.accepted_drafts += sum(len(t) - 1 for _, t, _, _ in outs)

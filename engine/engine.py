@@ -114,9 +114,8 @@ class Engine:
     @contextlib.contextmanager
     def _on_device(self, timer: int = 0):
         """Runs device work on the engine's compute stream (GPU) and times it: yields a timer whose
-        elapsed_ns() is the device time of the work in the block (and whose wait() / ready() wait for /
-        test its end). timer: which of the streams' timers (0 for work the host waits for at once,
-        1 + ring for a launched decode step)."""
+        elapsed_ns() is the device time of the work in the block. timer: which of the streams' timers
+        (0 for work the host waits for at once, 1 + ring for a launched decode step)."""
         if self.streams is None:
             timer = _HostTimer()
             yield timer
@@ -357,7 +356,7 @@ class Engine:
 
     def step_ready(self, step: "PendingStep") -> bool:
         """Whether finish(step) would not wait for the device (its device work has ended)."""
-        return step.done or step.timer.ready()
+        return step.done or step.ready()
 
     def _launch(self, step: "PendingStep") -> None:
         """Queues the device work of a decode step; its sequences count its token as cached from now on.
@@ -388,7 +387,7 @@ class Engine:
         """Finishes the oldest launched step: waits for its device work, then commits its tokens (or
         refuses it, see decode_launch)."""
         step = self._in_flight[0]
-        step.timer.wait()
+        step.wait_device()
         ended = [s for s in step.seqs if s.finished]  # by a step committed after this one was launched
         if ended:
             self._refuse_in_flight()
@@ -409,7 +408,7 @@ class Engine:
         self._in_flight.clear()
         self._refused_steps += 1
         for step in steps:
-            step.timer.wait()  # their pinned buffers are reused by the launches below
+            step.wait_device()  # their pinned buffers are reused by the launches below
             for seq in step.batch:
                 seq.num_cached -= 1
         seqs = list({seq.seq_id: seq for step in steps for seq in step.seqs}.values())
@@ -420,11 +419,15 @@ class Engine:
             self.state.last_token[slots] = torch.tensor([s.token_ids[-1] for s in seqs], device=self.device)
             for seq in seqs:
                 self._rebuild_seen(seq)
-        for i, step in enumerate(steps):
+        try:
+            self._check_running(steps[0].seqs)
+        except EngineError as e:
+            steps[0].error = e
+        else:
+            raise RuntimeError("refused a step whose sequences are all running")
+        for step in steps[1:]:
             try:
                 self._check_running(step.seqs)
-                if i == 0:
-                    raise RuntimeError("refused a step whose sequences are all running")
                 self._launch(step)
             except EngineError as e:
                 step.error = e
@@ -766,9 +769,10 @@ class PendingStep:
         self.order: list[int] = []  # batch[j] is seqs[order[j]]
         self.num_top = 0
         self.ring = 0  # its pinned buffers and timer
-        self.timer = None  # ends when its results are in pinned memory (Timing, or _HostTimer on CPU)
-        # Recorded after the timer's end by each launch and never again (the timer's events are reused by
-        # later launches): what another thread may wait on (wait_device); None on CPU.
+        self.timer = None  # its device time (Timing, or _HostTimer on CPU)
+        # Recorded by each launch once its results are in pinned memory, and never again (the timer's
+        # events are reused by later launches), so any thread may wait on it; None on CPU, where the
+        # work ran at launch.
         self.done_event = None
         self.result: api.StepResult | None = None
         self.error: EngineError | None = None
@@ -776,6 +780,11 @@ class PendingStep:
     @property
     def done(self) -> bool:
         return self.result is not None or self.error is not None
+
+    def ready(self) -> bool:
+        """Whether the device work of this launch has ended (never blocks)."""
+        event = self.done_event
+        return event is None or event.query()
 
     def wait_device(self) -> None:
         """Blocks (the GIL released) until the device work of this launch has ended. Safe from any
@@ -806,12 +815,6 @@ class _HostTimer:
 
     def elapsed_ns(self) -> int:
         return self._ns if self._ns is not None else time.perf_counter_ns() - self._t0
-
-    def ready(self) -> bool:
-        return True
-
-    def wait(self) -> None:
-        pass
 
 
 def _host(out: SampleOutput) -> tuple[list[int], list[float], list | None, list | None]:

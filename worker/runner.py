@@ -140,7 +140,7 @@ class EngineRunner:
             if len(self._in_flight) > 1 and self._work.empty() and not self._streams:
                 # A step is queued on the device behind the oldest: waiting for the oldest here leaves
                 # the device busy, and answers it without the waiter thread's hop.
-                self._answer_steps(engine, wait=True, oldest_only=True)
+                self._answer_steps(engine, wait_for=1)
                 continue
             if self._in_flight and not self._streams:
                 self._waiter.watch(self._in_flight[0][1])
@@ -156,7 +156,7 @@ class EngineRunner:
             if self._streams and not self._stopping:
                 self._stream_step(engine)
                 self._answer_steps(engine)
-        self._answer_steps(engine, wait=True)
+        self._answer_steps(engine, wait_for=len(self._in_flight))
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
         engine.close()
@@ -180,15 +180,14 @@ class EngineRunner:
             self.step_started = None
             self.steps += 1
 
-    def _answer_steps(self, engine: Engine, wait: bool = False, oldest_only: bool = False) -> None:
-        """Answers the launched steps that are done or whose device work has ended, oldest first (with
-        wait, all of them, or the oldest only, waiting for them)."""
+    def _answer_steps(self, engine: Engine, wait_for: int = 0) -> None:
+        """Answers the launched steps that are done or whose device work has ended, oldest first; the
+        oldest `wait_for` of them are waited for."""
         while self._in_flight:
             fut, step, _ = self._in_flight[0]
-            if not (wait or engine.step_ready(step)):
+            if wait_for <= 0 and not engine.step_ready(step):
                 return
-            if oldest_only:
-                wait = False
+            wait_for -= 1
             self._in_flight.popleft()
             try:
                 fut.set_result(engine.finish(step))

@@ -27,25 +27,10 @@ class Timing:
         self._start, self._end = start, end
         self._ns: int | None = None
 
-    def ready(self) -> bool:
-        """Whether the end event has completed (never blocks)."""
-        if self._ns is not None:
-            return True
-        err, = _driver().cuEventQuery(self._end)
-        if err == _driver().CUresult.CUDA_ERROR_NOT_READY:
-            return False
-        _check("cuEventQuery", (err,))
-        return True
-
-    def wait(self) -> None:
-        """Blocks (the GIL released) until the end event has completed."""
-        if self._ns is None:
-            _check("cuEventSynchronize", _driver().cuEventSynchronize(self._end))
-
     def elapsed_ns(self) -> int:
         """Blocks until the end event has completed, then returns the elapsed nanoseconds."""
         if self._ns is None:
-            self.wait()
+            _check("cuEventSynchronize", _driver().cuEventSynchronize(self._end))
             ms = _check("cuEventElapsedTime", _driver().cuEventElapsedTime(self._start, self._end))
             self._ns = int(round(ms * 1e6))
         return self._ns
