@@ -6,7 +6,8 @@
 Measures, in one process:
 - the device's copy bandwidth (bytes read + written) and the decode floor = weight bytes / bandwidth;
 - this engine: prefill throughput (1 x 2048 and 8 x 512 tokens), decode step latency at several batch
-  sizes with 128-token prompts (median wall time per Engine.decode call, and device time), a steady
+  sizes with 128-token prompts (median wall time per Engine.decode call, and device time; at batch 1
+  and 32 also the step interval with the next step launched before the last is finished), a steady
   and a churning batch (one leave + one join every 8 steps) with the CUDA-graph hit rate, and Verify
   of 4 drafts at batch 1;
 - transformers on the same files: eager prefill and decode steps, and (GPU) a static cache with a
@@ -16,6 +17,7 @@ GPU and versions to bench/results/engine-<date>-<device>.json."""
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import gc
 import json
@@ -119,6 +121,27 @@ def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128)
     return {"batch": batch, "steps": steps, "step_ms": 1e3 * statistics.median(wall),
             "step_ms_mean": 1e3 * statistics.fmean(wall), "device_ms": 1e3 * statistics.median(dev),
             "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))}
+
+
+def engine_decode_queued(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
+    """The same steady batch with the next step launched before the last one is finished (what the worker
+    does for a router that keeps Decodes in flight): step_ms = wall time of all steps / steps, i.e. the
+    interval between tokens; the host's work per step overlaps the device's."""
+    depth = engine.config.max_steps_in_flight
+    ids = start_batch(engine, batch, prompt_len, steps + engine.config.capture_after + 16)
+    for _ in range(engine.config.capture_after + 2):
+        engine.decode(ids)
+    in_flight: collections.deque = collections.deque()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        if len(in_flight) == depth:
+            engine.finish(in_flight.popleft())
+        in_flight.append(engine.decode_launch(ids))
+    while in_flight:
+        engine.finish(in_flight.popleft())
+    wall = time.perf_counter() - t0
+    engine.release(ids)
+    return {"batch": batch, "steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps}
 
 
 def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_len: int = 128) -> dict:
@@ -300,6 +323,8 @@ def main(argv=None) -> int:
         guarded(ours, f"prefill_{b}x{n}", engine_prefill, engine, b, n, repeats)
     for b in args.batches:
         guarded(ours, f"decode_b{b}", engine_decode, engine, b, args.steps)
+    for b in sorted({1, 32} & set(args.batches)):
+        guarded(ours, f"decode_queued_b{b}", engine_decode_queued, engine, b, args.steps)
     if engine.graphs is not None:  # the same engine with its graph cache set aside: eager launches
         graphs, engine.graphs = engine.graphs, None
         guarded(ours, "eager_decode_b1", engine_decode, engine, 1, max(20, args.steps // 4))
@@ -362,6 +387,9 @@ def table(r: dict, prefill_shapes, batches, churn_b) -> str:
             parts.append(f"transformers eager {h:.2f} ms = {h / o:.1f}x slower")
         if o and floor and b == 1:
             parts.append(f"floor/step = {floor / o:.0%} of bandwidth")
+        q = get(ours, f"decode_queued_b{b}", "step_ms")
+        if q:
+            parts.append(f"{get(ours, f'decode_queued_b{b}', 'steps_in_flight')} steps in flight {q:.3f} ms/step")
         e = get(ours, "eager_decode_b1", "step_ms")
         he = get(hf, "eager_decode_b1", "step_ms")
         if b == 1 and e and he:

@@ -23,9 +23,11 @@
 //   decode_commit: tokens [B] i64, logprobs [B] fp32;  out_tokens [>= B] i64, out_logprobs [>= B] fp32
 //     (the first B entries are written).
 // Launch contract:
-//   decode_prepare: grid (B), block 256, no dynamic shared memory. Block b copies its table row and
-//     its seen row (16-byte vectors where V % 16 == 0 and both seen tensors are 16-byte aligned,
-//     single bytes otherwise); thread 0 writes the scalars. block_size > 0.
+//   decode_prepare: grid (B, P), block 256, no dynamic shared memory. Block (b, part) copies part
+//     `part` of P equal pieces of row b's seen row (16-byte vectors where V % 16 == 0 and both seen
+//     tensors are 16-byte aligned, single bytes otherwise): a vocabulary of 128k is 125 KiB a row, too
+//     much for one block. Block (b, 0) also copies the table row, and its thread 0 writes the
+//     scalars. block_size > 0; P >= 1.
 //   decode_commit: grid (ceil(B / 128)), block 128; thread b handles row b.
 //   B == 0: no launch.
 #include "common.cuh"
@@ -41,12 +43,14 @@ extern "C" __global__ void __launch_bounds__(256)
                    const float* __restrict__ temperature, const i64* __restrict__ top_k,
                    const float* __restrict__ top_p, const i64* __restrict__ seed, const float* __restrict__ penalty,
                    const unsigned char* __restrict__ seen, int max_blocks, i64 vocab, int block_size) {
-  const int b = blockIdx.x;
+  const int b = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
   const i64 s = slots[b];
 
   const int* table_src = block_table + s * max_blocks;
-  int* table_dst = tables + (i64)b * max_blocks;
-  for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) table_dst[i] = table_src[i];
+  if (part == 0) {
+    int* table_dst = tables + (i64)b * max_blocks;
+    for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) table_dst[i] = table_src[i];
+  }
 
   const unsigned char* seen_src = seen + s * vocab;
   unsigned char* seen_dst = row_seen + (i64)b * vocab;
@@ -55,12 +59,14 @@ extern "C" __global__ void __launch_bounds__(256)
     const Vec16* src = reinterpret_cast<const Vec16*>(seen_src);
     Vec16* dst = reinterpret_cast<Vec16*>(seen_dst);
     const i64 num_vec = vocab >> 4;
-    for (i64 i = threadIdx.x; i < num_vec; i += blockDim.x) dst[i] = src[i];
+    const i64 hi = num_vec * (part + 1) / parts;
+    for (i64 i = num_vec * part / parts + threadIdx.x; i < hi; i += blockDim.x) dst[i] = src[i];
   } else {
-    for (i64 i = threadIdx.x; i < vocab; i += blockDim.x) seen_dst[i] = seen_src[i];
+    const i64 hi = vocab * (part + 1) / parts;
+    for (i64 i = vocab * part / parts + threadIdx.x; i < hi; i += blockDim.x) seen_dst[i] = seen_src[i];
   }
 
-  if (threadIdx.x == 0) {
+  if (part == 0 && threadIdx.x == 0) {
     const int p = num_cached[s];
     const int block = p / block_size;
     input_ids[b] = last_token[s];

@@ -42,19 +42,22 @@
 // rotate-half, SiLU gate/up) are register-local. S = N for store / f32 / residual, 2I for silu (pair
 // = gate row p, up row I + p), D for rope_kv (pair = (i, i + D/2) of one head).
 //
-// Block = one tile (16 W rows), 8 warps splitting K: warp w takes the 32-element chunks w, w + 8, ...
-// in groups of SK_GROUP = 4 chunks whose loads (8 16-byte W loads per lane, plus x and norm_w) are
-// all issued before the group's mmas; a last, predicated group takes the remainder. Chunk u of a
-// group accumulates into chain u % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles already give
-// independent chains), so the mma dependency chain is short; the chains are added in a fixed order.
-// W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which every block
-// re-reads from L1/L2). The 8 warps' fragments (and NORM's sums of squares) are summed through
-// shared memory in warp order (deterministic) and warp 0 runs the epilogue.
+// Block = one tile (16 W rows), WARPS = 8 or 16 warps splitting K: warp w takes the 32-element chunks
+// w, w + WARPS, ... in groups of SK_GROUP = 4 chunks whose loads (8 16-byte W loads per lane, plus x
+// and norm_w) are all issued before the group's mmas; a last, predicated group takes the remainder.
+// Chunk u of a group accumulates into chain u % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles
+// already give independent chains), so the mma dependency chain is short; the chains are added in a
+// fixed order. W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which
+// every block re-reads from L1/L2). The warps' fragments (and NORM's sums of squares) are summed
+// through shared memory in warp order (deterministic) and warp 0 runs the epilogue.
+// 16-warp blocks (entry suffix _w16) are for grids with no more tiles than SMs (1B o and down: 128
+// tiles on 132 SMs), where 8-warp blocks would leave each SM one block and half the loads in flight.
 // Measured and left out (H200): programmatic dependent launch (griddepcontrol.wait before reading x,
 // the next kernel launched early) changed the 1B decode step by < 1% and made the 8B step 16% slower
 // (4.44 -> 5.17 ms); prefetching a block's W rows into L2 before that wait made the many-block shapes
 // slower (1B lm_head 122 -> 174 us).
-// Occupancy: __launch_bounds__(256, 2), i.e. <= 128 registers, so two blocks share an SM.
+// Occupancy: __launch_bounds__(256, 2) / (512, 1), i.e. <= 128 registers: two 8-warp blocks or one
+// 16-warp block per SM.
 //
 // Layouts (all contiguous; T = bf16 (…_bf16) or fp16 (…_fp16), storage u16):
 //   x [M, K] T; W [N, K] T; bias [N] T; norm_w [K] T.
@@ -62,16 +65,14 @@
 //     then their sin); rope_index [M] int64; k_cache / v_cache [num_blocks * block_size, Hkv, D] T
 //     (element offset slot * Hkv * D + kh * D + i); slot_mapping [M] int64.
 //   residual: residual [M, N] T (in/out).
-// Launch contract (skinny_{store,f32,silu,residual,rope_kv}_{bf16,fp16}_m{8,16,32}):
-//   grid (N / 16), block (256), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
+// Launch contract (skinny_{store,f32,silu,residual,rope_kv}_{bf16,fp16}_m{8,16,32}[_w16]):
+//   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
 //   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must not overlap
 //   x or W.
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
 #include "common.cuh"
 
-#define SK_THREADS 256
-#define SK_WARPS 8
 #define SK_CHUNK 32  // k elements per warp per step (two mmas)
 #define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
 
@@ -155,28 +156,28 @@ struct LaneOperands {
 
 // U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only).
-template <class T, int NT, int U, int CH, bool NORM, bool FULL>
+template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
 __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
                                              int c, int C) {
   Vec16 wa[U], wb[U], xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const bool on = FULL || c + SK_WARPS * u < C;
-    const i64 k = (i64)(c + SK_WARPS * u) * SK_CHUNK;
+    const bool on = FULL || c + WARPS * u < C;
+    const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
     wa[u] = on ? ld_weight16(L.wa + k) : zero16();
     wb[u] = on ? ld_weight16(L.wb + k) : zero16();
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const bool on = FULL || c + SK_WARPS * u < C;
-    const i64 k = (i64)(c + SK_WARPS * u) * SK_CHUNK;
+    const bool on = FULL || c + WARPS * u < C;
+    const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
 #pragma unroll
     for (int j = 0; j < NT; ++j) xb[u][j] = on && L.xv[j] ? ld_act16(L.x + j * L.xstride + k) : zero16();
     if (NORM) nw[u] = on ? ld_act16(L.nw + k) : zero16();
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (!FULL && c + SK_WARPS * u >= C) continue;
+    if (!FULL && c + WARPS * u >= C) continue;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       if (NORM) {  // tokens >= M: x = 0, so the operand and the sum stay 0
@@ -194,12 +195,12 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
   }
 }
 
-template <class T, int NT, int U, int CH, bool NORM>
+template <class T, int NT, int U, int CH, bool NORM, int WARPS>
 __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
                                                 int warp, int C) {
   int c = warp;
-  for (; c + SK_WARPS * (U - 1) < C; c += SK_WARPS * U) skinny_group<T, NT, U, CH, NORM, true>(acc, ss, L, c, C);
-  if (c < C) skinny_group<T, NT, U, CH, NORM, false>(acc, ss, L, c, C);
+  for (; c + WARPS * (U - 1) < C; c += WARPS * U) skinny_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, c, C);
+  if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, c, C);
 }
 
 // rope_kv epilogue for one token m: v0 / v1 = the rounded values of rows r0 / r1 (pair i of `head`).
@@ -230,12 +231,12 @@ __device__ __forceinline__ void rope_kv_store(const SkinnyArgs& a, int m, int he
   }
 }
 
-template <class T, int NT, int EP>
+template <class T, int NT, int EP, int WARPS>
 __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   constexpr int U = SK_GROUP;
   constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
-  __shared__ float red[SK_WARPS - 1][NT * 4][32];  // fragments of warps 1..7
-  __shared__ float sq_red[SK_WARPS][NT * 8];       // NORM: per-warp sums of squares per token
+  __shared__ float red[WARPS - 1][NT * 4][32];  // fragments of warps 1..WARPS-1
+  __shared__ float sq_red[WARPS][NT * 8];       // NORM: per-warp sums of squares per token
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int M = a.M, K = a.K, half = a.half;
@@ -269,9 +270,9 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     }
   }
   if (norm)
-    skinny_mainloop<T, NT, U, CH, true>(chains, ss, L, warp, C);
+    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, warp, C);
   else
-    skinny_mainloop<T, NT, U, CH, false>(chains, ss, L, warp, C);
+    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, warp, C);
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -304,7 +305,7 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   if (warp != 0) return;
 
 #pragma unroll
-  for (int w = 0; w < SK_WARPS - 1; ++w) {
+  for (int w = 0; w < WARPS - 1; ++w) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -327,7 +328,7 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       if (norm) {
         float sum = 0.f;
 #pragma unroll
-        for (int w = 0; w < SK_WARPS; ++w) sum += sq_red[w][m];
+        for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
         scale = rsqrtf(sum / (float)K + a.eps);
       }
       const float v0 = acc[j][s] * scale + b0, v1 = acc[j][2 + s] * scale + b1;
@@ -355,37 +356,38 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Entry points.
+// Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
+// per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs).
 
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                                                                           \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_store_##SUFFIX##_m##MB(                        \
+#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, WARPS, MINB, WSFX)                                                       \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(                 \
       u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_STORE>(a);                                                                                \
+    skinny_impl<T, NT, EP_STORE, WARPS>(a);                                                                         \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_f32_##SUFFIX##_m##MB(                          \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                   \
       float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_F32>(a);                                                                                  \
+    skinny_impl<T, NT, EP_F32, WARPS>(a);                                                                           \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_silu_##SUFFIX##_m##MB(                         \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                  \
       u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_SILU>(a);                                                                                 \
+    skinny_impl<T, NT, EP_SILU, WARPS>(a);                                                                          \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_residual_##SUFFIX##_m##MB(                     \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(              \
       u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
     SkinnyArgs a = {};                                                                                              \
     a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
-    skinny_impl<T, NT, EP_RESIDUAL>(a);                                                                             \
+    skinny_impl<T, NT, EP_RESIDUAL, WARPS>(a);                                                                      \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(SK_THREADS, 2) skinny_rope_kv_##SUFFIX##_m##MB(                      \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(               \
       u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
       const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
       int K, float eps) {                                                                                           \
@@ -394,8 +396,11 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
-    skinny_impl<T, NT, EP_ROPE_KV>(a);                                                                              \
+    skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
   }
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)             \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, )         \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)
 SKINNY_ENTRIES(bf16, Bf16, 16, 2)

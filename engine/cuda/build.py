@@ -206,11 +206,13 @@ def fatbin_symbols(path: pathlib.Path) -> dict[str, set[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.cuda.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=BUILD_DIR, help="output directory")
+    parser.add_argument("--kernels", type=pathlib.Path, default=KERNEL_DIR,
+                        help="source directory (a modified copy of kernels_cu/ for A/B runs)")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     parser.add_argument("-j", "--jobs", type=int, default=None, help="parallel nvcc processes")
     args = parser.parse_args(argv)
     try:
-        build_all(args.out, force=args.force, jobs=args.jobs)
+        build_all(args.out, args.kernels, force=args.force, jobs=args.jobs)
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -56,7 +56,7 @@ def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
 SKINNY_MAX_M = 32
 SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-tiles of 8 tokens
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
-SKINNY_THREADS = 256
+SKINNY_WARPS = (8, 16)  # warps per block: 8 (two blocks per SM), or 16 (suffix _w16, one block per SM)
 SKINNY_K_ALIGN = 32  # K elements per warp step
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
@@ -78,8 +78,8 @@ MODULES: dict[str, list[KernelSpec]] = {
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
-    "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS],
+    "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
@@ -88,6 +88,7 @@ MODULES: dict[str, list[KernelSpec]] = {
 
 # Launch constants shared with the .cu files (their header comments state the same numbers).
 DECODE_TILE = 64
+DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
 
 
@@ -323,6 +324,7 @@ class KernelLibrary:
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device))
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
+        self.skinny_wide_tiles = self.num_sms  # skinny grids of at most this many tiles use 16-warp blocks
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -350,6 +352,12 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
+        # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64).
+        self.decode_blocks_per_sm = {
+            d: _check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d})",
+                      driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                          self.kernels[f"decode_attention_bf16_d{d}"].func, DECODE_THREADS, decode_smem_bytes(d)))
+            for d in ATTENTION_HEAD_DIMS}
         self._stream = _raw_stream_fn()
         log.info("CUDA kernels loaded on device %d (sm_%d%d, %d SMs): %s", index, major, minor, self.num_sms,
                  ", ".join(f"{m}={o}" for m, o in self.origin.items()))
@@ -397,13 +405,17 @@ class KernelLibrary:
             self._bound.ok = True
         return self._stream(self.index)
 
-    def decode_num_splits(self, batch: int, num_heads: int, num_kv_heads: int, max_seq_len: int) -> int:
-        """Key splits of decode attention: enough blocks for about two per SM, at most one split per
-        64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe)."""
+    def decode_num_splits(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                          max_seq_len: int) -> int:
+        """Key splits of decode attention: enough blocks for about two per SM, but no more than the GPU
+        holds at once (a second wave would double the step's attention time: 1B at batch 32 has 256
+        (sequence, KV head) blocks, and two splits of each would not fit the 396 an H200 holds), and at
+        most one split per 64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe)."""
         head_chunks = -(-(num_heads // num_kv_heads) // 16)
         blocks = batch * num_kv_heads * head_chunks
         max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
-        return max(1, min(-(-2 * self.num_sms // blocks), max_tiles, 128))
+        one_wave = self.decode_blocks_per_sm[head_dim] * self.num_sms // blocks
+        return max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
 
     def vocab_splits(self, rows: int, vocab: int) -> int:
         """Vocabulary splits of the sampling kernels: about four blocks per SM, at least 1024 tokens each."""
@@ -572,7 +584,7 @@ class KernelLibrary:
             return
         bs_log2 = k_cache.shape[1].bit_length() - 1
         self.kernels[f"decode_attention_{sfx}_d{D}"](
-            (num_splits, Hkv * head_chunks, B), (128, 1, 1), decode_smem_bytes(D), self.stream(),
+            (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D), self.stream(),
             o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
             num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e))
 
@@ -657,8 +669,12 @@ class KernelLibrary:
         return ptr
 
     def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, *args) -> None:
-        self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}"]((N // SKINNY_TILE, 1, 1), (SKINNY_THREADS, 1, 1), 0,
-                                                                   self.stream(), *args)
+        """One block per 16-row tile. A grid of at most skinny_wide_tiles tiles (default: one per SM) gets
+        16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
+        tiles = N // SKINNY_TILE
+        wide = tiles <= self.skinny_wide_tiles
+        self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}{'_w16' if wide else ''}"](
+            (tiles, 1, 1), (32 * SKINNY_WARPS[wide], 1, 1), 0, self.stream(), *args)
 
     def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
@@ -847,7 +863,8 @@ class KernelLibrary:
         _shape(row_seen, "row_seen", (B, V))
         if B == 0:
             return
-        self.kernels["decode_prepare"]((B, 1, 1), (256, 1, 1), 0, self.stream(), *outs, tb, *rows, rs,
+        parts = max(1, min(16, -(-V // (16 * 1024))))  # seen copied in pieces of <= 1024 16-byte vectors
+        self.kernels["decode_prepare"]((B, parts, 1), (256, 1, 1), 0, self.stream(), *outs, tb, *rows, rs,
                                        sl, nc, lt, bt, tp, tk, pp, sd, pn, sn, MB, V, block_size)
 
     def decode_commit(self, slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs) -> None:

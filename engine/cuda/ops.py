@@ -164,7 +164,7 @@ class CudaOps(TorchOps):
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          sliding_window: int = 0) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
-        splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], self.max_seq_len)
+        splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
         part_o = part_lse = None
         if splits > 1:

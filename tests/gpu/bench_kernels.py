@@ -8,12 +8,14 @@ at the end. Decode attention also shows the KV bytes it reads over its device ti
 The skinny linear kernels (kernels_cu/skinny_linear.cu) are timed at the decode GEMM shapes of
 Llama-3.2-1B and Llama-3.1-8B for 1, 8 and 32 tokens, next to torch's F.linear (cuBLAS) at the same
 shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
-and the plain skinny_store. Note: weight bytes read / device time. Each timed graph cycles through
+and the plain skinny_store, and the fused kernel again at the block width the wrapper did not pick
+(w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
 enough weight copies (>= 256 MiB) that no call finds its weight in L2.
 """
 from __future__ import annotations
 
 import itertools
+import pathlib
 import statistics
 import sys
 import time
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
+from engine.cuda.kernels import KernelLibrary
 from engine.cuda.ops import CudaOps
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
@@ -114,7 +117,21 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
     cases[f"skinny_{ep}"] = fused
+    wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
+    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
     return cases
+
+
+def forced_width(lib, fn, wide_tiles: int):
+    """fn, launching its skinny kernels with lib.skinny_wide_tiles = wide_tiles (0: always 8-warp blocks,
+    huge: always 16)."""
+    def run():
+        shipped, lib.skinny_wide_tiles = lib.skinny_wide_tiles, wide_tiles
+        try:
+            fn()
+        finally:
+            lib.skinny_wide_tiles = shipped
+    return run
 
 
 def skinny_rows(lib, dev, dt) -> list[tuple]:
@@ -154,7 +171,9 @@ def norm_layout_rows(lib, dev, dt) -> list[tuple]:
 
 
 def main() -> int:
-    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes)."""
+    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes);
+    --variant SRC BUILD with --skinny: also the skinny rows of the kernels built from SRC into BUILD
+    (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
@@ -164,8 +183,14 @@ def main() -> int:
             print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
         return 0
     if "--skinny" in sys.argv:
-        for batch, name, d_us, h_us, extra in skinny_rows(ops.lib, dev, dt):
-            print(f"{batch:>5}  {name:<28} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
+        libs = [("", ops.lib)]
+        if "--variant" in sys.argv:
+            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
+            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
+                                                                        kernel_dir=pathlib.Path(src))))
+        for tag, lib in libs:
+            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt):
+                print(f"{batch:>5}  {tag + name:<34} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
         return 0
     rows = []
     embed = torch.randn(VOCAB, HIDDEN, device=dev).to(dt)

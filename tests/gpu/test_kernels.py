@@ -254,7 +254,7 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
     scale = D ** -0.5
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
     counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
-    for splits in sorted({lib.decode_num_splits(B, H, Hkv, MAX_SEQ_LEN), 1, 7}):
+    for splits in sorted({lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN), 1, 7}):
         outs = []
         for _ in range(2):
             out = nan((B, H, D), dtype)
@@ -265,6 +265,21 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
             outs.append(out)
         assert torch.equal(outs[0], outs[1]), "the merge of the splits must not depend on block timing"
         assert not counters.any(), "the split tickets must be back at zero after the launch"
+
+
+@pytest.mark.parametrize("B,H,Hkv,D", [(1, 32, 8, 64), (8, 32, 8, 64), (32, 32, 8, 64), (32, 32, 8, 128),
+                                       (128, 32, 8, 64), (1, 8, 8, 128)])
+def test_decode_splits_fit_in_one_wave(lib, B, H, Hkv, D):
+    """Split blocks never spill into a second wave; a sequence gets at most one split per 64-key tile."""
+    splits = lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN)
+    blocks = B * Hkv * -(-(H // Hkv) // 16)
+    per_sm = lib.decode_blocks_per_sm[D]
+    assert per_sm >= 1
+    assert 1 <= splits <= -(-MAX_SEQ_LEN // 64)
+    if splits > 1:
+        assert blocks * splits <= per_sm * lib.num_sms, (blocks, splits, per_sm)
+    if blocks <= per_sm * lib.num_sms // 2:
+        assert splits >= 2, "a batch that leaves half the GPU idle must split its keys"
 
 
 PREFILL_CASES = [
@@ -501,7 +516,7 @@ def prepare_outputs(B: int, MB: int, V: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("bs", [16, 32])
-@pytest.mark.parametrize("V", [4096, 17, 128256])
+@pytest.mark.parametrize("V", [4096, 17, 128256, 50001])
 @pytest.mark.parametrize("B", [1, 7, 64])
 def test_decode_prepare_matches_torch(lib, gen, B, V, bs):
     S, MB = STEP_SLOTS, STEP_MAX_BLOCKS

@@ -1,5 +1,6 @@
 """The skinny linear kernels (kernels_cu/skinny_linear.cu) against torch, on fresh random inputs at the
-shapes of real models (Llama-3.2-1B, Llama-3.1-8B) and small ones, for every token count bucket.
+shapes of real models (Llama-3.2-1B, Llama-3.1-8B) and small ones, for every token count bucket and
+both block widths (8 and 16 warps).
 
 Oracle: F.linear in fp32 on the same bf16 / fp16 inputs (the NORM prologue's input through
 TorchOps().rms_norm in the activation dtype, as the model computes it; the kernel applies the norm's
@@ -27,6 +28,16 @@ TOKENS = [1, 3, 8, 9, 16, 17, 32]
 TOL = 1e-2
 EPS = 1e-5
 TORCH = TorchOps()
+
+
+@pytest.fixture(autouse=True, params=[8, 16], ids=["8warps", "16warps"])
+def block_width(request, lib):
+    """Every test runs with 8-warp and with 16-warp blocks (the wrapper picks 16 for grids of at most
+    lib.skinny_wide_tiles tiles; here forced one way or the other)."""
+    wide = lib.skinny_wide_tiles
+    lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
+    yield request.param
+    lib.skinny_wide_tiles = wide
 
 
 def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> float:
