@@ -39,6 +39,8 @@ for what in "$@"; do
     load1b)  stage load-1b 540 python3 bench/load.py --shape 1b --concurrency 1 4 16 32 64 128 --pipeline 1 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     load32)  stage load-1b-c32 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     load32p3) stage load-1b-c32-p3 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    # Where each step's time goes (the worker's x-step-times trailer and the router's stamps), C = 32
+    loadtimes) stage load-1b-step-times 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 2 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     # A/B of the graph policy: slot-vector graphs only, captured at the second sighting (the default until 2026-12-01)
     loadold) stage load-1b-slot-graphs 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --no-fallback-graphs --capture-after 2" --out "$OUT" ;;
     # How far ahead the router keeps Decodes, and what the slow steps coincide with

@@ -108,41 +108,56 @@ class GrpcBackend:
     """The router's calls through the sync client, each started without waiting (`WorkerClient.future`);
     a reply's callback posts it to the router's event queue."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, step_times: bool = False):
+        """step_times: ask each Decode for the worker's step times (the x-step-times trailer); a decode reply
+        is then (tokens, forward_ns, [the worker's five CLOCK_MONOTONIC ns, this callback's])."""
         from worker.client import WorkerClient
         self.client = WorkerClient(target, timeout=120)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.step_times = step_times
 
-    def _start(self, kind: str, tag, method: str, request, parse) -> None:
+    def _start(self, kind: str, tag, method: str, request, parse, metadata=()) -> None:
         def done(call):
             try:
-                self.events.put((kind, tag, parse(call.result())))
+                self.events.put((kind, tag, parse(call)))
             except Exception as e:  # noqa: BLE001 - the router raises it
                 self.events.put((kind, tag, e))
-        self.client.future(method, request).add_done_callback(done)
+        self.client.future(method, request, metadata=metadata).add_done_callback(done)
 
     def alloc(self, tag, total: int, max_new: int) -> None:
         from worker.client import Stopping
         req = self.client.alloc_request(total, stopping=Stopping(max_new_tokens=max_new, ignore_eos=True))
-        self._start("alloc", tag, "AllocSequence", req, lambda r: r.sequence_id)
+        self._start("alloc", tag, "AllocSequence", req, lambda c: c.result().sequence_id)
 
     def prefill(self, tag, items) -> None:
         req = pb.PrefillRequest(items=[pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
-        self._start("prefill", tag, "Prefill", req, lambda r: (
-            [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns))
+        def parse(call):
+            r = call.result()
+            return [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns
+        self._start("prefill", tag, "Prefill", req, parse)
 
     def decode(self, tag, ids) -> None:
-        self._start("decode", tag, "Decode", pb.DecodeRequest(sequence_ids=ids), lambda r: (
-            [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns))
+        def parse(call):
+            r = call.result()
+            tokens = [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens]
+            if not self.step_times:
+                return tokens, r.forward_ns
+            at = time.perf_counter_ns()  # CLOCK_MONOTONIC, the worker's clock
+            times = next((v for k, v in call.trailing_metadata() or () if k == "x-step-times"), "")
+            return tokens, r.forward_ns, [int(t) for t in times.split(",") if t] + [at]
+        self._start("decode", tag, "Decode", pb.DecodeRequest(sequence_ids=ids), parse,
+                    (("x-step-times", "1"),) if self.step_times else ())
 
     def verify(self, tag, items) -> None:
         req = pb.VerifyRequest(items=[pb.VerifyItem(sequence_id=i, draft_token_ids=d) for i, d in items])
-        self._start("verify", tag, "Verify", req, lambda r: (
-            [(v.sequence_id, [t.token_id for t in v.tokens], v.tokens[-1].finish_reason != 0, v.tokens[-1].seq_len)
-             for v in r.results], r.forward_ns))
+        def parse(call):
+            r = call.result()
+            return [(v.sequence_id, [t.token_id for t in v.tokens], v.tokens[-1].finish_reason != 0,
+                     v.tokens[-1].seq_len) for v in r.results], r.forward_ns
+        self._start("verify", tag, "Verify", req, parse)
 
     def release(self, tag, ids) -> None:
-        self._start("release", tag, "Release", pb.ReleaseRequest(sequence_ids=ids), lambda r: r.released)
+        self._start("release", tag, "Release", pb.ReleaseRequest(sequence_ids=ids), lambda c: c.result().released)
 
     def graph_counters(self) -> tuple:
         return graph_counters(self.client.info().graph_cache)
@@ -247,7 +262,9 @@ class LevelResult:
     overhead_left_out: int = 0  # steps that waited while a prefill was in flight
     outliers: list = field(default_factory=list)  # (overhead us, an Alloc/Release reply in the wait, sent late)
     # Per step: (ms since the level started, wait us, forward us, batch, left out, Alloc/Release replies in the
-    # wait, sent late); written with --step-log.
+    # wait, sent late); written with --step-log. Over gRPC also, in us after the router sent the step: the
+    # worker's handler got it, launched it, began its answer, had its result, built the response; the router's
+    # callback got the reply; the router's loop took it (STEP_TIMES).
     step_log: list = field(default_factory=list)
     forward_us: list[float] = field(default_factory=list)  # the worker's forward_ns of each decode/verify step
     steps: int = 0
@@ -282,7 +299,43 @@ class LevelResult:
             "graph_fallbacks": self.graphs[3], "graph_capture_s": round(self.graphs[4], 3),
             "graphs_held": self.graphs[5], "graph_pool_mib": round(self.graphs[6] / 2**20, 1),
             "draft_acceptance": round(self.accepted_drafts / self.proposed_drafts, 3) if self.proposed_drafts else None,
+            **({"step_times": step_time_summary(self.step_log)} if any(len(r) > 7 for r in self.step_log) else {}),
         }
+
+
+# The stamps of a gRPC step in the step log (indices 7..13), and the segments between consecutive ones.
+STEP_TIMES = ("handler", "launched", "answering", "result", "response", "callback", "router")
+STEP_SEGMENTS = ("sent>handler", "handler>launched", "launched>answering", "answering>result", "result>response",
+                 "response>callback", "callback>router")
+
+
+def step_time_summary(step_log: list) -> dict:
+    """Where the steps' time went, from the worker's and the router's clock stamps (--step-log over gRPC):
+    the median of each segment over the counted steps and over the outliers (overhead > OUTLIER_US), and
+    how bunched the replies are at each stage: the median change between consecutive steps' intervals
+    at the worker's result, its response, the router's callback and the router's loop (a steady stream
+    has ~0; replies that arrive in pairs have about half the step time)."""
+    rows = [r for r in step_log if len(r) >= 7 + len(STEP_TIMES)]
+    counted = [r for r in rows if not r[4]]
+    outliers = [r for r in counted if r[1] - r[2] > OUTLIER_US]
+
+    def segments(sel: list) -> dict:
+        out = {}
+        for i, name in enumerate(STEP_SEGMENTS):
+            vals = [r[7 + i] - (r[6 + i] if i else 0) for r in sel]
+            out[name] = round(percentile(vals, 50), 1) if vals else None
+        return out
+
+    def bunching(index: int) -> float | None:
+        at = [r[0] * 1e3 - r[-1] + r[index] for r in rows]  # us since the level started
+        gaps = [b - a for a, b in zip(at, at[1:])]
+        changes = [abs(b - a) for a, b in zip(gaps, gaps[1:])]
+        return round(percentile(changes, 50), 1) if changes else None
+
+    return {"counted": len(counted), "median_us": segments(counted), "outliers": len(outliers),
+            "outlier_median_us": segments(outliers),
+            "interval_change_median_us": {name: bunching(7 + STEP_TIMES.index(name))
+                                          for name in ("result", "response", "callback", "router")}}
 
 
 def run_level(backend, requests: list[Request], concurrency: int, spec: int, duration: float = 0.0,
@@ -395,7 +448,8 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
         if kind not in ("alloc", "prefill", "release"):  # a decode or verify step
             steps = [st for st in steps if st is not tag]
             _, sent = tag
-            outs, forward_ns = reply
+            outs, forward_ns = reply[:2]
+            times = reply[2] if len(reply) > 2 else ()  # GrpcBackend(step_times=True): the step's clock stamps
             waited_from = max(sent, last_step_reply)
             last_step_reply_before, last_step_reply = last_step_reply, now
             # A prefill the worker may have run during this wait (one in flight, or answered since) is not
@@ -404,7 +458,8 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             others = sum(t > waited_from for t in other_replies)  # Alloc/Release replies during the wait
             sent_late = sent > last_step_reply_before
             res.step_log.append((round((now - t_start) * 1e3, 3), round((now - waited_from) * 1e6),
-                                 round(forward_ns / 1e3), len(outs), int(left_out), others, int(sent_late)))
+                                 round(forward_ns / 1e3), len(outs), int(left_out), others, int(sent_late),
+                                 *(round((t / 1e9 - sent) * 1e6) for t in (*times, now * 1e9) if times)))
             if left_out:
                 res.overhead_left_out += 1
             else:
@@ -588,7 +643,7 @@ def _has_cuda() -> bool:
 def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig) -> int:
     from worker.config import config_from_args, serve_parser
 
-    grpc_backend = GrpcBackend(target)
+    grpc_backend = GrpcBackend(target, step_times=args.step_log)
     info = grpc_backend.client.info()
     vocab = info.vocab_size
     engine_cfg = config_from_args(EngineConfig, serve_parser().parse_args(["--model", model, *engine_flags]))

@@ -21,7 +21,8 @@ def run_load(tmp_path, *args) -> dict:
 
 
 def test_load_benchmark_runs_and_reports(tmp_path):
-    res = run_load(tmp_path, "--concurrency", "1", "8", "--requests", "16", "--spec", "0", "--pipeline", "1", "3")
+    res = run_load(tmp_path, "--concurrency", "1", "8", "--requests", "16", "--spec", "0", "--pipeline", "1", "3",
+                   "--step-log")
     assert [(r["concurrency"], r["pipeline"]) for r in res["grpc"]] == [(1, 1), (1, 3), (8, 1), (8, 3)]
     refs = {r["concurrency"]: r for r in res["in_process"]}
     for grpc_level in res["grpc"]:
@@ -32,6 +33,12 @@ def test_load_benchmark_runs_and_reports(tmp_path):
             assert grpc_level["rpc_overhead_p50_us"] > 0
         assert grpc_level["tokens_per_s"] > 0 and grpc_level["ttft_p50_ms"] > 0 and grpc_level["itl_p99_ms"] > 0
         assert grpc_level["out_of_order"] >= 0 and grpc_level["steps"] > 0
+        # --step-log: the worker's and the router's stamps of each step follow one another on one clock.
+        times = grpc_level["step_times"]
+        assert times["counted"] > 0
+        assert all(v is not None and v >= 0 for v in times["median_us"].values()), times
+    for raw in res["raw_grpc"]:
+        assert raw["steps"] and all(len(step) == 14 for step in raw["steps"])
     for png in res["plots"]:
         assert (tmp_path / png.split("/")[-1]).stat().st_size > 1000
 

@@ -100,6 +100,28 @@ def test_pipelined_decode_matches_one_at_a_time(server):
         assert [r for _, _, r in seq] == [pb.FINISH_REASON_NONE] * 8 + [pb.FINISH_REASON_LENGTH]
 
 
+def test_decode_reports_its_step_times_when_asked(server):
+    """x-step-times request metadata: the Decode reply's trailer holds five CLOCK_MONOTONIC ns stamps in
+    order (handler, launched, answer begun, result, response built), inside the client's own window;
+    without it there is no such trailer."""
+    import time
+    with WorkerClient(server.address) as client:
+        ids = [client.alloc(16, stopping=Stopping(max_new_tokens=4, ignore_eos=True)).sequence_id]
+        client.prefill([pb.PrefillItem(sequence_id=ids[0], token_ids=[1, 2, 3])])
+        before = time.monotonic_ns()
+        call = client.future("Decode", pb.DecodeRequest(sequence_ids=ids), metadata=(("x-step-times", "1"),))
+        call.result()
+        after = time.monotonic_ns()
+        times = dict(call.trailing_metadata() or ())["x-step-times"]
+        stamps = [int(t) for t in times.split(",")]
+        assert len(stamps) == 5
+        assert before <= stamps[0] <= stamps[1] <= stamps[2] <= stamps[3] <= stamps[4] <= after
+        plain = client.future("Decode", pb.DecodeRequest(sequence_ids=ids))
+        plain.result()
+        assert "x-step-times" not in dict(plain.trailing_metadata() or ())
+        client.release(ids)
+
+
 def test_async_client_pipelines_decode_with_tasks(server):
     """The asyncio client keeps two Decode calls in flight as two tasks; placed by seq_len, the tokens
     are those of one call at a time."""

@@ -203,12 +203,15 @@ class WorkerClient(_Base):
         req = pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or [])
         return self._call(self.stub.Decode, req, timeout, False)
 
-    def future(self, method: str, request, timeout: float | None = None) -> grpc.Future:
+    def future(self, method: str, request, timeout: float | None = None, metadata: Seq[tuple[str, str]] = ()) \
+            -> grpc.Future:
         """Any ModelWorker RPC (by name, e.g. "Decode") without waiting: returns the call's future
         (`.result()` is the reply or raises its RpcError; `.add_done_callback(fn)`). Never retried.
         A router keeps its calls in flight this way, e.g. the next Decode of a batch before the
-        previous step's reply (see the module docstring)."""
-        return getattr(self.stub, method).future(request, timeout=timeout or self.timeout, metadata=self._md)
+        previous step's reply (see the module docstring). `metadata` is sent with the client's own
+        (e.g. ("x-step-times", "1"): Decode then returns its step times in a trailer)."""
+        return getattr(self.stub, method).future(request, timeout=timeout or self.timeout,
+                                                 metadata=(*self._md, *metadata) if metadata else self._md)
 
     def verify(self, items: Seq[pb.VerifyItem], timeout: float | None = None) -> pb.VerifyResponse:
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items), timeout, False)

@@ -46,7 +46,9 @@ class EngineRunner:
     def __init__(self, make_engine: Callable[[], Engine]):
         self._work: queue.Queue = queue.Queue()
         self._streams: dict[int, _Stream] = {}
-        self._in_flight: collections.deque[tuple[concurrent.futures.Future, PendingStep, float]] = collections.deque()
+        # Launched steps, oldest first: (future, step, monotonic start of its launch, its times list or None).
+        self._in_flight: collections.deque[tuple[concurrent.futures.Future, PendingStep, float, list | None]] = \
+            collections.deque()
         self._waiter = _DeviceWaiter(self._work)
         self._stopping = False
         self.step_started: float | None = None  # monotonic start of the call now running, None when idle
@@ -65,14 +67,16 @@ class EngineRunner:
     async def call(self, fn: Callable[..., Any], *args) -> Any:
         """Runs fn(engine, *args) on the engine thread and returns its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args, False))
+        self._work.put((fut, fn, args, False, None))
         return await asyncio.wrap_future(fut)
 
-    async def step(self, fn: Callable[..., PendingStep], *args) -> api.StepResult:
+    async def step(self, fn: Callable[..., PendingStep], *args, times: list | None = None) -> api.StepResult:
         """Runs fn(engine, *args), which launches a decode step, on the engine thread, and returns the
-        step's result once the engine has finished it (other calls run in between)."""
+        step's result once the engine has finished it (other calls run in between). With a `times`
+        list, the engine thread appends time.monotonic_ns() when the step was launched, when its
+        answer began (Engine.finish called) and when the result was ready."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args, True))
+        self._work.put((fut, fn, args, True, times))
         return await asyncio.wrap_future(fut)
 
     @property
@@ -161,7 +165,8 @@ class EngineRunner:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
         engine.close()
 
-    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple, step: bool) -> None:
+    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple, step: bool,
+             times: list | None) -> None:
         if not fut.set_running_or_notify_cancel():
             return  # cancelled before it started: skipped entirely
         self.step_started = time.monotonic()
@@ -172,7 +177,9 @@ class EngineRunner:
             fut.set_exception(e)
         else:
             if step:
-                self._in_flight.append((fut, result, self.step_started))
+                if times is not None:
+                    times.append(time.monotonic_ns())
+                self._in_flight.append((fut, result, self.step_started, times))
             self._answer_steps(engine)  # steps the call finished (a launch may finish the oldest) answer now
             if not step:
                 fut.set_result(result)
@@ -184,13 +191,18 @@ class EngineRunner:
         """Answers the launched steps that are done or whose device work has ended, oldest first; the
         oldest `wait_for` of them are waited for."""
         while self._in_flight:
-            fut, step, _ = self._in_flight[0]
+            fut, step, _, times = self._in_flight[0]
             if wait_for <= 0 and not engine.step_ready(step):
                 return
             wait_for -= 1
             self._in_flight.popleft()
             try:
-                fut.set_result(engine.finish(step))
+                if times is not None:
+                    times.append(time.monotonic_ns())
+                result = engine.finish(step)
+                if times is not None:
+                    times.append(time.monotonic_ns())
+                fut.set_result(result)
             except BaseException as e:
                 fut.set_exception(e)
 

@@ -34,6 +34,13 @@ def request_id_of(context: grpc.aio.ServicerContext, fallback: str = "") -> str:
     return fallback or uuid.uuid4().hex[:12]
 
 
+STEP_TIMES_KEY = "x-step-times"  # request metadata asking Decode for its STEP_TIMES_KEY trailer (any value)
+
+
+def wants_step_times(context: grpc.aio.ServicerContext) -> bool:
+    return any(key == STEP_TIMES_KEY for key, _ in context.invocation_metadata() or ())
+
+
 def client_of(context: grpc.aio.ServicerContext) -> str:
     """Who owns sequences for the per-client limit: x-client-id metadata, else the peer's address."""
     for key, value in context.invocation_metadata() or ():
@@ -101,11 +108,20 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
+        received = time.monotonic_ns()
         ids = list(request.sequence_ids)
         override = list(request.input_token_ids) or None
-        result = await self.runner.step(lambda e: self._touching(e.decode_launch(ids, override), ids))
+        times = [received] if wants_step_times(context) else None
+        result = await self.runner.step(lambda e: self._touching(e.decode_launch(ids, override), ids), times=times)
         self.metrics.observe_step("decode", result)
-        return convert.decode_response(result)
+        response = convert.decode_response(result)
+        if times is not None:
+            # Where a step's time went, for a router that asks (x-step-times request metadata): CLOCK_MONOTONIC
+            # ns when the call reached the handler, the step was launched, its answer began, its result was
+            # ready, and the response was built (see docs/architecture.md "Steps in flight").
+            times.append(time.monotonic_ns())
+            context.set_trailing_metadata(((STEP_TIMES_KEY, ",".join(map(str, times))),))
+        return response
 
     @rpc
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
