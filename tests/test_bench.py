@@ -57,3 +57,14 @@ def test_soak_60s_no_growth(tmp_path):
     assert res["level"]["output_tokens"] > 1000
     # Memory: the worker's RSS after the soak within 5% (+16 MB allocator slack) of its RSS after warm-up.
     assert end["rss_mb"] <= start["rss_mb"] * 1.05 + 16, res["rss_samples"]
+
+
+def test_pipeline_floor_runs(tmp_path):
+    """bench/pipeline_floor.py (the stand-in worker with no engine) over a real socket: one line per GIL load."""
+    out = subprocess.run([sys.executable, "bench/pipeline_floor.py", "--steps", "60", "--gil-us", "0", "200",
+                          "--step-us", "800"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["gil_us"] for r in lines] == [0, 200]
+    for r in lines:
+        assert r["steps"] == 60 and r["overhead_p50_us"] <= r["overhead_p90_us"] <= r["overhead_p99_us"]
