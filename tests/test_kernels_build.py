@@ -49,6 +49,21 @@ def test_a_failing_source_reports_nvcc_output(tmp_path):
         build.build_all(tmp_path / "out", kernel_dir=kernel_dir, log=None)
 
 
+def test_the_command_line_builds_a_modified_copy_of_the_sources(tmp_path):
+    """`python -m engine.cuda.build --kernels SRC --out OUT` (the A/B builds of bench_kernels --variant):
+    the copy's fatbins are stamped with the copy's own hash, so KernelLibrary loads them as current."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for header in build.headers():
+        (src / header.name).write_text(header.read_text())
+    (src / "embedding.cu").write_text("#define AB_VARIANT 1\n" + (build.KERNEL_DIR / "embedding.cu").read_text())
+    assert build.main(["--kernels", str(src), "--out", str(tmp_path / "out")]) == 0
+    built = src / "embedding.cu"
+    assert build.fatbin_path(built, tmp_path / "out").is_file()
+    assert build.is_current(built, tmp_path / "out")
+    assert build.build_stamp(built) != build.build_stamp(build.KERNEL_DIR / "embedding.cu")
+
+
 def test_fast_math_only_where_results_are_not_compared_bitwise():
     flags = {src.stem: build.extra_flags(src.read_text()) for src in build.sources()}
     for module in ("sampling", "spec_accept", "rope_cache_write", "rms_norm", "silu_and_mul"):
