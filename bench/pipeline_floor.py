@@ -10,8 +10,9 @@ is STEP. The router is bench/load.py's: the sync client, `--pipeline` calls in f
 wait measured from when the call was sent or the previous reply arrived (the later), minus forward_ns.
 
     python bench/pipeline_floor.py [--step-us 1330] [--pipeline 3] [--gil-us 0 150 300] [--steps 1500]
+                                   [--server aio sync]
 
-Prints one JSON line per --gil-us value: overhead p50 / p90 / p99 and the share of steps over 500 us."""
+Prints one JSON line per server flavour and --gil-us value: overhead p50 / p90 / p99 and the share of steps over 500 us."""
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,10 @@ from metrale.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 OUTLIER_US = 500
 
 
-def serve(step_us: int, gil_us: int, batch: int) -> None:
-    """The stand-in worker: prints its port, then serves until killed."""
+def serve(step_us: int, gil_us: int, batch: int, flavour: str = "aio") -> None:
+    """The stand-in worker: prints its port, then serves until killed. flavour "aio": a grpc.aio server
+    whose handler awaits the engine thread's future (as the worker does); "sync": a thread-pool
+    grpc.server whose handler blocks on it."""
     work: queue.SimpleQueue = queue.SimpleQueue()
     reply = pb.DecodeResponse(tokens=[pb.Token(sequence_id=i, token_id=100 + i, logprob=-0.5, seq_len=50)
                                       for i in range(batch)], forward_ns=step_us * 1000)
@@ -59,6 +62,20 @@ def serve(step_us: int, gil_us: int, batch: int) -> None:
             fut.set_result(reply)
 
     threading.Thread(target=engine, daemon=True).start()
+
+    if flavour == "sync":
+        class SyncWorker(pb_grpc.ModelWorkerServicer):
+            def Decode(self, request, context):
+                fut: concurrent.futures.Future = concurrent.futures.Future()
+                work.put(fut)
+                return fut.result()
+
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(16))
+        pb_grpc.add_ModelWorkerServicer_to_server(SyncWorker(), server)
+        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+        server.start()
+        server.wait_for_termination()
+        return
 
     class Worker(pb_grpc.ModelWorkerServicer):
         async def Decode(self, request, context):
@@ -108,14 +125,16 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--gil-us", type=int, nargs="+", default=[0, 150, 300])
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--serve", nargs=3, type=int, help=argparse.SUPPRESS)
+    p.add_argument("--server", nargs="+", choices=["aio", "sync"], default=["aio"],
+                   help="the stand-in's gRPC server: grpc.aio (the worker's) and/or a thread-pool grpc.server")
+    p.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
-        serve(*args.serve)
+        serve(*map(int, args.serve[:3]), args.serve[3])
         return
-    for gil_us in args.gil_us:
-        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(args.step_us), str(gil_us), str(args.batch)],
-                                stdout=subprocess.PIPE, text=True)
+    for flavour, gil_us in ((f, g) for f in args.server for g in args.gil_us):
+        proc = subprocess.Popen([sys.executable, __file__, "--serve", str(args.step_us), str(gil_us), str(args.batch),
+                                 flavour], stdout=subprocess.PIPE, text=True)
         try:
             target = f"127.0.0.1:{int(proc.stdout.readline())}"
             route(target, args.pipeline, 100, args.batch)  # warm-up
@@ -123,7 +142,8 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-        print(json.dumps({"step_us": args.step_us, "pipeline": args.pipeline, "batch": args.batch, "gil_us": gil_us,
+        print(json.dumps({"server": flavour, "step_us": args.step_us, "pipeline": args.pipeline, "batch": args.batch,
+                          "gil_us": gil_us,
                           "steps": len(us), "overhead_p50_us": round(percentile(us, 50), 1),
                           "overhead_p90_us": round(percentile(us, 90), 1),
                           "overhead_p99_us": round(percentile(us, 99), 1),
