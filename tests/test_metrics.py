@@ -75,6 +75,11 @@ def test_metrics_follow_the_calls(tiny_model):
         assert value(m, "metrale_kv_blocks_used") == 0
         assert value(m, "metrale_kv_blocks_free") == client.info().free_blocks
         assert ("metrale_graph_hits_total", ()) in m
+        # Each answered Decode's time split into its three stages.
+        for stage in ("queued", "device", "reply"):
+            assert value(m, "metrale_decode_stage_seconds_count", stage=stage) - \
+                value(base, "metrale_decode_stage_seconds_count", stage=stage) == decodes
+            assert value(m, "metrale_decode_stage_seconds_sum", stage=stage) > 0
         # Every Decode here was answered (none left in flight), and no sequence stopped early.
         assert m[("metrale_decode_steps_in_flight", ())] == 0
         assert m[("metrale_decode_steps_refused_total", ())] == 0

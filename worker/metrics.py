@@ -26,6 +26,8 @@ from engine import api
 
 LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+STAGE_BUCKETS = (0.000025, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2)
+DECODE_STAGES = ("queued", "device", "reply")  # see Metrics.observe_decode_stages
 
 
 @dataclass
@@ -117,6 +119,11 @@ class Metrics:
         self.forward = Histogram("metrale_forward_seconds", "forward + sampling time per step", ["kind"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.tokens = Counter("metrale_generated_tokens", "tokens generated", registry=r)
+        self.stages = Histogram("metrale_decode_stage_seconds",
+                                "where a Decode call's time went in the worker: queued (handler to launch: waiting "
+                                "behind other calls and the steps in flight), device (launch to result ready: the "
+                                "steps ahead of it and its own), reply (result ready to response built: the event "
+                                "loop's lag)", ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
         self._children: dict[tuple, object] = {}  # labelled children, looked up once
@@ -178,6 +185,13 @@ class Metrics:
         if kind == "prefill" and started is not None and result.tokens:
             self.ttft.observe(now - started, len(result.tokens))
         self._tokens(result.tokens, now, first=kind == "prefill")
+
+    def observe_decode_stages(self, times: list[int]) -> None:
+        """times: a Decode's CLOCK_MONOTONIC ns at the handler, launch, answer begun, result ready and
+        response built (the x-step-times stamps)."""
+        handler, launched, _, result, response = times
+        for stage, ns in zip(DECODE_STAGES, (launched - handler, result - launched, response - result)):
+            self._child(self.stages, stage).observe(ns / 1e9)
 
     def observe_verify(self, result: api.VerifyStepResult) -> None:
         self._child(self.batch, "verify").observe(len(result.results))

@@ -108,18 +108,18 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
 
     @rpc
     async def Decode(self, request: pb.DecodeRequest, context) -> pb.DecodeResponse:
-        received = time.monotonic_ns()
+        # Where the call's time goes: CLOCK_MONOTONIC ns when it reached the handler, its step was launched,
+        # the step's answer began, its result was ready, and the response was built. Exported as
+        # metrale_decode_stage_seconds, and sent back to a router that asks (x-step-times request metadata).
+        times = [time.monotonic_ns()]
         ids = list(request.sequence_ids)
         override = list(request.input_token_ids) or None
-        times = [received] if wants_step_times(context) else None
         result = await self.runner.step(lambda e: self._touching(e.decode_launch(ids, override), ids), times=times)
         self.metrics.observe_step("decode", result)
         response = convert.decode_response(result)
-        if times is not None:
-            # Where a step's time went, for a router that asks (x-step-times request metadata): CLOCK_MONOTONIC
-            # ns when the call reached the handler, the step was launched, its answer began, its result was
-            # ready, and the response was built (see docs/architecture.md "Steps in flight").
-            times.append(time.monotonic_ns())
+        times.append(time.monotonic_ns())
+        self.metrics.observe_decode_stages(times)
+        if wants_step_times(context):
             context.set_trailing_metadata(((STEP_TIMES_KEY, ",".join(map(str, times))),))
         return response
 
