@@ -56,6 +56,9 @@ class EngineConfig:
     fallback_graphs: bool = field(default=True, metadata={
         "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width (captured "
                 "the first time that width runs) that reads the slot vector from a staging buffer"})
+    warm_up_widths: int = field(default=-1, metadata={
+        "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
+                "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})
     max_steps_in_flight: int = field(default=2, metadata={
         "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
                 "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
@@ -66,6 +69,8 @@ class EngineConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.warm_up_widths < -1:
+            raise ConfigError(f"warm_up_widths must be >= -1, got {self.warm_up_widths}")
         for name in ("max_seq_len", "num_kv_blocks", "max_top_logprobs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -311,6 +311,35 @@ class Engine:
                 done += 1
         return done
 
+    def warm_up_decode(self) -> int:
+        """Captures the decode graph of each batch width 1..config.warm_up_widths (-1: max_batch_size), the
+        graph every batch of that width replays until its own slot vector has one (fallback_graphs), for
+        steps without top logprobs. Otherwise the first request batch of each width pays the capture in its
+        step (~5-10 ms of host time). Scratch sequences of one prompt token, one width at a time, released
+        after. Stops at the first width the slots or the KV cache cannot hold. Returns the widths run (0
+        without CUDA graphs or fallback graphs)."""
+        widths = self.config.warm_up_widths
+        if widths < 0:
+            widths = self.config.max_batch_size
+        if self.graphs is None or not self.config.fallback_graphs:
+            return 0
+        done = 0
+        for width in range(1, min(widths, self.config.max_batch_size) + 1):
+            seq_ids = []
+            try:
+                for _ in range(width):
+                    seq_ids.append(self.alloc_sequence(3, SamplingParams(),
+                                                       StoppingCriteria(max_new_tokens=2, ignore_eos=True)).seq_id)
+                self.prefill([api.PrefillItem(i, [0]) for i in seq_ids])
+                self.decode(seq_ids)
+            except ResourceExhausted:
+                return done
+            finally:
+                if seq_ids:
+                    self.release(seq_ids)
+            done += 1
+        return done
+
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         """One decode step of seq_ids; waits for it (decode_launch, then finish)."""
         return self.finish(self.decode_launch(seq_ids, input_token_ids))

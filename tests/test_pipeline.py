@@ -327,3 +327,11 @@ def test_random_pipelined_calls_equal_the_same_calls_one_at_a_time(tiny_model, s
     assert got == expected
     info = engine.info()
     assert info.live_sequences == 0 and info.free_blocks == free
+
+
+def test_decode_width_warm_up_is_a_no_op_without_cuda_graphs(tiny_model):
+    """On the CPU (no CUDA graphs) warm_up_decode runs nothing and leaves nothing allocated; the GPU
+    test test_warm_up_captures_each_decode_width_so_requests_do_not covers the captures."""
+    engine = Engine(engine_config(tiny_model, warm_up_widths=4))
+    assert engine.warm_up_decode() == 0
+    assert not engine.sequences

@@ -59,7 +59,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
 def warm_up(engine: Engine) -> None:
     """One real prefill and decode step: the device answered a real forward before we say SERVING.
-    Then a prefill at each padded prompt size the engine uses, so no request pays a size's first call."""
+    Then a prefill at each padded prompt size the engine uses, and (with CUDA graphs) a decode step at
+    each batch width, so no request pays a size's first call or a width's graph capture."""
     seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True))
     try:
         engine.prefill([api.PrefillItem(seq.seq_id, [0, 0])])
@@ -70,6 +71,10 @@ def warm_up(engine: Engine) -> None:
     forwards = engine.warm_up_prefill()
     if forwards:
         log.info("warmed up %d prefill sizes in %.1fs", forwards, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    widths = engine.warm_up_decode()
+    if widths:
+        log.info("captured the decode graphs of %d batch widths in %.1fs", widths, time.perf_counter() - t0)
 
 
 class Worker:

@@ -217,6 +217,32 @@ def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
     assert s.graphs_held == 2 and s.evictions >= 90 and s.captures == s.evictions + 2
 
 
+def test_warm_up_captures_each_decode_width_so_requests_do_not(ckpt_tiny):
+    """warm_up_decode leaves a width graph for every width 1..warm_up_widths and nothing allocated; a
+    request batch of a warmed width then replays it without a capture, and one of a wider width
+    still captures its own."""
+    engine = gpu_engine(ckpt_tiny, warm_up_widths=6, max_batch_size=8)
+    free_blocks = engine.blocks.num_free_blocks
+    assert engine.warm_up_decode() == 6
+    assert all(("decode", "width", w, 0) in engine.graphs for w in range(1, 7))
+    assert ("decode", "width", 7, 0) not in engine.graphs
+    assert not engine.sequences and engine.blocks.num_free_blocks == free_blocks
+
+    def step(width: int) -> tuple[int, int]:
+        ids = [engine.alloc_sequence(40, SamplingParams(), GREEDY).seq_id for _ in range(width)]
+        engine.prefill([PrefillItem(i, [3, 4, i % 9]) for i in ids])
+        captures = engine.graphs.stats.captures
+        hits = engine.graphs.stats.hits
+        engine.decode(ids)
+        engine.release(ids)
+        return engine.graphs.stats.captures - captures, engine.graphs.stats.hits - hits
+
+    assert step(5) == (0, 1)
+    assert step(7)[0] == 1
+    assert gpu_engine(ckpt_tiny, warm_up_widths=0).warm_up_decode() == 0
+    assert gpu_engine(ckpt_tiny, fallback_graphs=False).warm_up_decode() == 0
+
+
 def test_graph_pool_does_not_grow_over_10000_steps_of_churn(ckpt_tiny):
     engine = gpu_engine(ckpt_tiny, max_graphs=8, capture_after=1, num_kv_blocks=2048)
     live: list[int] = []
