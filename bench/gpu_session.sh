@@ -46,7 +46,7 @@ for what in "$@"; do
     # A/B of the worker's queue depth: --max-steps-in-flight 2 (default) vs 3, router three and four in flight
     loaddepth) for d in 2 3; do stage load-1b-depth$d 300 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 3 4 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --max-steps-in-flight $d" --out "$OUT"; done ;;
     loaddepthab) for rep in 1 2; do for d in 2 3; do stage load-1b-c32-depth$d-rep$rep 120 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --max-steps-in-flight $d" --out "$OUT"; done; done ;;
-    warmtest) stage gpu-warm-up-test 120 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -p no:cacheprovider -k "warm_up or launched or churn" ;;
+    warmtest) stage gpu-warm-up-test 120 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -p no:cacheprovider -k "warm" ;;
     load32128) stage load-1b-c32-c128-p3 240 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     # A/B of the graph policy: slot-vector graphs only, captured at the second sighting (the default until 2026-12-01)
     loadold) stage load-1b-slot-graphs 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --no-fallback-graphs --capture-after 2" --out "$OUT" ;;
