@@ -319,8 +319,8 @@ class Engine:
         reuse the graph pool's blocks instead of growing it (widest last took the 1B pool from ~0.3 to
         3.9 GiB over 256 widths). Scratch sequences of one prompt token, one width at a time, released
         after; a width the slots or the KV cache cannot hold is skipped. Returns the widths run (0 without
-        CUDA graphs or fallback graphs)."""
-        if self.graphs is None or not self.config.fallback_graphs:
+        CUDA graphs or fallback graphs, or with capture_after 1, where every batch captures its own)."""
+        if self.graphs is None or not self.config.fallback_graphs or self.config.capture_after <= 1:
             return 0
         if widths is None:
             top = self.config.warm_up_widths

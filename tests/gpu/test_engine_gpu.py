@@ -241,6 +241,7 @@ def test_warm_up_captures_each_decode_width_so_requests_do_not(ckpt_tiny):
     assert step(7)[0] == 1
     assert gpu_engine(ckpt_tiny, warm_up_widths=0).warm_up_decode() == 0
     assert gpu_engine(ckpt_tiny, fallback_graphs=False).warm_up_decode() == 0
+    assert gpu_engine(ckpt_tiny, capture_after=1).warm_up_decode() == 0
 
 
 def test_warming_every_width_costs_the_graph_pool_about_what_the_widest_does(ckpt_1b):
