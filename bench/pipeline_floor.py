@@ -35,6 +35,7 @@ if not (ROOT / "metrale" / "worker" / "v1" / "worker_pb2.py").exists():
 import grpc  # noqa: E402
 
 from metrale.worker.v1 import worker_pb2 as pb  # noqa: E402
+from bench.rpc_rtt import serve_until_killed  # noqa: E402
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 
 OUTLIER_US = 500
@@ -63,19 +64,11 @@ def serve(step_us: int, gil_us: int, batch: int, flavour: str = "aio") -> None:
 
     threading.Thread(target=engine, daemon=True).start()
 
-    if flavour == "sync":
-        class SyncWorker(pb_grpc.ModelWorkerServicer):
-            def Decode(self, request, context):
-                fut: concurrent.futures.Future = concurrent.futures.Future()
-                work.put(fut)
-                return fut.result()
-
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(16))
-        pb_grpc.add_ModelWorkerServicer_to_server(SyncWorker(), server)
-        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
-        server.start()
-        server.wait_for_termination()
-        return
+    class SyncWorker(pb_grpc.ModelWorkerServicer):
+        def Decode(self, request, context):
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            work.put(fut)
+            return fut.result()
 
     class Worker(pb_grpc.ModelWorkerServicer):
         async def Decode(self, request, context):
@@ -83,13 +76,8 @@ def serve(step_us: int, gil_us: int, batch: int, flavour: str = "aio") -> None:
             work.put(fut)
             return await asyncio.wrap_future(fut)
 
-    async def main() -> None:
-        server = grpc.aio.server()
-        pb_grpc.add_ModelWorkerServicer_to_server(Worker(), server)
-        print(server.add_insecure_port("127.0.0.1:0"), flush=True)
-        await server.start()
-        await server.wait_for_termination()
-    asyncio.run(main())
+    serve_until_killed(flavour, pb_grpc.add_ModelWorkerServicer_to_server,
+                       SyncWorker() if flavour == "sync" else Worker(), threads=16)
 
 
 def route(target: str, pipeline: int, steps: int, batch: int) -> list[float]:

@@ -91,11 +91,13 @@ class _AioHealth(health_pb2_grpc.HealthServicer):
         return _busy(request)
 
 
-def serve_bare(flavour: str) -> None:
-    """Prints the port, then serves until killed."""
+def serve_until_killed(flavour: str, add_to_server, servicer, threads: int = 8) -> None:
+    """Serves `servicer` (add_to_server: the generated add_*Servicer_to_server) on a free local port, on
+    a thread-pool grpc.server ("sync") or a grpc.aio server ("aio"): prints the port, then serves until
+    killed."""
     if flavour == "sync":
-        server = grpc.server(concurrent.futures.ThreadPoolExecutor(8))
-        health_pb2_grpc.add_HealthServicer_to_server(_Health(), server)
+        server = grpc.server(concurrent.futures.ThreadPoolExecutor(threads))
+        add_to_server(servicer, server)
         print(server.add_insecure_port("127.0.0.1:0"), flush=True)
         server.start()
         server.wait_for_termination()
@@ -103,11 +105,16 @@ def serve_bare(flavour: str) -> None:
 
     async def main():
         server = grpc.aio.server()
-        health_pb2_grpc.add_HealthServicer_to_server(_AioHealth(), server)
+        add_to_server(servicer, server)
         print(server.add_insecure_port("127.0.0.1:0"), flush=True)
         await server.start()
         await server.wait_for_termination()
     asyncio.run(main())
+
+
+def serve_bare(flavour: str) -> None:
+    serve_until_killed(flavour, health_pb2_grpc.add_HealthServicer_to_server,
+                       _Health() if flavour == "sync" else _AioHealth())
 
 
 def spawn_bare(flavour: str) -> tuple[subprocess.Popen, str]:
