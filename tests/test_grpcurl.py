@@ -20,10 +20,18 @@ def grpcurl_path() -> str:
 
 
 def grpcurl(address: str, *args: str, data: dict | None = None) -> str:
-    cmd = [grpcurl_path(), "-plaintext"]
+    """grpcurl -plaintext [options] address [method]: args starting with "-" (and the value after -H)
+    are options, put before the address."""
+    options, rest, it = [], [], iter(args)
+    for a in it:
+        if a.startswith("-"):
+            options += [a, next(it)] if a == "-H" else [a]
+        else:
+            rest.append(a)
+    cmd = [grpcurl_path(), "-plaintext", *options]
     if data is not None:
         cmd += ["-d", json.dumps(data)]
-    cmd += [address, *args]
+    cmd += [address, *rest]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, f"{cmd}: {out.stderr}"
     return out.stdout
@@ -55,3 +63,18 @@ def test_grpcurl_list_describe_health_and_a_sequence(server):
                                                   "stopping": {"max_new_tokens": 4, "ignore_eos": True}})
     tokens = [json.loads(chunk)["token"] for chunk in streamed.replace("}\n{", "}\x00{").split("\x00")]
     assert len(tokens) == 4 and tokens[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_grpcurl_shows_a_decodes_step_times(server):
+    """`grpcurl -H 'x-step-times: 1' -v` prints the Decode's x-step-times trailer (README, "Operating it")."""
+    addr, m = server.address, "metrale.worker.v1.ModelWorker/"
+    sid = json.loads(grpcurl(addr, m + "AllocSequence", data={
+        "max_total_tokens": 16, "stopping": {"max_new_tokens": 4, "ignore_eos": True}}))["sequence_id"]
+    grpcurl(addr, m + "Prefill", data={"items": [{"sequence_id": sid, "token_ids": [1, 2, 3]}]})
+    out = grpcurl(addr, "-H", "x-step-times: 1", "-v", m + "Decode", data={"sequence_ids": [sid]})
+    trailers = out.split("Response trailers received:")[1]
+    stamps = [int(v) for v in trailers.split("x-step-times:")[1].split()[0].split(",")]
+    assert len(stamps) == 5 and stamps == sorted(stamps)
+    plain = grpcurl(addr, "-v", m + "Decode", data={"sequence_ids": [sid]})
+    assert "x-step-times" not in plain
+    grpcurl(addr, m + "Release", data={"sequence_ids": [sid]})
