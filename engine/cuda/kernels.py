@@ -56,7 +56,7 @@ def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
 SKINNY_MAX_M = 32
 SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-tiles of 8 tokens
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
-SKINNY_WARPS = (8, 16)  # warps per block: 8 (two blocks per SM), or 16 (suffix _w16, one block per SM)
+SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
 SKINNY_K_ALIGN = 32  # K elements per warp step
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
@@ -675,7 +675,7 @@ class KernelLibrary:
         tiles = N // SKINNY_TILE
         wide = tiles <= self.skinny_wide_tiles
         self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}{'_w16' if wide else ''}"](
-            (tiles, 1, 1), (32 * SKINNY_WARPS[wide], 1, 1), 0, self.stream(), *args)
+            (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, self.stream(), *args)
 
     def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
