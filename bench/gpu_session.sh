@@ -54,11 +54,23 @@ for what in "$@"; do
     loaddeep) stage load-1b-deep 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 4 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     # A/B of step overlap: each decode step waited for before the next is launched (the default until 2026-12-01)
     loadsync) stage load-1b-one-in-flight 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --max-steps-in-flight 1" --out "$OUT" ;;
+    # A/B against another tree (build/ab-base: `git archive <commit> | tar -x -C build/ab-base`, carried), same call:
+    # engine_bench 1B at batch 1 and 32 twice, alternating, then 8B batch 1 once each
+    abengine) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
+        ln -sfn "$PWD/metrale" build/ab-base/metrale; ln -sfn "$PWD/kernels_cu/build" build/ab-base/kernels_cu/build
+        for rep in 1 2; do
+          (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT/base")
+          stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT"
+        done
+        (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-8b-base 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT/base")
+        stage engine-bench-8b-new 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
+      else echo "abengine: no build/ab-base"; fi ;;
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
     ttft)    stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
     replay)  stage profile-replay-1b 200 python3 bench/profile_step.py --shape 1b --only replay ;;
+    replay8b) stage profile-replay-8b 300 python3 bench/profile_step.py --shape 8b --only replay ;;
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
@@ -73,4 +85,8 @@ for what in "$@"; do
     *) echo "unknown stage $what" ;;
   esac
 done
+# The device tool brings back at most 8 files: PACK=1 leaves one tarball of everything instead.
+if [ "${PACK:-0}" = 1 ]; then
+  tar czf /tmp/session.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/session.tgz "$OUT/session.tgz"
+fi
 ls -la "$OUT"

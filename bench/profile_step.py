@@ -12,9 +12,11 @@ import collections
 import cProfile
 import pathlib
 import pstats
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,7 +28,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from engine.api import PrefillItem, VerifyItem  # noqa: E402
 from engine.checkpoint import write_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
+from engine.engine import Engine, PendingStep  # noqa: E402
 from engine.sampling import SamplingParams, StoppingCriteria  # noqa: E402
 
 GREEDY = StoppingCriteria(ignore_eos=True)
@@ -120,29 +122,155 @@ def profile_prefill(engine: Engine, vocab: int, g: torch.Generator, batch: int =
     gaps_table(prof, f"prefill {batch}x{length} timeline")
 
 
-def profile_replay_host(path, steps: int = 300) -> None:
-    """The host side of a replayed decode step at batch 1 (CUDA graphs on): wall vs device time per
-    step, and where the host time goes (cProfile, by own time)."""
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=2048, max_seq_len=4096))
+def profile_replay_host(path, steps: int = 400) -> None:
+    """The host side of a replayed decode step (CUDA graphs on), one step at a time as engine_bench
+    times it, at batch 1 and 32: wall vs device time per step, and the medians of where the host's
+    time goes (perf_counter_ns around the engine's own methods; each wrapper adds ~0.3 us)."""
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096))
     vocab = engine.model_config.vocab_size
-    ids = [engine.alloc_sequence(128 + 2 * steps + 40, SamplingParams(), GREEDY).seq_id]
-    engine.prefill([PrefillItem(ids[0], torch.randint(0, vocab, (128,)).tolist())])
-    for _ in range(10):
-        engine.decode(ids)
+    spent: collections.Counter = collections.Counter()
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter_ns() - t
+        setattr(obj, name, wrapper)
+
+    timed(engine, "_launch", "launch: _launch")
+    timed(engine.graphs, "run", "launch: graph run (replay)")
+    timed(engine.outputs, "copy_to_host", "launch: copy_to_host")
+    timed(engine, "_commit", "finish: _commit")
+    timed(engine.outputs, "host_values", "finish: host_values")
+    wait_device = PendingStep.wait_device
+
+    def timed_wait(step) -> None:
+        t = time.perf_counter_ns()
+        wait_device(step)
+        spent["finish: wait_device"] += time.perf_counter_ns() - t
+    PendingStep.wait_device = timed_wait
+    try:
+        for batch in (1, 32):
+            ids = [engine.alloc_sequence(128 + steps + 40, SamplingParams(), GREEDY).seq_id for _ in range(batch)]
+            engine.prefill([PrefillItem(i, torch.randint(0, vocab, (128,)).tolist()) for i in ids])
+            for _ in range(10):
+                engine.decode(ids)
+            torch.cuda.synchronize()
+            rows: dict[str, list[float]] = collections.defaultdict(list)
+            t_prev = None
+            for _ in range(steps):
+                spent.clear()
+                t0 = time.perf_counter_ns()
+                step = engine.decode_launch(ids)
+                t1 = time.perf_counter_ns()
+                result = engine.finish(step)
+                t2 = time.perf_counter_ns()
+                if t_prev is not None:
+                    rows["wall (step start to next step start)"].append((t0 - t_prev) / 1e3)
+                t_prev = t0
+                rows["device (forward_ns)"].append(result.forward_ns / 1e3)
+                rows["decode_launch"].append((t1 - t0) / 1e3)
+                rows["finish"].append((t2 - t1) / 1e3)
+                for label, ns in spent.items():
+                    rows[label].append(ns / 1e3)
+            engine.release(ids)
+            print(f"\n== replayed decode b{batch}, one step at a time: medians over {steps} steps, us")
+            for label, us in rows.items():
+                print(f"{statistics.median(us):9.1f}  {label}")
+    finally:
+        PendingStep.wait_device = wait_device
+    engine.close()
+
+
+def host_call_costs(reps: int = 2000) -> None:
+    """Host time of the CUDA calls a decode step makes, through torch and through cuda-python's driver
+    bindings (median us per call, the stream drained between calls where the call queues work)."""
+    from cuda.bindings import driver
+
+    from engine.cuda.streams import EngineStreams
+
+    dev = torch.device("cuda")
+    streams = EngineStreams(dev, timers=1)
+    handle = streams.compute.cuda_stream
+    src = torch.zeros(512, dtype=torch.int64, device=dev)
+    pinned = torch.zeros(512, dtype=torch.int64, pin_memory=True)
+    _, ev = driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+    with torch.cuda.stream(streams.compute):
+        graph = torch.cuda.CUDAGraph()
+        x = torch.zeros(16, device=dev)
+        x.add_(1)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=streams.compute):
+            x.add_(1)
+    exec_handle = graph.raw_cuda_graph_exec() if hasattr(graph, "raw_cuda_graph_exec") else None
+
+    def cost(fn, drain: bool = True) -> float:
+        out = []
+        for _ in range(reps):
+            if drain:
+                streams.compute.synchronize()
+            t = time.perf_counter_ns()
+            fn()
+            out.append(time.perf_counter_ns() - t)
+        return statistics.median(out) / 1e3
+
+    def torch_stream_context():
+        with torch.cuda.stream(streams.compute):
+            pass
+
+    def set_stream_pair():
+        prev = torch.cuda.current_stream()
+        torch.cuda.set_stream(streams.compute)
+        torch.cuda.set_stream(prev)
+
+    def torch_event():
+        torch.cuda.Event().record(streams.compute)
+
+    cases = [
+        ("with torch.cuda.stream(compute): pass", torch_stream_context, False),
+        ("torch.cuda.current_stream() + set_stream x2", set_stream_pair, False),
+        ("torch.cuda.Event().record(stream)", torch_event, True),
+        ("EngineStreams.mark()", streams.mark, True),
+        ("driver cuEventRecord", lambda: driver.cuEventRecord(ev, handle), True),
+        ("driver cuEventQuery", lambda: driver.cuEventQuery(ev), False),
+        ("pinned[:32].copy_(dev[:32], non_blocking=True)", lambda: pinned[:32].copy_(src[:32], non_blocking=True), True),
+        ("driver cuMemcpyDtoHAsync 256 B", lambda: driver.cuMemcpyDtoHAsync(pinned.data_ptr(), src.data_ptr(), 256, handle),
+         True),
+        ("pinned[:32].tolist()", lambda: pinned[:32].tolist(), False),
+        ("CUDAGraph.replay() (one kernel)", lambda: graph.replay(), True),
+    ]
+    if exec_handle is not None:
+        cases.append(("driver cuGraphLaunch (one kernel)", lambda: driver.cuGraphLaunch(exec_handle, handle), True))
+    print(f"\n== host cost of CUDA calls, median of {reps} (us)")
+    for name, fn, drain in cases:
+        print(f"{cost(fn, drain):9.2f}  {name}")
+    # Does a thread waiting in the driver's cuEventSynchronize let other Python threads run?
+    spins = [0]
+    done = threading.Event()
+
+    def spin():
+        while not done.is_set():
+            spins[0] += 1
+    with torch.cuda.stream(streams.compute):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+    mark = streams.mark()
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    t = time.perf_counter()
+    mark.synchronize()
+    waited = time.perf_counter() - t
+    done.set()
+    spinner.join()
+    print(f"a Python thread ran {spins[0]} loop turns while the main thread waited {waited * 1e3:.0f} ms in "
+          f"DeviceMark.synchronize (0 would mean the GIL was held)")
     torch.cuda.synchronize()
-    t0, device_ns = time.perf_counter(), 0
-    for _ in range(steps):
-        device_ns += engine.decode(ids).forward_ns
-    wall = (time.perf_counter() - t0) / steps * 1e6
-    print(f"\n== replayed decode b1: wall {wall:.1f} us/step, device {device_ns / steps / 1e3:.1f} us/step, "
-          f"host gap {wall - device_ns / steps / 1e3:.1f} us/step")
-    cp = cProfile.Profile()
-    cp.enable()
-    for _ in range(steps):
-        engine.decode(ids)
-    cp.disable()
-    print(f"== replayed decode b1 host profile ({steps} steps, by own time)")
-    pstats.Stats(cp).sort_stats("tottime").print_stats(25)
+    graph.reset()
+    driver.cuEventDestroy(ev)
+    streams.close()
 
 
 def profile_ttft(path, n: int = 24) -> None:
@@ -254,6 +382,8 @@ def main() -> None:
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
     if args.only in ("replay", "ttft"):
+        if args.only == "replay":
+            host_call_costs()
         (profile_replay_host if args.only == "replay" else profile_ttft)(path)
         return
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))

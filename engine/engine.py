@@ -108,21 +108,32 @@ class Engine:
         torch.cuda.synchronize(self.device)  # weights and KV written on the default stream are ready
         graphs = None
         if self.config.cuda_graphs and self.model_config.rope.rope_type != "dynamic":
-            graphs = GraphCache(TorchGraphBackend(streams.compute), self.config.max_graphs, self.config.capture_after)
+            graphs = GraphCache(TorchGraphBackend(streams), self.config.max_graphs, self.config.capture_after)
         return ops, streams, graphs
 
     @contextlib.contextmanager
-    def _on_device(self, timer: int = 0):
+    def _on_device(self, timer: int = 0, torch_stream: bool = True):
         """Runs device work on the engine's compute stream (GPU) and times it: yields a timer whose
         elapsed_ns() is the device time of the work in the block. timer: which of the streams' timers
-        (0 for work the host waits for at once, 1 + ring for a launched decode step)."""
+        (0 for work the host waits for at once, 1 + ring for a launched decode step). torch_stream=False
+        leaves torch's current stream alone (switching it costs ~10 us of host time each way): for a
+        block whose work is driver calls on the compute stream, or wrapped in _compute_stream itself."""
         if self.streams is None:
             timer = _HostTimer()
             yield timer
             timer.stop()
             return
+        if not torch_stream:
+            with self.streams.timed(timer) as timing:
+                yield timing
+            return
         with self.streams.compute_context(), self.streams.timed(timer) as timing:
             yield timing
+
+    def _compute_stream(self):
+        """`with self._compute_stream():` torch ops and kernel launches in the block go to the compute
+        stream (a GPU), or run at once (CPU)."""
+        return self.streams.compute_context() if self.streams is not None else contextlib.nullcontext()
 
     def _num_kv_blocks(self) -> int:
         cfg, mc = self.config, self.model_config
@@ -397,19 +408,21 @@ class Engine:
         step.batch = [seqs[i] for i in step.order]
         step.num_top = self._num_top(seqs)
         step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % self.config.max_steps_in_flight
-        with self._on_device(timer=1 + step.ring) as timer:
+        # A replayed step is driver calls on the compute stream; whatever runs torch ops (the token
+        # override, an eager or captured step, top-logprob copies) switches torch's stream itself.
+        with self._on_device(timer=1 + step.ring, torch_stream=False) as timer:
             if step.input_token_ids:
-                for seq, tok in zip(seqs, step.input_token_ids):
-                    seq.token_ids[-1] = tok
-                    self._rebuild_seen(seq)
-                self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
-                    torch.tensor(step.input_token_ids, device=self.device)
+                with self._compute_stream():
+                    for seq, tok in zip(seqs, step.input_token_ids):
+                        seq.token_ids[-1] = tok
+                        self._rebuild_seen(seq)
+                    self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
+                        torch.tensor(step.input_token_ids, device=self.device)
             self._run_decode(step.batch, step.num_top, step.ring)
-            self.outputs.copy_to_host(len(step.batch), step.num_top, step.ring)
+            self.outputs.copy_to_host(len(step.batch), step.num_top, step.ring, self.streams)
         step.timer = timer
-        if self.streams is not None:  # an event of this launch alone, for a thread that waits on it
-            step.done_event = torch.cuda.Event()
-            step.done_event.record(self.streams.compute)
+        if self.streams is not None:  # a mark of this launch, for a thread that waits on it
+            step.done_event = self.streams.mark()
         for seq in step.batch:
             seq.num_cached += 1
         self._in_flight.append(step)
@@ -482,12 +495,23 @@ class Engine:
         vector when one is held; else, with fallback_graphs, from the graph of the batch width (and
         `shape`), which reads the slot vector from a staging buffer written just before; else it runs
         eagerly. GraphCache decides when to capture either. ring: which pinned staging buffer the slot
-        vector goes through (one per step in flight)."""
+        vector goes through (one per step in flight).
+
+        Only a replay may run outside torch's compute stream context (it is driver calls on the compute
+        stream): every step function is built and run inside it."""
+        def on_compute(step: Callable[[], None]) -> Callable[[], None]:
+            def run() -> None:
+                with self._compute_stream():
+                    step()
+            return run
+
         def prepare():
-            return make_step(torch.tensor(slots, device=self.device))  # a captured graph keeps this tensor
+            with self._compute_stream():  # a captured graph keeps this tensor
+                return on_compute(make_step(torch.tensor(slots, device=self.device)))
 
         if self.graphs is None:
-            prepare()()
+            with self._compute_stream():
+                make_step(torch.tensor(slots, device=self.device))()
             return
         fallback = None
         if self.config.fallback_graphs:
@@ -495,9 +519,12 @@ class Engine:
 
             def stage():
                 staged.host_np[ring][:width] = slots
-                staged.device[:width].copy_(staged.host[ring][:width], non_blocking=True)
+                if self.streams is not None:
+                    self.streams.to_device(staged.device, staged.host[ring], 8 * width)
+                else:  # the CPU tests' fake graphs
+                    staged.device[:width].copy_(staged.host[ring][:width])
 
-            fallback = ((kind, "width", width, *shape), lambda: make_step(staged.device[:width]), stage)
+            fallback = ((kind, "width", width, *shape), lambda: on_compute(make_step(staged.device[:width])), stage)
         self.graphs.run((kind, *GraphCache.key_for(slots, *shape)), prepare, fallback)
 
     def _decode_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
@@ -714,10 +741,16 @@ class Engine:
 
     def _commit(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float], top_ids: list | None,
                 top_logprobs: list | None) -> list[api.TokenResult]:
-        """Appends the sampled tokens (host copies) to the sequences; returns their results."""
-        host = (token_ids, logprobs, top_ids, top_logprobs)
-        return [self._token_result(seq, host, i, seq.append(tok, self.eos_token_ids))
-                for i, (seq, tok) in enumerate(zip(seqs, token_ids))]
+        """Appends the sampled tokens (host copies) to the sequences; returns their results. (Run for every
+        token of every step: one loop, locals.)"""
+        eos, TokenResult = self.eos_token_ids, api.TokenResult
+        results = []
+        for row, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            reason = seq.append(tok, eos)
+            n = seq.sampling.top_logprobs
+            top = list(zip(top_ids[row][:n], top_logprobs[row][:n])) if n else []
+            results.append(TokenResult(seq.seq_id, tok, logprobs[row], top, reason, len(seq.token_ids)))
+        return results
 
     @staticmethod
     def _token_result(seq: Sequence, host: tuple, row: int, reason: FinishReason) -> api.TokenResult:
@@ -746,6 +779,8 @@ class Engine:
 
     @staticmethod
     def _check_running(seqs: list[Sequence]) -> None:
+        if all(seq.prompt_len and not seq.finish_reason for seq in seqs):  # every step: the common case first
+            return
         for seq in seqs:
             if not seq.prompt_done:
                 raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is not complete (prefill first)")
@@ -784,6 +819,7 @@ class Engine:
             self.graphs.clear()
         if self.streams is not None:
             self.outputs.hosts.clear()  # pinned buffers the compute stream copied into go before the stream
+            self.outputs.hosts_np.clear()
             self.verify_outputs.host.clear()
             self._slot_staging = self._prefill_staging = None
             self.streams.close()
@@ -801,9 +837,10 @@ class PendingStep:
         self.num_top = 0
         self.ring = 0  # its pinned buffers and timer
         self.timer = None  # its device time (Timing, or _HostTimer on CPU)
-        # Recorded by each launch once its results are in pinned memory, and never again (the timer's
-        # events are reused by later launches), so any thread may wait on it; None on CPU, where the
-        # work ran at launch.
+        # A DeviceMark recorded by each launch once its results are in pinned memory, new for each launch
+        # (its event is recorded again only 64 marks later, long after this launch has finished; the timer's
+        # events are reused by the next steps), so any thread may wait on it; None on CPU, where the work
+        # ran at launch.
         self.done_event = None
         self.result: api.StepResult | None = None
         self.error: EngineError | None = None
@@ -858,16 +895,27 @@ def _host(out: SampleOutput) -> tuple[list[int], list[float], list | None, list 
 class StepOutputs:
     """Static device buffers a decode step writes its results to (outside any graph pool), and sets of
     pinned host buffers they are read back through: one set per step in flight (`ring`), since a step
-    copies its results out while the host still reads the previous step's."""
+    copies its results out while the host still reads the previous step's.
+
+    The tokens (int64) and their logprobs (float32) share one allocation, tokens first, on the device
+    and in each pinned set: a step's results come back in one copy of its first 8 * max_batch + 4 * n
+    bytes (one driver call on a GPU)."""
 
     def __init__(self, max_batch: int, max_top: int, device: torch.device, rings: int = 1):
         pin = device.type == "cuda"
-        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.max_batch = max_batch
+        self.packed = torch.zeros(3 * max_batch, dtype=torch.int32, device=device)
+        self.tokens, self.logprobs = _unpack(self.packed, max_batch)
         self.top_ids = torch.zeros(max_batch, max(max_top, 1), dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_batch, max(max_top, 1), dtype=torch.float32, device=device)
-        self.hosts = [[torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
-                       for t in (self.tokens, self.logprobs, self.top_ids, self.top_logprobs)] for _ in range(rings)]
+        self.hosts = []
+        for _ in range(rings):
+            packed = torch.zeros(3 * max_batch, dtype=torch.int32, pin_memory=pin)
+            self.hosts.append((packed, *_unpack(packed, max_batch),
+                               *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids,
+                                                                                               self.top_logprobs))))
+        # numpy views of the same pinned memory: reading a few values back costs ~1 us through numpy, ~5 through torch
+        self.hosts_np = [tuple(t.numpy() for t in host) for host in self.hosts]
 
     def write(self, out: SampleOutput, num_top: int) -> None:
         n = out.token_ids.shape[0]
@@ -880,26 +928,36 @@ class StepOutputs:
     def read(self, n: int, num_top: int, streams) -> tuple[list[int], list[float], list | None, list | None]:
         """Copies the first n results to the host and waits for them (the stream), through ring 0: no
         step may be in flight."""
-        self.copy_to_host(n, num_top, 0)
+        self.copy_to_host(n, num_top, 0, streams)
         if streams is not None:
             streams.compute.synchronize()
         return self.host_values(n, num_top, 0)
 
-    def copy_to_host(self, n: int, num_top: int, ring: int) -> None:
-        """Queues the copy of the first n results into pinned set `ring` (no host wait)."""
-        tokens, logprobs, top_ids, top_lps = self.hosts[ring]
-        tokens[:n].copy_(self.tokens[:n], non_blocking=True)
-        logprobs[:n].copy_(self.logprobs[:n], non_blocking=True)
+    def copy_to_host(self, n: int, num_top: int, ring: int, streams) -> None:
+        """Queues the copy of the first n results into pinned set `ring` (no host wait): on the compute
+        stream through the driver with `streams`, else (CPU) at once."""
+        packed, tokens, logprobs, top_ids, top_lps = self.hosts[ring]
+        if streams is not None:
+            streams.to_host(packed, self.packed, 8 * self.max_batch + 4 * n)
+        else:
+            tokens[:n].copy_(self.tokens[:n])
+            logprobs[:n].copy_(self.logprobs[:n])
         if num_top:
-            top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
-            top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
+            with streams.compute_context() if streams is not None else contextlib.nullcontext():
+                top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
+                top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
 
     def host_values(self, n: int, num_top: int, ring: int) -> tuple[list[int], list[float], list | None, list | None]:
         """The first n results of pinned set `ring`, once its copy has finished."""
-        tokens, logprobs, top_ids, top_lps = self.hosts[ring]
+        _, tokens, logprobs, top_ids, top_lps = self.hosts_np[ring]
         return (tokens[:n].tolist(), logprobs[:n].tolist(),
                 top_ids[:n, :num_top].tolist() if num_top else None,
                 top_lps[:n, :num_top].tolist() if num_top else None)
+
+
+def _unpack(packed: torch.Tensor, max_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 tokens and float32 logprobs views of a packed [3 * max_batch] int32 buffer."""
+    return packed[:2 * max_batch].view(torch.int64), packed[2 * max_batch:].view(torch.float32)
 
 
 class SlotStaging:

@@ -51,13 +51,14 @@ class Sequence:
 
     def append(self, token_id: int, eos_token_ids: frozenset[int]) -> FinishReason:
         """Adds a generated token and decides whether it finishes the sequence."""
-        self.token_ids.append(token_id)
-        if token_id in self.stopping.stop_token_ids:
+        tokens, stopping = self.token_ids, self.stopping  # (run for every token: locals, no properties)
+        tokens.append(token_id)
+        max_new = stopping.max_new_tokens
+        if token_id in stopping.stop_token_ids:
             self.finish_reason = FinishReason.STOP_TOKEN
-        elif token_id in eos_token_ids and not self.stopping.ignore_eos:
+        elif token_id in eos_token_ids and not stopping.ignore_eos:
             self.finish_reason = FinishReason.EOS
-        elif (self.stopping.max_new_tokens and self.num_generated >= self.stopping.max_new_tokens) \
-                or self.seq_len >= self.capacity:
+        elif len(tokens) >= self.capacity or (max_new and self.prompt_len and len(tokens) - self.prompt_len >= max_new):
             self.finish_reason = FinishReason.LENGTH
         return self.finish_reason
 

@@ -182,19 +182,38 @@ def _short(key: Hashable) -> str:
     return text if len(text) < 80 else text[:77] + "..."
 
 
-class TorchGraphBackend:
-    """torch.cuda.CUDAGraph on the engine's compute stream, one shared memory pool."""
+class _Captured:
+    """A captured torch.cuda.CUDAGraph and its executable graph's driver handle (None where this torch
+    has no raw_cuda_graph_exec)."""
 
-    def __init__(self, stream, warmup: bool = True):
+    __slots__ = ("graph", "exec")
+
+    def __init__(self, graph, exec_handle):
+        self.graph, self.exec = graph, exec_handle
+
+
+class TorchGraphBackend:
+    """torch.cuda.CUDAGraph on the engine's compute stream, one shared memory pool.
+
+    Replays launch the executable graph with one driver call (cuGraphLaunch) instead of
+    CUDAGraph.replay(), which first refills torch's CUDA RNG seed and offset for the replay (two small
+    kernels, ~10 us of host time). The engine's steps draw no random numbers from torch (sampling has
+    its own counter-based RNG, keyed by the slot's seed and position), so there is nothing to refill."""
+
+    def __init__(self, streams, warmup: bool = True):
         import torch
 
+        from engine.cuda.kernels import _check, _driver
+
         self.torch = torch
-        self.stream = stream
+        self._check, self._graph_launch = _check, _driver().cuGraphLaunch
+        self.streams = streams
+        self.stream = streams.compute
         self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
         self._bytes = 0
 
-    def capture(self, step: Callable[[], None]):
+    def capture(self, step: Callable[[], None]) -> _Captured:
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
@@ -203,19 +222,23 @@ class TorchGraphBackend:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             step()
         self._bytes += max(0, torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) - before)
-        return graph
+        raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
+        return _Captured(graph, raw_exec() if raw_exec is not None else None)
 
-    def replay(self, graph):
-        graph.replay()
-        event = self.torch.cuda.Event()
-        event.record(self.stream)
-        return event
+    def replay(self, captured: _Captured):
+        if captured.exec is None:
+            with self.torch.cuda.stream(self.stream):
+                captured.graph.replay()
+        else:
+            self._check("cuGraphLaunch", self._graph_launch(captured.exec, self.streams.compute_handle))
+        return self.streams.mark()
 
     def is_done(self, marker) -> bool:
         return marker.query()
 
-    def destroy(self, graph) -> None:
-        graph.reset()
+    def destroy(self, captured: _Captured) -> None:
+        captured.exec = None
+        captured.graph.reset()
 
     def recoverable(self, error: Exception) -> bool:
         """Out of memory leaves the capture state clean; other errors (an invalidated capture) may not."""

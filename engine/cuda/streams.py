@@ -6,6 +6,10 @@
   reads it with an event (the compute stream waits on the device, the host does not block).
 - timing: `timed(i)` brackets work on the compute stream with timer i's two timing events (one timer
   per piece of work that may be in flight at once).
+- marks: `mark()` records how far the compute stream's work has been queued (a DeviceMark the host
+  can query or wait on), from a ring of events created once: no event is created per step.
+- to_host: a device-to-host copy on the compute stream, one driver call (torch's copy_ of a pinned
+  tensor costs ~10 us of host time a call: it also records an event for its pinned allocator).
 
 Streams and events are created through cuda-python (non-blocking streams) and wrapped as torch
 ExternalStreams, so torch ops, cuLaunchKernel launches (which use the current torch stream) and CUDA
@@ -17,7 +21,12 @@ import contextlib
 
 import torch
 
-from engine.cuda.kernels import _check, _driver
+from engine.cuda.kernels import CudaError, _check, _driver
+
+# Events in the mark ring. A mark's event is recorded again MARKS marks later; the engine looks at a
+# mark only while its step is in flight (at most 4) or, for a retired graph, to see that its last
+# replay has ended, where a later recording only makes the answer later, never early.
+MARKS = 64
 
 
 class Timing:
@@ -34,6 +43,30 @@ class Timing:
             ms = _check("cuEventElapsedTime", _driver().cuEventElapsedTime(self._start, self._end))
             self._ns = int(round(ms * 1e6))
         return self._ns
+
+
+class DeviceMark:
+    """A point of the compute stream's queued work: done once the device has run everything queued
+    on the stream before it. Safe to wait on from any thread (the GIL is released while waiting)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self, event):
+        self._event = event
+
+    def query(self) -> bool:
+        """Whether the device has passed this point (never blocks)."""
+        driver = _driver()
+        err, = driver.cuEventQuery(self._event)
+        if err == driver.CUresult.CUDA_SUCCESS:
+            return True
+        if err == driver.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        raise CudaError("cuEventQuery", err)
+
+    def synchronize(self) -> None:
+        """Blocks until the device has passed this point."""
+        _check("cuEventSynchronize", _driver().cuEventSynchronize(self._event))
 
 
 class EngineStreams:
@@ -54,7 +87,14 @@ class EngineStreams:
             self._compute_mark = _check("cuEventCreate", driver.cuEventCreate(no_timing))
             self._timers = [tuple(_check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
                                   for _ in range(2)) for _ in range(timers)]
+            self._marks = [_check("cuEventCreate", driver.cuEventCreate(no_timing)) for _ in range(MARKS)]
+        self._next_mark = 0
         self._closed = False
+
+    @property
+    def compute_handle(self):
+        """The compute stream's driver handle (CUstream)."""
+        return self._compute_handle
 
     @contextlib.contextmanager
     def compute_context(self):
@@ -101,6 +141,30 @@ class EngineStreams:
         finally:
             _check("cuEventRecord", driver.cuEventRecord(end, self._compute_handle))
 
+    def mark(self) -> DeviceMark:
+        """Marks the work queued on the compute stream so far (see DeviceMark)."""
+        event = self._marks[self._next_mark]
+        self._next_mark = (self._next_mark + 1) % MARKS
+        _check("cuEventRecord", _driver().cuEventRecord(event, self._compute_handle))
+        return DeviceMark(event)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        """Queues a copy of the first nbytes of device tensor src into pinned host tensor dst on the
+        compute stream (no host wait). Both must be contiguous and hold nbytes; dst must stay alive
+        and unread until the copy has run (a mark recorded after it is done)."""
+        if nbytes > min(dst.numel() * dst.element_size(), src.numel() * src.element_size()):
+            raise ValueError(f"to_host(): {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
+        _check("cuMemcpyDtoHAsync", _driver().cuMemcpyDtoHAsync(dst.data_ptr(), src.data_ptr(), nbytes,
+                                                                self._compute_handle))
+
+    def to_device(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
+        """Queues a copy of the first nbytes of pinned host tensor src into device tensor dst on the
+        compute stream (no host wait); src must not be rewritten until the copy has run."""
+        if nbytes > min(dst.numel() * dst.element_size(), src.numel() * src.element_size()):
+            raise ValueError(f"to_device(): {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
+        _check("cuMemcpyHtoDAsync", _driver().cuMemcpyHtoDAsync(dst.data_ptr(), src.data_ptr(), nbytes,
+                                                                self._compute_handle))
+
     def synchronize(self) -> None:
         driver = _driver()
         _check("cuStreamSynchronize", driver.cuStreamSynchronize(self._compute_handle))
@@ -114,7 +178,7 @@ class EngineStreams:
         self._closed = True
         driver = _driver()
         self.synchronize()
-        for event in (self._copy_done, self._compute_mark, *(e for pair in self._timers for e in pair)):
+        for event in (self._copy_done, self._compute_mark, *(e for pair in self._timers for e in pair), *self._marks):
             _check("cuEventDestroy", driver.cuEventDestroy(event))
         for stream in (self._compute_handle, self._copy_handle):
             _check("cuStreamDestroy", driver.cuStreamDestroy(stream))
