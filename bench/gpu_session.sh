@@ -65,6 +65,14 @@ for what in "$@"; do
         (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-8b-base 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT/base")
         stage engine-bench-8b-new 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
       else echo "abengine: no build/ab-base"; fi ;;
+    # The same against the worker: C = 32, the router three in flight, twice alternating
+    abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
+        ln -sfn "$PWD/metrale" build/ab-base/metrale; ln -sfn "$PWD/kernels_cu/build" build/ab-base/kernels_cu/build
+        for rep in 1 2; do
+          (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage load-1b-c32-base-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT/base")
+          stage load-1b-c32-new-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"
+        done
+      else echo "abload: no build/ab-base"; fi ;;
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
