@@ -572,7 +572,7 @@ class Engine:
         batch = [seqs[i] for i in order]
         drafts = [items[i].draft_token_ids for i in order]
         num_top = self._num_top(seqs)
-        self.verify_outputs.drafts[:len(batch), :k].copy_(torch.tensor(drafts, dtype=torch.int64))
+        self.verify_outputs.write_drafts(drafts, k, self.streams)
 
         def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
             # Row b * (k + 1) + i counts drafts 0 .. i - 1 of sequence b as seen (repetition penalty).
@@ -821,6 +821,7 @@ class Engine:
             self.outputs.hosts.clear()  # pinned buffers the compute stream copied into go before the stream
             self.outputs.hosts_np.clear()
             self.verify_outputs.host.clear()
+            self.verify_outputs.host_np.clear()
             self._slot_staging = self._prefill_staging = None
             self.streams.close()
 
@@ -972,30 +973,54 @@ class SlotStaging:
 
 
 class VerifyOutputs:
-    """Static buffers of the uniform Verify step: the drafts it reads (written before each step) and
-    its results, plus pinned host mirrors of the results."""
+    """Static buffers of the uniform Verify step: the drafts it reads (written before each step, through
+    pinned memory) and its results, plus pinned host mirrors of the results. As in StepOutputs, the
+    results the host always reads (accepted counts, next tokens, logprobs) share one allocation, read
+    back in one copy: accepted int64 [max_batch], tokens int64 [max_batch], logprobs float32
+    [max_batch, max_drafts + 1]."""
 
     def __init__(self, max_batch: int, max_drafts: int, max_top: int, device: torch.device):
         pin, n = device.type == "cuda", max_drafts + 1
+        self.max_batch, self.n = max_batch, n
         self.drafts = torch.zeros(max_batch, max_drafts, dtype=torch.int64, device=device)
-        self.accepted = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.logprobs = torch.zeros(max_batch, n, dtype=torch.float32, device=device)
+        self.packed = torch.zeros(4 * max_batch + max_batch * n, dtype=torch.int32, device=device)
+        self.accepted, self.tokens, self.logprobs = self._views(self.packed)
         self.top_ids = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.float32, device=device)
-        self.host = [torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
-                     for t in (self.accepted, self.tokens, self.logprobs, self.top_ids, self.top_logprobs)]
+        packed = torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin)
+        self.host = [packed, torch.zeros(self.drafts.shape, dtype=torch.int64, pin_memory=pin),
+                     *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids, self.top_logprobs))]
+        self.host_np = [t.numpy() for t in (*self._views(packed), self.host[1])]  # accepted, tokens, logprobs, drafts
+
+    def _views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mb = self.max_batch
+        return (packed[:2 * mb].view(torch.int64), packed[2 * mb:4 * mb].view(torch.int64),
+                packed[4 * mb:].view(torch.float32).view(mb, self.n))
+
+    def write_drafts(self, drafts: list[list[int]], k: int, streams) -> None:
+        """drafts[b][:k] into rows [:len(drafts)] of the device buffer: through its pinned mirror on the
+        compute stream (GPU; the mirror is free again once the previous Verify's read returned), else a
+        copy."""
+        b = len(drafts)
+        if streams is None:
+            self.drafts[:b, :k].copy_(torch.tensor(drafts, dtype=torch.int64))
+            return
+        self.host_np[3][:b, :k] = drafts
+        streams.to_device(self.drafts, self.host[1], b * self.drafts.shape[1] * 8)
 
     def read(self, batch: int, n: int, num_top: int, streams):
-        accepted, tokens, logprobs, top_ids, top_lps = self.host
-        accepted[:batch].copy_(self.accepted[:batch], non_blocking=True)
-        tokens[:batch].copy_(self.tokens[:batch], non_blocking=True)
-        logprobs[:batch, :n].copy_(self.logprobs[:batch, :n], non_blocking=True)
+        """Copies the first `batch` results to the host and waits for them (no step may be in flight)."""
+        packed, _, top_ids, top_lps = self.host
+        if streams is not None:
+            streams.to_host(packed, self.packed, 16 * self.max_batch + 4 * batch * self.n)
+        else:
+            packed.copy_(self.packed)
         if num_top:
             top_ids[:batch * n, :num_top].copy_(self.top_ids[:batch * n, :num_top], non_blocking=True)
             top_lps[:batch * n, :num_top].copy_(self.top_logprobs[:batch * n, :num_top], non_blocking=True)
         if streams is not None:
             streams.compute.synchronize()
+        accepted, tokens, logprobs, _ = self.host_np
         return (accepted[:batch].tolist(), tokens[:batch].tolist(), logprobs[:batch, :n].tolist(),
                 top_ids[:batch * n, :num_top].tolist() if num_top else None,
                 top_lps[:batch * n, :num_top].tolist() if num_top else None)
