@@ -39,14 +39,21 @@ def token(t: api.TokenResult) -> pb.Token:
 
 def add_tokens(field, tokens: list[api.TokenResult]) -> None:
     """Appends the tokens to a repeated Token field in place (no intermediate messages: a step's
-    response is built once)."""
+    response is built once). One add() with keyword fields per token: half the time of add() and then
+    five attribute sets, and finish_reason as a plain int (protobuf converts an IntEnum slowly)."""
+    add = field.add
     for t in tokens:
-        _fill_token(field.add(), t)
+        msg = add(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, finish_reason=int(t.finish_reason),
+                  seq_len=t.seq_len)
+        if t.top_logprobs:
+            top = msg.top_logprobs.add
+            for i, lp in t.top_logprobs:
+                top(token_id=i, logprob=lp)
 
 
 def _fill_token(msg: pb.Token, t: api.TokenResult) -> None:
     msg.sequence_id, msg.token_id, msg.logprob = t.seq_id, t.token_id, t.logprob
-    msg.finish_reason, msg.seq_len = t.finish_reason, t.seq_len
+    msg.finish_reason, msg.seq_len = int(t.finish_reason), t.seq_len
     for i, lp in t.top_logprobs:
         msg.top_logprobs.add(token_id=i, logprob=lp)
 

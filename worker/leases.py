@@ -38,10 +38,11 @@ class Leases:
         self._per_client[client] += 1
 
     def touch(self, seq_ids: list[int]) -> None:
-        now = self._clock()
-        for i in seq_ids:
-            if i in self._leases:
-                self._leases[i].touched = now
+        now, get = self._clock(), self._leases.get
+        for i in seq_ids:  # (every step: one lookup each)
+            lease = get(i)
+            if lease is not None:
+                lease.touched = now
 
     def remove(self, seq_ids: list[int]) -> None:
         for i in seq_ids:

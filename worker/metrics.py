@@ -124,6 +124,7 @@ class Metrics:
                                 "behind other calls and the steps in flight), device (launch to result ready: the "
                                 "steps ahead of it and its own), reply (result ready to response built: the event "
                                 "loop's lag)", ["stage"], buckets=STAGE_BUCKETS, registry=r)
+        self._stage_children = [self.stages.labels(stage) for stage in DECODE_STAGES]  # queued, device, reply
         self.engine = _EngineCollector()
         r.register(self.engine)
         self._children: dict[tuple, object] = {}  # labelled children, looked up once
@@ -164,18 +165,20 @@ class Metrics:
 
     def _tokens(self, tokens: list[api.TokenResult], now: float, first: bool) -> None:
         """Inter-token gaps (none for a sequence's first token), grouped by the previous token's time."""
-        previous: collections.Counter[float] = collections.Counter()
         last_token = self._last_token
+        ids = [t.seq_id for t in tokens]
+        if not first:  # (run on every step, so counted in C: Counter over map)
+            unique = dict.fromkeys(ids)
+            previous = collections.Counter(map(last_token.get, unique))
+            previous.pop(None, None)
+            if len(unique) < len(ids):  # a Verify's later tokens of a sequence: a gap of 0 after the one before
+                previous[now] += len(ids) - len(unique)
+            for last, n in previous.items():
+                self.itl.observe(now - last, n)
+        last_token.update(dict.fromkeys(ids, now))
         for t in tokens:
-            last = last_token.get(t.seq_id)
-            if last is not None and not first:
-                previous[last] += 1
             if t.finish_reason:
                 last_token.pop(t.seq_id, None)
-            else:
-                last_token[t.seq_id] = now
-        for last, n in previous.items():
-            self.itl.observe(now - last, n)
         self.tokens.inc(len(tokens))
 
     def observe_step(self, kind: str, result: api.StepResult, started: float | None = None) -> None:
@@ -190,8 +193,10 @@ class Metrics:
         """times: a Decode's CLOCK_MONOTONIC ns at the handler, launch, answer begun, result ready and
         response built (the x-step-times stamps)."""
         handler, launched, _, result, response = times
-        for stage, ns in zip(DECODE_STAGES, (launched - handler, result - launched, response - result)):
-            self._child(self.stages, stage).observe(ns / 1e9)
+        queued, device, reply = self._stage_children
+        queued.observe((launched - handler) / 1e9)
+        device.observe((result - launched) / 1e9)
+        reply.observe((response - result) / 1e9)
 
     def observe_verify(self, result: api.VerifyStepResult) -> None:
         self._child(self.batch, "verify").observe(len(result.results))
