@@ -85,3 +85,29 @@ def test_metrics_follow_the_calls(tiny_model):
         assert m[("metrale_decode_steps_refused_total", ())] == 0
     finally:
         server.stop()
+
+
+def test_inter_token_gaps_of_a_verify_and_of_finished_sequences():
+    """Metrics._tokens on its own: a sequence's gap is measured from its previous token; a Verify's
+    later tokens of one sequence come 0 s after the one before; a finished sequence is forgotten, and
+    first tokens (Prefill) start the clock without a gap."""
+    from engine.api import TokenResult
+    from engine.sequence import FinishReason
+    from worker.metrics import Metrics
+
+    m = Metrics()
+    gaps = []
+    m.itl.observe = lambda v, n=1: gaps.extend([v] * n)
+
+    def tok(seq_id, reason=FinishReason.NONE):
+        return TokenResult(seq_id, 5, -0.1, [], reason, 10)
+
+    m._tokens([tok(1), tok(2)], 10.0, first=True)
+    assert gaps == []
+    m._tokens([tok(1), tok(1), tok(1), tok(2, FinishReason.EOS)], 10.5, first=False)  # a Verify's step
+    assert sorted(gaps) == [0.0, 0.0, 0.5, 0.5]
+    gaps.clear()
+    m._tokens([tok(1), tok(2), tok(3)], 11.0, first=False)  # 2 had finished: no gap from its old token; 3 is new
+    assert gaps == [0.5]
+    assert set(m._last_token) == {1, 2, 3}
+    assert m.registry.get_sample_value("metrale_generated_tokens_total") == 9
