@@ -73,6 +73,10 @@ for what in "$@"; do
           stage load-1b-c32-new-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"
         done
       else echo "abload: no build/ab-base"; fi ;;
+    # A/B of the worker's GIL switch interval (--gil-switch-interval-us; 0: Python's 5000 us), C = 32, three in flight
+    abgil) for rep in 1 2; do for us in 0 200 1000; do
+          stage load-1b-c32-gil$us-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --gil-switch-interval-us $us" --out "$OUT"
+        done; done ;;
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;

@@ -264,3 +264,22 @@ def test_sigterm_drains_live_sequences_then_exits_zero(tmp_path, tiny_model):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_gil_switch_interval_is_set_for_the_serving_process(tiny_model):
+    """--gil-switch-interval-us: once serving, the process's switch interval is the one asked for (and a
+    worker left at 0 does not touch it)."""
+    before = sys.getswitchinterval()
+    server = start_server(tiny_model, worker_changes=dict(gil_switch_interval_us=300))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(300e-6)
+        with WorkerClient(server.address) as client:
+            assert client.info().max_slots > 0  # and it serves
+    finally:
+        server.stop()
+        sys.setswitchinterval(before)
+    server = start_server(tiny_model)
+    try:
+        assert sys.getswitchinterval() == before
+    finally:
+        server.stop()

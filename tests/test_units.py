@@ -155,6 +155,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     (EngineConfig, dict(warm_up_widths=-2)), (EngineConfig, dict(max_steps_in_flight=5)),
     (WorkerConfig, dict(port=70000)), (WorkerConfig, dict(tls_cert_file="c.pem")),
     (WorkerConfig, dict(tls_client_ca_file="ca.pem")), (WorkerConfig, dict(grace_period_s=-1)),
+    (WorkerConfig, dict(gil_switch_interval_us=-1)),
 ])
 def test_config_validation(cls, change):
     with pytest.raises(ConfigError):

@@ -38,6 +38,10 @@ class WorkerConfig:
         "help": "release a sequence no call touched for this many seconds (a crashed router's lease); 0: never"})
     step_watchdog_s: float = field(default=0.0, metadata={
         "help": "health turns NOT_SERVING while one engine step runs longer than this; 0: off"})
+    gil_switch_interval_us: int = field(default=0, metadata={
+        "help": "the worker process's Python thread switch interval (sys.setswitchinterval), in microseconds: "
+                "how long a thread that wants the GIL waits before the holder is made to drop it; 0: Python's "
+                "default (5000)"})
 
     def __post_init__(self):
         for name in ("port", "metrics_port", "health_port"):
@@ -48,6 +52,8 @@ class WorkerConfig:
         for name in ("grace_period_s", "sequence_idle_timeout_s", "step_watchdog_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gil_switch_interval_us < 0:
+            raise ConfigError(f"gil_switch_interval_us must be >= 0, got {self.gil_switch_interval_us}")
         if self.max_live_sequences_per_client < 0:
             raise ConfigError(f"max_live_sequences_per_client must be >= 0, got {self.max_live_sequences_per_client}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

@@ -12,6 +12,7 @@ import gc
 import logging
 import pathlib
 import signal
+import sys
 import time
 
 import grpc
@@ -145,6 +146,8 @@ class Worker:
         # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
         # reach: a full collection over it would pause every thread for tens of milliseconds.
         gc.freeze()
+        if cfg.gil_switch_interval_us:
+            sys.setswitchinterval(cfg.gil_switch_interval_us / 1e6)
         await self._set_health(SERVING)
         log.info("serving %s on %s (port %d) in %.1fs; metrics port %s", self.runner.engine.model_path, cfg.host,
                  self.port, time.perf_counter() - t0, self.metrics_port or "off")
