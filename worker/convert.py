@@ -32,30 +32,28 @@ def verify_items(msg: pb.VerifyRequest) -> list[api.VerifyItem]:
 
 
 def token(t: api.TokenResult) -> pb.Token:
-    msg = pb.Token()
-    _fill_token(msg, t)
-    return msg
+    return _add_token(pb.Token, t)
 
 
 def add_tokens(field, tokens: list[api.TokenResult]) -> None:
     """Appends the tokens to a repeated Token field in place (no intermediate messages: a step's
-    response is built once). One add() with keyword fields per token: half the time of add() and then
-    five attribute sets, and finish_reason as a plain int (protobuf converts an IntEnum slowly)."""
+    response is built once)."""
     add = field.add
     for t in tokens:
-        msg = add(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, finish_reason=int(t.finish_reason),
-                  seq_len=t.seq_len)
-        if t.top_logprobs:
-            top = msg.top_logprobs.add
-            for i, lp in t.top_logprobs:
-                top(token_id=i, logprob=lp)
+        _add_token(add, t)
 
 
-def _fill_token(msg: pb.Token, t: api.TokenResult) -> None:
-    msg.sequence_id, msg.token_id, msg.logprob = t.seq_id, t.token_id, t.logprob
-    msg.finish_reason, msg.seq_len = int(t.finish_reason), t.seq_len
-    for i, lp in t.top_logprobs:
-        msg.top_logprobs.add(token_id=i, logprob=lp)
+def _add_token(make, t: api.TokenResult) -> pb.Token:
+    """make(**fields): pb.Token or a repeated field's add. All fields in one call: half the time of an
+    empty add() and five attribute sets, with finish_reason as a plain int (protobuf converts an IntEnum
+    slowly)."""
+    msg = make(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, finish_reason=int(t.finish_reason),
+               seq_len=t.seq_len)
+    if t.top_logprobs:
+        top = msg.top_logprobs.add
+        for i, lp in t.top_logprobs:
+            top(token_id=i, logprob=lp)
+    return msg
 
 
 def alloc_response(r: api.AllocResult) -> pb.AllocSequenceResponse:
