@@ -208,7 +208,6 @@ class TorchGraphBackend:
         self.torch = torch
         self._check, self._graph_launch = _check, _driver().cuGraphLaunch
         self.streams = streams
-        self.stream = streams.compute
         self.pool = torch.cuda.graph_pool_handle()
         self.warmup = warmup
         self._bytes = 0
@@ -219,7 +218,7 @@ class TorchGraphBackend:
         before = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
         # thread_local: the runner's waiter thread may wait on an event during a capture; in "global"
         # mode that call would invalidate the capture.
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.streams.compute, capture_error_mode="thread_local"):
             step()
         self._bytes += max(0, torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) - before)
         raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
@@ -227,7 +226,7 @@ class TorchGraphBackend:
 
     def replay(self, captured: _Captured):
         if captured.exec is None:
-            with self.torch.cuda.stream(self.stream):
+            with self.torch.cuda.stream(self.streams.compute):
                 captured.graph.replay()
         else:
             self._check("cuGraphLaunch", self._graph_launch(captured.exec, self.streams.compute_handle))

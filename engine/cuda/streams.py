@@ -152,18 +152,17 @@ class EngineStreams:
         """Queues a copy of the first nbytes of device tensor src into pinned host tensor dst on the
         compute stream (no host wait). Both must be contiguous and hold nbytes; dst must stay alive
         and unread until the copy has run (a mark recorded after it is done)."""
-        if nbytes > min(dst.numel() * dst.element_size(), src.numel() * src.element_size()):
-            raise ValueError(f"to_host(): {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
-        _check("cuMemcpyDtoHAsync", _driver().cuMemcpyDtoHAsync(dst.data_ptr(), src.data_ptr(), nbytes,
-                                                                self._compute_handle))
+        self._copy("cuMemcpyDtoHAsync", dst, src, nbytes)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         """Queues a copy of the first nbytes of pinned host tensor src into device tensor dst on the
         compute stream (no host wait); src must not be rewritten until the copy has run."""
+        self._copy("cuMemcpyHtoDAsync", dst, src, nbytes)
+
+    def _copy(self, call: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         if nbytes > min(dst.numel() * dst.element_size(), src.numel() * src.element_size()):
-            raise ValueError(f"to_device(): {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
-        _check("cuMemcpyHtoDAsync", _driver().cuMemcpyHtoDAsync(dst.data_ptr(), src.data_ptr(), nbytes,
-                                                                self._compute_handle))
+            raise ValueError(f"{call}: {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
+        _check(call, getattr(_driver(), call)(dst.data_ptr(), src.data_ptr(), nbytes, self._compute_handle))
 
     def synchronize(self) -> None:
         driver = _driver()
