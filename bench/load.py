@@ -1,9 +1,9 @@
 """Router-like load on a worker over real gRPC, and the same workload on the engine in-process.
 
 A router keeps up to C sequences in flight: it admits new ones as others finish (AllocSequence +
-Prefill), decodes the running batch with one Decode RPC per step (or, with --spec K, drafts up to K
-tokens per sequence by prompt lookup and sends one Verify RPC for the batch), and releases finished
-ones. Requests are (prompt_len, output_len) pairs from a seeded distribution or a trace file.
+Prefill), decodes the running batch with one Decode RPC per step (or, with --decode stream, one message
+per step on a DecodeStream; or, with --spec K, drafts up to K tokens per sequence by prompt lookup and
+sends one Verify RPC for the batch), and releases finished ones. Requests are (prompt_len, output_len) pairs from a seeded distribution or a trace file.
 
 Decode needs no tokens from the router (each sequence's input is the token it sampled last, kept on
 the worker), so the router keeps --pipeline D Decode calls in flight (default 3): steps n+1 .. n+D-1
@@ -42,6 +42,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -106,15 +107,42 @@ def prompt_lookup(history: list[int], k: int, ngram: int = 2) -> list[int]:
 
 class GrpcBackend:
     """The router's calls through the sync client, each started without waiting (`WorkerClient.future`);
-    a reply's callback posts it to the router's event queue."""
+    a reply's callback posts it to the router's event queue. With decode_stream, decode steps go over one
+    DecodeStream instead of a Decode call each: a thread reads the answers (in the order the steps were
+    sent) and posts them the same way."""
 
-    def __init__(self, target: str, step_times: bool = False):
-        """step_times: ask each Decode for the worker's step times (the x-step-times trailer); a decode reply
-        is then (tokens, forward_ns, [the worker's five CLOCK_MONOTONIC ns, this callback's])."""
+    def __init__(self, target: str, step_times: bool = False, decode_stream: bool = False):
+        """step_times: ask each Decode call for the worker's step times (the x-step-times trailer); a decode
+        reply is then (tokens, forward_ns, [the worker's five CLOCK_MONOTONIC ns, this callback's])."""
         from worker.client import WorkerClient
         self.client = WorkerClient(target, timeout=120)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.step_times = step_times
+        self.step_times = step_times and not decode_stream
+        self.stream = self.client.decode_stream() if decode_stream else None
+        self._stream_tags: collections.deque = collections.deque()  # the tags of the steps sent on it, oldest first
+        if self.stream is not None:
+            threading.Thread(target=self._read_stream, name="decode-stream", daemon=True).start()
+
+    @staticmethod
+    def _tokens(tokens) -> list:
+        return [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in tokens]
+
+    def _read_stream(self) -> None:
+        import grpc
+        from worker.client import StepRefused
+        while True:
+            try:
+                r = self.stream.recv()
+                reply = (self._tokens(r.tokens), r.forward_ns)
+            except StopIteration:
+                return
+            except StepRefused as e:
+                reply = e
+            except grpc.RpcError as e:  # the stream failed (or close() cancelled it)
+                if self._stream_tags:
+                    self.events.put(("decode", self._stream_tags.popleft(), e))
+                return
+            self.events.put(("decode", self._stream_tags.popleft(), reply))
 
     def _start(self, kind: str, tag, method: str, request, parse, metadata=()) -> None:
         def done(call):
@@ -137,9 +165,14 @@ class GrpcBackend:
         self._start("prefill", tag, "Prefill", req, parse)
 
     def decode(self, tag, ids) -> None:
+        if self.stream is not None:
+            self._stream_tags.append(tag)  # before the send: the reader may see its answer at once
+            self.stream.send(ids)
+            return
+
         def parse(call):
             r = call.result()
-            tokens = [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens]
+            tokens = self._tokens(r.tokens)
             if not self.step_times:
                 return tokens, r.forward_ns
             at = time.perf_counter_ns()  # CLOCK_MONOTONIC, the worker's clock
@@ -163,6 +196,9 @@ class GrpcBackend:
         return graph_counters(self.client.info().graph_cache)
 
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream.cancel()
         self.client.close()
 
 
@@ -528,8 +564,9 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
     written = []
     fig, ax = plt.subplots(figsize=(6, 4))
     series = [("in-process", results.get("in_process") or [])]
-    for depth in sorted({r["pipeline"] for r in results.get("grpc") or []}):
-        series.append((f"gRPC, {depth} in flight", [r for r in results["grpc"] if r["pipeline"] == depth]))
+    for depth, how in sorted({(r["pipeline"], r.get("decode", "call")) for r in results.get("grpc") or []}):
+        series.append((f"gRPC, {depth} in flight" + (", DecodeStream" if how == "stream" else ""),
+                       [r for r in results["grpc"] if (r["pipeline"], r.get("decode", "call")) == (depth, how)]))
     for label, levels in series:
         if levels:
             ax.plot([r["concurrency"] for r in levels], [r["tokens_per_s"] for r in levels], marker="o", label=label)
@@ -551,7 +588,8 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
             xs = np.sort(np.asarray(level[key]))
             if len(xs):
                 ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs),
-                        label=f"C={level['concurrency']}, {level.get('pipeline', 1)} in flight")
+                        label=f"C={level['concurrency']}, {level.get('pipeline', 1)} in flight"
+                              + (", stream" if level.get("decode") == "stream" else ""))
         ax.set_xscale("log")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction")
@@ -601,7 +639,11 @@ def main(argv=None) -> int:
     p.add_argument("--engine-flags", default="", help="extra flags for the spawned worker, e.g. '--max-slots 256'")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--no-plots", action="store_true")
-    p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc)")
+    p.add_argument("--decode", nargs="+", choices=["call", "stream"], default=["call"],
+                   help="how the router sends its decode steps: one Decode call each, and/or over one DecodeStream; "
+                        "several values run each gRPC level once per value, alternating")
+    p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc); "
+                                                           "the worker's stamps come with Decode calls only")
     args = p.parse_args(argv)
 
     from engine.checkpoint import write_checkpoint
@@ -643,7 +685,9 @@ def _has_cuda() -> bool:
 def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig) -> int:
     from worker.config import config_from_args, serve_parser
 
-    grpc_backend = GrpcBackend(target, step_times=args.step_log)
+    backends = {how: GrpcBackend(target, step_times=args.step_log, decode_stream=how == "stream")
+                for how in args.decode}
+    grpc_backend = backends[args.decode[0]]
     info = grpc_backend.client.info()
     vocab = info.vocab_size
     engine_cfg = config_from_args(EngineConfig, serve_parser().parse_args(["--model", model, *engine_flags]))
@@ -695,19 +739,21 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
                 run_level(eb, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
                 ref = (run_level(eb, reqs, c, args.spec, pipeline=depth)).summary()
                 results["in_process"].append(ref)
-            for depth in args.pipeline:
-                run_level(grpc_backend, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
-                level = run_level(grpc_backend, reqs, c, args.spec, pipeline=depth)
-                line = level.summary()
+            for depth, how in ((d, h) for d in args.pipeline for h in args.decode):
+                backend = backends[how]
+                run_level(backend, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
+                level = run_level(backend, reqs, c, args.spec, pipeline=depth)
+                line = {**level.summary(), "decode": how}
                 results["grpc"].append(line)
-                results["raw_grpc"].append({"concurrency": c, "pipeline": line["pipeline"],
+                results["raw_grpc"].append({"concurrency": c, "pipeline": line["pipeline"], "decode": how,
                                             "ttft_ms": quantiles_ms(level.ttft), "itl_ms": quantiles_ms(level.itl),
                                             **({"steps": level.step_log} if args.step_log else {})})
                 if ref is not None:
                     line = {**line, "in_process_tokens_per_s": ref["tokens_per_s"],
                             "grpc_vs_in_process": round(line["tokens_per_s"] / ref["tokens_per_s"], 3)}
                 print(json.dumps(line))
-    grpc_backend.close()
+    for backend in backends.values():
+        backend.close()
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device"].split("(")[0].strip().lower()) or "device"

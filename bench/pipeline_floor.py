@@ -10,7 +10,7 @@ is STEP. The router is bench/load.py's: the sync client, `--pipeline` calls in f
 wait measured from when the call was sent or the previous reply arrived (the later), minus forward_ns.
 
     python bench/pipeline_floor.py [--step-us 1330] [--pipeline 3] [--gil-us 0 150 300] [--steps 1500]
-                                   [--server aio sync]
+                                   [--server aio sync] [--decode call stream]
 
 Prints one JSON line per server flavour and --gil-us value: overhead p50 / p90 / p99 and the share of steps over 500 us."""
 from __future__ import annotations
@@ -76,6 +76,22 @@ def serve(step_us: int, gil_us: int, batch: int, flavour: str = "aio") -> None:
             work.put(fut)
             return await asyncio.wrap_future(fut)
 
+        async def DecodeStream(self, requests, context):  # the worker's pattern: a reader task, answers in order
+            steps: asyncio.Queue = asyncio.Queue()
+
+            async def read():
+                async for _ in requests:
+                    fut: concurrent.futures.Future = concurrent.futures.Future()
+                    work.put(fut)
+                    steps.put_nowait(asyncio.wrap_future(fut))
+                steps.put_nowait(None)
+            reader = asyncio.get_running_loop().create_task(read())
+            try:
+                while (fut := await steps.get()) is not None:
+                    yield pb.DecodeStreamResponse(step=await fut)
+            finally:
+                reader.cancel()
+
     serve_until_killed(flavour, pb_grpc.add_ModelWorkerServicer_to_server,
                        SyncWorker() if flavour == "sync" else Worker(), threads=16)
 
@@ -101,6 +117,31 @@ def route(target: str, pipeline: int, steps: int, batch: int) -> list[float]:
     return overheads
 
 
+def route_stream(target: str, pipeline: int, steps: int, batch: int) -> list[float]:
+    """The same router with its steps on one DecodeStream (WorkerClient.decode_stream): answers come in
+    order, read on a thread of their own as bench/load.py --decode stream does."""
+    from worker.client import WorkerClient
+    client = WorkerClient(target)
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    with client.decode_stream() as stream:
+        def read() -> None:
+            for _ in range(steps):
+                replies.put(stream.recv())
+        threading.Thread(target=read, daemon=True).start()
+        ids = list(range(batch))
+        overheads, sent_at, last = [], [], time.perf_counter()
+        while len(overheads) < steps:
+            while len(sent_at) - len(overheads) < pipeline and len(sent_at) < steps:
+                sent_at.append(time.perf_counter())
+                stream.send(ids)
+            reply = replies.get()
+            now = time.perf_counter()
+            overheads.append(1e6 * (now - max(sent_at[len(overheads)], last)) - reply.forward_ns / 1e3)
+            last = now
+    client.close()
+    return overheads
+
+
 def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q / 100 * len(s)))]
@@ -115,23 +156,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--server", nargs="+", choices=["aio", "sync"], default=["aio"],
                    help="the stand-in's gRPC server: grpc.aio (the worker's) and/or a thread-pool grpc.server")
+    p.add_argument("--decode", nargs="+", choices=["call", "stream"], default=["call"],
+                   help="the router's steps as Decode calls and/or over one DecodeStream (grpc.aio server only)")
     p.add_argument("--serve", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve:
         serve(*map(int, args.serve[:3]), args.serve[3])
         return
-    for flavour, gil_us in ((f, g) for f in args.server for g in args.gil_us):
+    runs = [(f, g, d) for f in args.server for g in args.gil_us for d in args.decode if f == "aio" or d == "call"]
+    for flavour, gil_us, decode in runs:
         proc = subprocess.Popen([sys.executable, __file__, "--serve", str(args.step_us), str(gil_us), str(args.batch),
                                  flavour], stdout=subprocess.PIPE, text=True)
+        router = route_stream if decode == "stream" else route
         try:
             target = f"127.0.0.1:{int(proc.stdout.readline())}"
-            route(target, args.pipeline, 100, args.batch)  # warm-up
-            us = route(target, args.pipeline, args.steps, args.batch)
+            router(target, args.pipeline, 100, args.batch)  # warm-up
+            us = router(target, args.pipeline, args.steps, args.batch)
         finally:
             proc.terminate()
             proc.wait(30)
-        print(json.dumps({"server": flavour, "step_us": args.step_us, "pipeline": args.pipeline, "batch": args.batch,
-                          "gil_us": gil_us,
+        print(json.dumps({"server": flavour, "decode": decode, "step_us": args.step_us, "pipeline": args.pipeline,
+                          "batch": args.batch, "gil_us": gil_us,
                           "steps": len(us), "overhead_p50_us": round(percentile(us, 50), 1),
                           "overhead_p90_us": round(percentile(us, 90), 1),
                           "overhead_p99_us": round(percentile(us, 99), 1),

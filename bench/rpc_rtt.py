@@ -15,6 +15,8 @@ Over a socket (each server its own process):
                            `overhead` is each call's wall time minus its forward_ns (what the router's
                            RPC overhead per step counts), `forward` the forward_ns
   decode_b32_aio_client    the same through a grpc.aio client: what an asyncio router pays
+  decode_b*_stream         the same steps on one DecodeStream (WorkerClient.decode_stream), each sent
+                           after the previous answer
 In-process (no socket), the parts the worker adds:
   engine_b1 / engine_b32   Engine.decode wall time minus its forward_ns: the engine's own host time
                            outside forward_ns, which the router's overhead also counts
@@ -141,8 +143,10 @@ class WorkerTarget:
         self.stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(sequence_id=i, token_ids=[1, 2, 3]) for i in ids]))
         return ids
 
-    def decode(self, batch: int, calls: int, aio_client: bool = False) -> tuple[list[float], list[float]]:
-        """(overheads, forwards) of `calls` Decode calls of `batch` sequences, in us."""
+    def decode(self, batch: int, calls: int, aio_client: bool = False, stream: bool = False) \
+            -> tuple[list[float], list[float]]:
+        """(overheads, forwards) of `calls` Decode calls of `batch` sequences, in us; stream: `calls` steps
+        on one DecodeStream instead (WorkerClient.decode_stream), each sent after the previous answer."""
         ids = self.sequences(batch, WARMUP + calls)
         req = pb.DecodeRequest(sequence_ids=ids)
         timings: list[tuple[float, float]] = []  # (wall, forward) per call, us
@@ -150,7 +154,14 @@ class WorkerTarget:
         def keep(t0: float, resp: pb.DecodeResponse) -> None:
             timings.append((1e6 * (time.perf_counter() - t0), resp.forward_ns / 1e3))
 
-        if aio_client:
+        if stream:
+            from worker.client import WorkerClient
+            with WorkerClient(self.target) as client, client.decode_stream() as steps:
+                for _ in range(WARMUP + calls):
+                    t0 = time.perf_counter()
+                    steps.send(ids)
+                    keep(t0, steps.recv())
+        elif aio_client:
             async def run():
                 async with grpc.aio.insecure_channel(self.target) as channel:
                     stub = pb_grpc.ModelWorkerStub(channel)
@@ -193,9 +204,11 @@ def measure_network(model: str, rounds: int, calls: int) -> dict:
                     us - 1000 for us in timed(lambda: stub.Check(busy), calls))  # noqa: B023
             samples.setdefault("worker_health", []).extend(timed(lambda: worker.health.Check(check), calls))
             samples.setdefault("worker_info", []).extend(timed(lambda: worker.stub.Info(pb.InfoRequest()), calls))
-            for name, batch, aio_client in (("decode_b1", 1, False), ("decode_b32", 32, False),
-                                            ("decode_b32_aio_client", 32, True)):
-                overhead, forward = worker.decode(batch, calls, aio_client)
+            for name, batch, aio_client, stream in (("decode_b1", 1, False, False), ("decode_b1_stream", 1, False, True),
+                                                    ("decode_b32", 32, False, False),
+                                                    ("decode_b32_stream", 32, False, True),
+                                                    ("decode_b32_aio_client", 32, True, False)):
+                overhead, forward = worker.decode(batch, calls, aio_client, stream)
                 samples.setdefault(name, []).extend(overhead)
                 forwards.setdefault(name, []).extend(forward)
         out = {name: p50_p99(us) for name, us in samples.items()}

@@ -43,6 +43,19 @@ def test_load_benchmark_runs_and_reports(tmp_path):
         assert (tmp_path / png.split("/")[-1]).stat().st_size > 1000
 
 
+def test_load_benchmark_decode_stream(tmp_path):
+    """--decode call stream: each level runs once per transport; over a DecodeStream the router gets
+    every token the in-process run makes, its steps answered in order."""
+    res = run_load(tmp_path, "--concurrency", "4", "--requests", "12", "--pipeline", "1", "3", "--decode", "call",
+                   "stream", "--no-plots")
+    assert [(r["pipeline"], r["decode"]) for r in res["grpc"]] == [(1, "call"), (1, "stream"), (3, "call"),
+                                                                   (3, "stream")]
+    for level in res["grpc"]:
+        assert level["output_tokens"] == res["in_process"][0]["output_tokens"] > 0 and level["steps"] > 0
+        if level["decode"] == "stream":
+            assert level["out_of_order"] == 0
+
+
 def test_load_benchmark_with_speculative_verify(tmp_path):
     res = run_load(tmp_path, "--concurrency", "4", "--requests", "8", "--spec", "3", "--no-plots")
     assert res["grpc"][0]["draft_acceptance"] is not None
@@ -62,9 +75,10 @@ def test_soak_60s_no_growth(tmp_path):
 def test_pipeline_floor_runs(tmp_path):
     """bench/pipeline_floor.py (the stand-in worker with no engine) over a real socket: one line per GIL load."""
     out = subprocess.run([sys.executable, "bench/pipeline_floor.py", "--steps", "60", "--gil-us", "0", "200",
-                          "--step-us", "800"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--step-us", "800", "--decode", "call", "stream"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [r["gil_us"] for r in lines] == [0, 200]
+    assert [(r["gil_us"], r["decode"]) for r in lines] == [(0, "call"), (0, "stream"), (200, "call"), (200, "stream")]
     for r in lines:
         assert r["steps"] == 60 and r["overhead_p50_us"] <= r["overhead_p90_us"] <= r["overhead_p99_us"]

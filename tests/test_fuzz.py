@@ -1,10 +1,11 @@
 """Stateful fuzzing through the real server: random valid and invalid Alloc/Prefill/Decode/Verify/Release
-sequences. After every step: the call returned OK or the documented status for the one fault it carried;
+sequences (decode steps as Decode calls or on one long-lived DecodeStream). After every step: the call returned OK or the documented status for the one fault it carried;
 a failed call changed nothing; free + used blocks = total; free slots match live sequences; and every
 token a sequence received is the greedy token of its own history alone (a separate solo engine says)."""
 from __future__ import annotations
 
 import functools
+import queue
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ from engine.api import PrefillItem
 from engine.engine import Engine
 from engine.sampling import SamplingParams, StoppingCriteria
 from metrale.worker.v1 import worker_pb2 as pb
+from worker.client import StepRefused
 
 C = grpc.StatusCode
 VOCAB, MAX_SLOTS, MAX_BATCH, BLOCKS, BLOCK = 512, 6, 4, 40, 16
@@ -68,10 +70,22 @@ class WorkerMachine(RuleBasedStateMachine):
         self.server, self.solo = self.env
         self.stub = self.server.stub()
         self.live: dict[int, Shadow] = {}
+        self.stream_requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = self.stub.DecodeStream(iter(self.stream_requests.get, None), timeout=600)
 
     def teardown(self):
         if self.live:
             self.stub.Release(pb.ReleaseRequest(sequence_ids=list(self.live)))
+        self.stream_requests.put(None)
+        assert list(self.stream) == []  # every step was answered; the stream ends with OK
+
+    def stream_decode(self, request: pb.DecodeRequest, timeout: float) -> pb.DecodeResponse:
+        """A decode step on the machine's DecodeStream, answered as a Decode call would be."""
+        self.stream_requests.put(request)
+        resp = next(self.stream)
+        if resp.HasField("error"):
+            raise StepRefused(resp.error)
+        return resp.step
 
     # ---------------------------------------------------------------------------------------- helpers
 
@@ -84,13 +98,14 @@ class WorkerMachine(RuleBasedStateMachine):
     def call(self, expected: grpc.StatusCode | None, fn, request):
         """Calls; checks the status; on an expected failure checks nothing changed."""
         before = self.snapshot() if expected else None
+        name = getattr(fn, "_method", getattr(fn, "__name__", fn))
         try:
             resp = fn(request, timeout=30)
-        except grpc.RpcError as e:
-            assert e.code() == expected, f"{fn._method}: got {e.code()} ({e.details()}), expected {expected}"
-            assert self.snapshot() == before, f"{fn._method} failed with {e.code()} but changed state"
+        except (grpc.RpcError, StepRefused) as e:
+            assert e.code() == expected, f"{name}: got {e.code()} ({e.details()}), expected {expected}"
+            assert self.snapshot() == before, f"{name} failed with {e.code()} but changed state"
             return None
-        assert expected is None, f"{fn._method} succeeded, expected {expected}"
+        assert expected is None, f"{name} succeeded, expected {expected}"
         return resp
 
     def check_token(self, shadow: Shadow, tok: pb.Token) -> None:
@@ -173,8 +188,9 @@ class WorkerMachine(RuleBasedStateMachine):
             self.check_token(s, tok)
 
     @precondition(lambda self: self.running())
-    @rule(data=st.data(), fault=st.sampled_from([None, None, "unknown", "override_len", "not_ready"]))
-    def decode(self, data, fault):
+    @rule(data=st.data(), fault=st.sampled_from([None, None, "unknown", "override_len", "not_ready"]),
+          on_stream=st.booleans())
+    def decode(self, data, fault, on_stream):
         ids = data.draw(st.lists(st.sampled_from(self.running()), min_size=1, max_size=MAX_BATCH, unique=True))
         override = data.draw(st.one_of(st.none(), st.lists(st.integers(0, VOCAB - 1), min_size=len(ids),
                                                            max_size=len(ids))))
@@ -190,7 +206,8 @@ class WorkerMachine(RuleBasedStateMachine):
             others = [i for i, s in self.live.items() if not s.prompt_len or s.finished]
             if others:
                 ids, override, expected = ids + [others[0]], None, C.FAILED_PRECONDITION
-        resp = self.call(expected, self.stub.Decode, pb.DecodeRequest(sequence_ids=ids, input_token_ids=override or []))
+        resp = self.call(expected, self.stream_decode if on_stream else self.stub.Decode,
+                         pb.DecodeRequest(sequence_ids=ids, input_token_ids=override or []))
         if resp is None:
             return
         for n, (i, tok) in enumerate(zip(ids, resp.tokens)):

@@ -42,7 +42,7 @@ def test_grpcurl_list_describe_health_and_a_sequence(server):
     services = grpcurl(addr, "list").split()
     assert {"metrale.worker.v1.ModelWorker", "grpc.health.v1.Health"} <= set(services)
     described = grpcurl(addr, "describe", "metrale.worker.v1.ModelWorker")
-    for rpc in ("AllocSequence", "Prefill", "Decode", "Verify", "Release", "Info", "Generate"):
+    for rpc in ("AllocSequence", "Prefill", "Decode", "DecodeStream", "Verify", "Release", "Info", "Generate"):
         assert f"rpc {rpc}" in described
     assert "max_total_tokens" in grpcurl(addr, "describe", "metrale.worker.v1.AllocSequenceRequest")
     assert json.loads(grpcurl(addr, "grpc.health.v1.Health/Check"))["status"] == "SERVING"
@@ -77,4 +77,22 @@ def test_grpcurl_shows_a_decodes_step_times(server):
     assert len(stamps) == 5 and stamps == sorted(stamps)
     plain = grpcurl(addr, "-v", m + "Decode", data={"sequence_ids": [sid]})
     assert "x-step-times" not in plain
+    grpcurl(addr, m + "Release", data={"sequence_ids": [sid]})
+
+
+def test_grpcurl_decode_stream(server):
+    """grpcurl sends several DecodeRequests on one DecodeStream (-d with one JSON object after another)
+    and prints one answer per step, in order: the steps, then the refusal of a step past the end."""
+    addr, m = server.address, "metrale.worker.v1.ModelWorker/"
+    sid = json.loads(grpcurl(addr, m + "AllocSequence", data={
+        "max_total_tokens": 16, "stopping": {"max_new_tokens": 3, "ignore_eos": True}}))["sequence_id"]
+    grpcurl(addr, m + "Prefill", data={"items": [{"sequence_id": sid, "token_ids": [1, 2, 3]}]})
+    cmd = [grpcurl_path(), "-plaintext", "-d", " ".join([json.dumps({"sequence_ids": [sid]})] * 3), addr,
+           m + "DecodeStream"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    answers = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    assert [a["step"]["tokens"][0]["seq_len"] for a in answers[:2]] == [5, 6]
+    assert answers[1]["step"]["tokens"][0]["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert answers[2]["error"]["code"] == 9 and "finished" in answers[2]["error"]["message"]
     grpcurl(addr, m + "Release", data={"sequence_ids": [sid]})

@@ -98,6 +98,14 @@ def test_bearer_token_required_except_for_health(tiny_model, tmp_path):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], stopping=pb.StoppingCriteria(max_new_tokens=2))))
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.DecodeStream(iter([pb.DecodeRequest(sequence_ids=[1])])))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+        with pytest.raises(grpc.RpcError) as info:
+            list(reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         ok = [("authorization", "Bearer s3cret-token")]
         assert stub.Info(pb.InfoRequest(), metadata=ok).vocab_size == 512
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())

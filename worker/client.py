@@ -23,10 +23,17 @@ the device. Three in flight kept the H200 busy ~94% of the time at C = 32 (READM
 known); a sequence that stops early (EOS, a stop token) makes a step already in flight with it fail
 with FAILED_PRECONDITION, which changes nothing, so resend that step without it. gRPC does not order
 calls in flight together, so two steps may run (or be answered) in either order: place each token by
-its seq_len. bench/load.py's router does all this (--pipeline)."""
+its seq_len. bench/load.py's router does all this (--pipeline).
+
+Decode streams: `decode_stream()` opens one DecodeStream call, over which each `send()` is a step and
+`recv()` returns the answers in the order the steps were sent; a step the worker refuses raises
+StepRefused from its recv() (its code and message, as the Decode call would have failed), and the
+stream goes on. A step sent on a stream costs less than a Decode call (no call set-up on either side),
+and the answers come in order. `bench/load.py --decode-stream` routes its steps this way."""
 from __future__ import annotations
 
 import asyncio
+import queue
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence as Seq
@@ -38,6 +45,29 @@ from metrale.worker.v1 import worker_pb2 as pb
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE,)
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StepRefused(Exception):
+    """A step of a decode stream that the worker refused; code() and details() as a grpc.RpcError's.
+    The step changed nothing and the stream goes on."""
+
+    def __init__(self, error: pb.StepError):
+        super().__init__(f"{_CODES.get(error.code, error.code)}: {error.message}")
+        self._code = _CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+        self._details = error.message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+def _step_of(resp: pb.DecodeStreamResponse) -> pb.DecodeResponse:
+    if resp.HasField("error"):
+        raise StepRefused(resp.error)
+    return resp.step
 
 
 @dataclass
@@ -151,6 +181,40 @@ class Session:
         self.release()
 
 
+class DecodeStream:
+    """One DecodeStream call (WorkerClient.decode_stream): send() queues a step without waiting; recv()
+    waits for the next answer, in the order the steps were sent. close() ends the stream once the answers
+    sent for are read; leaving a `with` block closes it and cancels what is left."""
+
+    _END = object()
+
+    def __init__(self, stub: pb_grpc.ModelWorkerStub, timeout: float | None, metadata):
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        # grpc's sync stub reads the request iterator on a thread of its own.
+        self._call = stub.DecodeStream(iter(self._requests.get, self._END), timeout=timeout, metadata=metadata)
+
+    def send(self, seq_ids: Seq[int], input_token_ids: Seq[int] | None = None) -> None:
+        self._requests.put(pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or []))
+
+    def recv(self) -> pb.DecodeResponse:
+        """The next step's answer; raises StepRefused for a refused step, grpc.RpcError if the stream
+        failed, StopIteration once it ended after close()."""
+        return _step_of(next(self._call))
+
+    def close(self) -> None:
+        self._requests.put(self._END)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __enter__(self) -> "DecodeStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self.cancel()
+
+
 class WorkerClient(_Base):
     """Synchronous client."""
 
@@ -203,6 +267,11 @@ class WorkerClient(_Base):
         req = pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or [])
         return self._call(self.stub.Decode, req, timeout, False)
 
+    def decode_stream(self, timeout: float | None = None) -> DecodeStream:
+        """Opens a DecodeStream (module docstring). timeout: a deadline for the whole stream (default none:
+        a stream lives as long as its router decodes)."""
+        return DecodeStream(self.stub, timeout, self._md)
+
     def future(self, method: str, request, timeout: float | None = None, metadata: Seq[tuple[str, str]] = ()) \
             -> grpc.Future:
         """Any ModelWorker RPC (by name, e.g. "Decode") without waiting: returns the call's future
@@ -241,6 +310,30 @@ class WorkerClient(_Base):
                 yield resp.token
         finally:
             call.cancel()
+
+
+class AsyncDecodeStream:
+    """DecodeStream for AsyncWorkerClient: `await send(...)`, `await recv()` (answers in the order the
+    steps were sent; StepRefused for a refused step), `await close()`."""
+
+    def __init__(self, stub: pb_grpc.ModelWorkerStub, timeout: float | None, metadata):
+        self._call = stub.DecodeStream(timeout=timeout, metadata=metadata)
+
+    async def send(self, seq_ids: Seq[int], input_token_ids: Seq[int] | None = None) -> None:
+        await self._call.write(pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or []))
+
+    async def recv(self) -> pb.DecodeResponse:
+        """The next step's answer; raises StopAsyncIteration once the stream ended after close()."""
+        resp = await self._call.read()
+        if resp is grpc.aio.EOF:
+            raise StopAsyncIteration
+        return _step_of(resp)
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 class AsyncWorkerClient(_Base):
@@ -290,6 +383,9 @@ class AsyncWorkerClient(_Base):
                      timeout: float | None = None) -> pb.DecodeResponse:
         req = pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or [])
         return await self._call(self.stub.Decode, req, timeout, False)
+
+    def decode_stream(self, timeout: float | None = None) -> AsyncDecodeStream:
+        return AsyncDecodeStream(self.stub, timeout, self._md)
 
     async def verify(self, items: Seq[pb.VerifyItem], timeout: float | None = None) -> pb.VerifyResponse:
         return await self._call(self.stub.Verify, pb.VerifyRequest(items=items), timeout, False)

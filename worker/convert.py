@@ -72,6 +72,18 @@ def decode_response(r: api.StepResult) -> pb.DecodeResponse:
     return msg
 
 
+def decode_stream_response(r: api.StepResult) -> pb.DecodeStreamResponse:
+    msg = pb.DecodeStreamResponse()
+    msg.step.SetInParent()
+    msg.step.forward_ns = r.forward_ns
+    add_tokens(msg.step.tokens, r.tokens)
+    return msg
+
+
+def step_error(code: int, message: str) -> pb.DecodeStreamResponse:
+    return pb.DecodeStreamResponse(error=pb.StepError(code=code, message=message))
+
+
 def verify_response(r: api.VerifyStepResult) -> pb.VerifyResponse:
     msg = pb.VerifyResponse(forward_ns=r.forward_ns)
     for v in r.results:

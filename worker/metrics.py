@@ -125,6 +125,8 @@ class Metrics:
                                 "steps ahead of it and its own), reply (result ready to response built: the event "
                                 "loop's lag)", ["stage"], buckets=STAGE_BUCKETS, registry=r)
         self._stage_children = [self.stages.labels(stage) for stage in DECODE_STAGES]  # queued, device, reply
+        self.stream_steps = Counter("metrale_decode_stream_steps", "DecodeStream steps by status code (OK: the step "
+                                    "ran; else the code it was refused with)", ["code"], registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
         self._children: dict[tuple, object] = {}  # labelled children, looked up once
@@ -188,6 +190,9 @@ class Metrics:
         if kind == "prefill" and started is not None and result.tokens:
             self.ttft.observe(now - started, len(result.tokens))
         self._tokens(result.tokens, now, first=kind == "prefill")
+
+    def stream_step(self, code: grpc.StatusCode) -> None:
+        self._child(self.stream_steps, code.name).inc()
 
     def observe_decode_stages(self, times: list[int]) -> None:
         """times: a Decode's CLOCK_MONOTONIC ns at the handler, launch, answer begun, result ready and

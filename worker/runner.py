@@ -75,9 +75,15 @@ class EngineRunner:
         step's result once the engine has finished it (other calls run in between). With a `times`
         list, the engine thread appends time.monotonic_ns() when the step was launched, when its
         answer began (Engine.finish called) and when the result was ready."""
+        return await self.submit_step(fn, *args, times=times)
+
+    def submit_step(self, fn: Callable[..., PendingStep], *args, times: list | None = None) -> asyncio.Future:
+        """step() without awaiting it: the step is queued for the engine thread now, so steps submitted
+        one after another launch in that order; the returned future (of the running event loop) is the
+        step's result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._work.put((fut, fn, args, True, times))
-        return await asyncio.wrap_future(fut)
+        return asyncio.wrap_future(fut)
 
     @property
     def busy_since(self) -> float | None:

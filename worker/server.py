@@ -4,7 +4,7 @@ Start-up: the port opens first with health NOT_SERVING (probes get an answer whi
 then the engine loads on its thread and runs one real step (warm-up), then health turns SERVING.
 Drain (SIGTERM/SIGINT, or Worker.drain): health NOT_SERVING at once, AllocSequence and Generate get
 UNAVAILABLE, every other call keeps working so live sequences can finish, and the server stops
-once none is left or the grace period is over."""
+once none is left or the grace period is over (open DecodeStreams end then, with OK)."""
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +46,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token "
                                                                  "(metadata 'authorization: Bearer <token>')")
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+        # A refusal must have the arity of the method it answers: the streaming methods by name.
+        self._deny = {"Generate": grpc.unary_stream_rpc_method_handler(deny),
+                      "DecodeStream": grpc.stream_stream_rpc_method_handler(deny),
+                      "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(deny)}
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if details.method.startswith(f"/{HEALTH_SERVICE}/"):
@@ -55,7 +58,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         metadata = dict(details.invocation_metadata or ())
         if metadata.get("authorization") == self._expected:
             return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+        return self._deny.get(details.method.rsplit("/", 1)[-1], self._deny_unary)
 
 
 def warm_up(engine: Engine) -> None:
@@ -194,6 +197,7 @@ class Worker:
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
             while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
                 await asyncio.sleep(0.05)
+            self.servicer.end_decode_streams()  # an open DecodeStream would otherwise hold the stop to the grace
         await self.stop(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, grace_s: float = 0.0) -> None:

@@ -80,6 +80,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         self.metrics = metrics
         self.draining = False
         self._background: set[asyncio.Task] = set()
+        self._decode_streams: set[asyncio.Queue] = set()  # the step queue of each open DecodeStream
 
     @rpc
     async def AllocSequence(self, request: pb.AllocSequenceRequest, context) -> pb.AllocSequenceResponse:
@@ -114,7 +115,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         times = [time.monotonic_ns()]
         ids = list(request.sequence_ids)
         override = list(request.input_token_ids) or None
-        result = await self.runner.step(lambda e: self._touching(e.decode_launch(ids, override), ids), times=times)
+        result = await self.runner.step(functools.partial(self._launch_touching, ids, override), times=times)
         self.metrics.observe_step("decode", result)
         response = convert.decode_response(result)
         times.append(time.monotonic_ns())
@@ -122,6 +123,70 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         if wants_step_times(context):
             context.set_trailing_metadata(((STEP_TIMES_KEY, ",".join(map(str, times))),))
         return response
+
+    async def DecodeStream(self, requests, context):
+        """Decode steps over one stream: each request is launched as it arrives (queued behind the steps
+        before it, like a Decode call), and answered in request order; a refused step is answered with
+        its status and the stream goes on."""
+        with self.metrics.rpc("DecodeStream") as call:
+            if self.runner is None:
+                call.code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(call.code, "the model is still loading; retry shortly")
+            steps: asyncio.Queue = asyncio.Queue()  # (stamps, result future) per request, in order; None ends
+            self._decode_streams.add(steps)
+            reader = asyncio.get_running_loop().create_task(self._launch_stream_steps(requests, steps))
+            try:
+                while (item := await steps.get()) is not None:
+                    yield await self._stream_step_answer(*item)
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                rid = request_id_of(context)
+                log.exception("DecodeStream failed (request id %s)", rid)
+                await context.abort(call.code, f"internal error in DecodeStream (request id {rid}); see the worker log")
+            finally:
+                self._decode_streams.discard(steps)
+                reader.cancel()
+                while not steps.empty():  # steps never answered (the client went away): skipped if not started
+                    item = steps.get_nowait()
+                    if item is not None:
+                        item[1].cancel()
+
+    async def _launch_stream_steps(self, requests, steps: asyncio.Queue) -> None:
+        """A DecodeStream's reader: submits each request's step to the engine thread as it arrives."""
+        try:
+            async for request in requests:
+                times = [time.monotonic_ns()]
+                ids = list(request.sequence_ids)
+                override = list(request.input_token_ids) or None
+                launch = functools.partial(self._launch_touching, ids, override)
+                steps.put_nowait((times, self.runner.submit_step(launch, times=times)))
+        except Exception:  # noqa: BLE001 - the call broke off (the client went away): the handler ends it
+            log.debug("DecodeStream's request stream ended with an error", exc_info=True)
+        finally:
+            steps.put_nowait(None)
+
+    async def _stream_step_answer(self, times: list[int], result: asyncio.Future) -> pb.DecodeStreamResponse:
+        try:
+            step = await result
+        except EngineError as e:
+            code = status_of(e)
+            self.metrics.stream_step(code)
+            return convert.step_error(code.value[0], str(e))
+        self.metrics.stream_step(grpc.StatusCode.OK)
+        self.metrics.observe_step("decode", step)
+        response = convert.decode_stream_response(step)
+        times.append(time.monotonic_ns())
+        self.metrics.observe_decode_stages(times)
+        return response
+
+    def end_decode_streams(self) -> None:
+        """Ends every open DecodeStream once the steps it was sent are answered (the end of a drain)."""
+        for steps in self._decode_streams:
+            steps.put_nowait(None)
+
+    def _launch_touching(self, ids: list[int], override: list[int] | None, engine: Engine):
+        """On the engine thread: launches a decode step of ids (Decode, DecodeStream) and touches their leases."""
+        return self._touching(engine.decode_launch(ids, override), ids)
 
     @rpc
     async def Verify(self, request: pb.VerifyRequest, context) -> pb.VerifyResponse:
