@@ -39,7 +39,7 @@ from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionShape, TorchOps
 
 if TYPE_CHECKING:
-    from engine.engine import StepOutputs
+    from engine.outputs import StepOutputs
     from engine.state import SlotState
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)

@@ -25,7 +25,7 @@ from engine import sampling
 from engine.batch import ForwardBatch, build_decode_batch
 
 if TYPE_CHECKING:
-    from engine.engine import StepOutputs
+    from engine.outputs import StepOutputs
     from engine.state import SlotState
 
 

@@ -1,0 +1,144 @@
+"""The static device buffers decode and Verify steps write their results to (outside any CUDA-graph
+pool, so a replayed graph writes where the host reads), the slot-vector staging of the batch-width
+fallback graphs, and the pinned host mirrors all of them go through. One set of pinned buffers per
+step in flight (`ring`): a step copies its results out while the host still reads the previous one's."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from engine.sampling import SampleOutput
+
+
+class StepOutputs:
+    """Static device buffers a decode step writes its results to (outside any graph pool), and sets of
+    pinned host buffers they are read back through: one set per step in flight (`ring`), since a step
+    copies its results out while the host still reads the previous step's.
+
+    The tokens (int64) and their logprobs (float32) share one allocation, tokens first, on the device
+    and in each pinned set: a step's results come back in one copy of its first 8 * max_batch + 4 * n
+    bytes (one driver call on a GPU)."""
+
+    def __init__(self, max_batch: int, max_top: int, device: torch.device, rings: int = 1):
+        pin = device.type == "cuda"
+        self.max_batch = max_batch
+        self.packed = torch.zeros(3 * max_batch, dtype=torch.int32, device=device)
+        self.tokens, self.logprobs = _unpack(self.packed, max_batch)
+        self.top_ids = torch.zeros(max_batch, max(max_top, 1), dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(max_batch, max(max_top, 1), dtype=torch.float32, device=device)
+        self.hosts = []
+        for _ in range(rings):
+            packed = torch.zeros(3 * max_batch, dtype=torch.int32, pin_memory=pin)
+            self.hosts.append((packed, *_unpack(packed, max_batch),
+                               *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids,
+                                                                                               self.top_logprobs))))
+        # numpy views of the same pinned memory: reading a few values back costs ~1 us through numpy, ~5 through torch
+        self.hosts_np = [tuple(t.numpy() for t in host) for host in self.hosts]
+
+    def write(self, out: SampleOutput, num_top: int) -> None:
+        n = out.token_ids.shape[0]
+        self.tokens[:n].copy_(out.token_ids)
+        self.logprobs[:n].copy_(out.logprobs)
+        if num_top:
+            self.top_ids[:n, :num_top].copy_(out.top_ids)
+            self.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
+
+    def read(self, n: int, num_top: int, streams) -> tuple[list[int], list[float], list | None, list | None]:
+        """Copies the first n results to the host and waits for them (the stream), through ring 0: no
+        step may be in flight."""
+        self.copy_to_host(n, num_top, 0, streams)
+        if streams is not None:
+            streams.compute.synchronize()
+        return self.host_values(n, num_top, 0)
+
+    def copy_to_host(self, n: int, num_top: int, ring: int, streams) -> None:
+        """Queues the copy of the first n results into pinned set `ring` (no host wait): on the compute
+        stream through the driver with `streams`, else (CPU) at once."""
+        packed, tokens, logprobs, top_ids, top_lps = self.hosts[ring]
+        if streams is not None:
+            streams.to_host(packed, self.packed, 8 * self.max_batch + 4 * n)
+        else:
+            tokens[:n].copy_(self.tokens[:n])
+            logprobs[:n].copy_(self.logprobs[:n])
+        if num_top:
+            with streams.compute_context() if streams is not None else contextlib.nullcontext():
+                top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
+                top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
+
+    def host_values(self, n: int, num_top: int, ring: int) -> tuple[list[int], list[float], list | None, list | None]:
+        """The first n results of pinned set `ring`, once its copy has finished."""
+        _, tokens, logprobs, top_ids, top_lps = self.hosts_np[ring]
+        return (tokens[:n].tolist(), logprobs[:n].tolist(),
+                top_ids[:n, :num_top].tolist() if num_top else None,
+                top_lps[:n, :num_top].tolist() if num_top else None)
+
+
+def _unpack(packed: torch.Tensor, max_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int64 tokens and float32 logprobs views of a packed [3 * max_batch] int32 buffer."""
+    return packed[:2 * max_batch].view(torch.int64), packed[2 * max_batch:].view(torch.float32)
+
+
+class SlotStaging:
+    """The slot vector a batch-width fallback graph reads (device), written through pinned memory, one
+    pinned buffer per step in flight (`ring`): a step rewrites its ring's buffer only after the step
+    that last used it has finished, so the copy that step queued has run."""
+
+    def __init__(self, max_batch: int, device: torch.device, rings: int = 1):
+        self.device = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.host = [torch.zeros(max_batch, dtype=torch.int64, pin_memory=device.type == "cuda") for _ in range(rings)]
+        self.host_np = [h.numpy() for h in self.host]
+
+
+class VerifyOutputs:
+    """Static buffers of the uniform Verify step: the drafts it reads (written before each step, through
+    pinned memory) and its results, plus pinned host mirrors of the results. As in StepOutputs, the
+    results the host always reads (accepted counts, next tokens, logprobs) share one allocation, read
+    back in one copy: accepted int64 [max_batch], tokens int64 [max_batch], logprobs float32
+    [max_batch, max_drafts + 1]."""
+
+    def __init__(self, max_batch: int, max_drafts: int, max_top: int, device: torch.device):
+        pin, n = device.type == "cuda", max_drafts + 1
+        self.max_batch, self.n = max_batch, n
+        self.drafts = torch.zeros(max_batch, max_drafts, dtype=torch.int64, device=device)
+        self.packed = torch.zeros(4 * max_batch + max_batch * n, dtype=torch.int32, device=device)
+        self.accepted, self.tokens, self.logprobs = self._views(self.packed)
+        self.top_ids = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.int64, device=device)
+        self.top_logprobs = torch.zeros(max_batch * n, max(max_top, 1), dtype=torch.float32, device=device)
+        packed = torch.zeros(self.packed.shape, dtype=torch.int32, pin_memory=pin)
+        self.host = [packed, torch.zeros(self.drafts.shape, dtype=torch.int64, pin_memory=pin),
+                     *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids, self.top_logprobs))]
+        self.host_np = [t.numpy() for t in (*self._views(packed), self.host[1])]  # accepted, tokens, logprobs, drafts
+
+    def _views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mb = self.max_batch
+        return (packed[:2 * mb].view(torch.int64), packed[2 * mb:4 * mb].view(torch.int64),
+                packed[4 * mb:].view(torch.float32).view(mb, self.n))
+
+    def write_drafts(self, drafts: list[list[int]], k: int, streams) -> None:
+        """drafts[b][:k] into rows [:len(drafts)] of the device buffer: through its pinned mirror on the
+        compute stream (GPU; the mirror is free again once the previous Verify's read returned), else a
+        copy."""
+        b = len(drafts)
+        if streams is None:
+            self.drafts[:b, :k].copy_(torch.tensor(drafts, dtype=torch.int64))
+            return
+        self.host_np[3][:b, :k] = drafts
+        streams.to_device(self.drafts, self.host[1], b * self.drafts.shape[1] * 8)
+
+    def read(self, batch: int, n: int, num_top: int, streams):
+        """Copies the first `batch` results to the host and waits for them (no step may be in flight)."""
+        packed, _, top_ids, top_lps = self.host
+        if streams is not None:
+            streams.to_host(packed, self.packed, 16 * self.max_batch + 4 * batch * self.n)
+        else:
+            packed.copy_(self.packed)
+        if num_top:
+            top_ids[:batch * n, :num_top].copy_(self.top_ids[:batch * n, :num_top], non_blocking=True)
+            top_lps[:batch * n, :num_top].copy_(self.top_logprobs[:batch * n, :num_top], non_blocking=True)
+        if streams is not None:
+            streams.compute.synchronize()
+        accepted, tokens, logprobs, _ = self.host_np
+        return (accepted[:batch].tolist(), tokens[:batch].tolist(), logprobs[:batch, :n].tolist(),
+                top_ids[:batch * n, :num_top].tolist() if num_top else None,
+                top_lps[:batch * n, :num_top].tolist() if num_top else None)
