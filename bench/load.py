@@ -112,13 +112,16 @@ class GrpcBackend:
     sent) and posts them the same way."""
 
     def __init__(self, target: str, step_times: bool = False, decode_stream: bool = False):
-        """step_times: ask each Decode call for the worker's step times (the x-step-times trailer); a decode
-        reply is then (tokens, forward_ns, [the worker's five CLOCK_MONOTONIC ns, this callback's])."""
+        """step_times: ask each Decode for the worker's step times (a call's x-step-times trailer, a stream's
+        step_times_ns); a decode reply is then (tokens, forward_ns, [the worker's five CLOCK_MONOTONIC ns,
+        this callback's])."""
         from worker.client import WorkerClient
         self.client = WorkerClient(target, timeout=120)
         self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.step_times = step_times and not decode_stream
-        self.stream = self.client.decode_stream() if decode_stream else None
+        self.step_times = step_times
+        self.stream = None
+        if decode_stream:
+            self.stream = self.client.decode_stream(metadata=(("x-step-times", "1"),) if step_times else ())
         self._stream_tags: collections.deque = collections.deque()  # the tags of the steps sent on it, oldest first
         if self.stream is not None:
             threading.Thread(target=self._read_stream, name="decode-stream", daemon=True).start()
@@ -132,8 +135,14 @@ class GrpcBackend:
         from worker.client import StepRefused
         while True:
             try:
-                r = self.stream.recv()
+                full = self.stream.recv_full()
+                at = time.perf_counter_ns()  # CLOCK_MONOTONIC, the worker's clock
+                if full.HasField("error"):
+                    raise StepRefused(full.error)
+                r = full.step
                 reply = (self._tokens(r.tokens), r.forward_ns)
+                if self.step_times:
+                    reply += ([*full.step_times_ns, at],)
             except StopIteration:
                 return
             except StepRefused as e:
@@ -642,8 +651,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode", nargs="+", choices=["call", "stream"], default=["call"],
                    help="how the router sends its decode steps: one Decode call each, and/or over one DecodeStream; "
                         "several values run each gRPC level once per value, alternating")
-    p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc); "
-                                                           "the worker's stamps come with Decode calls only")
+    p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc)")
     args = p.parse_args(argv)
 
     from engine.checkpoint import write_checkpoint

@@ -47,13 +47,16 @@ def test_load_benchmark_decode_stream(tmp_path):
     """--decode call stream: each level runs once per transport; over a DecodeStream the router gets
     every token the in-process run makes, its steps answered in order."""
     res = run_load(tmp_path, "--concurrency", "4", "--requests", "12", "--pipeline", "1", "3", "--decode", "call",
-                   "stream", "--no-plots")
+                   "stream", "--no-plots", "--step-log")
     assert [(r["pipeline"], r["decode"]) for r in res["grpc"]] == [(1, "call"), (1, "stream"), (3, "call"),
                                                                    (3, "stream")]
     for level in res["grpc"]:
         assert level["output_tokens"] == res["in_process"][0]["output_tokens"] > 0 and level["steps"] > 0
         if level["decode"] == "stream":
             assert level["out_of_order"] == 0
+        # --step-log: the worker's stamps come with each answer on a stream as with each call.
+        times = level["step_times"]
+        assert times["counted"] > 0 and all(v is not None and v >= 0 for v in times["median_us"].values()), times
 
 
 def test_load_benchmark_with_speculative_verify(tmp_path):

@@ -45,6 +45,25 @@ def test_stream_steps_match_transformers_in_order(server, tiny_model):
         assert out[sid] == hf_greedy(tiny_model, prompt, max_new)
 
 
+def test_stream_answers_carry_step_times_when_asked(server):
+    """A stream opened with x-step-times metadata: each answer holds the step's five CLOCK_MONOTONIC ns
+    stamps in order, inside the client's own window; without it, none."""
+    import time
+    with WorkerClient(server.address) as client:
+        ids, _ = _start(client, [[1, 2, 3]], 4)
+        before = time.monotonic_ns()
+        with client.decode_stream(metadata=(("x-step-times", "1"),)) as stream:
+            stream.send(ids)
+            stamps = list(stream.recv_full().step_times_ns)
+        after = time.monotonic_ns()
+        assert len(stamps) == 5 and before <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= after
+        with client.decode_stream() as stream:
+            stream.send(ids)
+            plain = stream.recv_full()
+        assert plain.HasField("step") and not plain.step_times_ns
+        client.release(ids)
+
+
 def test_refused_steps_answer_their_status_and_the_stream_goes_on(server):
     """Unknown ids, a sequence before its prefill, duplicates in one batch and a finished sequence
     are each answered with the code a Decode call would fail with; none changes a sequence or a

@@ -202,6 +202,10 @@ class DecodeStream:
         failed, StopIteration once it ended after close()."""
         return _step_of(next(self._call))
 
+    def recv_full(self) -> pb.DecodeStreamResponse:
+        """The next answer as it came (the step or its error, and step_times_ns when asked for)."""
+        return next(self._call)
+
     def close(self) -> None:
         self._requests.put(self._END)
 
@@ -268,10 +272,11 @@ class WorkerClient(_Base):
         req = pb.DecodeRequest(sequence_ids=seq_ids, input_token_ids=input_token_ids or [])
         return self._call(self.stub.Decode, req, timeout, False)
 
-    def decode_stream(self, timeout: float | None = None) -> DecodeStream:
+    def decode_stream(self, timeout: float | None = None, metadata: Seq[tuple[str, str]] = ()) -> DecodeStream:
         """Opens a DecodeStream (module docstring). timeout: a deadline for the whole stream (default none:
-        a stream lives as long as its router decodes)."""
-        return DecodeStream(self.stub, timeout, self._md)
+        a stream lives as long as its router decodes). `metadata` is sent with the client's own (e.g.
+        ("x-step-times", "1"): each answer then carries the step's times, `recv_full()`)."""
+        return DecodeStream(self.stub, timeout, (*self._md, *metadata))
 
     def future(self, method: str, request, timeout: float | None = None, metadata: Seq[tuple[str, str]] = ()) \
             -> grpc.Future:

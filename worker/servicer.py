@@ -135,9 +135,10 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
             steps: asyncio.Queue = asyncio.Queue()  # (stamps, result future) per request, in order; None ends
             self._decode_streams.add(steps)
             reader = asyncio.get_running_loop().create_task(self._launch_stream_steps(requests, steps))
+            step_times = wants_step_times(context)
             try:
                 while (item := await steps.get()) is not None:
-                    yield await self._stream_step_answer(*item)
+                    yield await self._stream_step_answer(*item, step_times)
             except Exception:
                 call.code = grpc.StatusCode.INTERNAL
                 rid = request_id_of(context)
@@ -165,7 +166,8 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         finally:
             steps.put_nowait(None)
 
-    async def _stream_step_answer(self, times: list[int], result: asyncio.Future) -> pb.DecodeStreamResponse:
+    async def _stream_step_answer(self, times: list[int], result: asyncio.Future,
+                                  step_times: bool) -> pb.DecodeStreamResponse:
         try:
             step = await result
         except EngineError as e:
@@ -177,6 +179,8 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         response = convert.decode_stream_response(step)
         times.append(time.monotonic_ns())
         self.metrics.observe_decode_stages(times)
+        if step_times:
+            response.step_times_ns.extend(times)
         return response
 
     def end_decode_streams(self) -> None:
