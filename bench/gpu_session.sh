@@ -80,6 +80,8 @@ for what in "$@"; do
     rpc) stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     # Decode calls vs one DecodeStream, alternating in each level: 1B, C = 32, one and three in flight
     loadstream) stage load-1b-c32-stream 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 1 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    # The same at C = 32 with three in flight, twice more (alternating call / stream inside each run)
+    loadstreamab) for rep in 1 2; do stage load-1b-c32-stream-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"; done ;;
     floorstream) stage pipeline-floor-stream 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 1 --decode call stream && stage pipeline-floor-stream-p3 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 3 --decode call stream ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
