@@ -82,6 +82,12 @@ for what in "$@"; do
     loadstream) stage load-1b-c32-stream 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 1 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     # The same at C = 32 with three in flight, twice more (alternating call / stream inside each run)
     loadstreamab) for rep in 1 2; do stage load-1b-c32-stream-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"; done ;;
+    # DecodeStream with the GIL switch interval at Python's default and at 200 us, twice alternating (C = 32, three in flight)
+    abgilstream) for rep in 1 2; do for us in 0 200; do
+          stage load-1b-c32-stream-gil$us-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --decode stream --prompt-len 128 --output-len 128 --no-plots --no-in-process --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --gil-switch-interval-us $us" --out "$OUT"
+        done; done ;;
+    # Decode calls and DecodeStream side by side over the concurrency sweep, three in flight (the README's second table)
+    loadstreamsweep) stage load-1b-stream-sweep 540 python3 bench/load.py --shape 1b --concurrency 1 4 16 32 64 128 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     floorstream) stage pipeline-floor-stream 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 1 --decode call stream && stage pipeline-floor-stream-p3 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 3 --decode call stream ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
