@@ -88,6 +88,8 @@ for what in "$@"; do
         done; done ;;
     # Decode calls and DecodeStream side by side over the concurrency sweep, three in flight (the README's second table)
     loadstreamsweep) stage load-1b-stream-sweep 540 python3 bench/load.py --shape 1b --concurrency 1 4 16 32 64 128 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    # Calls vs stream at C = 64 and 128, three in flight, twice (the sweep's C = 128 went the other way)
+    loadstreamhigh) for rep in 1 2; do stage load-1b-stream-high-rep$rep 200 python3 bench/load.py --shape 1b --concurrency 64 128 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"; done ;;
     floorstream) stage pipeline-floor-stream 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 1 --decode call stream && stage pipeline-floor-stream-p3 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 3 --decode call stream ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
