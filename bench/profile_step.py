@@ -4,7 +4,8 @@ time of each (cProfile top functions for Verify). For prefill also its timeline:
 the span the GPU was busy, the idle gaps between kernels (which kernels they sit between) and the SM
 clock while prefills run back to back (nvidia-smi), to tell host stalls from clock drops.
 
-    python bench/profile_step.py --shape 1b [--only prefill]"""
+    python bench/profile_step.py --shape 1b [--only prefill]
+    python bench/profile_step.py --shape 1b --only verify_replay   # the host side of a replayed Verify"""
 from __future__ import annotations
 
 import argparse
@@ -183,6 +184,57 @@ def profile_replay_host(path, steps: int = 400) -> None:
                 print(f"{statistics.median(us):9.1f}  {label}")
     finally:
         PendingStep.wait_device = wait_device
+    engine.close()
+
+
+def profile_verify_host(path, calls: int = 300) -> None:
+    """The host side of a replayed uniform Verify of 4 drafts at batch 1 (CUDA graphs on), as
+    engine_bench times it: wall vs device time per call, the medians of the engine's own parts
+    (perf_counter_ns wrappers, ~0.3 us each), then cProfile's top functions by own time."""
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096))
+    vocab = engine.model_config.vocab_size
+    spent: collections.Counter = collections.Counter()
+
+    def timed(obj, name: str, label: str) -> None:
+        fn = getattr(obj, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter_ns() - t
+        setattr(obj, name, wrapper)
+
+    for obj, name in ((engine, "_check_ids"), (engine, "_finish_in_flight"), (engine, "_verify_uniform"),
+                      (engine, "_run_step"), (engine.graphs, "run"), (engine.verify_outputs, "write_drafts"),
+                      (engine.verify_outputs, "read"), (engine, "_token_result")):
+        timed(obj, name, f"{type(obj).__name__}.{name}")
+    seq = engine.alloc_sequence(128 + 8 * calls, SamplingParams(), GREEDY).seq_id
+    engine.prefill([PrefillItem(seq, torch.randint(0, vocab, (128,)).tolist())])
+    drafts = [VerifyItem(seq, [7, 8, 9, 10])]
+    for _ in range(10):
+        engine.verify(drafts)
+    torch.cuda.synchronize()
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    for _ in range(calls):
+        spent.clear()
+        t0 = time.perf_counter_ns()
+        result = engine.verify(drafts)
+        rows["wall"].append((time.perf_counter_ns() - t0) / 1e3)
+        rows["device (forward_ns)"].append(result.forward_ns / 1e3)
+        for label, ns in spent.items():
+            rows[label].append(ns / 1e3)
+    print(f"\n== replayed Verify of 4 drafts b1, one call at a time: medians over {calls} calls, us")
+    for label, us in rows.items():
+        print(f"{statistics.median(us):9.1f}  {label}")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(100):
+        engine.verify(drafts)
+    cp.disable()
+    print("\n== verify host profile (100 calls, by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(16)
     engine.close()
 
 
@@ -377,14 +429,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1b")
     p.add_argument("--model")
-    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "ttft"], help="one section (default: all "
-                   "but replay)")
+    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "verify_replay", "ttft"],
+                   help="one section (default: all but replay and verify_replay)")
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
-    if args.only in ("replay", "ttft"):
+    if args.only in ("replay", "verify_replay", "ttft"):
         if args.only == "replay":
             host_call_costs()
-        (profile_replay_host if args.only == "replay" else profile_ttft)(path)
+        {"replay": profile_replay_host, "verify_replay": profile_verify_host, "ttft": profile_ttft}[args.only](path)
         return
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))
     vocab = engine.model_config.vocab_size
