@@ -558,12 +558,12 @@ class Engine:
                 if not bool(torch.isfinite(probs).all()) or bool((probs < 0).any()):
                     raise InvalidArgument(f"sequence {seq.seq_id}: draft_probs must be finite and >= 0")
         k = len(items[0].draft_token_ids)
-        uniform = k > 0 and all(len(it.draft_token_ids) == k and not it.draft_probs for it in items)
-        with self._on_device() as timer:
-            if uniform and not self._dynamic_rope:
-                results = self._verify_uniform(seqs, items, k)
-            else:
-                results = self._verify(seqs, items)
+        uniform = k > 0 and all(len(it.draft_token_ids) == k and not it.draft_probs for it in items) \
+            and not self._dynamic_rope
+        # The uniform step is driver calls (a replay, pinned copies) like a decode step: whatever in it runs
+        # torch ops switches torch's stream itself. The general one runs torch ops throughout.
+        with self._on_device(torch_stream=not uniform) as timer:
+            results = self._verify_uniform(seqs, items, k) if uniform else self._verify(seqs, items)
         return api.VerifyStepResult(results, timer.elapsed_ns())
 
     def _verify_uniform(self, seqs: list[Sequence], items: list[api.VerifyItem], k: int) -> list[api.VerifyResult]:
@@ -578,8 +578,9 @@ class Engine:
         def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
             # Row b * (k + 1) + i counts drafts 0 .. i - 1 of sequence b as seen (repetition penalty).
             pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(batch)) for i in range(k + 1) for j in range(i)]
-            seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
-            seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
+            with self._compute_stream():  # on the stream of the step that reads them
+                seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
+                seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
             return lambda: self._verify_into_outputs(slots_t, k, num_top, seen_rows, seen_cols)
 
         self._run_step("verify", [s.slot for s in batch], (k, num_top), make_step)

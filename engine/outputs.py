@@ -134,8 +134,9 @@ class VerifyOutputs:
         else:
             packed.copy_(self.packed)
         if num_top:
-            top_ids[:batch * n, :num_top].copy_(self.top_ids[:batch * n, :num_top], non_blocking=True)
-            top_lps[:batch * n, :num_top].copy_(self.top_logprobs[:batch * n, :num_top], non_blocking=True)
+            with streams.compute_context() if streams is not None else contextlib.nullcontext():
+                top_ids[:batch * n, :num_top].copy_(self.top_ids[:batch * n, :num_top], non_blocking=True)
+                top_lps[:batch * n, :num_top].copy_(self.top_logprobs[:batch * n, :num_top], non_blocking=True)
         if streams is not None:
             streams.compute.synchronize()
         accepted, tokens, logprobs, _ = self.host_np

@@ -377,6 +377,35 @@ def test_sampled_verify_emits_what_decode_draws_on_gpu(ckpt_tiny):
     engine.release([sid])
 
 
+def test_verify_logprobs_and_alternatives_are_decodes_on_gpu(ckpt_tiny):
+    """A uniform Verify with top logprobs, through the verify graph (captured, then replayed; its
+    results read back outside torch's stream switch): each emitted token carries the logprob and the
+    alternatives decode gives at that position, to bf16 rounding."""
+    engine = gpu_engine(ckpt_tiny, capture_after=1)
+    params = SamplingParams(top_logprobs=3)
+    prompt = [11, 12, 13, 14, 15, 16]
+
+    def start() -> tuple[int, list]:
+        sid = engine.alloc_sequence(80, params, GREEDY).seq_id
+        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0]]
+
+    sid, ref = start()
+    while len(ref) < 24:
+        ref.append(engine.decode([sid]).tokens[0])
+    engine.release([sid])
+    sid, got = start()
+    for _ in range(4):  # the first round captures, the others replay
+        res = engine.verify([VerifyItem(sid, [t.token_id for t in ref[len(got):len(got) + 4]])]).results[0]
+        assert res.num_accepted == 4
+        got += res.tokens
+    assert engine.graphs.stats.hits > 0
+    for g, r in zip(got, ref):
+        assert g.token_id == r.token_id and g.logprob == pytest.approx(r.logprob, abs=2e-2)
+        assert len(g.top_logprobs) == 3 and g.top_logprobs[0][0] == g.token_id
+        assert [lp for _, lp in g.top_logprobs] == pytest.approx([lp for _, lp in r.top_logprobs], abs=2e-2)
+    engine.release([sid])
+
+
 def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
     """Decode steps launched behind the running one (two in flight, as the worker runs a pipelining
     router's Decodes) give bit-identical results to the same calls one step at a time, through the
