@@ -29,7 +29,7 @@ Decode streams: `decode_stream()` opens one DecodeStream call, over which each `
 `recv()` returns the answers in the order the steps were sent; a step the worker refuses raises
 StepRefused from its recv() (its code and message, as the Decode call would have failed), and the
 stream goes on. A step sent on a stream skips a call's set-up on both sides (one step at a time on the
-CPU machine: 795 vs 988 us of overhead at batch 1, README), and the answers come in order.
+H200 machine: 787 vs 1087 us of overhead at batch 1; README), and the answers come in order.
 `bench/load.py --decode stream` routes its steps this way."""
 from __future__ import annotations
 
