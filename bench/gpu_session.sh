@@ -33,6 +33,7 @@ for what in "$@"; do
   case "$what" in
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
+    kdecode) stage gpu-kernel-decode-tests 90 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k decode ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
@@ -56,8 +57,10 @@ for what in "$@"; do
     loadsync) stage load-1b-one-in-flight 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 --max-steps-in-flight 1" --out "$OUT" ;;
     # A/B against another tree (build/ab-base: `git archive <commit> | tar -x -C build/ab-base`, carried), same call:
     # engine_bench 1B at batch 1 and 32 twice, alternating, then 8B batch 1 once each
+    # (the base tree builds its own kernels: their launch contracts may differ)
     abengine) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        ln -sfn "$PWD/metrale" build/ab-base/metrale; ln -sfn "$PWD/kernels_cu/build" build/ab-base/kernels_cu/build
+        ln -sfn "$PWD/metrale" build/ab-base/metrale
+        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
         for rep in 1 2; do
           (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT/base")
           stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT"
@@ -67,7 +70,8 @@ for what in "$@"; do
       else echo "abengine: no build/ab-base"; fi ;;
     # The same against the worker: C = 32, the router three in flight, twice alternating
     abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        ln -sfn "$PWD/metrale" build/ab-base/metrale; ln -sfn "$PWD/kernels_cu/build" build/ab-base/kernels_cu/build
+        ln -sfn "$PWD/metrale" build/ab-base/metrale
+        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
         for rep in 1 2; do
           (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage load-1b-c32-base-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT/base")
           stage load-1b-c32-new-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"

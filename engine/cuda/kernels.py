@@ -73,7 +73,7 @@ MODULES: dict[str, list[KernelSpec]] = {
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
-    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f")
+    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i")
                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
@@ -88,6 +88,7 @@ MODULES: dict[str, list[KernelSpec]] = {
 
 # Launch constants shared with the .cu files (their header comments state the same numbers).
 DECODE_TILE = 64
+DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
 
@@ -163,9 +164,10 @@ _SLOT = {"p": "Q", "l": "q", "i": "i4x", "f": "f4x"}
 
 
 class Kernel:
-    """One CUfunction with a reusable parameter buffer."""
+    """One CUfunction with a reusable parameter buffer. A launch with cluster > 1 groups the blocks along
+    grid x into thread-block clusters of that size (sm_90; cuLaunchKernelEx)."""
 
-    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok")
+    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok", "_config")
 
     def __init__(self, name: str, func, argtypes: str):
         self.name = name
@@ -179,13 +181,38 @@ class Kernel:
         driver = _driver()
         self._launch = driver.cuLaunchKernel
         self._ok = driver.CUresult.CUDA_SUCCESS
+        self._config = None  # the cuLaunchKernelEx configuration of clustered launches, made at the first
 
-    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args):
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args,
+                 cluster: int = 1):
         self._pack(self._buf, 0, *args)
-        err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
-                            self._params, 0)
+        if cluster <= 1:
+            err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
+                                self._params, 0)
+        else:
+            config, attr = self._config or self._cluster_config()
+            if attr.value.clusterDim.x != cluster:
+                attr.value.clusterDim.x = cluster
+                config.attrs = [attr]  # the binding copies the attributes in
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid
+            config.blockDimX, config.blockDimY, config.blockDimZ = block
+            config.sharedMemBytes = smem
+            config.hStream = stream
+            err, = _driver().cuLaunchKernelEx(config, self.func, self._params, 0)
         if err != self._ok:
-            raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem})", err)
+            raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem}, cluster={cluster})",
+                            err)
+
+    def _cluster_config(self):
+        driver = _driver()
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x = attr.value.clusterDim.y = attr.value.clusterDim.z = 1
+        config = driver.CUlaunchConfig()
+        config.attrs = [attr]
+        config.numAttrs = 1
+        self._config = (config, attr)
+        return self._config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +352,9 @@ class KernelLibrary:
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
         self.skinny_wide_tiles = self.num_sms  # skinny grids of at most this many tiles use 16-warp blocks
+        # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
+        # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
+        self.decode_cluster = DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -415,7 +445,15 @@ class KernelLibrary:
         blocks = batch * num_kv_heads * head_chunks
         max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
         one_wave = self.decode_blocks_per_sm[head_dim] * self.num_sms // blocks
-        return max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
+        splits = max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
+        return splits if splits <= self.decode_cluster else splits // self.decode_cluster * self.decode_cluster
+
+    def decode_cluster_size(self, num_splits: int) -> int:
+        """The cluster size of a decode attention launch of num_splits splits (1: none): all the splits when
+        they fit in one cluster, else decode_cluster (decode_num_splits makes them a multiple of it)."""
+        if self.decode_cluster <= 1 or num_splits <= 1:
+            return 1
+        return num_splits if num_splits <= self.decode_cluster else self.decode_cluster
 
     def vocab_splits(self, rows: int, vocab: int) -> int:
         """Vocabulary splits of the sampling kernels: about eight 256-thread blocks per SM (a full SM; with
@@ -559,7 +597,9 @@ class KernelLibrary:
     def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
                          counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                         num_splits: int) -> None:
+                         num_splits: int, cluster: int | None = None) -> None:
+        """cluster: the launch's cluster size (None: decode_cluster_size(num_splits); 1: no clusters, the
+        splits always merge through global memory)."""
         sfx, H, D, Hkv, qp, kc, vc = self._attention_inputs("decode", q, k_cache, v_cache)
         B = q.shape[0]
         bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
@@ -584,10 +624,14 @@ class KernelLibrary:
         if B == 0:
             return
         bs_log2 = k_cache.shape[1].bit_length() - 1
+        cluster = self.decode_cluster_size(num_splits) if cluster is None else cluster
+        if cluster > 1 and (num_splits % cluster or cluster > self.decode_cluster):
+            raise KernelArgError(f"decode attention: clusters of {cluster} for {num_splits} splits (at most "
+                                 f"{self.decode_cluster} on this device, dividing the splits)")
         self.kernels[f"decode_attention_{sfx}_d{D}"](
             (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D), self.stream(),
             o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
-            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e))
+            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, cluster=cluster)
 
     def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:

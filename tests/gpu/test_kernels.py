@@ -229,6 +229,8 @@ def paged_cache(seq_lens: list[int], Hkv: int, D: int, bs: int, dtype, extra_blo
 DECODE_CASES = [
     # B, max context, H, Hkv, D, block_size, window
     (1, 1, 32, 8, 64, 16, 0),
+    (1, 300, 32, 8, 64, 16, 0),  # the 1B decode benchmark's contexts: merged inside one cluster on sm_90
+    (2, 512, 32, 8, 128, 16, 0),
     (1, 8229, 32, 8, 128, 16, 0),
     (3, 3000, 32, 8, 64, 32, 0),
     (256, 200, 32, 8, 64, 16, 0),
@@ -254,17 +256,55 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
     scale = D ** -0.5
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
     counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
-    for splits in sorted({lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN), 1, 7}):
-        outs = []
-        for _ in range(2):
-            out = nan((B, H, D), dtype)
-            part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-            lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, scale, window,
-                                 splits)
-            check("decode_attention", out, ref, BF16_TOL)
-            outs.append(out)
-        assert torch.equal(outs[0], outs[1]), "the merge of the splits must not depend on block timing"
-        assert not counters.any(), "the split tickets must be back at zero after the launch"
+    for splits in sorted({lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN), 1, 7, 16}):
+        # clusters (sm_90): the splits of a sequence whose keys fit in one cluster merge in shared memory
+        for cluster in sorted({1, lib.decode_cluster_size(splits)}):
+            outs = []
+            for _ in range(2):
+                out = nan((B, H, D), dtype)
+                part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+                lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, scale,
+                                     window, splits, cluster)
+                check(f"decode_attention ({splits} splits, clusters of {cluster})", out, ref, BF16_TOL)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), "the merge of the splits must not depend on block timing"
+            assert not counters.any(), "the split tickets must be back at zero after the launch"
+
+
+def test_decode_attention_merges_short_contexts_inside_the_cluster(lib):
+    """On sm_90 a sequence whose used splits all lie in its first cluster never touches the partials in
+    global memory (the cluster's leader merges them from its peers' shared memory); without clusters,
+    the same launch merges through them."""
+    if lib.decode_cluster <= 1:
+        pytest.skip("thread-block clusters need sm_90")
+    B, H, Hkv, D, splits = 2, 32, 8, 64, 32
+    seq_lens = [300, 64 * lib.decode_cluster]  # 5 and 8 used splits of 64 keys
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, 16, torch.bfloat16)
+    q = randn(B, H, D, dtype=torch.bfloat16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
+    ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, D ** -0.5, 0)
+    counters = torch.zeros(B * Hkv, dtype=torch.int32, device=dev())
+    for cluster, partials_written in ((lib.decode_cluster, False), (1, True)):
+        out = nan((B, H, D), torch.bfloat16)
+        part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+        lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, D ** -0.5, 0,
+                             splits, cluster)
+        check(f"decode_attention (clusters of {cluster})", out, ref, BF16_TOL)
+        assert bool((~part_lse.isnan()).any()) == partials_written
+        assert not counters.any()
+
+
+def test_decode_attention_refuses_clusters_that_do_not_divide_the_splits(lib):
+    from engine.cuda.kernels import KernelArgError
+    if lib.decode_cluster <= 1:
+        pytest.skip("thread-block clusters need sm_90")
+    k_cache, v_cache, table = paged_cache([5], 8, 64, 16, torch.bfloat16)
+    q, out = randn(1, 32, 64, dtype=torch.bfloat16), nan((1, 32, 64), torch.bfloat16)
+    lens = torch.tensor([5], dtype=torch.int32, device=dev())
+    counters = torch.zeros(32, dtype=torch.int32, device=dev())
+    part_o, part_lse = nan((1, 32, 12, 64), torch.float32), nan((1, 32, 12), torch.float32)
+    with pytest.raises(KernelArgError, match="clusters of 8 for 12 splits"):
+        lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, 0.125, 0, 12, 8)
 
 
 @pytest.mark.parametrize("B,H,Hkv,D", [(1, 32, 8, 64), (8, 32, 8, 64), (32, 32, 8, 64), (32, 32, 8, 128),
