@@ -33,7 +33,7 @@ for what in "$@"; do
   case "$what" in
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
-    kdecode) stage gpu-kernel-decode-tests 90 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k decode ;;
+    kdecode) stage gpu-kernel-decode-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "decode or fused or replay" ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
@@ -68,6 +68,15 @@ for what in "$@"; do
         (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-8b-base 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT/base")
         stage engine-bench-8b-new 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
       else echo "abengine: no build/ab-base"; fi ;;
+    # The 1B part alone, at the batches in AB_BATCHES (default 1 32), three times alternating
+    abengine1b) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
+        ln -sfn "$PWD/metrale" build/ab-base/metrale
+        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+        for rep in 1 2 3; do
+          (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT/base")
+          stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT"
+        done
+      else echo "abengine1b: no build/ab-base"; fi ;;
     # The same against the worker: C = 32, the router three in flight, twice alternating
     abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
         ln -sfn "$PWD/metrale" build/ab-base/metrale

@@ -46,6 +46,13 @@
 //   q, caches 16-byte aligned; a sequence whose keys fit one chunk is written to out directly (part_*
 //   and counters untouched). cluster: the launch's cluster size along x (1: none; ignored below sm_90),
 //   dividing num_splits.
+//   Fused RoPE (cos_sin non-null; else k_new, v_new, rope_index, slot_mapping unused): q is unrotated;
+//   k_new / v_new [B, Hkv, D] (contiguous heads, batch stride kv_stride) hold the new token's unrotated
+//   k and its v; cos_sin [P, D] fp32, rope_index and slot_mapping [B] int64 as in rope_cache_write.cu.
+//   Each block rotates its q rows in shared memory; the block whose keys end at the new token (position
+//   seq_len - 1) puts the rotated k and v into that tile row itself, and its head chunk 0 writes them
+//   to the cache at slot_mapping[b] (negative: no write, and the row is read from the cache as usual).
+//   Results equal rope_cache_write followed by this kernel bit for bit.
 #include "common.cuh"
 
 #define DA_THREADS 128
@@ -132,12 +139,58 @@ __device__ __forceinline__ void finish_split(u16* __restrict__ out, const float*
     combine_row<T>(out, part_o, part_lse, row0 + r, num_splits, used, D, lane);
 }
 
+// Rotate-half RoPE of 8 pairs (x1[i], x2[i]) in shared memory, in place, with cos c[i] and sin s[i]:
+// kernels_cu/rope_cache_write.cu's numerics (fp32, every product and sum rounded, no FMA), so a fused
+// launch gives the same bits as rope_cache_write followed by this kernel.
+template <class T>
+__device__ __forceinline__ void rope_pair(u16* x1p, u16* x2p, const float* c, const float* s) {
+  float x1[8], x2[8], o1[8], o2[8];
+  unpack8<T>(*reinterpret_cast<const Vec16*>(x1p), x1);
+  unpack8<T>(*reinterpret_cast<const Vec16*>(x2p), x2);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    o1[i] = __fsub_rn(__fmul_rn(x1[i], c[i]), __fmul_rn(x2[i], s[i]));
+    o2[i] = __fadd_rn(__fmul_rn(x2[i], c[i]), __fmul_rn(x1[i], s[i]));
+  }
+  *reinterpret_cast<Vec16*>(x1p) = pack8<T>(o1);
+  *reinterpret_cast<Vec16*>(x2p) = pack8<T>(o2);
+}
+
+// The new token's 16-byte vector c of its KV head: rotated k and v into the tile's rows (shared memory)
+// and, unless null, into the cache. k / v: the head's unrotated k and its v; cs: cos then sin (D each half).
+template <class T, int D>
+__device__ __forceinline__ void new_kv(u16* k_row, u16* v_row, const u16* k, const u16* v, const float* cs, int c,
+                                       u16* k_dst, u16* v_dst) {
+  constexpr int HALF = D / 2;
+  const int e0 = c * 8;
+  const bool first = e0 < HALF;  // this vector holds x1 (else x2) of its pairs
+  const int p0 = first ? e0 : e0 - HALF;
+  float x1[8], x2[8], o[8];
+  unpack8<T>(*reinterpret_cast<const Vec16*>(k + p0), x1);
+  unpack8<T>(*reinterpret_cast<const Vec16*>(k + p0 + HALF), x2);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float cv = cs[p0 + i], sv = cs[HALF + p0 + i];
+    o[i] = first ? __fsub_rn(__fmul_rn(x1[i], cv), __fmul_rn(x2[i], sv))
+                 : __fadd_rn(__fmul_rn(x2[i], cv), __fmul_rn(x1[i], sv));
+  }
+  const Vec16 kv = pack8<T>(o), vv = *reinterpret_cast<const Vec16*>(v + e0);
+  *reinterpret_cast<Vec16*>(k_row) = kv;
+  *reinterpret_cast<Vec16*>(v_row) = vv;
+  if (k_dst != nullptr) {
+    reinterpret_cast<Vec16*>(k_dst)[c] = kv;
+    reinterpret_cast<Vec16*>(v_dst)[c] = vv;
+  }
+}
+
 template <class T, int D>
 __device__ __forceinline__ void decode_attention_impl(
     u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
-    const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const u16* __restrict__ q, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,
-    int num_splits, int window, float scale_log2, int cluster) {
+    int num_splits, int window, float scale_log2, int cluster, const u16* __restrict__ k_new,
+    const u16* __restrict__ v_new, i64 kv_stride, const float* __restrict__ cos_sin,
+    const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping) {
   typedef DecodeCfg<D> C;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
   extern __shared__ Vec16 smem_raw[];
@@ -180,6 +233,15 @@ __device__ __forceinline__ void decode_attention_impl(
   }
   const int t0 = start + split * chunk;
   const int t1 = min(t0 + chunk, seq_len);
+  // Fused RoPE (cos_sin != null): q is unrotated, and the new token (position seq_len - 1, cache slot
+  // slot_mapping[b]) has its unrotated k and v in k_new / v_new. The block whose keys end at the new
+  // token puts its rotated k and its v into the tile in shared memory, and (head chunk 0) into the cache.
+  const float* cs = nullptr;
+  i64 new_slot = -1;
+  if (cos_sin != nullptr) {
+    cs = cos_sin + rope_index[b] * (i64)D;
+    new_slot = t1 == seq_len ? slot_mapping[b] : -1;
+  }
 
   if (t0 >= t1) {  // an empty sequence (split 0, direct): block-uniform exit
     const Vec16 zero = {{0u, 0u, 0u, 0u}};
@@ -213,6 +275,12 @@ __device__ __forceinline__ void decode_attention_impl(
         vsrc = v_cache + row * D + c * 8;
       }
       const int off = (stage * DA_TILE + tok) * LD + c * 8;
+      if (new_slot >= 0 && pos == seq_len - 1) {
+        new_kv<T, D>(k_s + off, v_s + off, k_new + b * kv_stride + (i64)hkv * D, v_new + b * kv_stride + (i64)hkv * D,
+                     cs, c, hc == 0 ? k_cache + (new_slot * Hkv + hkv) * D : nullptr,
+                     hc == 0 ? v_cache + (new_slot * Hkv + hkv) * D : nullptr);
+        continue;
+      }
       cp_async16(k_s + off, ksrc, valid ? 16 : 0);
       cp_async16(v_s + off, vsrc, valid ? 16 : 0);
     }
@@ -241,6 +309,13 @@ __device__ __forceinline__ void decode_attention_impl(
     cp_async_wait<STAGES - 1>();
     __syncthreads();
     if (it == 0) {
+      if (cs != nullptr) {  // rotate the q rows in place (the block-uniform fused-RoPE case)
+        for (int i = tid; i < rows * (D / 16); i += DA_THREADS) {
+          const int r = i / (D / 16), c = i - r * (D / 16);
+          rope_pair<T>(q_s + r * LD + c * 8, q_s + r * LD + D / 2 + c * 8, cs + c * 8, cs + D / 2 + c * 8);
+        }
+        __syncthreads();
+      }
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + ld_row * LD + ks * 16 + ld_col);
     }
@@ -426,12 +501,15 @@ __device__ __forceinline__ void decode_attention_impl(
 
 #define DECODE_ENTRY(SUFFIX, T, D)                                                                          \
   extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##SUFFIX##_d##D(                \
-      u16* out, float* part_o, float* part_lse, int* counters, const u16* q, const u16* k_cache,            \
-      const u16* v_cache, const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, \
-      int Hkv, int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster) {   \
+      u16* out, float* part_o, float* part_lse, int* counters, const u16* q, u16* k_cache, u16* v_cache,    \
+      const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,            \
+      int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,               \
+      const u16* k_new, const u16* v_new, i64 kv_stride, const float* cos_sin, const i64* rope_index,       \
+      const i64* slot_mapping) {                                                                            \
     decode_attention_impl<T, D>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,         \
                                 seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits,    \
-                                window, scale_log2, cluster);                                               \
+                                window, scale_log2, cluster, k_new, v_new, kv_stride, cos_sin, rope_index,  \
+                                slot_mapping);                                                              \
   }
 
 DECODE_ENTRY(bf16, Bf16, 16)

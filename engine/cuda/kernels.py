@@ -73,7 +73,8 @@ MODULES: dict[str, list[KernelSpec]] = {
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
-    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i")
+    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
+                                     + "ppl" + "ppp")
                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
@@ -448,6 +449,13 @@ class KernelLibrary:
         splits = max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
         return splits if splits <= self.decode_cluster else splits // self.decode_cluster * self.decode_cluster
 
+    def decode_fits_one_wave(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                             max_seq_len: int) -> bool:
+        """Whether every block of a decode attention launch (decode_num_splits splits) is resident at once."""
+        blocks = batch * num_kv_heads * -(-(num_heads // num_kv_heads) // 16)
+        splits = self.decode_num_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len)
+        return blocks * splits <= self.decode_blocks_per_sm[head_dim] * self.num_sms
+
     def decode_cluster_size(self, num_splits: int) -> int:
         """The cluster size of a decode attention launch of num_splits splits (1: none): all the splits when
         they fit in one cluster, else decode_cluster (decode_num_splits makes them a multiple of it)."""
@@ -597,9 +605,13 @@ class KernelLibrary:
     def decode_attention(self, out: torch.Tensor, part_o: torch.Tensor | None, part_lse: torch.Tensor | None,
                          counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int,
-                         num_splits: int, cluster: int | None = None) -> None:
+                         num_splits: int, cluster: int | None = None,
+                         rope: tuple[torch.Tensor, ...] | None = None) -> None:
         """cluster: the launch's cluster size (None: decode_cluster_size(num_splits); 1: no clusters, the
-        splits always merge through global memory)."""
+        splits always merge through global memory).
+        rope = (k, v, cos_sin, rope_index, slot_mapping): q is unrotated and the new token's k and v
+        ([B, Hkv, D] views with contiguous heads, one batch stride) are not in the cache yet: the kernel
+        applies rope_cache_write itself (same bits), so that op's launch goes away."""
         sfx, H, D, Hkv, qp, kc, vc = self._attention_inputs("decode", q, k_cache, v_cache)
         B = q.shape[0]
         bt = _tensor(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
@@ -623,6 +635,20 @@ class KernelLibrary:
                                      f"(batch x KV heads x head chunks)")
         if B == 0:
             return
+        rp = (0, 0, 0, 0, 0, 0)
+        if rope is not None:
+            k_new, v_new, cos_sin, rope_index, slot_mapping = rope
+            for t, name in ((k_new, "decode rope k"), (v_new, "decode rope v")):
+                if t.dim() != 3 or tuple(t.shape) != (B, Hkv, D) or t.stride(2) != 1 or t.stride(1) != D:
+                    raise KernelArgError(f"{name}: expected [{B}, {Hkv}, {D}] with contiguous heads, got shape "
+                                         f"{tuple(t.shape)} strides {t.stride()}")
+            if k_new.stride(0) != v_new.stride(0) or k_new.stride(0) % 8:
+                raise KernelArgError(f"decode rope k / v: one batch stride, a multiple of 8, got {k_new.stride(0)} "
+                                     f"and {v_new.stride(0)}")
+            cs, ri, sm, _, _ = self._rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, B, Hkv, D,
+                                                   q.dtype)
+            rp = (_tensor(k_new, "decode rope k", q.dtype, contiguous=False),
+                  _tensor(v_new, "decode rope v", q.dtype, contiguous=False), k_new.stride(0), cs, ri, sm)
         bs_log2 = k_cache.shape[1].bit_length() - 1
         cluster = self.decode_cluster_size(num_splits) if cluster is None else cluster
         if cluster > 1 and (num_splits % cluster or cluster > self.decode_cluster):
@@ -631,7 +657,7 @@ class KernelLibrary:
         self.kernels[f"decode_attention_{sfx}_d{D}"](
             (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D), self.stream(),
             o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
-            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, cluster=cluster)
+            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp, cluster=cluster)
 
     def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:

@@ -119,6 +119,29 @@ class CudaOps(TorchOps):
                                 slot_mapping.long(), shape.num_heads, shape.num_kv_heads, eps)
         return q
 
+    def decode_qkv_attention(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
+                             cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float) -> torch.Tensor:
+        """Batches past the skinny kernels (cuBLAS QKV projection) whose attention grid fits on the GPU at
+        once: decode attention rotates q and the new k itself and writes the new k and v into the cache,
+        instead of a rope_cache_write launch before it (the same bits). 1B at batch 32 (H200, A/B in one
+        call, engine-bench-1b-*-rope-ab-20261201T2059): two steps in flight 1.310 -> 1.289 ms, device time
+        1.318 -> 1.304 ms. With a second wave of attention blocks each wave pays the fused part's latency:
+        1B at batch 64 went 1.544 -> 1.559 ms of device time, so those batches keep the separate launch.
+        Skinny batches already fuse RoPE and the KV write into their QKV kernel."""
+        B, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
+        if (q_norm is not None or (self._skinny and skinny_fits(h, qkv, D))
+                or not self.lib.decode_fits_one_wave(B, H, Hkv, D, self.max_seq_len)):
+            return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
+                                                k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
+                                                sliding_window, eps)
+        out = torch.nn.functional.linear(self.rms_norm(h, norm, eps), qkv, bias)
+        q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
+        return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                     rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
+
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):
             return super().linear_add(h, x, weight)
@@ -162,7 +185,8 @@ class CudaOps(TorchOps):
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         sliding_window: int = 0) -> torch.Tensor:
+                         sliding_window: int = 0, rope: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+        """rope: the fused RoPE and KV write of decode_qkv_attention (KernelLibrary.decode_attention)."""
         batch, num_heads, head_dim = q.shape
         splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -171,7 +195,7 @@ class CudaOps(TorchOps):
             part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
         self.lib.decode_attention(out, part_o, part_lse, self._split_counters, q, k_cache, v_cache, block_tables,
-                                  seq_lens.to(torch.int32), scale, sliding_window, splits)
+                                  seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

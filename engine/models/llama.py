@@ -51,13 +51,15 @@ class LlamaModel:
         ops.begin_forward(batch.num_tokens, batch.is_decode)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
         for i, layer in enumerate(self.w.layers):
-            q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
-                                  self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i], batch.slot_mapping,
-                                  eps)
             if batch.is_decode:
-                attn = ops.decode_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables, batch.seq_lens,
-                                            self.scale, cfg.sliding_window)
+                attn = ops.decode_qkv_attention(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm,
+                                                layer.k_norm, self.shape, cos_sin, rope_index, self.kv.k[i],
+                                                self.kv.v[i], batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                                self.scale, cfg.sliding_window, eps)
             else:
+                q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
+                                      self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i],
+                                      batch.slot_mapping, eps)
                 attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens_host, self.scale,
                                              cfg.sliding_window, batch.prefill_work)

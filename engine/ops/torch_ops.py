@@ -69,6 +69,18 @@ class TorchOps:
             q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
         return self.rope_cache_write(q, k, v, cos_sin, rope_index, k_cache, v_cache, slot_mapping)
 
+    def decode_qkv_attention(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
+                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
+                             cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float) -> torch.Tensor:
+        """A decode layer's attention half: norm_qkv_rope, then decode_attention over the cache it wrote
+        (one op, so that a backend can fuse the RoPE and the KV write into the attention kernel).
+        Returns [B, H, D]."""
+        q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache, v_cache,
+                               slot_mapping, eps)
+        return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1)."""
         h.addmm_(x, weight.t())

@@ -652,7 +652,7 @@ def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [8, 40])  # the skinny kernels (B <= SKINNY_TOKENS), and cuBLAS with the kernels
 def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype, B):
-    """One decoder layer through the fused ops (embedding -> norm_qkv_rope -> decode_attention -> linear_add ->
+    """One decoder layer through the fused ops (embedding -> decode_qkv_attention -> linear_add ->
     norm_gate_up -> linear_add -> norm_logits) and sample, captured once and replayed while every
     sequence grows; each step equals the eager ops bit for bit."""
     from engine.ops.torch_ops import AttentionShape
@@ -682,9 +682,8 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
         slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
         ops.begin_forward(B, decode=True)
         h = ops.embedding(ids, embed)
-        q = ops.norm_qkv_rope(h, norms[0], w_qkv, None, None, None, shape, cos_sin, positions, k_cache, v_cache,
-                              slot_mapping, 1e-6)
-        a = ops.decode_attention(q, k_cache, v_cache, table, seq_lens, D ** -0.5)
+        a = ops.decode_qkv_attention(h, norms[0], w_qkv, None, None, None, shape, cos_sin, positions, k_cache,
+                                     v_cache, slot_mapping, table, seq_lens, D ** -0.5, 0, 1e-6)
         ops.linear_add(h, a.view(B, hidden), w_o)
         ops.linear_add(h, ops.norm_gate_up(h, norms[1], w_gate_up, 1e-6), w_down)
         logits = ops.norm_logits(h, None, norms[2], lm_head, 1e-6)
@@ -707,6 +706,48 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
         for name, e, g in zip(("attention", "logits", "tokens", "logprobs"), eager, static_out):
             assert torch.equal(e, g), f"step {step}: graph {name} differs from eager"
     assert not torch.isnan(static_out[1]).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Hkv,D,window,bias", [(9, 16, 4, 64, 0, False), (32, 32, 8, 64, 0, True),
+                                                   (40, 16, 4, 128, 0, False), (12, 32, 1, 128, 0, False),
+                                                   (20, 8, 2, 80, 48, False), (16, 4, 2, 16, 0, False)])
+def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention(ops, gen, dtype, B, H, Hkv, D,
+                                                                                  window, bias):
+    """Past the skinny kernels, decode_qkv_attention rotates q and the new k inside decode attention and
+    writes the new k and v into the cache there: the attention output and both caches equal the
+    unfused ops (norm_qkv_rope's rope_cache_write, then decode_attention) bit for bit. Covers split
+    merges (long contexts), one split, head chunks (G > 16), a sliding window, a QKV bias and padding
+    rows (slot -1: no cache write)."""
+    from engine.ops.torch_ops import AttentionShape
+    rng = random.Random(gen)
+    hidden, bs = 512, 16
+    seq_lens = [rng.choice([1, 2, 63, 64, 65, 300, 1500]) for _ in range(B)]
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
+    positions = torch.tensor(seq_lens, device=dev()) - 1
+    slots = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
+    slots[B // 3] = -1  # a padding row
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
+    cos_sin = rope_table(2048, D)
+    h, norm = randn(B, hidden, dtype=dtype), (1 + 0.1 * randn(hidden)).to(dtype)
+    w_qkv = (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype)
+    b_qkv = (0.1 * randn((H + 2 * Hkv) * D)).to(dtype) if bias else None
+    shape = AttentionShape(H, Hkv, D)
+    assert ops.lib.decode_fits_one_wave(B, H, Hkv, D, ops.max_seq_len), "this case must take the fused path"
+    results = []
+    for fused in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        ops.begin_forward(B, decode=True)
+        if fused:
+            out = ops.decode_qkv_attention(h, norm, w_qkv, b_qkv, None, None, shape, cos_sin, positions, kc, vc,
+                                           slots, table, lens, D ** -0.5, window, 1e-6)
+        else:
+            q = ops.norm_qkv_rope(h, norm, w_qkv, b_qkv, None, None, shape, cos_sin, positions, kc, vc, slots, 1e-6)
+            out = ops.decode_attention(q, kc, vc, table, lens, D ** -0.5, window)
+        results.append((out, kc, vc))
+    for name, a, b in zip(("attention", "k_cache", "v_cache"), *results):
+        assert torch.equal(a, b), f"fused RoPE: {name} differs from rope_cache_write + decode_attention"
+    assert not results[1][0].isnan().any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
