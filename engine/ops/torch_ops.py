@@ -2,8 +2,8 @@
 against. The CUDA backend (engine/cuda/ops.py) implements the same methods with the same
 signatures; the model calls only these (GEMMs stay torch in both).
 
-The model calls the fused ops (norm_qkv_rope, linear_add, norm_gate_up, norm_logits), which compose
-the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
+The model calls the fused ops (norm_qkv_rope, decode_qkv_attention, linear_add, norm_gate_up,
+norm_logits), which compose the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
 does for small batches), so the model has one forward for every backend and batch.
 
 Layouts:
