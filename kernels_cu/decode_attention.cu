@@ -65,6 +65,18 @@ struct DecodeCfg {
   static constexpr int VPR = D / 8;  // 16-byte vectors per row
 };
 
+// acc[0..7] += w * (lo, hi): one split's 8 partial outputs into a merge, in a fixed order.
+__device__ __forceinline__ void add_weighted(float (&acc)[8], const float4& lo, const float4& hi, float w) {
+  acc[0] += lo.x * w;
+  acc[1] += lo.y * w;
+  acc[2] += lo.z * w;
+  acc[3] += lo.w * w;
+  acc[4] += hi.x * w;
+  acc[5] += hi.y * w;
+  acc[6] += hi.z * w;
+  acc[7] += hi.w * w;
+}
+
 // Merges the splits of one (b, h) row with one warp: lanes read the splits' lse in parallel; then the
 // lanes form 32 / (D / 8) groups, group g summing splits g, g + groups, ... for its 8-element vectors
 // (independent loads in flight), and the groups are added with shuffles. Partials are read with
@@ -90,14 +102,7 @@ __device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* 
       L += wgt;
       const float4* src = reinterpret_cast<const float4*>(part_o + (row * num_splits + s) * D + c * 8);
       const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
-      acc[0] += lo.x * wgt;
-      acc[1] += lo.y * wgt;
-      acc[2] += lo.z * wgt;
-      acc[3] += lo.w * wgt;
-      acc[4] += hi.x * wgt;
-      acc[5] += hi.y * wgt;
-      acc[6] += hi.z * wgt;
-      acc[7] += hi.w * wgt;
+      add_weighted(acc, lo, hi, wgt);
     }
   }
   for (int g = 1; g < groups; ++g) {  // group 0 gathers the other groups (uniform trip count)
@@ -475,14 +480,7 @@ __device__ __forceinline__ void decode_attention_impl(
           const u32 src = cluster_map(cm_o + r * D + c * 8, sp);
           const float4 lo = ld_cluster_f32x4(src), hi = ld_cluster_f32x4(src + 16);
           L += wgt;
-          acc[0] += lo.x * wgt;
-          acc[1] += lo.y * wgt;
-          acc[2] += lo.z * wgt;
-          acc[3] += lo.w * wgt;
-          acc[4] += hi.x * wgt;
-          acc[5] += hi.y * wgt;
-          acc[6] += hi.z * wgt;
-          acc[7] += hi.w * wgt;
+          add_weighted(acc, lo, hi, wgt);
         }
         const float inv = 1.f / L;
 #pragma unroll

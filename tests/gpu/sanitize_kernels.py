@@ -39,6 +39,13 @@ def main() -> int:
             act = ops.norm_gate_up(hr, w, torch.randn(2 * inter, hidden, device=dev).to(dt) * 0.05, 1e-6)
             ops.linear_add(hr, act, torch.randn(hidden, inter, device=dev).to(dt) * 0.05)
             ops.norm_logits(hr, None, w, emb, 1e-6)
+            # A decode layer's attention half: RoPE and the K/V write fused into decode attention at T = 40
+            tbl = (torch.arange(2 * T, device=dev, dtype=torch.int32) + 1).view(T, 2)
+            kc1 = torch.zeros(2 * T + 1, 16, Hkv, D, device=dev, dtype=dt)
+            ops.decode_qkv_attention(hr, w, wq, None, None, None, AttentionShape(H, Hkv, D),
+                                     torch.randn(512, D, device=dev), torch.full((T,), 19, device=dev), kc1,
+                                     kc1.clone(), tbl[:, 1].long() * 16 + 3, tbl,
+                                     torch.full((T,), 20, dtype=torch.int32, device=dev), 0.125, 0, 1e-6)
         ops.silu_and_mul(torch.randn(B, 2 * inter, device=dev).to(dt))
         qkv = torch.randn(B, (H + 2 * Hkv) * D, device=dev).to(dt)
         q, k, v = (qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D),
