@@ -192,8 +192,9 @@ template <class T, int D>
 __device__ __forceinline__ void decode_attention_impl(
     u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
     const u16* __restrict__ q, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
-    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,
-    int num_splits, int window, float scale_log2, int cluster, const u16* __restrict__ k_new,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H,
+    int Hkv, int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,
+    const u16* __restrict__ k_new,
     const u16* __restrict__ v_new, i64 kv_stride, const float* __restrict__ cos_sin,
     const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping) {
   typedef DecodeCfg<D> C;

@@ -182,7 +182,7 @@ class Kernel:
         driver = _driver()
         self._launch = driver.cuLaunchKernel
         self._ok = driver.CUresult.CUDA_SUCCESS
-        self._config = None  # the cuLaunchKernelEx configuration of clustered launches, made at the first
+        self._config = None  # (config, cluster attribute) of cuLaunchKernelEx, made at the first clustered launch
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args,
                  cluster: int = 1):

@@ -3,8 +3,9 @@ against. The CUDA backend (engine/cuda/ops.py) implements the same methods with 
 signatures; the model calls only these (GEMMs stay torch in both).
 
 The model calls the fused ops (norm_qkv_rope, decode_qkv_attention, linear_add, norm_gate_up,
-norm_logits), which compose the primitives below; a backend may override a fused op with a kernel that fuses it (CudaOps
-does for small batches), so the model has one forward for every backend and batch.
+norm_logits), which compose the primitives below; a backend may override a fused op with a kernel
+that fuses it (CudaOps does for small batches, and moves decode's RoPE into the attention kernel for
+larger ones), so the model has one forward for every backend and batch.
 
 Layouts:
   hidden      [T, hidden] (T = tokens in the forward)
