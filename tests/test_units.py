@@ -208,6 +208,32 @@ def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
     assert len(whole) == 1 and whole[0].q_index is None and whole[0].out_rows is None
 
 
+@pytest.mark.parametrize("cluster", [1, 8])
+def test_decode_attention_grid_rules(cluster):
+    """Decode attention's grid (engine/cuda/kernels.py; arithmetic on device properties only, so it runs
+    on CPU with an H200's numbers): splits keep every block resident at once, are a multiple of the
+    cluster size when they exceed it, and the launch's cluster divides them; decode_fits_one_wave says
+    whether the whole grid is resident."""
+    from engine.cuda.kernels import KernelLibrary
+    lib = KernelLibrary.__new__(KernelLibrary)  # no device: only the grid rules are under test
+    lib.num_sms, lib.decode_blocks_per_sm, lib.decode_cluster = 132, {64: 3, 128: 2}, cluster
+    for batch in (1, 2, 3, 8, 17, 32, 49, 50, 64, 128, 256):
+        for heads, kv_heads, head_dim in ((32, 8, 64), (32, 8, 128), (32, 1, 128), (8, 8, 64)):
+            for max_len in (64, 300, 2048, 131072):
+                splits = lib.decode_num_splits(batch, heads, kv_heads, head_dim, max_len)
+                blocks = batch * kv_heads * -(-(heads // kv_heads) // 16)
+                assert 1 <= splits <= max(1, -(-max_len // 64))
+                if splits > 1:
+                    assert blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms
+                c = lib.decode_cluster_size(splits)
+                assert 1 <= c <= cluster and splits % c == 0
+                assert (splits <= cluster) or splits % cluster == 0
+                assert lib.decode_fits_one_wave(batch, heads, kv_heads, head_dim, max_len) == (
+                    blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms)
+    assert lib.decode_num_splits(1, 32, 8, 64, 2048) == 32  # 1B at batch 1: four clusters of eight
+    assert lib.decode_fits_one_wave(49, 32, 8, 64, 2048) and not lib.decode_fits_one_wave(50, 32, 8, 64, 2048)
+
+
 def test_prefill_buckets_are_few_and_tight():
     from engine.cuda.ops import PREFILL_BUCKET, PREFILL_BUCKET_UNTIL, prefill_bucket
     sizes = [prefill_bucket(n) for n in range(1, 8193)]
