@@ -99,6 +99,11 @@ def decode_smem_bytes(head_dim: int) -> int:
     return (16 + 2 * stages * DECODE_TILE) * (head_dim + 8) * 2
 
 
+def decode_blocks(batch: int, num_heads: int, num_kv_heads: int) -> int:
+    """Decode attention blocks per split: one per (sequence, KV head, chunk of 16 query heads)."""
+    return batch * num_kv_heads * -(-(num_heads // num_kv_heads) // 16)
+
+
 def prefill_smem_bytes(head_dim: int) -> int:
     return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
 
@@ -442,8 +447,7 @@ class KernelLibrary:
         holds at once (a second wave would double the step's attention time: 1B at batch 32 has 256
         (sequence, KV head) blocks, and two splits of each would not fit the 396 an H200 holds), and at
         most one split per 64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe)."""
-        head_chunks = -(-(num_heads // num_kv_heads) // 16)
-        blocks = batch * num_kv_heads * head_chunks
+        blocks = decode_blocks(batch, num_heads, num_kv_heads)
         max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
         one_wave = self.decode_blocks_per_sm[head_dim] * self.num_sms // blocks
         splits = max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
@@ -452,7 +456,7 @@ class KernelLibrary:
     def decode_fits_one_wave(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
                              max_seq_len: int) -> bool:
         """Whether every block of a decode attention launch (decode_num_splits splits) is resident at once."""
-        blocks = batch * num_kv_heads * -(-(num_heads // num_kv_heads) // 16)
+        blocks = decode_blocks(batch, num_heads, num_kv_heads)
         splits = self.decode_num_splits(batch, num_heads, num_kv_heads, head_dim, max_seq_len)
         return blocks * splits <= self.decode_blocks_per_sm[head_dim] * self.num_sms
 
