@@ -203,31 +203,94 @@ __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (
   if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, c, C);
 }
 
-// rope_kv epilogue for one token m: v0 / v1 = the rounded values of rows r0 / r1 (pair i of `head`).
-template <class T>
-__device__ __forceinline__ void rope_kv_store(const SkinnyArgs& a, int m, int head, int i, float v0, float v1) {
-  const int D = a.D, half = a.half;
-  if (head < a.H + a.Hkv) {
-    u16* dst;
-    if (head < a.H) {
-      dst = (u16*)a.out + ((i64)m * a.H + head) * D;
-    } else {
-      const i64 slot = a.slot_mapping[m];
-      if (slot < 0) return;
-      dst = a.k_cache + (slot * a.Hkv + (head - a.H)) * (i64)D;
+// The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
+// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). inv_rms(m): the
+// NORM prologue's scale of token m (called only when norm). Every load the stores depend on (the
+// residual, RoPE's rope_index -> cos / sin, slot_mapping, the NORM scales) is issued before the first
+// store: the compiler cannot move a load above a store it may alias, so interleaved they would cost one
+// memory round trip per token.
+// rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
+// head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
+template <class T, int NT, int EP, class InvRms>
+__device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float (&acc)[NT][4], int p, int r0, int r1,
+                                                int t, bool norm, InvRms inv_rms) {
+  const int M = a.M, half = a.half;
+  const int head = p / half, i = p % half;  // rope_kv
+  float b0 = 0.f, b1 = 0.f;
+  if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
+    b0 = T::to_float(a.bias[r0]);
+    b1 = T::to_float(a.bias[r1]);
+  }
+  float scale[NT][2], in0[NT][2], in1[NT][2];  // in: the residual's old values, or RoPE's cos and sin
+  i64 slot[NT][2];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int m = 8 * j + 2 * t + s;
+      scale[j][s] = 1.f;
+      in0[j][s] = in1[j][s] = 0.f;
+      slot[j][s] = -1;
+      if (m >= M) continue;
+      if (norm) scale[j][s] = inv_rms(m);
+      if (EP == EP_RESIDUAL) {
+        const u16* res = (const u16*)a.out + (i64)m * a.N;
+        in0[j][s] = T::to_float(res[r0]);
+        in1[j][s] = T::to_float(res[r1]);
+      } else if (EP == EP_ROPE_KV) {
+        if (head >= a.H) slot[j][s] = a.slot_mapping[m];
+        if (head < a.H + a.Hkv) {
+          const float* cs = a.cos_sin + a.rope_index[m] * (i64)a.D;
+          in0[j][s] = cs[i];
+          in1[j][s] = cs[half + i];
+        }
+      }
     }
-    const float* cs = a.cos_sin + a.rope_index[m] * (i64)D;
-    const float c = cs[i], s = cs[half + i];
-    const float o0 = __fsub_rn(__fmul_rn(v0, c), __fmul_rn(v1, s));
-    const float o1 = __fadd_rn(__fmul_rn(v1, c), __fmul_rn(v0, s));
-    dst[i] = T::from_float(o0);
-    dst[half + i] = T::from_float(o1);
-  } else {
-    const i64 slot = a.slot_mapping[m];
-    if (slot < 0) return;
-    u16* dst = a.v_cache + (slot * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
-    dst[i] = T::from_float(v0);
-    dst[half + i] = T::from_float(v1);
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int m = 8 * j + 2 * t + s;
+      if (m >= M) continue;
+      const float v0 = acc[j][s] * scale[j][s] + b0, v1 = acc[j][2 + s] * scale[j][s] + b1;
+      if (EP == EP_STORE) {
+        u16* out = (u16*)a.out + (i64)m * a.N;
+        out[r0] = T::from_float(v0);
+        out[r1] = T::from_float(v1);
+      } else if (EP == EP_F32) {
+        float* out = (float*)a.out + (i64)m * a.N;
+        out[r0] = v0;
+        out[r1] = v1;
+      } else if (EP == EP_SILU) {
+        const float gate = round_to<T>(v0), up = round_to<T>(v1);
+        const float act = round_to<T>(gate / (1.0f + expf(-gate)));
+        ((u16*)a.out)[(i64)m * half + p] = T::from_float(act * up);
+      } else if (EP == EP_RESIDUAL) {
+        u16* res = (u16*)a.out + (i64)m * a.N;
+        res[r0] = T::from_float(in0[j][s] + v0);
+        res[r1] = T::from_float(in1[j][s] + v1);
+      } else {  // EP_ROPE_KV
+        const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
+        const int D = a.D;
+        u16* dst;
+        if (head < a.H) {
+          dst = (u16*)a.out + ((i64)m * a.H + head) * D;
+        } else {
+          if (slot[j][s] < 0) continue;
+          dst = head < a.H + a.Hkv ? a.k_cache + (slot[j][s] * a.Hkv + (head - a.H)) * (i64)D
+                                   : a.v_cache + (slot[j][s] * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
+        }
+        if (head < a.H + a.Hkv) {
+          const float c = in0[j][s], sn = in1[j][s];
+          dst[i] = T::from_float(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn)));
+          dst[half + i] = T::from_float(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn)));
+        } else {
+          dst[i] = T::from_float(x0);
+          dst[half + i] = T::from_float(x1);
+        }
+      }
+    }
   }
 }
 
@@ -312,80 +375,262 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
     }
   }
-  float b0 = 0.f, b1 = 0.f;
-  if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
-    b0 = T::to_float(a.bias[r0]);
-    b1 = T::to_float(a.bias[r1]);
+  skinny_epilogue<T, NT, EP>(a, acc, p, r0, r1, t, norm, [&](int m) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
+    return rsqrtf(sum / (float)K + a.eps);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Staged variant (sm_90; the engine's kernel for 9..32 tokens). With 16-32 tokens the split-K blocks
+// above are slower than cuBLAS (1B gate_up at 32 tokens 30.0 vs 19.1 us, H200): each 16-row block
+// reads all of x (32 x K) again from L2, twice the weight's bytes for gate_up, and converts it again.
+// Here a block of WARPS (8 or 4) warps owns WARPS consecutive tiles, one per warp, and x is read once
+// per block:
+//   - the block stages x[:, k0 : k0 + Ks] in shared memory (cp.async; rows of tokens >= M are zeros),
+//     and NORM's norm_w[k0 : k0 + Ks] as one more row, while each warp's first weight loads are
+//     already in flight; NORM then multiplies the staged x by norm_w in place (the same T(norm_w * x)
+//     operand as above) and sums each token's squares (one warp per token, fixed order);
+//   - each warp streams its own tile's W rows over the block's K range, two groups of ST_GROUP chunks
+//     of 32 k in flight (the next group's 16 loads per lane are issued before this group's mmas), and
+//     reads x from shared memory;
+//   - K is split over the S = gridDim.x blocks of a thread-block cluster (cluster dims (S, 1, 1),
+//     rank = blockIdx.x, Ks = K / S). S = 1: every warp runs its tile's epilogue from its own
+//     registers. S > 1: every block leaves its warps' fp32 accumulators (and NORM's per-token sums)
+//     in its shared memory, the cluster synchronises, and warp w of the block of rank w % S sums
+//     tile w's partials of all S blocks in rank order through distributed shared memory (mapa /
+//     ld.shared::cluster) and runs the epilogue; a second barrier keeps the partials alive until
+//     they are read. Deterministic: fixed summation orders everywhere.
+//   - blockIdx.y walks the row blocks with stride gridDim.y (the host launches no more blocks than fit
+//     on the GPU at once, so x is staged once per resident block).
+// Launch contract (skinny_<ep>_<dt>_m{16,32}_staged{8,4}, the parameters of the entries above):
+//   grid (S, R), block (32 WARPS), cluster (S, 1, 1) when S > 1, dynamic shared memory
+//   (MB + 1) * (Ks + ST_PAD) * 2 bytes (MB = 16 / 32, the token bucket); 1 <= S <= 8,
+//   K % (256 S) == 0, 1 <= R <= ceil(N / (16 WARPS)). Other requirements as above. sm_90 only (the
+//   entries trap elsewhere).
+#define ST_GROUP 8   // chunks of 32 k per weight load group (16 loads of 16 bytes per lane)
+#define ST_PAD 32    // u16 per staged row beyond Ks: the row stride is 64 (mod 128) bytes, so the 16-byte x
+                     // loads of a quarter warp (two tokens x 64 bytes) fall in distinct banks
+
+// Waits for the staged rows; NORM: x *= norm_w in place and ssq[m] = sum of x[m, k]^2 over the block's K.
+template <class T, int NT, int WARPS>
+__device__ __forceinline__ void staged_finish(const SkinnyArgs& a, u16* xs, float* ssq, int RS, int Ks, bool norm) {
+  cp_async_wait<0>();
+  __syncthreads();
+  if (!norm) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const u16* nw = xs + NT * 8 * RS;
+  for (int m = warp; m < a.M; m += WARPS) {
+    float s = 0.f;
+    for (int c = lane; c < Ks / 8; c += 32) {
+      Vec16* v = (Vec16*)(xs + m * RS + 8 * c);
+      Vec16 x = *v;
+      const Vec16 w = *(const Vec16*)(nw + 8 * c);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        s = add_squares<T>(s, x.w[i]);
+        x.w[i] = Mul2<T>::run(x.w[i], w.w[i]);
+      }
+      *v = x;
+    }
+    s = warp_sum(s);
+    if (lane == 0) ssq[m] = s;
   }
-  // acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token).
+  __syncthreads();
+}
+
+__device__ __forceinline__ void staged_load(Vec16 (&va)[ST_GROUP], Vec16 (&vb)[ST_GROUP], const u16* wa,
+                                            const u16* wb, int c) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
+  for (int u = 0; u < ST_GROUP; ++u) {
+    va[u] = ld_weight16(wa + (c + u) * SK_CHUNK);
+    vb[u] = ld_weight16(wb + (c + u) * SK_CHUNK);
+  }
+}
+
+template <class T, int NT, int CH>
+__device__ __forceinline__ void staged_mma(float (&chains)[CH][NT][4], const Vec16 (&va)[ST_GROUP],
+                                           const Vec16 (&vb)[ST_GROUP], const u16* xl, int RS, int c) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int m = 8 * j + 2 * t + s;
-      if (m >= M) continue;
-      float scale = 1.f;
-      if (norm) {
-        float sum = 0.f;
+  for (int u = 0; u < ST_GROUP; ++u) {
+    const u32 a_lo[4] = {va[u].w[0], vb[u].w[0], va[u].w[1], vb[u].w[1]};
+    const u32 a_hi[4] = {va[u].w[2], vb[u].w[2], va[u].w[3], vb[u].w[3]};
 #pragma unroll
-        for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
-        scale = rsqrtf(sum / (float)K + a.eps);
-      }
-      const float v0 = acc[j][s] * scale + b0, v1 = acc[j][2 + s] * scale + b1;
-      if (EP == EP_STORE) {
-        u16* out = (u16*)a.out + (i64)m * a.N;
-        out[r0] = T::from_float(v0);
-        out[r1] = T::from_float(v1);
-      } else if (EP == EP_F32) {
-        float* out = (float*)a.out + (i64)m * a.N;
-        out[r0] = v0;
-        out[r1] = v1;
-      } else if (EP == EP_SILU) {
-        const float gate = round_to<T>(v0), up = round_to<T>(v1);
-        const float act = round_to<T>(gate / (1.0f + expf(-gate)));
-        ((u16*)a.out)[(i64)m * half + p] = T::from_float(act * up);
-      } else if (EP == EP_RESIDUAL) {
-        u16* res = (u16*)a.out + (i64)m * a.N;
-        res[r0] = T::from_float(T::to_float(res[r0]) + v0);
-        res[r1] = T::from_float(T::to_float(res[r1]) + v1);
-      } else {  // EP_ROPE_KV: all 8 pairs of a tile lie in one head (half % 8 == 0)
-        rope_kv_store<T>(a, m, p / half, p % half, round_to<T>(v0), round_to<T>(v1));
-      }
+    for (int j = 0; j < NT; ++j) {
+      const Vec16 xb = *(const Vec16*)(xl + j * 8 * RS + (c + u) * SK_CHUNK);
+      Mma<T>::run(chains[u % CH][j], a_lo, xb.w[0], xb.w[1]);
+      Mma<T>::run(chains[u % CH][j], a_hi, xb.w[2], xb.w[3]);
     }
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
-// per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs).
+template <class T, int NT, int EP, int WARPS>
+__device__ __forceinline__ void staged_impl(const SkinnyArgs& a) {
+#if __CUDA_ARCH__ >= 900
+  constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
+  extern __shared__ __align__(16) u16 xs[];                // [8 NT + 1][Ks + ST_PAD]: x, then norm_w
+  __shared__ __align__(16) float part[WARPS][32][NT * 4];  // S > 1: each lane's accumulators
+  __shared__ float ssq[NT * 8];                            // NORM: sums of squares over this block's K
+  const int S = gridDim.x, rank = blockIdx.x;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int M = a.M, K = a.K, half = a.half;
+  const int Ks = K / S, k0 = rank * Ks, RS = Ks + ST_PAD, C = Ks / SK_CHUNK;
+  const bool norm = a.norm_w != nullptr;
 
-#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, WARPS, MINB, WSFX)                                                       \
+  const int pieces = Ks / 8;  // 16-byte pieces per staged row
+  for (int q = threadIdx.x; q < (NT * 8 + 1) * pieces; q += WARPS * 32) {
+    const int m = q / pieces, c = q - m * pieces;
+    if (m == NT * 8) {
+      if (norm) cp_async16(xs + m * RS + 8 * c, a.norm_w + k0 + 8 * c, 16);
+    } else {
+      const bool on = m < M;
+      cp_async16(xs + m * RS + 8 * c, on ? a.x + (i64)m * K + k0 + 8 * c : a.x, on ? 16 : 0);
+    }
+  }
+  cp_async_commit();
+  bool staged = false;
+
+  const int tiles = a.N / 16, blocks = (tiles + WARPS - 1) / WARPS;
+  for (int b = blockIdx.y; b < blocks; b += gridDim.y) {
+    // A warp past the last tile streams the last tile again (every warp reaches every barrier) and
+    // writes nothing.
+    const bool valid = b * WARPS + warp < tiles;
+    const int tile = valid ? b * WARPS + warp : tiles - 1;
+    const int p = tile * 8 + g;
+    const int r0 = (p / half) * 2 * half + p % half, r1 = r0 + half;
+    const u16* wa = a.w + (i64)r0 * K + k0 + 8 * t;
+    const u16* wb = a.w + (i64)r1 * K + k0 + 8 * t;
+    const u16* xl = xs + g * RS + 8 * t;  // token 8j + g of n-tile j at xl + 8 j RS
+
+    float chains[CH][NT][4];
+#pragma unroll
+    for (int h = 0; h < CH; ++h) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
+      }
+    }
+    // Two register groups in turn: group c + ST_GROUP loads while group c feeds the tensor cores.
+    Vec16 va[ST_GROUP], vb[ST_GROUP], na[ST_GROUP], nb[ST_GROUP];
+    staged_load(va, vb, wa, wb, 0);
+    for (int c = 0;; c += 2 * ST_GROUP) {
+      if (c + ST_GROUP < C) staged_load(na, nb, wa, wb, c + ST_GROUP);
+      if (!staged) {  // block-uniform: the first group of the first row block
+        staged_finish<T, NT, WARPS>(a, xs, ssq, RS, Ks, norm);
+        staged = true;
+      }
+      staged_mma<T, NT, CH>(chains, va, vb, xl, RS, c);
+      if (c + ST_GROUP >= C) break;
+      if (c + 2 * ST_GROUP < C) staged_load(va, vb, wa, wb, c + 2 * ST_GROUP);
+      staged_mma<T, NT, CH>(chains, na, nb, xl, RS, c + ST_GROUP);
+      if (c + 2 * ST_GROUP >= C) break;
+    }
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[j][e] = chains[0][j][e];
+#pragma unroll
+        for (int h = 1; h < CH; ++h) acc[j][e] += chains[h][j][e];
+      }
+    }
+
+    if (S == 1) {
+      if (valid)
+        skinny_epilogue<T, NT, EP>(a, acc, p, r0, r1, t, norm,
+                                   [&](int m) { return rsqrtf(ssq[m] / (float)K + a.eps); });
+      continue;
+    }
+    float4* mine = (float4*)&part[warp][lane][0];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      float4 v;
+      v.x = acc[j][0];
+      v.y = acc[j][1];
+      v.z = acc[j][2];
+      v.w = acc[j][3];
+      mine[j] = v;
+    }
+    cluster_sync();
+    if (valid && warp % S == rank) {
+      float sum[NT][4];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sum[j][e] = 0.f;
+      }
+      for (int r = 0; r < S; ++r) {
+        const u32 peer = cluster_map(&part[warp][lane][0], r);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const float4 v = ld_cluster_f32x4(peer + 16 * j);
+          sum[j][0] += v.x;
+          sum[j][1] += v.y;
+          sum[j][2] += v.z;
+          sum[j][3] += v.w;
+        }
+      }
+      skinny_epilogue<T, NT, EP>(a, sum, p, r0, r1, t, norm, [&](int m) {
+        float s = 0.f;
+        for (int r = 0; r < S; ++r) s += ld_cluster_f32(cluster_map(&ssq[m], r));
+        return rsqrtf(s / (float)K + a.eps);
+      });
+    }
+    cluster_sync();  // the peers' partials stay in place until every reader is done
+  }
+#else
+  __trap();
+#endif
+}
+
+template <int WARPS>
+struct SplitK {  // the split-K blocks of skinny_impl
+  template <class T, int NT, int EP>
+  static __device__ __forceinline__ void run(const SkinnyArgs& a) { skinny_impl<T, NT, EP, WARPS>(a); }
+};
+template <int WARPS>
+struct Staged {
+  template <class T, int NT, int EP>
+  static __device__ __forceinline__ void run(const SkinnyArgs& a) { staged_impl<T, NT, EP, WARPS>(a); }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM), ..._w16 (16 warps, one block per
+// SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs) and
+// ..._staged8 / _staged4 (the staged variant, 8- or 4-warp blocks, m16 / m32 only).
+
+#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, IMPL, WARPS, MINB, WSFX)                                                    \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(                 \
       u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_STORE, WARPS>(a);                                                                         \
+    IMPL::template run<T, NT, EP_STORE>(a);                                                                         \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                   \
       float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_F32, WARPS>(a);                                                                           \
+    IMPL::template run<T, NT, EP_F32>(a);                                                                           \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                  \
       u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_SILU, WARPS>(a);                                                                          \
+    IMPL::template run<T, NT, EP_SILU>(a);                                                                          \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(              \
       u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
     SkinnyArgs a = {};                                                                                              \
     a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
-    skinny_impl<T, NT, EP_RESIDUAL, WARPS>(a);                                                                      \
+    IMPL::template run<T, NT, EP_RESIDUAL>(a);                                                                      \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(               \
       u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
@@ -396,11 +641,14 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
-    skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
+    IMPL::template run<T, NT, EP_ROPE_KV>(a);                                                                       \
   }
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)             \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, )         \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                       \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, SplitK<8>, 8, 2, )        \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, SplitK<16>, 16, 1, _w16)
+#define SKINNY_STAGED_ENTRIES(SUFFIX, T, MB, NT)                      \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, Staged<8>, 8, 1, _staged8)       \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, Staged<4>, 4, 2, _staged4)
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)
 SKINNY_ENTRIES(bf16, Bf16, 16, 2)
@@ -408,3 +656,7 @@ SKINNY_ENTRIES(bf16, Bf16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, 32, 4)
+SKINNY_STAGED_ENTRIES(bf16, Bf16, 16, 2)
+SKINNY_STAGED_ENTRIES(bf16, Bf16, 32, 4)
+SKINNY_STAGED_ENTRIES(fp16, Fp16, 16, 2)
+SKINNY_STAGED_ENTRIES(fp16, Fp16, 32, 4)
