@@ -55,7 +55,11 @@
 // Measured and left out (H200): programmatic dependent launch (griddepcontrol.wait before reading x,
 // the next kernel launched early) changed the 1B decode step by < 1% and made the 8B step 16% slower
 // (4.44 -> 5.17 ms); prefetching a block's W rows into L2 before that wait made the many-block shapes
-// slower (1B lm_head 122 -> 174 us).
+// slower (1B lm_head 122 -> 174 us). A "staged" variant for 9..32 tokens (x staged once per block
+// in shared memory, one 16-row tile per warp, K split over a thread-block cluster and reduced in
+// distributed shared memory; commit 4370f91) was slower than cuBLAS at every 1B and 8B shape at 16 and
+// 32 tokens (1B gate_up + norm + SiLU at 32 tokens 29.9 us vs F.linear 19.2; o + residual 13.3 vs 6.5:
+// bench/results/skinny-staged-20261201-nvidia-h200.md), so batches past 8 keep cuBLAS.
 // Occupancy: __launch_bounds__(256, 2) / (512, 1), i.e. <= 128 registers: two 8-warp blocks or one
 // 16-warp block per SM.
 //
@@ -384,253 +388,36 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Staged variant (sm_90; the engine's kernel for 9..32 tokens). With 16-32 tokens the split-K blocks
-// above are slower than cuBLAS (1B gate_up at 32 tokens 30.0 vs 19.1 us, H200): each 16-row block
-// reads all of x (32 x K) again from L2, twice the weight's bytes for gate_up, and converts it again.
-// Here a block of WARPS (8 or 4) warps owns WARPS consecutive tiles, one per warp, and x is read once
-// per block:
-//   - the block stages x[:, k0 : k0 + Ks] in shared memory (cp.async; rows of tokens >= M are zeros),
-//     and NORM's norm_w[k0 : k0 + Ks] as one more row, while each warp's first weight loads are
-//     already in flight; NORM then multiplies the staged x by norm_w in place (the same T(norm_w * x)
-//     operand as above) and sums each token's squares (one warp per token, fixed order);
-//   - each warp streams its own tile's W rows over the block's K range, two groups of ST_GROUP chunks
-//     of 32 k in flight (the next group's 16 loads per lane are issued before this group's mmas), and
-//     reads x from shared memory;
-//   - K is split over the S = gridDim.x blocks of a thread-block cluster (cluster dims (S, 1, 1),
-//     rank = blockIdx.x, Ks = K / S). S = 1: every warp runs its tile's epilogue from its own
-//     registers. S > 1: every block leaves its warps' fp32 accumulators (and NORM's per-token sums)
-//     in its shared memory, the cluster synchronises, and warp w of the block of rank w % S sums
-//     tile w's partials of all S blocks in rank order through distributed shared memory (mapa /
-//     ld.shared::cluster) and runs the epilogue; a second barrier keeps the partials alive until
-//     they are read. Deterministic: fixed summation orders everywhere.
-//   - blockIdx.y walks the row blocks with stride gridDim.y (the host launches no more blocks than fit
-//     on the GPU at once, so x is staged once per resident block).
-// Launch contract (skinny_<ep>_<dt>_m{16,32}_staged{8,4}, the parameters of the entries above):
-//   grid (S, R), block (32 WARPS), cluster (S, 1, 1) when S > 1, dynamic shared memory
-//   (MB + 1) * (Ks + ST_PAD) * 2 bytes (MB = 16 / 32, the token bucket); 1 <= S <= 8,
-//   K % (256 S) == 0, 1 <= R <= ceil(N / (16 WARPS)). Other requirements as above. sm_90 only (the
-//   entries trap elsewhere).
-#define ST_GROUP 8   // chunks of 32 k per weight load group (16 loads of 16 bytes per lane)
-#define ST_PAD 32    // u16 per staged row beyond Ks: the row stride is 64 (mod 128) bytes, so the 16-byte x
-                     // loads of a quarter warp (two tokens x 64 bytes) fall in distinct banks
+// Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
+// per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs).
 
-// Waits for the staged rows; NORM: x *= norm_w in place and ssq[m] = sum of x[m, k]^2 over the block's K.
-template <class T, int NT, int WARPS>
-__device__ __forceinline__ void staged_finish(const SkinnyArgs& a, u16* xs, float* ssq, int RS, int Ks, bool norm) {
-  cp_async_wait<0>();
-  __syncthreads();
-  if (!norm) return;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const u16* nw = xs + NT * 8 * RS;
-  for (int m = warp; m < a.M; m += WARPS) {
-    float s = 0.f;
-    for (int c = lane; c < Ks / 8; c += 32) {
-      Vec16* v = (Vec16*)(xs + m * RS + 8 * c);
-      Vec16 x = *v;
-      const Vec16 w = *(const Vec16*)(nw + 8 * c);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        s = add_squares<T>(s, x.w[i]);
-        x.w[i] = Mul2<T>::run(x.w[i], w.w[i]);
-      }
-      *v = x;
-    }
-    s = warp_sum(s);
-    if (lane == 0) ssq[m] = s;
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ void staged_load(Vec16 (&va)[ST_GROUP], Vec16 (&vb)[ST_GROUP], const u16* wa,
-                                            const u16* wb, int c) {
-#pragma unroll
-  for (int u = 0; u < ST_GROUP; ++u) {
-    va[u] = ld_weight16(wa + (c + u) * SK_CHUNK);
-    vb[u] = ld_weight16(wb + (c + u) * SK_CHUNK);
-  }
-}
-
-template <class T, int NT, int CH>
-__device__ __forceinline__ void staged_mma(float (&chains)[CH][NT][4], const Vec16 (&va)[ST_GROUP],
-                                           const Vec16 (&vb)[ST_GROUP], const u16* xl, int RS, int c) {
-#pragma unroll
-  for (int u = 0; u < ST_GROUP; ++u) {
-    const u32 a_lo[4] = {va[u].w[0], vb[u].w[0], va[u].w[1], vb[u].w[1]};
-    const u32 a_hi[4] = {va[u].w[2], vb[u].w[2], va[u].w[3], vb[u].w[3]};
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const Vec16 xb = *(const Vec16*)(xl + j * 8 * RS + (c + u) * SK_CHUNK);
-      Mma<T>::run(chains[u % CH][j], a_lo, xb.w[0], xb.w[1]);
-      Mma<T>::run(chains[u % CH][j], a_hi, xb.w[2], xb.w[3]);
-    }
-  }
-}
-
-template <class T, int NT, int EP, int WARPS>
-__device__ __forceinline__ void staged_impl(const SkinnyArgs& a) {
-#if __CUDA_ARCH__ >= 900
-  constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
-  extern __shared__ __align__(16) u16 xs[];                // [8 NT + 1][Ks + ST_PAD]: x, then norm_w
-  __shared__ __align__(16) float part[WARPS][32][NT * 4];  // S > 1: each lane's accumulators
-  __shared__ float ssq[NT * 8];                            // NORM: sums of squares over this block's K
-  const int S = gridDim.x, rank = blockIdx.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int M = a.M, K = a.K, half = a.half;
-  const int Ks = K / S, k0 = rank * Ks, RS = Ks + ST_PAD, C = Ks / SK_CHUNK;
-  const bool norm = a.norm_w != nullptr;
-
-  const int pieces = Ks / 8;  // 16-byte pieces per staged row
-  for (int q = threadIdx.x; q < (NT * 8 + 1) * pieces; q += WARPS * 32) {
-    const int m = q / pieces, c = q - m * pieces;
-    if (m == NT * 8) {
-      if (norm) cp_async16(xs + m * RS + 8 * c, a.norm_w + k0 + 8 * c, 16);
-    } else {
-      const bool on = m < M;
-      cp_async16(xs + m * RS + 8 * c, on ? a.x + (i64)m * K + k0 + 8 * c : a.x, on ? 16 : 0);
-    }
-  }
-  cp_async_commit();
-  bool staged = false;
-
-  const int tiles = a.N / 16, blocks = (tiles + WARPS - 1) / WARPS;
-  for (int b = blockIdx.y; b < blocks; b += gridDim.y) {
-    // A warp past the last tile streams the last tile again (every warp reaches every barrier) and
-    // writes nothing.
-    const bool valid = b * WARPS + warp < tiles;
-    const int tile = valid ? b * WARPS + warp : tiles - 1;
-    const int p = tile * 8 + g;
-    const int r0 = (p / half) * 2 * half + p % half, r1 = r0 + half;
-    const u16* wa = a.w + (i64)r0 * K + k0 + 8 * t;
-    const u16* wb = a.w + (i64)r1 * K + k0 + 8 * t;
-    const u16* xl = xs + g * RS + 8 * t;  // token 8j + g of n-tile j at xl + 8 j RS
-
-    float chains[CH][NT][4];
-#pragma unroll
-    for (int h = 0; h < CH; ++h) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
-      }
-    }
-    // Two register groups in turn: group c + ST_GROUP loads while group c feeds the tensor cores.
-    Vec16 va[ST_GROUP], vb[ST_GROUP], na[ST_GROUP], nb[ST_GROUP];
-    staged_load(va, vb, wa, wb, 0);
-    for (int c = 0;; c += 2 * ST_GROUP) {
-      if (c + ST_GROUP < C) staged_load(na, nb, wa, wb, c + ST_GROUP);
-      if (!staged) {  // block-uniform: the first group of the first row block
-        staged_finish<T, NT, WARPS>(a, xs, ssq, RS, Ks, norm);
-        staged = true;
-      }
-      staged_mma<T, NT, CH>(chains, va, vb, xl, RS, c);
-      if (c + ST_GROUP >= C) break;
-      if (c + 2 * ST_GROUP < C) staged_load(va, vb, wa, wb, c + 2 * ST_GROUP);
-      staged_mma<T, NT, CH>(chains, na, nb, xl, RS, c + ST_GROUP);
-      if (c + 2 * ST_GROUP >= C) break;
-    }
-    float acc[NT][4];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[j][e] = chains[0][j][e];
-#pragma unroll
-        for (int h = 1; h < CH; ++h) acc[j][e] += chains[h][j][e];
-      }
-    }
-
-    if (S == 1) {
-      if (valid)
-        skinny_epilogue<T, NT, EP>(a, acc, p, r0, r1, t, norm,
-                                   [&](int m) { return rsqrtf(ssq[m] / (float)K + a.eps); });
-      continue;
-    }
-    float4* mine = (float4*)&part[warp][lane][0];
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float4 v;
-      v.x = acc[j][0];
-      v.y = acc[j][1];
-      v.z = acc[j][2];
-      v.w = acc[j][3];
-      mine[j] = v;
-    }
-    cluster_sync();
-    if (valid && warp % S == rank) {
-      float sum[NT][4];
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) sum[j][e] = 0.f;
-      }
-      for (int r = 0; r < S; ++r) {
-        const u32 peer = cluster_map(&part[warp][lane][0], r);
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const float4 v = ld_cluster_f32x4(peer + 16 * j);
-          sum[j][0] += v.x;
-          sum[j][1] += v.y;
-          sum[j][2] += v.z;
-          sum[j][3] += v.w;
-        }
-      }
-      skinny_epilogue<T, NT, EP>(a, sum, p, r0, r1, t, norm, [&](int m) {
-        float s = 0.f;
-        for (int r = 0; r < S; ++r) s += ld_cluster_f32(cluster_map(&ssq[m], r));
-        return rsqrtf(s / (float)K + a.eps);
-      });
-    }
-    cluster_sync();  // the peers' partials stay in place until every reader is done
-  }
-#else
-  __trap();
-#endif
-}
-
-template <int WARPS>
-struct SplitK {  // the split-K blocks of skinny_impl
-  template <class T, int NT, int EP>
-  static __device__ __forceinline__ void run(const SkinnyArgs& a) { skinny_impl<T, NT, EP, WARPS>(a); }
-};
-template <int WARPS>
-struct Staged {
-  template <class T, int NT, int EP>
-  static __device__ __forceinline__ void run(const SkinnyArgs& a) { staged_impl<T, NT, EP, WARPS>(a); }
-};
-
-// ---------------------------------------------------------------------------------------------
-// Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM), ..._w16 (16 warps, one block per
-// SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs) and
-// ..._staged8 / _staged4 (the staged variant, 8- or 4-warp blocks, m16 / m32 only).
-
-#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, IMPL, WARPS, MINB, WSFX)                                                    \
+#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, WARPS, MINB, WSFX)                                                       \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(                 \
       u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    IMPL::template run<T, NT, EP_STORE>(a);                                                                         \
+    skinny_impl<T, NT, EP_STORE, WARPS>(a);                                                                         \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                   \
       float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    IMPL::template run<T, NT, EP_F32>(a);                                                                           \
+    skinny_impl<T, NT, EP_F32, WARPS>(a);                                                                           \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                  \
       u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
-    IMPL::template run<T, NT, EP_SILU>(a);                                                                          \
+    skinny_impl<T, NT, EP_SILU, WARPS>(a);                                                                          \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(              \
       u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
     SkinnyArgs a = {};                                                                                              \
     a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
-    IMPL::template run<T, NT, EP_RESIDUAL>(a);                                                                      \
+    skinny_impl<T, NT, EP_RESIDUAL, WARPS>(a);                                                                      \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(               \
       u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
@@ -641,14 +428,11 @@ struct Staged {
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
-    IMPL::template run<T, NT, EP_ROPE_KV>(a);                                                                       \
+    skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
   }
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                       \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, SplitK<8>, 8, 2, )        \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, SplitK<16>, 16, 1, _w16)
-#define SKINNY_STAGED_ENTRIES(SUFFIX, T, MB, NT)                      \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, Staged<8>, 8, 1, _staged8)       \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, Staged<4>, 4, 2, _staged4)
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)             \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, )         \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)
 SKINNY_ENTRIES(bf16, Bf16, 16, 2)
@@ -656,7 +440,3 @@ SKINNY_ENTRIES(bf16, Bf16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, 32, 4)
-SKINNY_STAGED_ENTRIES(bf16, Bf16, 16, 2)
-SKINNY_STAGED_ENTRIES(bf16, Bf16, 32, 4)
-SKINNY_STAGED_ENTRIES(fp16, Fp16, 16, 2)
-SKINNY_STAGED_ENTRIES(fp16, Fp16, 32, 4)

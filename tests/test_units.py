@@ -234,45 +234,6 @@ def test_decode_attention_grid_rules(cluster):
     assert lib.decode_fits_one_wave(49, 32, 8, 64, 2048) and not lib.decode_fits_one_wave(50, 32, 8, 64, 2048)
 
 
-def test_staged_skinny_plan_rules():
-    """The staged skinny kernels' launch plan (engine/cuda/kernels.py staged_plan; arithmetic only, run with
-    an H200's 132 SMs): a block's K range is a multiple of 256 that fits the staged x in shared memory;
-    8-warp blocks without a split where they fill 70% of the GPU's 8 warps per SM, else 4-warp blocks and
-    the smallest split that does (else the largest that fits); no more row blocks than are resident."""
-    from engine.cuda.kernels import SKINNY_STAGED_SMEM, staged_plan, staged_smem_bytes
-
-    def resident(warps, splits, smem):  # clusters held at once: one 8-warp or two 4-warp blocks per SM
-        return 132 * (1 if warps == 8 else 2) // splits
-
-    for M in (1, 9, 16, 17, 32):
-        for N in (16, 48, 2048, 3072, 16384, 28672, 128256):
-            for K in (32, 256, 2048, 2144, 4096, 8192, 14336):
-                plan = staged_plan(M, N, K, 132, resident)
-                bucket = 16 if M <= 16 else 32
-                fits = [S for S in (1, 2, 4, 8) if K % (256 * S) == 0
-                        and staged_smem_bytes(bucket, K // S) <= SKINNY_STAGED_SMEM]
-                if not fits:
-                    assert plan is None
-                    continue
-                tiles = N // 16
-                blocks = -(-tiles // plan.warps)
-                assert plan.bucket == bucket and plan.splits in fits
-                assert plan.smem == staged_smem_bytes(bucket, K // plan.splits) <= SKINNY_STAGED_SMEM
-                warps_launched = -(-tiles // plan.warps) * plan.warps * plan.splits
-                if plan.warps == 8:
-                    assert plan.splits == 1 and warps_launched >= 0.7 * 8 * 132
-                else:
-                    assert plan.splits == fits[-1] or warps_launched >= 0.7 * 8 * 132
-                    assert all(-(-tiles // 4) * 4 * s < 0.7 * 8 * 132 for s in fits if s < plan.splits)
-                assert 1 <= plan.rows <= blocks
-                assert plan.rows == blocks or plan.rows == resident(plan.warps, plan.splits, plan.smem)
-    # Llama-3.2-1B at 32 tokens: (warps, splits, row blocks launched) of qkv, o, gate_up, down, lm_head.
-    plans = [staged_plan(32, N, K, 132, resident) for N, K in ((3072, 2048), (2048, 2048), (16384, 2048),
-                                                               (2048, 8192), (128256, 2048))]
-    assert [(p.warps, p.splits, p.rows) for p in plans] == [(4, 4, 48), (4, 8, 32), (8, 1, 128), (4, 8, 32),
-                                                            (8, 1, 132)]
-
-
 def test_prefill_buckets_are_few_and_tight():
     from engine.cuda.ops import PREFILL_BUCKET, PREFILL_BUCKET_UNTIL, prefill_bucket
     sizes = [prefill_bucket(n) for n in range(1, 8193)]

@@ -58,16 +58,6 @@ SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-til
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
 SKINNY_K_ALIGN = 32  # K elements per warp step
-# The staged variant (entry suffixes _staged8 / _staged4, sm_90): blocks of 8 or 4 warps, one 16-row tile
-# each, with x staged in shared memory and K split over the blocks of a cluster of 1, 2, 4 or 8. The
-# engine's kernel for 9..32 tokens.
-SKINNY_STAGED_M_BUCKETS = (16, 32)
-SKINNY_STAGED_WARPS = (8, 4)
-SKINNY_STAGED_K_STEP = 256  # a block's K range is a multiple of this (8 chunks of 32 per weight load group)
-SKINNY_STAGED_PAD = 32  # u16 per staged row beyond the block's K range
-SKINNY_STAGED_SPLITS = (1, 2, 4, 8)
-SKINNY_STAGED_SMEM = (32 + 1) * (2048 + SKINNY_STAGED_PAD) * 2  # the most asked for: 32 tokens x 2048 + norm_w
-SKINNY_STAGED_FILL = 0.7  # the fewest splits whose grid has this fraction of 8 warps per SM
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
     "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
@@ -90,9 +80,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
-                     + [KernelSpec(f"skinny_{ep}_{dt}_m{m}_staged{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                        for dt in ("bf16", "fp16") for m in SKINNY_STAGED_M_BUCKETS for w in SKINNY_STAGED_WARPS],
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
@@ -126,43 +114,6 @@ def skinny_m_bucket(num_tokens: int) -> int:
         if num_tokens <= bucket:
             return bucket
     raise KernelArgError(f"skinny linear: {num_tokens} tokens; the kernels take at most {SKINNY_MAX_M}")
-
-
-def staged_smem_bytes(m_bucket: int, k_range: int) -> int:
-    """Dynamic shared memory of a staged skinny block: x for m_bucket tokens over its K range, and norm_w."""
-    return (m_bucket + 1) * (k_range + SKINNY_STAGED_PAD) * 2
-
-
-@dataclass(frozen=True)
-class StagedPlan:
-    bucket: int  # token bucket (m16 / m32)
-    warps: int  # warps (16-row tiles) per block
-    splits: int  # K splits = cluster size (grid x)
-    rows: int  # row blocks launched (grid y); each walks row blocks rows apart
-    smem: int  # dynamic shared memory per block
-
-
-def staged_plan(num_tokens: int, N: int, K: int, num_sms: int, resident) -> StagedPlan | None:
-    """The launch of a staged skinny kernel, or None where no split fits (K not a multiple of 256 S for any
-    S <= 8, or too long to stage). 8-warp blocks without a split where they give SKINNY_STAGED_FILL of 8
-    warps per SM (1B gate_up and lm_head on an H200); else 4-warp blocks (two per SM) and the fewest splits
-    that do (1B qkv x 4, o and down x 8), or the most that fit. rows: every row block, or as many as
-    resident(warps, splits, smem) says are on the GPU at once (lm_head: they loop over the rest)."""
-    bucket = next(b for b in SKINNY_STAGED_M_BUCKETS if num_tokens <= b)
-    tiles = N // SKINNY_TILE
-    fits = [S for S in SKINNY_STAGED_SPLITS if K % (S * SKINNY_STAGED_K_STEP) == 0
-            and staged_smem_bytes(bucket, K // S) <= SKINNY_STAGED_SMEM]
-    if not fits:
-        return None
-    target = SKINNY_STAGED_FILL * 8 * num_sms
-    if fits[0] == 1 and -(-tiles // 8) * 8 >= target:
-        warps, S = 8, 1
-    else:
-        warps = 4
-        S = next((S for S in fits if -(-tiles // 4) * S * 4 >= target), fits[-1])
-    blocks = -(-tiles // warps)
-    smem = staged_smem_bytes(bucket, K // S)
-    return StagedPlan(bucket, warps, S, max(1, min(blocks, resident(warps, S, smem))), smem)
 
 
 def expected_symbols() -> dict[str, list[str]]:
@@ -407,11 +358,6 @@ class KernelLibrary:
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
         self.skinny_wide_tiles = self.num_sms  # skinny grids of at most this many tiles use 16-warp blocks
-        # Skinny launches of at least this many tokens take the staged kernels where their K fits (sm_90:
-        # they need clusters); set to 1 << 30 for the split-K kernels only.
-        self.skinny_staged_min_m = 9 if self.compute_capability >= (9, 0) else 1 << 30
-        self._staged_plans: dict[tuple, StagedPlan | None] = {}
-        self._staged_occupancy: dict[tuple, int] = {}
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
@@ -442,10 +388,6 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
-        if self.compute_capability >= (9, 0):
-            for name in [s.name for s in MODULES["skinny_linear"] if "_staged" in s.name]:
-                _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={SKINNY_STAGED_SMEM})",
-                       driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, SKINNY_STAGED_SMEM))
         # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64).
         self.decode_blocks_per_sm = {
             d: _check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d})",
@@ -801,54 +743,13 @@ class KernelLibrary:
         _shape(bias, f"{what} bias", (N,))
         return ptr
 
-    def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, K: int, *args) -> None:
-        """From skinny_staged_min_m tokens: the staged kernel where its plan fits (staged_plan). Else one
-        block per 16-row tile; a grid of at most skinny_wide_tiles tiles (default: one per SM) gets 16-warp
-        blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
-        if M >= self.skinny_staged_min_m:
-            plan = self._staged_plan(M, N, K)
-            if plan is not None:
-                self.kernels[f"skinny_{ep}_{sfx}_m{plan.bucket}_staged{plan.warps}"](
-                    (plan.splits, plan.rows, 1), (32 * plan.warps, 1, 1), plan.smem, self.stream(), *args,
-                    cluster=plan.splits)
-                return
+    def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, *args) -> None:
+        """One block per 16-row tile. A grid of at most skinny_wide_tiles tiles (default: one per SM) gets
+        16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
         tiles = N // SKINNY_TILE
         wide = tiles <= self.skinny_wide_tiles
         self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}{'_w16' if wide else ''}"](
             (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, self.stream(), *args)
-
-    def skinny_staged_takes(self, M: int, N: int, K: int) -> bool:
-        """Whether a skinny launch of M tokens on a [N, K] weight runs the staged kernel."""
-        return M >= self.skinny_staged_min_m and self._staged_plan(M, N, K) is not None
-
-    def _staged_plan(self, M: int, N: int, K: int) -> StagedPlan | None:
-        key = (M, N, K)
-        plan = self._staged_plans.get(key, False)
-        if plan is False:
-            plan = self._staged_plans[key] = staged_plan(M, N, K, self.num_sms, self._staged_resident)
-        return plan
-
-    def _staged_resident(self, warps: int, splits: int, smem: int) -> int:
-        """Staged skinny clusters of `splits` blocks (warps each, smem bytes of dynamic shared memory) that the
-        GPU holds at once (cuOccupancyMaxActiveClusters: clusters must fit in one GPC). Every epilogue and
-        dtype uses about as many registers: the bf16 silu kernel stands for them."""
-        key = (warps, splits, smem)
-        if key not in self._staged_occupancy:
-            driver = _driver()
-            func = self.kernels[f"skinny_silu_bf16_m32_staged{warps}"].func
-            attr = driver.CUlaunchAttribute()
-            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = splits, 1, 1
-            config = driver.CUlaunchConfig()
-            config.attrs = [attr]
-            config.numAttrs = 1
-            config.gridDimX, config.gridDimY, config.gridDimZ = splits, 1, 1
-            config.blockDimX, config.blockDimY, config.blockDimZ = 32 * warps, 1, 1
-            config.sharedMemBytes = smem
-            self._staged_occupancy[key] = _check(
-                f"cuOccupancyMaxActiveClusters(skinny staged{warps}, cluster {splits}, smem {smem})",
-                driver.cuOccupancyMaxActiveClusters(func, config))
-        return self._staged_occupancy[key]
 
     def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
@@ -861,7 +762,7 @@ class KernelLibrary:
         bp = self._skinny_bias(bias, "skinny_store", x.dtype, N)
         if M == 0:
             return
-        self._skinny_launch(ep, sfx, M, N, K, o, xp, wp, bp, nw, M, N, K, float(eps))
+        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
 
     def skinny_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
@@ -872,7 +773,7 @@ class KernelLibrary:
         o = self._skinny_output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
         if M == 0:
             return
-        self._skinny_launch("silu", sfx, M, N, K, o, xp, wp, nw, M, I, K, float(eps))
+        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
 
     def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
@@ -881,7 +782,7 @@ class KernelLibrary:
         rp = self._skinny_output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
         if M == 0:
             return
-        self._skinny_launch("residual", sfx, M, N, K, rp, xp, wp, M, N, K)
+        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, M, N, K)
 
     def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
@@ -904,8 +805,7 @@ class KernelLibrary:
                                                  x.dtype)
         if M == 0:
             return
-        self._skinny_launch("rope_kv", sfx, M, N, K, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K,
-                            float(eps))
+        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

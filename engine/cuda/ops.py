@@ -1,8 +1,8 @@
 """CudaOps: TorchOps with its primitives computed by the kernels of kernels_cu/. Activations are bfloat16
 or float16; logits are float32.
 
-Small batches (decode and verify steps of at most 32 tokens on sm_90, 8 elsewhere) run each fused op as
-one "skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
+Small batches (at most SKINNY_MAX_M tokens: decode and verify steps) run each fused op as one
+"skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
 neighbours fused in: the rms_norm before it (its statistics computed by the kernel from the x it
 loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
 forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs.
@@ -30,7 +30,6 @@ from engine import sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
-    SKINNY_MAX_M,
     CudaError,
     KernelArgError,
     KernelLibrary,
@@ -43,8 +42,16 @@ if TYPE_CHECKING:
     from engine.outputs import StepOutputs
     from engine.state import SlotState
 
-SKINNY_TOKENS = 8  # the split-K skinny kernels beat cuBLAS up to ~8 tokens; the staged ones (sm_90) up to 32
+SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
+
+
+def skinny_fits(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a weight [N, K]
+    they can cut into 16-row tiles of row pairs (r, r + span / 2)."""
+    n, k = weight.shape
+    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
+            and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
 class CudaOps(TorchOps):
@@ -56,8 +63,6 @@ class CudaOps(TorchOps):
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
-        # Forwards of at most this many tokens use the skinny kernels: 32 where the staged ones run.
-        self.skinny_tokens = SKINNY_MAX_M if lib.skinny_staged_min_m <= SKINNY_TOKENS + 1 else SKINNY_TOKENS
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
         self._sdpa_key: tuple | None = None
@@ -81,19 +86,10 @@ class CudaOps(TorchOps):
         return cls(lib, max_seq_len)
 
     # ---------------------------------------------------------------------------------------------
-    # Fused ops: one skinny kernel each in decode and verify forwards of at most skinny_tokens tokens,
+    # Fused ops: one skinny kernel each in decode and verify forwards of at most SKINNY_TOKENS tokens,
     # else TorchOps' composition (cuBLAS and the kernels below). Prompts always take the second path,
     # so a prompt's KV cache does not depend on how many other prompts share its forward (seeded
     # sampling gives the same tokens alone and in a batch).
-
-    def skinny_fits(self, x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
-        """Whether a skinny kernel takes x [M, K] @ weight^T in this forward: at most SKINNY_TOKENS rows, or up
-        to skinny_tokens where the staged kernel has a plan for the shape; a weight [N, K] it can cut into
-        16-row tiles of row pairs (r, r + span / 2)."""
-        (M, K), N = x.shape, weight.shape[0]
-        return (0 < M <= self.skinny_tokens and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
-                and K % 32 == 0 and span % 16 == 0 and N % span == 0
-                and (M <= SKINNY_TOKENS or self.lib.skinny_staged_takes(M, N, K)))
 
     def prefill_tokens(self, num_tokens: int) -> int:
         """Prefill forwards run on a few token counts: cuBLAS picks its kernel per new GEMM shape, which
@@ -106,7 +102,7 @@ class CudaOps(TorchOps):
         return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
 
     def begin_forward(self, num_tokens: int, decode: bool) -> None:
-        self._skinny = decode and 0 < num_tokens <= self.skinny_tokens
+        self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
         self._prefill_work_key = self._sdpa_key = None
@@ -115,7 +111,7 @@ class CudaOps(TorchOps):
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
-        if q_norm is not None or not self._skinny or not self.skinny_fits(h, qkv, shape.head_dim):
+        if q_norm is not None or not self._skinny or not skinny_fits(h, qkv, shape.head_dim):
             return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
                                          v_cache, slot_mapping, eps)
         q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
@@ -136,7 +132,7 @@ class CudaOps(TorchOps):
         1B at batch 64 went 1.544 -> 1.559 ms of device time, so those batches keep the separate launch.
         Skinny batches already fuse RoPE and the KV write into their QKV kernel."""
         B, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        if (q_norm is not None or (self._skinny and self.skinny_fits(h, qkv, D))
+        if (q_norm is not None or (self._skinny and skinny_fits(h, qkv, D))
                 or not self.lib.decode_fits_one_wave(B, H, Hkv, D, self.max_seq_len)):
             return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
                                                 k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
@@ -147,12 +143,12 @@ class CudaOps(TorchOps):
                                      rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        if not self._skinny or not self.skinny_fits(h, weight, weight.shape[0]):
+        if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):
             return super().linear_add(h, x, weight)
         self.lib.skinny_residual(h, x.contiguous(), weight)
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
-        if not self._skinny or not self.skinny_fits(h, gate_up, gate_up.shape[0]):
+        if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
             return super().norm_gate_up(h, norm, gate_up, eps)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         self.lib.skinny_silu(out, h, gate_up, norm, eps)
@@ -161,7 +157,7 @@ class CudaOps(TorchOps):
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float) -> torch.Tensor:
         x = h if rows is None else h[rows]
-        if not self._skinny or not self.skinny_fits(x, lm_head, lm_head.shape[0]):
+        if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
             return super().norm_logits(x, None, norm, lm_head, eps)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         self.lib.skinny_store(out, x, lm_head, None, norm, eps)

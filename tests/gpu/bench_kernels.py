@@ -6,11 +6,10 @@ gaps). host us: wall time per eager call (Python wrapper + cuLaunchKernel), 200 
 at the end. Decode attention also shows the KV bytes it reads over its device time.
 
 The skinny linear kernels (kernels_cu/skinny_linear.cu) are timed at the decode GEMM shapes of
-Llama-3.2-1B and Llama-3.1-8B for 1, 5, 8, 16 and 32 tokens, next to torch's F.linear (cuBLAS) at the
-same shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM
-prologue) and the plain skinny_store, and the fused kernel again on the kernel the wrapper did not pick:
-the split-K one where the wrapper took the staged one (9..32 tokens on sm_90), else the other block
-width (w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
+Llama-3.2-1B and Llama-3.1-8B for 1, 5, 8, 16 and 32 tokens, next to torch's F.linear (cuBLAS) at the same
+shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
+and the plain skinny_store, and the fused kernel again at the block width the wrapper did not pick
+(w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
 enough weight copies (>= 256 MiB) that no call finds its weight in L2.
 """
 from __future__ import annotations
@@ -118,26 +117,20 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
     cases[f"skinny_{ep}"] = fused
-    if lib.skinny_staged_takes(M, N, K):  # the wrapper takes the staged kernel; also time the split-K one
-        cases[f"skinny_{ep} split-K"] = forced(lib, fused, skinny_staged_min_m=1 << 30)
-    else:  # the block width the wrapper picks; also time the other one
-        wide = N // 16 <= lib.skinny_wide_tiles
-        cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced(lib, fused, skinny_wide_tiles=0 if wide else 1 << 30)
+    wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
+    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
     return cases
 
 
-def forced(lib, fn, **settings):
-    """fn, launching its skinny kernels with the given KernelLibrary settings (skinny_wide_tiles = 0: always
-    8-warp blocks, huge: always 16; skinny_staged_min_m = huge: never the staged kernels)."""
+def forced_width(lib, fn, wide_tiles: int):
+    """fn, launching its skinny kernels with lib.skinny_wide_tiles = wide_tiles (0: always 8-warp blocks,
+    huge: always 16)."""
     def run():
-        shipped = {k: getattr(lib, k) for k in settings}
-        for k, v in settings.items():
-            setattr(lib, k, v)
+        shipped, lib.skinny_wide_tiles = lib.skinny_wide_tiles, wide_tiles
         try:
             fn()
         finally:
-            for k, v in shipped.items():
-                setattr(lib, k, v)
+            lib.skinny_wide_tiles = shipped
     return run
 
 
@@ -148,13 +141,9 @@ def skinny_rows(lib, dev, dt) -> list[tuple]:
         copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
         weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
         for M in (1, 5, 8, 16, 32):  # 5: Verify of 4 drafts at batch 1
-            plan = lib._staged_plan(M, N, K) if lib.skinny_staged_takes(M, N, K) else None
             for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                 d_us = device_us(fn)
-                note = f"{nbytes / d_us / 1e3:8.0f} GB/s weights"
-                if plan is not None and "split-K" not in name and name != "F.linear":
-                    note += f"  staged{plan.warps} S={plan.splits} R={plan.rows}"
-                rows.append((M, f"{name} {label}", d_us, host_us(fn), note))
+                rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
         torch.cuda.empty_cache()
     return rows

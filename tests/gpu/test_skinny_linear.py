@@ -30,22 +30,14 @@ EPS = 1e-5
 TORCH = TorchOps()
 
 
-@pytest.fixture(autouse=True, params=[8, 16, "staged"], ids=["8warps", "16warps", "staged"])
+@pytest.fixture(autouse=True, params=[8, 16], ids=["8warps", "16warps"])
 def block_width(request, lib):
-    """Every test runs on the split-K kernels with 8-warp and with 16-warp blocks (the wrapper picks 16 for
-    grids of at most lib.skinny_wide_tiles tiles; here forced one way or the other), and on the staged
-    kernels (sm_90) at every token count, where a shape has a staged plan (the others keep the split-K
-    kernels: test_staged_plan_takes_the_model_shapes checks which do)."""
-    wide, staged = lib.skinny_wide_tiles, lib.skinny_staged_min_m
-    if request.param == "staged":
-        if lib.compute_capability < (9, 0):
-            pytest.skip("the staged skinny kernels need sm_90 (thread-block clusters)")
-        lib.skinny_staged_min_m = 1
-    else:
-        lib.skinny_staged_min_m = 1 << 30
-        lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
+    """Every test runs with 8-warp and with 16-warp blocks (the wrapper picks 16 for grids of at most
+    lib.skinny_wide_tiles tiles; here forced one way or the other)."""
+    wide = lib.skinny_wide_tiles
+    lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
     yield request.param
-    lib.skinny_wide_tiles, lib.skinny_staged_min_m = wide, staged
+    lib.skinny_wide_tiles = wide
 
 
 def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> float:
@@ -141,24 +133,6 @@ def test_skinny_store_is_deterministic(lib, gen, dtype):
     lib.skinny_store(a, x, w, norm_weight=nw, eps=EPS)
     lib.skinny_store(b, x, w, norm_weight=nw, eps=EPS)
     assert torch.equal(a, b)
-
-
-def test_staged_plan_takes_the_model_shapes(lib, block_width):
-    """The Llama-3.2-1B / 3.1-8B decode shapes have staged plans at 9..32 tokens, so the tests above run
-    their split (S > 1, cluster reduction) and unsplit paths; K = 2144 and tiny K do not, and keep the
-    split-K kernels."""
-    if block_width != "staged":
-        pytest.skip("one run is enough")
-    model_shapes = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),
-                    (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
-    splits = set()
-    for N, K in model_shapes:
-        for M in (9, 16, 17, 32):
-            assert lib.skinny_staged_takes(M, N, K), (M, N, K)
-            splits.add(lib._staged_plan(M, N, K).splits)
-    assert {1, 2, 8} <= splits, splits
-    for N, K in [(32, 2144), (48, 64), (16, 32)]:
-        assert not lib.skinny_staged_takes(32, N, K)
 
 
 # ---------------------------------------------------------------------------------------------
