@@ -115,6 +115,7 @@ for what in "$@"; do
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
     norm)    stage bench-norm 120 python3 tests/gpu/bench_kernels.py --norm ;;
     skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;
+    attn)    stage bench-attention-splits 200 python3 tests/gpu/bench_kernels.py --attention ;;
     skinnytests) stage gpu-skinny-tests 240 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     quick1b) stage engine-bench-1b-quick 300 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 8 32 --out "$OUT" ;;
     # racecheck leaves out cuDNN's kernels (torch's fused attention): it reports hazards inside them that are

@@ -170,14 +170,56 @@ def norm_layout_rows(lib, dev, dt) -> list[tuple]:
     return rows
 
 
+def attention_split_rows(ops, dev, dt) -> list[tuple]:
+    """Decode attention at the 1B shape for batches 32 and 64 and several contexts, with the launch's key
+    splits forced to 1, 2, 4 and 8 (clusters of all of them: the DSMEM merge), unfused and with the fused
+    RoPE + KV write. The shipped rule's choice (decode_num_splits at max_seq_len 2048) is marked *."""
+    lib, rows = ops.lib, []
+    cos_sin = torch.randn(8192, D, device=dev)
+    for batch in (32, 64):
+        shipped = lib.decode_num_splits(batch, H, HKV, D, 2048)
+        for ctx in (128, 256, 512):
+            blocks = -(-(ctx + 1) // BS)
+            num_blocks = batch * blocks + 1
+            kc = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+            vc = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+            table = (torch.arange(batch * blocks, device=dev, dtype=torch.int32) + 1).view(batch, blocks)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+            slots = table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+            qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
+            q = qkv[:, :H * D].view(batch, H, D)
+            k = qkv[:, H * D:(H + HKV) * D].view(batch, HKV, D)
+            v = qkv[:, (H + HKV) * D:].view(batch, HKV, D)
+            out = torch.empty(batch, H, D, device=dev, dtype=dt)
+            kv_bytes = batch * ctx * HKV * D * 2 * 2
+            for splits in (1, 2, 4, 8):
+                po = torch.empty(batch, H, splits, D, device=dev)
+                pl = torch.empty(batch, H, splits, device=dev)
+                for rope in (None, (k, v, cos_sin, pos, slots)):
+                    fn = (lambda po=po, pl=pl, splits=splits, rope=rope: lib.decode_attention(
+                        out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                        rope=rope))
+                    d_us = device_us(fn)
+                    name = f"attention ctx{ctx} splits={splits}{'*' if splits == shipped else ''}" + (
+                        " +rope" if rope else "")
+                    rows.append((batch, name, d_us, 0.0, f"{kv_bytes / d_us / 1e3:8.0f} GB/s KV"))
+    return rows
+
+
 def main() -> int:
-    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes);
+    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes),
+    --attention (only decode attention with forced key splits, attention_split_rows);
     --variant SRC BUILD with --skinny: also the skinny rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--attention" in sys.argv:
+        for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
+        return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
             print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
