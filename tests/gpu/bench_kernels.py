@@ -170,6 +170,20 @@ def norm_layout_rows(lib, dev, dt) -> list[tuple]:
     return rows
 
 
+def decode_cache(batch: int, ctx: int, dev, dt) -> tuple:
+    """Random K/V caches holding `ctx` keys of each of `batch` sequences (1B shape) and the decode operands
+    for a new token at position ctx - 1: (k_cache, v_cache, block_tables, seq_lens, positions, slots)."""
+    blocks = -(-(ctx + 1) // BS)
+    num_blocks = batch * blocks + 1
+    k_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+    v_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+    table = (torch.arange(batch * blocks, device=dev, dtype=torch.int32) + 1).view(batch, blocks)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+    slots = table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+    return k_cache, v_cache, table, seq_lens, pos, slots
+
+
 def attention_split_rows(ops, dev, dt) -> list[tuple]:
     """Decode attention at the 1B shape for batches 32 and 64 and several contexts, with the launch's key
     splits forced to 1, 2, 4 and 8 (clusters of all of them: the DSMEM merge), unfused and with the fused
@@ -179,14 +193,7 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     for batch in (32, 64):
         shipped = lib.decode_num_splits(batch, H, HKV, D, 2048)
         for ctx in (128, 256, 512):
-            blocks = -(-(ctx + 1) // BS)
-            num_blocks = batch * blocks + 1
-            kc = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
-            vc = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
-            table = (torch.arange(batch * blocks, device=dev, dtype=torch.int32) + 1).view(batch, blocks)
-            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-            pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
-            slots = table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+            kc, vc, table, seq_lens, pos, slots = decode_cache(batch, ctx, dev, dt)
             qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
             q = qkv[:, :H * D].view(batch, H, D)
             k = qkv[:, H * D:(H + HKV) * D].view(batch, HKV, D)
@@ -253,14 +260,7 @@ def main() -> int:
             ("silu_and_mul", lambda: ops.silu_and_mul(gate_up), None),
         ]
         for ctx in (128, 2048):
-            blocks = -(-(ctx + 1) // BS)
-            num_blocks = batch * blocks + 1
-            k_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
-            v_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
-            table = (torch.arange(batch * blocks, device=dev, dtype=torch.int32) + 1).view(batch, blocks)
-            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
-            pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
-            slots = table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+            k_cache, v_cache, table, seq_lens, pos, slots = decode_cache(batch, ctx, dev, dt)
             kv_bytes = batch * ctx * HKV * D * 2 * 2
             cases.append((f"rope_cache_write ctx{ctx}", lambda q=q, k=k, v=v, pos=pos, kc=k_cache, vc=v_cache, s=slots:
                           ops.rope_cache_write(q, k, v, cos_sin, pos, kc, vc, s), None))
