@@ -34,7 +34,6 @@ for what in "$@"; do
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
     kskinny) stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider ;;
-    klayer)  stage gpu-layer-tests 240 python3 -m pytest tests/gpu/test_decode_layer.py -m gpu -q -x -p no:cacheprovider ;;
     kdecode) stage gpu-kernel-decode-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "decode or fused or replay" ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
@@ -115,7 +114,6 @@ for what in "$@"; do
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
     norm)    stage bench-norm 120 python3 tests/gpu/bench_kernels.py --norm ;;
-    layer)   stage bench-layer 200 python3 tests/gpu/bench_kernels.py --layer ;;
     skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;
     attn)    stage bench-attention-splits 200 python3 tests/gpu/bench_kernels.py --attention ;;
     skinnytests) stage gpu-skinny-tests 240 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;

@@ -85,9 +85,6 @@ MODULES: dict[str, list[KernelSpec]] = {
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
     "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili"), KernelSpec("decode_commit", "p" * 8 + "il")],
-    # h, attn, w_o, post_norm, w_gu, act, w_down, out_next, w_next, bias_next, norm_next, cos_sin, rope_index,
-    # k_cache, v_cache, slot_mapping, barrier; M, hidden, q_size, I, N_next, H, Hkv, D, next_ep; eps
-    "decode_layer": _per_dtype("decode_layer_{dt}", "p" * 17 + "i" * 9 + "f"),
 }
 
 # Launch constants shared with the .cu files (their header comments state the same numbers).
@@ -95,10 +92,6 @@ DECODE_TILE = 64
 DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
-DECODE_LAYER_THREADS = 512  # kernels_cu/decode_layer.cu: one 16-warp block per SM, cooperative
-DECODE_LAYER_SMEM = 3 * 65536  # its weight ring: DL_STAGES stages of 64 KiB
-DECODE_LAYER_MAX_M = 8
-DECODE_LAYER_NEXT = {None: 0, "rope_kv": 1, "f32": 2}  # next_ep
 
 
 def decode_smem_bytes(head_dim: int) -> int:
@@ -197,14 +190,9 @@ class Kernel:
         self._config = None  # (config, cluster attribute) of cuLaunchKernelEx, made at the first clustered launch
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args,
-                 cluster: int = 1, cooperative: bool = False):
-        """cooperative: every block resident at once (cuLaunchCooperativeKernel; the kernel synchronises its
-        grid), or the launch fails."""
+                 cluster: int = 1):
         self._pack(self._buf, 0, *args)
-        if cooperative:
-            err, = _driver().cuLaunchCooperativeKernel(self.func, grid[0], grid[1], grid[2], block[0], block[1],
-                                                       block[2], smem, stream, self._params)
-        elif cluster <= 1:
+        if cluster <= 1:
             err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
                                 self._params, 0)
         else:
@@ -400,25 +388,6 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
-        # The fused decode layer: one block per SM, all resident (cooperative), over a 192 KiB weight ring.
-        # None where the device cannot hold it (the layer then runs as separate skinny launches).
-        self.decode_layer_grid: int | None = None
-        static = _check("cuFuncGetAttribute(decode_layer_bf16)", driver.cuFuncGetAttribute(
-            driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, self.kernels["decode_layer_bf16"].func))
-        coop = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
-            attr.CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH, self._cu_device))
-        if coop and static + DECODE_LAYER_SMEM <= self.max_smem_optin:
-            for dt in DTYPE_SUFFIX.values():
-                _check(f"cuFuncSetAttribute(decode_layer_{dt}, MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-                       driver.cuFuncSetAttribute(self.kernels[f"decode_layer_{dt}"].func, smem_attr,
-                                                 DECODE_LAYER_SMEM))
-            per_sm = _check("cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_layer_bf16)",
-                            driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                                self.kernels["decode_layer_bf16"].func, DECODE_LAYER_THREADS, DECODE_LAYER_SMEM))
-            if per_sm >= 1:
-                self.decode_layer_grid = self.num_sms
-        # Its grid barrier's arrival counter (kernels_cu/decode_layer.cu: never reset, one grid size).
-        self._layer_barrier = torch.zeros(1, dtype=torch.int64, device=self.device)
         # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64).
         self.decode_blocks_per_sm = {
             d: _check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d})",
@@ -837,72 +806,6 @@ class KernelLibrary:
         if M == 0:
             return
         self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
-
-    def decode_layer(self, h: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor,
-                     gate_up: torch.Tensor, down: torch.Tensor, eps: float, act: torch.Tensor | None = None,
-                     next_kind: str | None = None, next_out: torch.Tensor | None = None,
-                     next_weight: torch.Tensor | None = None, next_bias: torch.Tensor | None = None,
-                     next_norm: torch.Tensor | None = None, rope: tuple | None = None) -> None:
-        """The second half of a decode layer in one launch (kernels_cu/decode_layer.cu), for M <= 8 tokens:
-        h += attn @ o_proj^T; h += silu/up(rms_norm(h, post_norm) @ gate_up^T) @ down^T; then, with
-        next_kind, the next projection of rms_norm(h, next_norm): "rope_kv" (the next layer's QKV, rope =
-        (cos_sin, rope_index, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads), q -> next_out
-        [M, H, D]) or "f32" (logits -> next_out [M, N] fp32). act [M, I]: scratch (allocated when None).
-        The same numbers as skinny_residual, skinny_silu, skinny_residual and skinny_rope_kv / skinny_store
-        one after another, except that the tiles' partial sums add up over 16 warps instead of 8."""
-        if self.decode_layer_grid is None:
-            raise KernelArgError("decode_layer: this device cannot hold the fused layer's grid")
-        if next_kind not in DECODE_LAYER_NEXT:
-            raise KernelArgError(f"decode_layer: next_kind {next_kind!r} is not one of {list(DECODE_LAYER_NEXT)}")
-        hidden = h.shape[1] if h.dim() == 2 else 0
-        sfx, M, _, q_size, ap, op, _ = self._skinny_inputs("decode_layer o_proj", attn, o_proj, None, hidden)
-        _, _, N_gu, _, _, gp, pn = self._skinny_inputs("decode_layer gate_up", h, gate_up, post_norm,
-                                                        gate_up.shape[0] if gate_up.dim() == 2 else 0)
-        I = N_gu // 2
-        if M > DECODE_LAYER_MAX_M:
-            raise KernelArgError(f"decode_layer: {M} tokens; the fused layer takes at most {DECODE_LAYER_MAX_M}")
-        if act is None:
-            act = torch.empty((M, I), dtype=h.dtype, device=h.device)
-        _, _, _, _, xp, dp, _ = self._skinny_inputs("decode_layer down", act, down, None, hidden)
-        hp = self._skinny_output(h, "decode_layer h", h.dtype, (M, hidden), attn, o_proj)
-        if o_proj.shape[0] != hidden or down.shape[0] != hidden:
-            raise KernelArgError(f"decode_layer: o_proj {tuple(o_proj.shape)} and down {tuple(down.shape)} must have "
-                                 f"{hidden} rows (the residual's width)")
-        if _overlaps(act, h) or _overlaps(act, attn):
-            raise KernelArgError("decode_layer: act must not overlap h or attn")
-        outp = wn = bn = nn = cs = ri = kc = vc = sm = 0
-        N_next = H = Hkv = D = 0
-        if next_kind is not None:
-            if next_weight is None or next_norm is None or next_out is None:
-                raise KernelArgError("decode_layer: a next projection needs next_out, next_weight and next_norm")
-            N_next = next_weight.shape[0] if next_weight.dim() == 2 else 0
-            if next_kind == "rope_kv":
-                if rope is None:
-                    raise KernelArgError("decode_layer: rope_kv needs rope = (cos_sin, rope_index, k_cache, "
-                                         "v_cache, slot_mapping, num_heads, num_kv_heads)")
-                cos_sin, rope_index, k_cache, v_cache, slot_mapping, H, Hkv = rope
-                H, Hkv = int(H), int(Hkv)
-                if H <= 0 or Hkv <= 0 or N_next % (H + 2 * Hkv):
-                    raise KernelArgError(f"decode_layer: next weight {tuple(next_weight.shape)} is not "
-                                         f"[(H + 2 Hkv) D, K] for H = {H}, Hkv = {Hkv}")
-                D = N_next // (H + 2 * Hkv)
-                _, _, _, _, _, wn, nn = self._skinny_inputs("decode_layer next", h, next_weight, next_norm, D)
-                outp = self._skinny_output(next_out, "decode_layer next_out", h.dtype, (M, H, D), h, next_weight)
-                cs, ri, sm, kc, vc = self._rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M,
-                                                         Hkv, D, h.dtype)
-            else:
-                _, _, _, _, _, wn, nn = self._skinny_inputs("decode_layer next", h, next_weight, next_norm, N_next)
-                outp = self._skinny_output(next_out, "decode_layer next_out", torch.float32, (M, N_next), h,
-                                           next_weight)
-            bn = self._skinny_bias(next_bias, "decode_layer next", h.dtype, N_next)
-        if M == 0:
-            return
-        grid = self.decode_layer_grid
-        self.kernels[f"decode_layer_{sfx}"](
-            (grid, 1, 1), (DECODE_LAYER_THREADS, 1, 1), DECODE_LAYER_SMEM, self.stream(),
-            hp, ap, op, pn, gp, act.data_ptr(), dp, outp, wn, bn, nn, cs, ri, kc, vc, sm,
-            self._layer_barrier.data_ptr(), M, hidden, q_size, I, N_next, H, Hkv, D, DECODE_LAYER_NEXT[next_kind],
-            float(eps), cooperative=True)
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

@@ -29,7 +29,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine import sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
-    DECODE_LAYER_MAX_M,
     SAMPLE_PART_STRIDE,
     CudaError,
     KernelArgError,
@@ -37,7 +36,7 @@ from engine.cuda.kernels import (
     KernelLoadError,
 )
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionShape, NextLogits, NextQKV, TorchOps
+from engine.ops.torch_ops import AttentionShape, TorchOps
 
 if TYPE_CHECKING:
     from engine.outputs import StepOutputs
@@ -142,32 +141,6 @@ class CudaOps(TorchOps):
         q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                      rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
-
-    def decode_layer_tail(self, h: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor,
-                          gate_up: torch.Tensor, down: torch.Tensor, eps: float,
-                          nxt: NextQKV | NextLogits | None) -> torch.Tensor | None:
-        """Skinny forwards: o_proj, the MLP and the next projection (the next layer's norm + QKV + RoPE + KV
-        write, or the final norm + logits) in one persistent launch (KernelLibrary.decode_layer), so the
-        four weight streams run back to back without a launch's ramp and drain between them. The next
-        projection stays separate where its skinny kernel would not take it (Qwen3's q/k norm, shapes
-        skinny_fits refuses); the layer itself runs as separate launches where the fused one does not fit."""
-        if (not self._skinny or self.lib.decode_layer_grid is None or h.shape[0] > DECODE_LAYER_MAX_M
-                or not skinny_fits(attn, o_proj, o_proj.shape[0]) or not skinny_fits(h, gate_up, gate_up.shape[0])
-                or not skinny_fits(h, down, down.shape[0])):
-            return super().decode_layer_tail(h, attn, o_proj, post_norm, gate_up, down, eps, nxt)
-        kind = weight = bias = norm = out = rope = None
-        T = h.shape[0]
-        if isinstance(nxt, NextQKV) and nxt.q_norm is None and skinny_fits(h, nxt.qkv, nxt.shape.head_dim):
-            kind, weight, bias, norm = "rope_kv", nxt.qkv, nxt.bias, nxt.norm
-            rope = (nxt.cos_sin, nxt.rope_index.long(), nxt.k_cache, nxt.v_cache, nxt.slot_mapping.long(),
-                    nxt.shape.num_heads, nxt.shape.num_kv_heads)
-            out = torch.empty((T, nxt.shape.num_heads, nxt.shape.head_dim), dtype=h.dtype, device=h.device)
-        elif isinstance(nxt, NextLogits) and skinny_fits(h, nxt.lm_head, nxt.lm_head.shape[0]):
-            kind, weight, norm = "f32", nxt.lm_head, nxt.norm
-            out = torch.empty((T, nxt.lm_head.shape[0]), dtype=torch.float32, device=h.device)
-        self.lib.decode_layer(h, attn.contiguous(), o_proj, post_norm, gate_up, down, eps, next_kind=kind,
-                              next_out=out, next_weight=weight, next_bias=bias, next_norm=norm, rope=rope)
-        return out
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):

@@ -10,7 +10,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryTable
-from engine.ops.torch_ops import AttentionShape, NextLogits, NextQKV
+from engine.ops.torch_ops import AttentionShape
 
 
 @dataclass
@@ -50,37 +50,20 @@ class LlamaModel:
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
         ops.begin_forward(batch.num_tokens, batch.is_decode)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
-        rows = None if batch.logits_all_rows else batch.logits_indices
-        # Decode: what the previous layer's tail computed ahead (decode_layer_tail): this layer's rotated q
-        # (its k and v already in the cache), and after the last layer the logits; None: nothing.
-        ahead = None
         for i, layer in enumerate(self.w.layers):
-            if not batch.is_decode:
+            if batch.is_decode:
+                attn = ops.decode_qkv_attention(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm,
+                                                layer.k_norm, self.shape, cos_sin, rope_index, self.kv.k[i],
+                                                self.kv.v[i], batch.slot_mapping, batch.block_tables, batch.seq_lens,
+                                                self.scale, cfg.sliding_window, eps)
+            else:
                 q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                       self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i],
                                       batch.slot_mapping, eps)
                 attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens_host, self.scale,
                                              cfg.sliding_window, batch.prefill_work)
-                ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj)
-                ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down)
-                continue
-            if ahead is None:
-                attn = ops.decode_qkv_attention(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm,
-                                                layer.k_norm, self.shape, cos_sin, rope_index, self.kv.k[i],
-                                                self.kv.v[i], batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                                self.scale, cfg.sliding_window, eps)
-            else:
-                attn = ops.decode_attention(ahead, self.kv.k[i], self.kv.v[i], batch.block_tables, batch.seq_lens,
-                                            self.scale, cfg.sliding_window)
-            if i + 1 < len(self.w.layers):
-                nl = self.w.layers[i + 1]
-                nxt = NextQKV(nl.input_norm, nl.qkv, nl.qkv_bias, nl.q_norm, nl.k_norm, self.shape, cos_sin,
-                              rope_index, self.kv.k[i + 1], self.kv.v[i + 1], batch.slot_mapping)
-            else:
-                nxt = NextLogits(self.w.norm, self.w.lm_head) if rows is None else None
-            ahead = ops.decode_layer_tail(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj,
-                                          layer.post_norm, layer.gate_up, layer.down, eps, nxt)
-        if ahead is not None:
-            return ahead
+            ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj)
+            ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down)
+        rows = None if batch.logits_all_rows else batch.logits_indices
         return ops.norm_logits(h, rows, self.w.norm, self.w.lm_head, eps)

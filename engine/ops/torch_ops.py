@@ -2,8 +2,8 @@
 against. The CUDA backend (engine/cuda/ops.py) implements the same methods with the same
 signatures; the model calls only these (GEMMs stay torch in both).
 
-The model calls the fused ops (norm_qkv_rope, decode_qkv_attention, decode_layer_tail, linear_add,
-norm_gate_up, norm_logits), which compose the primitives below; a backend may override a fused op with a kernel
+The model calls the fused ops (norm_qkv_rope, decode_qkv_attention, linear_add, norm_gate_up,
+norm_logits), which compose the primitives below; a backend may override a fused op with a kernel
 that fuses it (CudaOps does for small batches, and moves decode's RoPE into the attention kernel for
 larger ones), so the model has one forward for every backend and batch.
 
@@ -35,32 +35,6 @@ class AttentionShape:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-
-
-@dataclass
-class NextQKV:
-    """The next layer's attention input, which decode_layer_tail may compute in the same launch: rms_norm
-    with `norm`, the fused QKV projection, RoPE, the KV write (norm_qkv_rope's operands)."""
-
-    norm: torch.Tensor
-    qkv: torch.Tensor
-    bias: torch.Tensor | None
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    shape: AttentionShape
-    cos_sin: torch.Tensor
-    rope_index: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-
-
-@dataclass
-class NextLogits:
-    """After the last layer: the fp32 logits of every row of rms_norm(h, norm) (norm_logits with rows = None)."""
-
-    norm: torch.Tensor
-    lm_head: torch.Tensor
 
 
 class TorchOps:
@@ -107,17 +81,6 @@ class TorchOps:
         q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache, v_cache,
                                slot_mapping, eps)
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
-
-    def decode_layer_tail(self, h: torch.Tensor, attn: torch.Tensor, o_proj: torch.Tensor, post_norm: torch.Tensor,
-                          gate_up: torch.Tensor, down: torch.Tensor, eps: float,
-                          nxt: NextQKV | NextLogits | None) -> torch.Tensor | None:
-        """A decode layer's second half, in place on h: h += attn @ o_proj^T, then the gated MLP
-        (h += silu/up(rms_norm(h) @ gate_up^T) @ down^T). A backend may compute `nxt` in the same launch:
-        it then returns its result (the next layer's rotated q [T, H, D], its k and v written to the cache;
-        or the logits); None: it did not, and the model runs the next projection itself."""
-        self.linear_add(h, attn, o_proj)
-        self.linear_add(h, self.norm_gate_up(h, post_norm, gate_up, eps), down)
-        return None
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1)."""

@@ -214,58 +214,8 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
-LAYER_SHAPES = [("1b", 2048, 2048, 8192, 32, 8, 64), ("8b", 4096, 4096, 14336, 32, 8, 128)]
-
-
-def layer_rows(lib, dev, dt, fused_only: bool = False) -> list[tuple]:
-    """The fused decode layer (o + residual, norm + gate_up + SiLU, down + residual, the next layer's norm +
-    QKV + RoPE + KV write: KernelLibrary.decode_layer) against the same four skinny launches, at the 1B
-    and 8B shapes, over enough copies of the layer's weights that none is served from L2."""
-    rows = []
-    for label, hidden, q_size, inter, nh, nkv, hd in LAYER_SHAPES:
-        qkv_n = (nh + 2 * nkv) * hd
-        nbytes = 2 * (hidden * q_size + 2 * inter * hidden + hidden * inter + qkv_n * hidden)
-        copies = max(2, -(-ROTATE_BYTES // nbytes))
-        layers = [{"o": torch.randn(hidden, q_size, device=dev, dtype=dt) * q_size ** -0.5,
-                   "gu": torch.randn(2 * inter, hidden, device=dev, dtype=dt) * hidden ** -0.5,
-                   "down": torch.randn(hidden, inter, device=dev, dtype=dt) * inter ** -0.5,
-                   "qkv": torch.randn(qkv_n, hidden, device=dev, dtype=dt) * hidden ** -0.5} for _ in range(copies)]
-        nw = torch.ones(hidden, device=dev, dtype=dt)
-        cs = torch.randn(8192, hd, device=dev)
-        for M in (1, 5, 8):
-            h = torch.randn(M, hidden, device=dev, dtype=dt)
-            attn = torch.randn(M, q_size, device=dev, dtype=dt)
-            act = torch.empty(M, inter, device=dev, dtype=dt)
-            q_out = torch.empty(M, nh, hd, device=dev, dtype=dt)
-            kc = torch.zeros(M // BS + 1, BS, nkv, hd, device=dev, dtype=dt)
-            vc = torch.zeros_like(kc)
-            pos = torch.arange(M, dtype=torch.int64, device=dev) + 100
-            slots = torch.arange(M, dtype=torch.int64, device=dev)
-
-            def fused(w, h=h, attn=attn, act=act, q_out=q_out, kc=kc, vc=vc, pos=pos, slots=slots):
-                lib.decode_layer(h, attn, w["o"], nw, w["gu"], w["down"], 1e-5, act=act, next_kind="rope_kv",
-                                 next_out=q_out, next_weight=w["qkv"], next_norm=nw,
-                                 rope=(cs, pos, kc, vc, slots, nh, nkv))
-
-            def separate(w, h=h, attn=attn, act=act, q_out=q_out, kc=kc, vc=vc, pos=pos, slots=slots):
-                lib.skinny_residual(h, attn, w["o"])
-                lib.skinny_silu(act, h, w["gu"], nw, 1e-5)
-                lib.skinny_residual(h, act, w["down"])
-                lib.skinny_rope_kv(q_out, h, w["qkv"], None, nw, cs, pos, kc, vc, slots, nh, nkv)
-
-            cases = (("decode_layer", fused),) if fused_only else (("4 skinny launches", separate),
-                                                                   ("decode_layer", fused))
-            for name, fn in cases:
-                d_us = device_us(rotating(fn, layers))
-                rows.append((M, f"{name} {label}", d_us, 0.0, f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
-        del layers
-        torch.cuda.empty_cache()
-    return rows
-
-
 def main() -> int:
-    """Flags: --skinny (only the skinny linear rows), --layer (the fused decode layer against its four
-    skinny launches, layer_rows), --norm (only rms_norm layouts at prompt sizes),
+    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes),
     --attention (only decode attention with forced key splits, attention_split_rows);
     --variant SRC BUILD with --skinny: also the skinny rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
@@ -276,19 +226,6 @@ def main() -> int:
     if "--attention" in sys.argv:
         for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
-        return 0
-    if "--layer" in sys.argv:
-        libs = [("", ops.lib)]
-        args = sys.argv[1:]
-        while "--variant" in args:  # --variant SRC BUILD, repeatable
-            i = args.index("--variant")
-            src, out = args[i + 1:i + 3]
-            del args[i:i + 3]
-            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
-                                                                        kernel_dir=pathlib.Path(src))))
-        for tag, lib in libs:
-            for batch, name, d_us, _, extra in layer_rows(lib, dev, dt, fused_only=bool(tag)):
-                print(f"{batch:>5}  {tag + name:<40} {d_us:>10.2f}  {extra}")
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
