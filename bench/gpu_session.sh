@@ -34,6 +34,7 @@ for what in "$@"; do
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
     kskinny) stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider ;;
+    kverify) stage gpu-kernel-verify-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "verify or decode_prepare or decode_commit or decode_step" ;;
     kdecode) stage gpu-kernel-decode-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "decode or fused or replay" ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from engine import api
-from engine.batch import ForwardBatch, PrefillStaging, build_extend_batch, build_staged_prefill_batch
+from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model import default_model_dir
 from engine.device import select_device, select_dtype
@@ -576,12 +576,7 @@ class Engine:
         self.verify_outputs.write_drafts(drafts, k, self.streams)
 
         def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
-            # Row b * (k + 1) + i counts drafts 0 .. i - 1 of sequence b as seen (repetition penalty).
-            pairs = [(b * (k + 1) + i, b * k + j) for b in range(len(batch)) for i in range(k + 1) for j in range(i)]
-            with self._compute_stream():  # on the stream of the step that reads them
-                seen_rows = torch.tensor([r for r, _ in pairs], dtype=torch.int64, device=self.device)
-                seen_cols = torch.tensor([c for _, c in pairs], dtype=torch.int64, device=self.device)
-            return lambda: self._verify_into_outputs(slots_t, k, num_top, seen_rows, seen_cols)
+            return lambda: self._verify_into_outputs(slots_t, k, num_top)
 
         self._run_step("verify", [s.slot for s in batch], (k, num_top), make_step)
         accepted, tokens, logprobs, top_ids, top_lps = self.verify_outputs.read(len(batch), k + 1, num_top,
@@ -605,48 +600,19 @@ class Engine:
             by_request[i] = results[pos]
         return by_request
 
-    def _verify_into_outputs(self, slots: torch.Tensor, k: int, num_top: int, seen_rows: torch.Tensor,
-                             seen_cols: torch.Tensor) -> None:
+    def _verify_into_outputs(self, slots: torch.Tensor, k: int, num_top: int) -> None:
         """Device work of a uniform Verify: the last token and k drafts of each slot at their positions,
         attention per token, then every row samples the token decode would draw there (its slot's
         parameters, RNG keyed by seed and position, the drafts before it counted as seen). The drafts
         are accepted while they equal those tokens ("greedy match": exact for greedy rows, and for
         sampled rows the same target distribution as rejection sampling with one-hot drafts), so
         Verify emits exactly what decode would have. The slot state moves past the accepted tokens only
-        (the rejected positions' KV is dead). No host sync."""
-        st, n = self.state, k + 1
-        batch_size = slots.shape[0]
-        drafts = self.verify_outputs.drafts[:batch_size, :k]
-        start = st.num_cached[slots].long()  # [B]: position of each slot's last token
-        offsets = torch.arange(n, device=self.device)
-        positions = (start[:, None] + offsets).reshape(-1)  # [B * n]
-        seq_index = torch.arange(batch_size, device=self.device).repeat_interleave(n)
-        tables = st.block_table[slots][seq_index]
-        rows = torch.arange(batch_size * n, device=self.device)
-        block_ids = tables[rows, positions // self.block_size].long()
-        fb = ForwardBatch(
-            input_ids=torch.cat([st.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
-            slot_mapping=block_ids * self.block_size + positions % self.block_size, block_tables=tables,
-            seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
-            query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
-        logits = self.model.forward(fb)  # [B * n, vocab]
-        rows_st = st.sampling_rows(slots[seq_index], positions + 1)
-        rows_st.seen.index_put_((seen_rows, drafts.reshape(-1)[seen_cols]), st._true)
-        out = self.ops.sample(logits, rows_st, num_top)
-        sampled = out.token_ids.view(batch_size, n)
-        accepted = (sampled[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]: the matching prefix
-        token = sampled.gather(1, accepted[:, None]).squeeze(1)
-        emitted = torch.where(offsets[None, :] <= accepted[:, None], sampled, token[:, None])  # then repeats
-        st.last_token[slots] = token
-        st.num_cached[slots] = (start + 1 + accepted).to(torch.int32)
-        st.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
-        res = self.verify_outputs
-        res.accepted[:batch_size].copy_(accepted)
-        res.tokens[:batch_size].copy_(token)
-        res.logprobs[:batch_size, :n].copy_(out.logprobs.view(batch_size, n))
-        if num_top:
-            res.top_ids[:batch_size * n, :num_top].copy_(out.top_ids)
-            res.top_logprobs[:batch_size * n, :num_top].copy_(out.top_logprobs)
+        (the rejected positions' KV is dead). No host sync (ops.verify_inputs / verify_commit: one
+        kernel each on the GPU)."""
+        drafts = self.verify_outputs.drafts[:slots.shape[0], :k]
+        fb, rows = self.ops.verify_inputs(self.state, slots, drafts, self.block_size)
+        out = self.ops.sample(self.model.forward(fb), rows, num_top)
+        self.ops.verify_commit(self.state, slots, drafts, out, self.verify_outputs, num_top)
 
     def _verify(self, seqs: list[Sequence], items: list[api.VerifyItem]) -> list[api.VerifyResult]:
         """The general Verify (draft lengths differ, or draft distributions given): one forward over each

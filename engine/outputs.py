@@ -115,6 +115,12 @@ class VerifyOutputs:
         return (packed[:2 * mb].view(torch.int64), packed[2 * mb:4 * mb].view(torch.int64),
                 packed[4 * mb:].view(torch.float32).view(mb, self.n))
 
+    def write_top(self, out, rows: int, num_top: int) -> None:
+        """The top-logprob candidates of the step's `rows` sampled rows (out: a SampleOutput), if asked for."""
+        if num_top:
+            self.top_ids[:rows, :num_top].copy_(out.top_ids)
+            self.top_logprobs[:rows, :num_top].copy_(out.top_logprobs)
+
     def write_drafts(self, drafts: list[list[int]], k: int, streams) -> None:
         """drafts[b][:k] into rows [:len(drafts)] of the device buffer: through its pinned mirror on the
         compute stream (GPU; the mirror is free again once the previous Verify's read returned), else a

@@ -84,7 +84,8 @@ MODULES: dict[str, list[KernelSpec]] = {
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
-    "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili"), KernelSpec("decode_commit", "p" * 8 + "il")],
+    "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"), KernelSpec("decode_commit", "p" * 8 + "il"),
+                    KernelSpec("verify_commit", "p" * 10 + "iili" + "l")],
 }
 
 # Launch constants shared with the .cu files (their header comments state the same numbers).
@@ -902,12 +903,23 @@ class KernelLibrary:
 
     def decode_prepare(self, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
                        seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
-                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen) -> None:
+                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen,
+                       drafts: torch.Tensor | None = None) -> None:
         """The inputs of a decode forward and its sampling rows, read from the slot state (one row per
         slots[b]): input_ids, positions, slot_mapping, seq_lens, tables [B, MB], row_* (row_position =
-        position + 1, the index of the token each row draws), row_seen [B, V]."""
+        position + 1, the index of the token each row draws), row_seen [B, V]. With drafts [B, k] (a
+        uniform Verify; rows may be strided), every slot has k + 1 rows, b (k + 1) + i: its last token (i = 0)
+        or draft i - 1 at position num_cached + i, with drafts 0 .. i - 1 counted as seen; the outputs then
+        have B (k + 1) rows."""
         sl = _tensor(slots, "slots", torch.int64, 1, align=False)
-        B = slots.shape[0]
+        n, dp, ds = 1, 0, 0
+        if drafts is not None:
+            dp = _tensor(drafts, "drafts", torch.int64, 2, contiguous=False, align=False)
+            if drafts.shape[0] != slots.shape[0] or drafts.stride(1) != 1:
+                raise KernelArgError(f"drafts: expected [{slots.shape[0]}, k] with contiguous rows, got shape "
+                                     f"{tuple(drafts.shape)} strides {drafts.stride()}")
+            n, ds = drafts.shape[1] + 1, drafts.stride(0)
+        B = slots.shape[0] * n
         S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
         nc, lt, tp, tk, pp, sd, pn = self._vectors(
             ((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64),
@@ -940,7 +952,42 @@ class KernelLibrary:
             return
         parts = max(1, min(16, -(-V // (16 * 1024))))  # seen copied in pieces of <= 1024 16-byte vectors
         self.kernels["decode_prepare"]((B, parts, 1), (256, 1, 1), 0, self.stream(), *outs, tb, *rows, rs,
-                                       sl, nc, lt, bt, tp, tk, pp, sd, pn, sn, MB, V, block_size)
+                                       sl, nc, lt, bt, tp, tk, pp, sd, pn, sn, MB, V, block_size, dp, ds, n)
+
+    def verify_commit(self, slots, drafts, sampled, logprobs, num_cached, last_token, seen, out_accepted,
+                      out_tokens, out_logprobs) -> None:
+        """A uniform Verify's results back to the slot state: per slot row b, the accepted count a (the
+        prefix where sampled [B, k + 1] equals drafts [B, k]), the token t = sampled[b, a] after them;
+        num_cached[s] += 1 + a, last_token[s] = t, seen marked for every emitted token (sampled[b, :a + 1],
+        then t); out_accepted / out_tokens [>= B], out_logprobs [>= B, k + 1] (strided rows) = logprobs."""
+        sl = _tensor(slots, "slots", torch.int64, 1, align=False)
+        B = slots.shape[0]
+        dp = _tensor(drafts, "drafts", torch.int64, 2, contiguous=False, align=False)
+        if drafts.shape[0] != B or drafts.stride(1) != 1:
+            raise KernelArgError(f"drafts: expected [{B}, k] with contiguous rows, got shape {tuple(drafts.shape)} "
+                                 f"strides {drafts.stride()}")
+        k = drafts.shape[1]
+        sp = _tensor(sampled, "sampled", torch.int64, 1, align=False)
+        lp = _tensor(logprobs, "logprobs", torch.float32, 1, align=False)
+        for t, name in ((sampled, "sampled"), (logprobs, "logprobs")):
+            _shape(t, name, (B * (k + 1),))
+        S = num_cached.shape[0] if isinstance(num_cached, torch.Tensor) and num_cached.dim() == 1 else -1
+        nc, lt = self._vectors(((num_cached, "num_cached", torch.int32), (last_token, "last_token", torch.int64)), S)
+        sn = _tensor(seen, "seen", torch.bool, 2, align=False)
+        if seen.shape[0] != S:
+            raise KernelArgError(f"seen: expected [{S}, vocab] (one row per slot), got {tuple(seen.shape)}")
+        oa = _tensor(out_accepted, "out_accepted", torch.int64, 1, align=False)
+        ot = _tensor(out_tokens, "out_tokens", torch.int64, 1, align=False)
+        ol = _tensor(out_logprobs, "out_logprobs", torch.float32, 2, contiguous=False, align=False)
+        if (out_accepted.shape[0] < B or out_tokens.shape[0] < B or out_logprobs.shape[0] < B
+                or out_logprobs.shape[1] < k + 1 or out_logprobs.stride(1) != 1):
+            raise KernelArgError(f"verify_commit: outputs for {B} slots of {k + 1} rows: out_accepted "
+                                 f"{tuple(out_accepted.shape)}, out_tokens {tuple(out_tokens.shape)}, out_logprobs "
+                                 f"{tuple(out_logprobs.shape)} strides {out_logprobs.stride()}")
+        if B == 0:
+            return
+        self.kernels["verify_commit"]((-(-B // 128), 1, 1), (128, 1, 1), 0, self.stream(), oa, ot, ol, nc, lt, sn,
+                                      sl, dp, sp, lp, B, k, drafts.stride(0), out_logprobs.stride(0), seen.shape[1])
 
     def decode_commit(self, slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs) -> None:
         """The sampled tokens back to the slot state (num_cached[s] += 1, last_token[s] = token,

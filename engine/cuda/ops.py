@@ -321,6 +321,37 @@ class CudaOps(TorchOps):
             outputs.top_ids[:n, :num_top].copy_(out.top_ids)
             outputs.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
 
+    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
+                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """decode_prepare with k + 1 rows per slot: one kernel for TorchOps.verify_inputs' ~20."""
+        B, k = drafts.shape
+        R, dev = B * (k + 1), slots.device
+
+        def empty(*shape, like: torch.Tensor) -> torch.Tensor:
+            return torch.empty(shape, dtype=like.dtype, device=dev)
+
+        input_ids, positions, slot_mapping = (torch.empty(R, dtype=torch.int64, device=dev) for _ in range(3))
+        seq_lens = torch.empty(R, dtype=torch.int32, device=dev)
+        tables = empty(R, state.block_table.shape[1], like=state.block_table)
+        rows = sampling.SamplingTensors(
+            empty(R, like=state.temperature), empty(R, like=state.top_k), empty(R, like=state.top_p),
+            empty(R, like=state.seed), empty(R, like=state.repetition_penalty),
+            empty(R, state.seen.shape[1], like=state.seen), torch.empty(R, dtype=torch.int64, device=dev))
+        self.lib.decode_prepare(slots, state.num_cached, state.last_token, state.block_table, state.temperature,
+                                state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen, block_size,
+                                input_ids, positions, slot_mapping, seq_lens, tables, rows.temperature, rows.top_k,
+                                rows.top_p, rows.seed, rows.repetition_penalty, rows.position, rows.seen, drafts=drafts)
+        batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
+                             seq_lens=seq_lens, logits_indices=torch.arange(R, device=dev), is_decode=True,
+                             query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
+        return batch, rows
+
+    def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
+                      outputs, num_top: int) -> None:
+        self.lib.verify_commit(slots, drafts, out.token_ids, out.logprobs, state.num_cached, state.last_token,
+                               state.seen, outputs.accepted, outputs.tokens, outputs.logprobs)
+        outputs.write_top(out, out.token_ids.shape[0], num_top)
+
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched engine.sampling.accept_drafts: target_logp [B, K+1, V] (target_logprobs rows), draft_ids

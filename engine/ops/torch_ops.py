@@ -212,6 +212,54 @@ class TorchOps:
         state.mark_seen(slots, out.token_ids)
         outputs.write(out, num_top)
 
+    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
+                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """A uniform Verify's forward and sampling rows: slots [B], drafts [B, k] -> row b (k + 1) + i is
+        slot b's last token (i = 0) or draft i - 1, at position num_cached + i (attention per token, like
+        decode); it draws the token at position num_cached + i + 1 with the slot's parameters and drafts
+        0 .. i - 1 counted as seen (the repetition penalty decode would have applied there)."""
+        B, k = drafts.shape
+        n, dev = k + 1, slots.device
+        start = state.num_cached[slots].long()
+        offsets = torch.arange(n, device=dev)
+        positions = (start[:, None] + offsets).reshape(-1)  # [B n]
+        seq_index = torch.arange(B, device=dev).repeat_interleave(n)
+        tables = state.block_table[slots][seq_index]
+        rows = torch.arange(B * n, device=dev)
+        block_ids = tables[rows, positions // block_size].long()
+        batch = ForwardBatch(
+            input_ids=torch.cat([state.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
+            slot_mapping=block_ids * block_size + positions % block_size, block_tables=tables,
+            seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
+            query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
+        st = state.sampling_rows(slots[seq_index], positions + 1)
+        # Row (b, i) marks drafts j < i: count them per (row, token), then OR into seen (duplicates add up).
+        before = (offsets[:, None] > torch.arange(k, device=dev)[None, :]).to(torch.int32)  # [n, k]
+        marks = torch.zeros((B, n, st.seen.shape[1]), dtype=torch.int32, device=dev)
+        marks.scatter_add_(2, drafts[:, None, :].expand(B, n, k), before[None].expand(B, n, k).contiguous())
+        st.seen |= marks.view(B * n, -1) > 0
+        return batch, st
+
+    def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
+                      outputs, num_top: int) -> None:
+        """The drafts are accepted while they equal the tokens their rows drew; each slot moves past the
+        accepted ones plus the token drawn after them (num_cached, last_token, seen), and the results go
+        to the Verify step's static buffers (outputs: engine.outputs.VerifyOutputs)."""
+        B, k = drafts.shape
+        n = k + 1
+        sampled = out.token_ids.view(B, n)
+        accepted = (sampled[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]: the matching prefix
+        token = sampled.gather(1, accepted[:, None]).squeeze(1)
+        offsets = torch.arange(n, device=slots.device)
+        emitted = torch.where(offsets[None, :] <= accepted[:, None], sampled, token[:, None])  # then repeats
+        state.last_token[slots] = token
+        state.num_cached[slots] = (state.num_cached[slots].long() + 1 + accepted).to(torch.int32)
+        state.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
+        outputs.accepted[:B].copy_(accepted)
+        outputs.tokens[:B].copy_(token)
+        outputs.logprobs[:B, :n].copy_(out.logprobs.view(B, n))
+        outputs.write_top(out, B * n, num_top)
+
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched speculative acceptance: target_logp [B, K+1, V], draft_ids [B, K], draft_probs

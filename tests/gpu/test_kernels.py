@@ -607,6 +607,78 @@ def test_decode_commit_matches_torch(lib, gen, B):
     assert torch.isnan(out_logprobs[B:]).all(), "an output entry past the batch changed"
 
 
+def verify_state(S: int, MB: int, V: int, bs: int):
+    """A SlotState with random contents (slot_state's), for the Verify step's prepare and commit."""
+    from engine.state import SlotState
+    state = SlotState(S, MB, V, dev())
+    st = slot_state(S, MB, V, bs)
+    st["num_cached"] = torch.randint(0, (MB - 1) * bs, (S,), dtype=torch.int32, device=dev())  # room for k
+    for name, value in st.items():
+        getattr(state, "repetition_penalty" if name == "penalty" else name).copy_(value)
+    return state
+
+
+def clone_state(state):
+    import copy
+    other = copy.copy(state)
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            setattr(other, name, value.clone())
+    return other
+
+
+@pytest.mark.parametrize("V", [4096, 17, 128256])
+@pytest.mark.parametrize("B,k", [(1, 1), (1, 4), (3, 4), (8, 7)])
+def test_verify_inputs_match_torch_ops(ops, gen, B, k, V):
+    """CudaOps.verify_inputs (decode_prepare with k + 1 rows per slot) against TorchOps.verify_inputs on the
+    same state, every field bit for bit; drafts repeat tokens and hit the seen row's piece boundaries."""
+    S, MB, bs = STEP_SLOTS, STEP_MAX_BLOCKS, 16
+    state = verify_state(S, MB, V, bs)
+    slots = torch.randperm(S, device=dev())[:B]
+    buf = torch.randint(0, V, (B, k + 3), dtype=torch.int64, device=dev())  # strided rows, as VerifyOutputs
+    drafts = buf[:, :k]
+    if k >= 3:
+        drafts[:, 2] = drafts[:, 0]  # a repeated draft token
+        drafts[0, 1] = V - 1
+    fb, rows = ops.verify_inputs(state, slots, drafts, bs)
+    ref_fb, ref_rows = TorchOps().verify_inputs(state, slots, drafts, bs)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
+        got, want = getattr(fb, name), getattr(ref_fb, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"ForwardBatch.{name} differs"
+    assert fb.logits_all_rows and fb.is_decode
+    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "seen", "position"):
+        got, want = getattr(rows, name), getattr(ref_rows, name)
+        assert got.dtype == want.dtype and torch.equal(got, want), f"SamplingTensors.{name} differs"
+
+
+@pytest.mark.parametrize("B,k", [(1, 1), (1, 4), (5, 4), (8, 7)])
+def test_verify_commit_matches_torch_ops(ops, gen, B, k):
+    """CudaOps.verify_commit (one kernel) against TorchOps.verify_commit: accepted counts from all-accepted
+    to none, the slot state and the step's output buffers."""
+    from engine.outputs import VerifyOutputs
+    S, MB, V, bs, n = STEP_SLOTS, STEP_MAX_BLOCKS, 1000, 16, k + 1
+    state = verify_state(S, MB, V, bs)
+    slots = torch.randperm(S, device=dev())[:B]
+    drafts = torch.randint(0, V, (B, 8), dtype=torch.int64, device=dev())[:, :k]
+    sampled = torch.randint(0, V, (B, n), dtype=torch.int64, device=dev())
+    for b in range(B):  # slot b accepts min(b, k) drafts (then a mismatch, unless all matched)
+        a = min(b, k)
+        sampled[b, :a] = drafts[b, :a]
+        if a < k:
+            sampled[b, a] = (drafts[b, a] + 1) % V
+    out = sampling.SampleOutput(sampled.reshape(-1), -5 * torch.rand(B * n, device=dev()), None, None)
+    mine, ref = clone_state(state), clone_state(state)
+    res_mine, res_ref = (VerifyOutputs(16, 8, 0, dev()) for _ in range(2))
+    ops.verify_commit(mine, slots, drafts, out, res_mine, 0)
+    TorchOps().verify_commit(ref, slots, drafts, out, res_ref, 0)
+    for name in ("num_cached", "last_token", "seen"):
+        assert torch.equal(getattr(mine, name), getattr(ref, name)), f"state.{name} differs"
+    assert torch.equal(res_mine.accepted[:B], res_ref.accepted[:B])
+    assert res_mine.accepted[:B].tolist() == [min(b, k) for b in range(B)]
+    assert torch.equal(res_mine.tokens[:B], res_ref.tokens[:B])
+    assert torch.equal(res_mine.logprobs[:B, :n], res_ref.logprobs[:B, :n])
+
+
 def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
     from engine.cuda.kernels import KernelArgError
     S, MB, V, B, bs = 8, 4, 64, 3, 16
