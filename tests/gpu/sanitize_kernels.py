@@ -108,6 +108,16 @@ def main() -> int:
         ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
                               state["num_cached"], state["last_token"], state["seen"],
                               torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=f32, device=dev))
+        # A uniform Verify of k = 3 drafts: prepare with k + 1 rows per slot (strided drafts), then commit.
+        k = 3
+        drafts = torch.randint(0, V, (B, k + 2), device=dev)[:, :k]
+        rows_v = {name: (t.new_empty((B * (k + 1),) + tuple(t.shape[1:]))) for name, t in rows.items()}
+        state["num_cached"].clamp_(max=(MB - 1) * bs)  # room for the drafts in the block table
+        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows_v, drafts=drafts)
+        ops.lib.verify_commit(slots_t, drafts, torch.randint(0, V, (B * (k + 1),), device=dev),
+                              torch.randn(B * (k + 1), device=dev), state["num_cached"], state["last_token"],
+                              state["seen"], torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=i64, device=dev),
+                              torch.empty(8, k + 2, dtype=f32, device=dev))
     torch.cuda.synchronize()
     print("sanitize_kernels: every kernel ran")
     return 0
