@@ -14,11 +14,52 @@ from engine.cuda.ops import CudaOps
 from engine.ops.torch_ops import AttentionShape
 
 
+def decode_step_state(ops, dev, vocab: int) -> None:
+    # Decode step state: prepare, then commit (a vocab of 3000 copies seen rows by bytes, 4096 by 16-byte vectors).
+    for V in (vocab, 4096):
+        S, MB, bs, B = 10, 8, 16, 4
+        state = dict(num_cached=torch.randint(0, MB * bs, (S,), dtype=torch.int32, device=dev),
+                     last_token=torch.randint(0, V, (S,), device=dev),
+                     block_table=torch.randint(0, 100, (S, MB), dtype=torch.int32, device=dev),
+                     temperature=torch.rand(S, device=dev), top_k=torch.zeros(S, dtype=torch.int64, device=dev),
+                     top_p=torch.ones(S, device=dev), seed=torch.arange(S, device=dev),
+                     penalty=torch.ones(S, device=dev), seen=torch.rand(S, V, device=dev) < 0.1)
+        slots_t = torch.tensor([9, 0, 4, 7], device=dev)
+        i64, i32, f32 = torch.int64, torch.int32, torch.float32
+        rows = dict(input_ids=torch.empty(B, dtype=i64, device=dev), positions=torch.empty(B, dtype=i64, device=dev),
+                    slot_mapping=torch.empty(B, dtype=i64, device=dev), seq_lens=torch.empty(B, dtype=i32, device=dev),
+                    tables=torch.empty(B, MB, dtype=i32, device=dev), row_temperature=torch.empty(B, device=dev),
+                    row_top_k=torch.empty(B, dtype=i64, device=dev), row_top_p=torch.empty(B, device=dev),
+                    row_seed=torch.empty(B, dtype=i64, device=dev), row_penalty=torch.empty(B, device=dev),
+                    row_position=torch.empty(B, dtype=i64, device=dev),
+                    row_seen=torch.empty(B, V, dtype=torch.bool, device=dev))
+        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows)
+        ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
+                              state["num_cached"], state["last_token"], state["seen"],
+                              torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=f32, device=dev))
+        # A uniform Verify of k = 3 drafts: prepare with k + 1 rows per slot (strided drafts), then commit.
+        k = 3
+        drafts = torch.randint(0, V, (B, k + 2), device=dev)[:, :k]
+        rows_v = {name: (t.new_empty((B * (k + 1),) + tuple(t.shape[1:]))) for name, t in rows.items()}
+        state["num_cached"].clamp_(max=(MB - 1) * bs)  # room for the drafts in the block table
+        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows_v, drafts=drafts)
+        ops.lib.verify_commit(slots_t, drafts, torch.randint(0, V, (B * (k + 1),), device=dev),
+                              torch.randn(B * (k + 1), device=dev), state["num_cached"], state["last_token"],
+                              state["seen"], torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=i64, device=dev),
+                              torch.empty(8, k + 2, dtype=f32, device=dev))
+
+
 def main() -> int:
+    """--decode-step: only the decode step state kernels (decode_prepare, decode_commit, verify_commit)."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=4096)
     torch.manual_seed(0)
     vocab = 3000
+    if "--decode-step" in sys.argv:
+        decode_step_state(ops, dev, vocab)
+        torch.cuda.synchronize()
+        print("sanitize_kernels: the decode step kernels ran")
+        return 0
     for dt, D in ((torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 16), (torch.bfloat16, 80),
                   (torch.bfloat16, 128)):
         B, H, Hkv, bs, hidden, inter = 3, 8, 2, 16, 512, 256
@@ -86,38 +127,7 @@ def main() -> int:
                       torch.ones(2, 4, dtype=torch.int64, device=dev), torch.arange(8, device=dev).view(2, 4))
     ops.accept_drafts(target, drafts, None, torch.ones(2, 4, dtype=torch.int64, device=dev),
                       torch.arange(8, device=dev).view(2, 4))
-    # Decode step state: prepare, then commit (a vocab of 3000 copies seen rows by bytes, 4096 by 16-byte vectors).
-    for V in (vocab, 4096):
-        S, MB, bs, B = 10, 8, 16, 4
-        state = dict(num_cached=torch.randint(0, MB * bs, (S,), dtype=torch.int32, device=dev),
-                     last_token=torch.randint(0, V, (S,), device=dev),
-                     block_table=torch.randint(0, 100, (S, MB), dtype=torch.int32, device=dev),
-                     temperature=torch.rand(S, device=dev), top_k=torch.zeros(S, dtype=torch.int64, device=dev),
-                     top_p=torch.ones(S, device=dev), seed=torch.arange(S, device=dev),
-                     penalty=torch.ones(S, device=dev), seen=torch.rand(S, V, device=dev) < 0.1)
-        slots_t = torch.tensor([9, 0, 4, 7], device=dev)
-        i64, i32, f32 = torch.int64, torch.int32, torch.float32
-        rows = dict(input_ids=torch.empty(B, dtype=i64, device=dev), positions=torch.empty(B, dtype=i64, device=dev),
-                    slot_mapping=torch.empty(B, dtype=i64, device=dev), seq_lens=torch.empty(B, dtype=i32, device=dev),
-                    tables=torch.empty(B, MB, dtype=i32, device=dev), row_temperature=torch.empty(B, device=dev),
-                    row_top_k=torch.empty(B, dtype=i64, device=dev), row_top_p=torch.empty(B, device=dev),
-                    row_seed=torch.empty(B, dtype=i64, device=dev), row_penalty=torch.empty(B, device=dev),
-                    row_position=torch.empty(B, dtype=i64, device=dev),
-                    row_seen=torch.empty(B, V, dtype=torch.bool, device=dev))
-        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows)
-        ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
-                              state["num_cached"], state["last_token"], state["seen"],
-                              torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=f32, device=dev))
-        # A uniform Verify of k = 3 drafts: prepare with k + 1 rows per slot (strided drafts), then commit.
-        k = 3
-        drafts = torch.randint(0, V, (B, k + 2), device=dev)[:, :k]
-        rows_v = {name: (t.new_empty((B * (k + 1),) + tuple(t.shape[1:]))) for name, t in rows.items()}
-        state["num_cached"].clamp_(max=(MB - 1) * bs)  # room for the drafts in the block table
-        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows_v, drafts=drafts)
-        ops.lib.verify_commit(slots_t, drafts, torch.randint(0, V, (B * (k + 1),), device=dev),
-                              torch.randn(B * (k + 1), device=dev), state["num_cached"], state["last_token"],
-                              state["seen"], torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=i64, device=dev),
-                              torch.empty(8, k + 2, dtype=f32, device=dev))
+    decode_step_state(ops, dev, vocab)
     torch.cuda.synchronize()
     print("sanitize_kernels: every kernel ran")
     return 0
