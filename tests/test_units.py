@@ -314,3 +314,66 @@ def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
     ids = [engine.alloc_sequence(80, SamplingParams(), StoppingCriteria(max_new_tokens=2)).seq_id for _ in range(3)]
     engine.prefill([PrefillItem(i, [5] * 40) for i in ids])  # 120 tokens, 3 sequences: shape (128, 4)
     assert engine.info().graph_cache.hits == s.hits + 1 and engine.info().graph_cache.captures == 25
+
+
+class _PrepareStandIn:
+    """Stands in for KernelLibrary.decode_prepare on CPU tensors (the kernel's contract, kernels_cu/
+    decode_step.cu, written in torch), so CudaOps' wiring around it runs without a GPU. The kernel itself
+    is tested against TorchOps on the GPU (tests/gpu/test_kernels.py)."""
+
+    def decode_prepare(self, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
+                       seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
+                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen, drafts=None):
+        import torch
+        k = 0 if drafts is None else drafts.shape[1]
+        for b, s in enumerate(slots.tolist()):
+            for i in range(k + 1):
+                r, p = b * (k + 1) + i, int(num_cached[s]) + i
+                input_ids[r] = last_token[s] if i == 0 else drafts[b, i - 1]
+                positions[r], seq_lens[r], row_position[r] = p, p + 1, p + 1
+                slot_mapping[r] = int(block_table[s, p // block_size]) * block_size + p % block_size
+                tables[r] = block_table[s]
+                row_temperature[r], row_top_k[r], row_top_p[r] = temperature[s], top_k[s], top_p[s]
+                row_seed[r], row_penalty[r] = seed[s], penalty[s]
+                row_seen[r] = seen[s]
+                if i:
+                    row_seen[r, drafts[b, :i]] = True
+        assert input_ids.dtype == torch.int64 and seq_lens.dtype == torch.int32
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
+    """CudaOps.decode_inputs / verify_inputs hand decode_prepare's outputs to the ForwardBatch and the
+    sampling rows field for field as TorchOps builds them (on CPU, decode_prepare stood in for)."""
+    import torch
+
+    from engine.cuda.ops import CudaOps
+    from engine.ops.torch_ops import TorchOps
+    from engine.state import SlotState
+
+    S, MB, V, bs = 6, 4, 50, 4
+    g = torch.Generator().manual_seed(k)
+    state = SlotState(S, MB, V, torch.device("cpu"))
+    state.num_cached.copy_(torch.randint(0, (MB - 1) * bs, (S,), generator=g, dtype=torch.int32))
+    state.last_token.copy_(torch.randint(0, V, (S,), generator=g))
+    state.block_table.copy_(torch.randint(1, 100, (S, MB), generator=g, dtype=torch.int32))
+    state.temperature.copy_(torch.rand(S, generator=g))
+    state.top_k.copy_(torch.randint(0, 9, (S,), generator=g))
+    state.seed.copy_(torch.randint(0, 1 << 40, (S,), generator=g))
+    state.seen.copy_(torch.rand(S, V, generator=g) < 0.2)
+    slots = torch.tensor([4, 1, 3])
+    ops = CudaOps.__new__(CudaOps)
+    ops.lib = _PrepareStandIn()
+    if k:
+        drafts = torch.randint(0, V, (3, k), generator=g)
+        got, want = ops.verify_inputs(state, slots, drafts, bs), TorchOps().verify_inputs(state, slots, drafts, bs)
+    else:
+        lens = (state.num_cached[slots] + 1).tolist()
+        got = ops.decode_inputs(state, slots, bs, lens, False)
+        want = TorchOps().decode_inputs(state, slots, bs, lens, False)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
+        assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
+    for name in ("is_decode", "logits_all_rows", "seq_lens_host", "query_start_loc"):
+        assert getattr(got[0], name) == getattr(want[0], name), name
+    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "seen", "position"):
+        assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name

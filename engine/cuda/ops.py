@@ -290,42 +290,12 @@ class CudaOps(TorchOps):
             return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
         return sampling.SampleOutput(tokens, logprobs, None, None)
 
-    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
-                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """One kernel (kernels_cu/decode_step.cu) gathers what TorchOps.decode_inputs gathers with ~20."""
-        batch_size, dev = slots.shape[0], slots.device
-
-        def empty(*shape, like: torch.Tensor) -> torch.Tensor:
-            return torch.empty(shape, dtype=like.dtype, device=dev)
-
-        input_ids, positions, slot_mapping = (torch.empty(batch_size, dtype=torch.int64, device=dev) for _ in range(3))
-        seq_lens = torch.empty(batch_size, dtype=torch.int32, device=dev)
-        tables = empty(batch_size, state.block_table.shape[1], like=state.block_table)
-        rows = sampling.SamplingTensors(
-            empty(batch_size, like=state.temperature), empty(batch_size, like=state.top_k),
-            empty(batch_size, like=state.top_p), empty(batch_size, like=state.seed),
-            empty(batch_size, like=state.repetition_penalty), empty(batch_size, state.seen.shape[1], like=state.seen),
-            torch.empty(batch_size, dtype=torch.int64, device=dev))
-        self.lib.decode_prepare(slots, state.num_cached, state.last_token, state.block_table, state.temperature,
-                                state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen, block_size,
-                                input_ids, positions, slot_mapping, seq_lens, tables, rows.temperature, rows.top_k,
-                                rows.top_p, rows.seed, rows.repetition_penalty, rows.position, rows.seen)
-        return decode_batch(input_ids, positions, slot_mapping, tables, seq_lens, seq_lens_host, need_scale_lens), rows
-
-    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
-                      outputs: StepOutputs, num_top: int) -> None:
-        self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
-                               outputs.tokens, outputs.logprobs)
-        if num_top:
-            n = slots.shape[0]
-            outputs.top_ids[:n, :num_top].copy_(out.top_ids)
-            outputs.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
-
-    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
-                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """decode_prepare with k + 1 rows per slot: one kernel for TorchOps.verify_inputs' ~20."""
-        B, k = drafts.shape
-        R, dev = B * (k + 1), slots.device
+    def _prepare(self, state: SlotState, slots: torch.Tensor, block_size: int,
+                 drafts: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], sampling.SamplingTensors]:
+        """decode_prepare (kernels_cu/decode_step.cu) into fresh tensors: one row per slot, or k + 1 per
+        slot with drafts [B, k]. Returns ((input_ids, positions, slot_mapping, tables, seq_lens), rows)."""
+        R = slots.shape[0] * (1 if drafts is None else drafts.shape[1] + 1)
+        dev = slots.device
 
         def empty(*shape, like: torch.Tensor) -> torch.Tensor:
             return torch.empty(shape, dtype=like.dtype, device=dev)
@@ -341,9 +311,30 @@ class CudaOps(TorchOps):
                                 state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen, block_size,
                                 input_ids, positions, slot_mapping, seq_lens, tables, rows.temperature, rows.top_k,
                                 rows.top_p, rows.seed, rows.repetition_penalty, rows.position, rows.seen, drafts=drafts)
+        return (input_ids, positions, slot_mapping, tables, seq_lens), rows
+
+    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
+                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """One kernel (kernels_cu/decode_step.cu) gathers what TorchOps.decode_inputs gathers with ~20."""
+        inputs, rows = self._prepare(state, slots, block_size)
+        return decode_batch(*inputs, seq_lens_host, need_scale_lens), rows
+
+    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
+                      outputs: StepOutputs, num_top: int) -> None:
+        self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
+                               outputs.tokens, outputs.logprobs)
+        if num_top:
+            n = slots.shape[0]
+            outputs.top_ids[:n, :num_top].copy_(out.top_ids)
+            outputs.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
+
+    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
+                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
+        """decode_prepare with k + 1 rows per slot: one kernel for TorchOps.verify_inputs' ~20."""
+        (input_ids, positions, slot_mapping, tables, seq_lens), rows = self._prepare(state, slots, block_size, drafts)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
-                             seq_lens=seq_lens, logits_indices=torch.arange(R, device=dev), is_decode=True,
-                             query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
+                             seq_lens=seq_lens, logits_indices=torch.arange(input_ids.shape[0], device=slots.device),
+                             is_decode=True, query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
         return batch, rows
 
     def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
