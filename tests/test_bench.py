@@ -85,3 +85,21 @@ def test_pipeline_floor_runs(tmp_path):
     assert [(r["gil_us"], r["decode"]) for r in lines] == [(0, "call"), (0, "stream"), (200, "call"), (200, "stream")]
     for r in lines:
         assert r["steps"] == 60 and r["overhead_p50_us"] <= r["overhead_p90_us"] <= r["overhead_p99_us"]
+
+
+def test_engine_benchmark_quick_runs(tmp_path):
+    """bench/engine_bench.py --quick on CPU: every mode runs and reports (the GPU figures come from the same
+    code), including Verify measured between decode steps of its own sequence."""
+    out = subprocess.run([sys.executable, "bench/engine_bench.py", "--shape", "tiny", "--quick", "--no-hf",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = sorted(tmp_path.glob("engine-tiny-*.json"))
+    assert files, out.stdout
+    ours = json.loads(files[-1].read_text())["engine"]
+    for key in ("prefill_1x64", "decode_b1", "decode_queued_b1", "decode_steady_b4", "decode_churn_b4", "verify4_b1"):
+        assert "error" not in ours[key], (key, ours[key])
+    v = ours["verify4_b1"]
+    assert v["step_ms"] > 0 and v["decode_step_ms"] > 0
+    assert v["ratio"] == pytest.approx(v["step_ms"] / v["decode_step_ms"])
+    assert ours["decode_b1"]["step_ms"] > 0 and 0.0 <= ours["decode_churn_b4"]["graph_hit_rate"] <= 1.0
+    assert "verify 4 drafts b1" in out.stdout
