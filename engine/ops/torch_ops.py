@@ -233,11 +233,10 @@ class TorchOps:
             seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
             query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
         st = state.sampling_rows(slots[seq_index], positions + 1)
-        # Row (b, i) marks drafts j < i: count them per (row, token), then OR into seen (duplicates add up).
-        before = (offsets[:, None] > torch.arange(k, device=dev)[None, :]).to(torch.int32)  # [n, k]
-        marks = torch.zeros((B, n, st.seen.shape[1]), dtype=torch.int32, device=dev)
-        marks.scatter_add_(2, drafts[:, None, :].expand(B, n, k), before[None].expand(B, n, k).contiguous())
-        st.seen |= marks.view(B * n, -1) > 0
+        # Row (b, i) marks drafts j < i as seen: the pairs (i, j) below the diagonal, for every b.
+        i, j = torch.tril_indices(n, k, -1, device=dev)
+        st.seen.index_put_(((torch.arange(B, device=dev)[:, None] * n + i).reshape(-1), drafts[:, j].reshape(-1)),
+                           state._true)
         return batch, st
 
     def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
