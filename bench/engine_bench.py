@@ -325,7 +325,8 @@ def main(argv=None) -> int:
     engine = Engine(cfg)
     results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name, capture_after=cfg.capture_after,
                            fallback_graphs=cfg.fallback_graphs, max_graphs=cfg.max_graphs,
-                           weight_bytes=weight_bytes(engine.weights))
+                           weight_bytes=weight_bytes(engine.weights),
+                           pdl=bool(getattr(getattr(engine.ops, "lib", None), "pdl", False)))
     floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None
     results["decode_floor_ms"] = floor_ms
 
@@ -380,7 +381,7 @@ def table(r: dict, prefill_shapes, batches, churn_b) -> str:
     ours, hf = r.get("engine", {}), r.get("transformers", {})
     floor = r.get("decode_floor_ms")
     lines = [f"== {r['meta']['device']} | {r['meta']['shape']} ({r['meta'].get('dtype')}, "
-             f"{r['meta'].get('kernel_backend')}) | floor {floor and round(floor, 3)} ms/step"]
+             f"{r['meta'].get('kernel_backend')}, pdl {r['meta'].get('pdl')}) | floor {floor and round(floor, 3)} ms/step"]
 
     def get(d, k, f):
         v = d.get(k, {})

@@ -79,6 +79,14 @@ for what in "$@"; do
           stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT"
         done
       else echo "abengine1b: no build/ab-base"; fi ;;
+    # A/B of programmatic dependent launch in one tree (METRALE_PDL=0 / 1), alternating, off first: 1B at
+    # the batches in AB_BATCHES (default 1 8 32) REPS (3) times, then (PDL8B=1) 8B batch 1 once each
+    abpdl) for rep in $(seq 1 ${REPS:-3}); do for pdl in 0 1; do
+          METRALE_PDL=$pdl stage engine-bench-1b-pdl$pdl-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8 32} --out "$OUT"
+        done; done
+        if [ "${PDL8B:-0}" = 1 ]; then for pdl in 0 1; do
+          METRALE_PDL=$pdl stage engine-bench-8b-pdl$pdl 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
+        done; fi ;;
     # The same against the worker: C = 32, the router three in flight, twice alternating
     abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
         ln -sfn "$PWD/metrale" build/ab-base/metrale

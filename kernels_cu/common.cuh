@@ -275,3 +275,26 @@ struct Mma<Fp16> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
 };
+
+// Programmatic dependent launch (sm_90+; no-ops before, and when the kernel was launched without the
+// attribute): a kernel launched with programmatic stream serialization may start while the kernel before
+// it in the stream finishes. Before grid_dependency_wait() it may read only what no kernel of the last
+// two launches writes (weights, and what earlier kernels of the step wrote) and must write nothing;
+// the wait returns once the previous grid has completed and its writes are visible. Every kernel of
+// this kind calls allow_dependents() right after its wait, so the next one is launched only once this
+// one's predecessor has completed (that is what makes the reads before the wait safe). Every thread of
+// a block calls both.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_then_allow_dependents() {
+  grid_dependency_wait();
+  allow_dependents();
+}

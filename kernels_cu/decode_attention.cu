@@ -53,6 +53,11 @@
 //   seq_len - 1) puts the rotated k and v into that tile row itself, and its head chunk 0 writes them
 //   to the cache at slot_mapping[b] (negative: no write, and the row is read from the cache as usual).
 //   Results equal rope_cache_write followed by this kernel bit for bit.
+//   Programmatic dependent launch (the launch attribute; a no-op without it): fresh < 0 reads nothing
+//   before griddepcontrol.wait. fresh >= 0 promises that the kernel just before wrote none of seq_lens,
+//   block_tables, rope_index, slot_mapping and no cache row of a position < seq_len - fresh (a decode or
+//   verify forward of M tokens after its QKV kernel: fresh = M); the block then reads those and starts its
+//   first tiles' older rows before the wait, and q and the rest after it.
 #include "common.cuh"
 
 #define DA_THREADS 128
@@ -196,7 +201,7 @@ __device__ __forceinline__ void decode_attention_impl(
     int Hkv, int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,
     const u16* __restrict__ k_new,
     const u16* __restrict__ v_new, i64 kv_stride, const float* __restrict__ cos_sin,
-    const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping) {
+    const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping, int fresh) {
   typedef DecodeCfg<D> C;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
   extern __shared__ Vec16 smem_raw[];
@@ -213,6 +218,13 @@ __device__ __forceinline__ void decode_attention_impl(
   const int h0 = hkv * G + hc * 16;
   const int rows = min(16, G - hc * 16);
 
+  // Programmatic dependent launch: the block may be scheduled while the kernel before it finishes.
+  // fresh < 0: it reads nothing before that kernel has completed. fresh >= 0 (the caller's promise
+  // that the kernel before wrote none of seq_lens, the block tables, rope_index, slot_mapping and the
+  // cache rows of positions < seq_len - fresh): it reads those, and starts loading its first tiles'
+  // older keys, before the wait.
+  const bool early = fresh >= 0;
+  if (!early) wait_then_allow_dependents();
   const int seq_len = seq_lens[b];
   const int start = window > 0 ? max(0, seq_len - window) : 0;
   const int total = seq_len - start;
@@ -250,27 +262,24 @@ __device__ __forceinline__ void decode_attention_impl(
   }
 
   if (t0 >= t1) {  // an empty sequence (split 0, direct): block-uniform exit
+    if (early) wait_then_allow_dependents();
     const Vec16 zero = {{0u, 0u, 0u, 0u}};
     for (int i = tid; i < rows * VPR; i += DA_THREADS)
       reinterpret_cast<Vec16*>(out + ((i64)b * H + h0 + i / VPR) * D)[i % VPR] = zero;
     return;
   }
 
-  // q rows of this head chunk (rows >= `rows` are zero-filled).
-  for (int i = tid; i < 16 * VPR; i += DA_THREADS) {
-    const int r = i / VPR, c = i - r * VPR;
-    const bool valid = r < rows;
-    const u16* src = valid ? q + b * q_stride + (i64)(h0 + r) * D + c * 8 : q;
-    cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
-  }
-
   const int* table = block_tables + (i64)b * bt_stride;
   const int bs_mask = (1 << bs_log2) - 1;
-  auto load_tile = [&](int tile, int stage) {
+  // Rows of positions >= late are the kernel before's (or the fused RoPE's) and are loaded after the wait.
+  const int late = min(early ? seq_len - fresh : 0, new_slot >= 0 ? seq_len - 1 : seq_len);
+  // part 0: every row; 1: the rows before `late` only (before the wait); 2: the rows from `late` on.
+  auto load_tile = [&](int tile, int stage, int part) {
     const int base = t0 + tile * DA_TILE;
     for (int i = tid; i < DA_TILE * VPR; i += DA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
+      if (part != 0 && (pos < late) != (part == 1)) continue;
       const bool valid = pos < t1;
       const u16* ksrc = k_cache;
       const u16* vsrc = v_cache;
@@ -293,10 +302,32 @@ __device__ __forceinline__ void decode_attention_impl(
   };
 
   const int num_tiles = (t1 - t0 + DA_TILE - 1) / DA_TILE;
+  auto load_q = [&]() {  // q rows of this head chunk (rows >= `rows` are zero-filled)
+    for (int i = tid; i < 16 * VPR; i += DA_THREADS) {
+      const int r = i / VPR, c = i - r * VPR;
+      const bool valid = r < rows;
+      const u16* src = valid ? q + b * q_stride + (i64)(h0 + r) * D + c * 8 : q;
+      cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
+    }
+  };
+  if (early) {  // the first tiles' older rows, the wait, then q and the rest of those tiles: one group
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile(s, s);
-    cp_async_commit();
+    for (int s = 0; s < STAGES - 1; ++s)
+      if (s < num_tiles) load_tile(s, s, 1);
+    wait_then_allow_dependents();
+    load_q();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_tiles) load_tile(s, s, 2);
+      cp_async_commit();
+    }
+  } else {
+    load_q();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_tiles) load_tile(s, s, 0);
+      cp_async_commit();
+    }
   }
 
   u32 qa[D / 16][4];
@@ -310,7 +341,7 @@ __device__ __forceinline__ void decode_attention_impl(
 
   for (int it = 0; it < num_tiles; ++it) {
     const int nxt = it + STAGES - 1;
-    if (nxt < num_tiles) load_tile(nxt, nxt % STAGES);
+    if (nxt < num_tiles) load_tile(nxt, nxt % STAGES, 0);
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncthreads();
@@ -504,11 +535,11 @@ __device__ __forceinline__ void decode_attention_impl(
       const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,            \
       int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,               \
       const u16* k_new, const u16* v_new, i64 kv_stride, const float* cos_sin, const i64* rope_index,       \
-      const i64* slot_mapping) {                                                                            \
+      const i64* slot_mapping, int fresh) {                                                                 \
     decode_attention_impl<T, D>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,         \
                                 seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits,    \
                                 window, scale_log2, cluster, k_new, v_new, kv_stride, cos_sin, rope_index,  \
-                                slot_mapping);                                                              \
+                                slot_mapping, fresh);                                                       \
   }
 
 DECODE_ENTRY(bf16, Bf16, 16)

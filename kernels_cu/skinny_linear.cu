@@ -160,7 +160,9 @@ struct LaneOperands {
 
 // U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only).
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
+// WAIT (the warp's first group): the W loads are issued before waiting for the previous kernel
+// (programmatic dependent launch), x and the rest after it.
+template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false>
 __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
                                              int c, int C) {
   Vec16 wa[U], wb[U], xb[U][NT], nw[U];
@@ -171,6 +173,7 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
     wa[u] = on ? ld_weight16(L.wa + k) : zero16();
     wb[u] = on ? ld_weight16(L.wb + k) : zero16();
   }
+  if (WAIT) wait_then_allow_dependents();
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
@@ -203,6 +206,16 @@ template <class T, int NT, int U, int CH, bool NORM, int WARPS>
 __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
                                                 int warp, int C) {
   int c = warp;
+  if (c + WARPS * (U - 1) < C) {  // the first group waits for the previous kernel after its W loads
+    skinny_group<T, NT, U, CH, NORM, true, WARPS, true>(acc, ss, L, c, C);
+    c += WARPS * U;
+  } else {
+    if (c < C)
+      skinny_group<T, NT, U, CH, NORM, false, WARPS, true>(acc, ss, L, c, C);
+    else
+      wait_then_allow_dependents();  // no chunks for this warp (K < 32 WARPS): it still reads nothing before
+    return;
+  }
   for (; c + WARPS * (U - 1) < C; c += WARPS * U) skinny_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, c, C);
   if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, c, C);
 }

@@ -74,7 +74,7 @@ MODULES: dict[str, list[KernelSpec]] = {
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
     "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
-                                     + "ppl" + "ppp")
+                                     + "ppl" + "ppp" + "i")
                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
@@ -91,6 +91,10 @@ MODULES: dict[str, list[KernelSpec]] = {
 # Launch constants shared with the .cu files (their header comments state the same numbers).
 DECODE_TILE = 64
 DECODE_CLUSTER = 8  # the portable maximum cluster size
+# Kernels launched with programmatic dependent launch when the library's pdl is on: the decode chain
+# (skinny -> attention -> skinny ...), so each kernel's launch, and the skinny kernels' first weight loads,
+# overlap the end of the kernel before (kernels_cu/common.cuh, grid_dependency_wait).
+PDL_PREFIXES = ("skinny_", "decode_attention_")
 DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
 
@@ -172,13 +176,17 @@ _SLOT = {"p": "Q", "l": "q", "i": "i4x", "f": "f4x"}
 
 class Kernel:
     """One CUfunction with a reusable parameter buffer. A launch with cluster > 1 groups the blocks along
-    grid x into thread-block clusters of that size (sm_90; cuLaunchKernelEx)."""
+    grid x into thread-block clusters of that size (sm_90; cuLaunchKernelEx). pdl: launched with
+    programmatic stream serialization (sm_90; cuLaunchKernelEx): the kernel may start while the kernel
+    before it in the stream finishes, and waits for it with griddepcontrol.wait (common.cuh) before
+    reading what it wrote."""
 
-    __slots__ = ("name", "func", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok", "_config")
+    __slots__ = ("name", "func", "pdl", "_pack", "_buf", "_ptrs", "_params", "_launch", "_ok", "_configs")
 
-    def __init__(self, name: str, func, argtypes: str):
+    def __init__(self, name: str, func, argtypes: str, pdl: bool = False):
         self.name = name
         self.func = func
+        self.pdl = pdl
         self._pack = struct.Struct("<" + "".join(_SLOT[c] for c in argtypes)).pack_into
         n = len(argtypes)
         self._buf = ctypes.create_string_buffer(8 * max(n, 1))
@@ -188,38 +196,47 @@ class Kernel:
         driver = _driver()
         self._launch = driver.cuLaunchKernel
         self._ok = driver.CUresult.CUDA_SUCCESS
-        self._config = None  # (config, cluster attribute) of cuLaunchKernelEx, made at the first clustered launch
+        self._configs: dict[int, object] = {}  # +-cluster size (- without pdl) -> CUlaunchConfig of cuLaunchKernelEx
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: int, *args,
-                 cluster: int = 1):
+                 cluster: int = 1, pdl: bool = True):
+        """pdl=False launches a pdl kernel serialised this time (after a kernel that does not let it start
+        early anyway, where the attribute only costs)."""
         self._pack(self._buf, 0, *args)
-        if cluster <= 1:
+        pdl = pdl and self.pdl
+        if cluster <= 1 and not pdl:
             err, = self._launch(self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream,
                                 self._params, 0)
         else:
-            config, attr = self._config or self._cluster_config()
-            if attr.value.clusterDim.x != cluster:
-                attr.value.clusterDim.x = cluster
-                config.attrs = [attr]  # the binding copies the attributes in
+            key = cluster if pdl else -cluster
+            config = self._configs.get(key) or self._config(cluster, pdl)
             config.gridDimX, config.gridDimY, config.gridDimZ = grid
             config.blockDimX, config.blockDimY, config.blockDimZ = block
             config.sharedMemBytes = smem
             config.hStream = stream
             err, = _driver().cuLaunchKernelEx(config, self.func, self._params, 0)
         if err != self._ok:
-            raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem}, cluster={cluster})",
-                            err)
+            raise CudaError(f"cuLaunchKernel({self.name}, grid={grid}, block={block}, smem={smem}, cluster={cluster}, "
+                            f"pdl={pdl})", err)
 
-    def _cluster_config(self):
+    def _config(self, cluster: int, pdl: bool):
         driver = _driver()
-        attr = driver.CUlaunchAttribute()
-        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x = attr.value.clusterDim.y = attr.value.clusterDim.z = 1
+        attrs = []
+        if cluster > 1:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+            attrs.append(attr)
+        if pdl:
+            attr = driver.CUlaunchAttribute()
+            attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            attrs.append(attr)
         config = driver.CUlaunchConfig()
-        config.attrs = [attr]
-        config.numAttrs = 1
-        self._config = (config, attr)
-        return self._config
+        config.attrs = attrs  # the binding copies the attributes in
+        config.numAttrs = len(attrs)
+        self._configs[cluster if pdl else -cluster] = config
+        return config
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,7 +344,12 @@ class KernelLibrary:
     """Every kernel of kernels_cu/, loaded for one device."""
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
-                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None):
+                 kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
+                 pdl: bool = False):
+        """pdl: launch the kernels of PDL_PREFIXES with programmatic dependent launch (sm_90 and newer;
+        ignored before). Off by default, because a skinny kernel so launched reads its weight before the
+        kernel just before it has finished: a caller that writes a weight in the launch right before must
+        leave it off. The engine's CudaOps turns it on (its weights are written once, at load)."""
         if not torch.cuda.is_available():
             raise KernelLoadError("torch sees no CUDA device")
         if device is None:
@@ -354,6 +376,7 @@ class KernelLibrary:
         minor = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._cu_device))
         self.compute_capability = (major, minor)
+        self.pdl = pdl and self.compute_capability >= (9, 0)
         self.num_sms = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self._cu_device))
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
@@ -376,7 +399,8 @@ class KernelLibrary:
                 if err != driver.CUresult.CUDA_SUCCESS:
                     missing.append(f"{spec.name} (in {module}, {self.origin[module]}: {_error_text(err)})")
                     continue
-                self.kernels[spec.name] = Kernel(spec.name, func, spec.args)
+                self.kernels[spec.name] = Kernel(spec.name, func, spec.args,
+                                                 pdl=self.pdl and spec.name.startswith(PDL_PREFIXES))
         if missing:
             raise KernelLoadError("kernels missing from the loaded modules: " + ", ".join(missing))
         smem_attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -611,9 +635,14 @@ class KernelLibrary:
                          counters: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, sliding_window: int,
                          num_splits: int, cluster: int | None = None,
-                         rope: tuple[torch.Tensor, ...] | None = None) -> None:
+                         rope: tuple[torch.Tensor, ...] | None = None, pdl: bool = True,
+                         fresh: int = -1) -> None:
         """cluster: the launch's cluster size (None: decode_cluster_size(num_splits); 1: no clusters, the
-        splits always merge through global memory).
+        splits always merge through global memory). pdl=False: no programmatic dependent launch for this
+        call even when the library's pdl is on. fresh >= 0 (with pdl): the caller promises that the launch
+        right before wrote none of seq_lens, block_tables, rope's index and slots, and no cache row of a
+        position < seq_len - fresh, so the kernel reads those before it waits for that launch
+        (kernels_cu/decode_attention.cu); -1: nothing before the wait.
         rope = (k, v, cos_sin, rope_index, slot_mapping): q is unrotated and the new token's k and v
         ([B, Hkv, D] views with contiguous heads, one batch stride) are not in the cache yet: the kernel
         applies rope_cache_write itself (same bits), so that op's launch goes away."""
@@ -662,7 +691,8 @@ class KernelLibrary:
         self.kernels[f"decode_attention_{sfx}_d{D}"](
             (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D), self.stream(),
             o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
-            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp, cluster=cluster)
+            num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
+            int(fresh) if pdl and self.pdl else -1, cluster=cluster, pdl=pdl)
 
     def prefill_attention(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:

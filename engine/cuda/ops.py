@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine import sampling
+from engine import env, sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
@@ -80,7 +80,7 @@ class CudaOps(TorchOps):
         """Loads every kernel for `device`; max_seq_len bounds the context (it sizes decode attention's
         split-K grid). Raises ConfigError naming what is missing."""
         try:
-            lib = KernelLibrary(device)
+            lib = KernelLibrary(device, pdl=env.PDL)
         except (KernelLoadError, CudaError, ImportError, OSError) as e:
             raise ConfigError(f"the CUDA kernel backend cannot start on {device}: {e}") from e
         return cls(lib, max_seq_len)
@@ -132,8 +132,15 @@ class CudaOps(TorchOps):
         1B at batch 64 went 1.544 -> 1.559 ms of device time, so those batches keep the separate launch.
         Skinny batches already fuse RoPE and the KV write into their QKV kernel."""
         B, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        if (q_norm is not None or (self._skinny and skinny_fits(h, qkv, D))
-                or not self.lib.decode_fits_one_wave(B, H, Hkv, D, self.max_seq_len)):
+        if q_norm is None and self._skinny and skinny_fits(h, qkv, D):
+            # The skinny QKV kernel, and attention launched behind it with programmatic dependent launch:
+            # before waiting for it, attention reads everything that kernel did not write (it wrote the last
+            # B positions' cache rows at most: one per token of this forward).
+            q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
+                                   v_cache, slot_mapping, eps)
+            return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
+                                         after_skinny=True)
+        if q_norm is not None or not self.lib.decode_fits_one_wave(B, H, Hkv, D, self.max_seq_len):
             return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
                                                 k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
                                                 sliding_window, eps)
@@ -185,8 +192,12 @@ class CudaOps(TorchOps):
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         sliding_window: int = 0, rope: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """rope: the fused RoPE and KV write of decode_qkv_attention (KernelLibrary.decode_attention)."""
+                         sliding_window: int = 0, rope: tuple[torch.Tensor, ...] | None = None,
+                         after_skinny: bool = False) -> torch.Tensor:
+        """rope: the fused RoPE and KV write of decode_qkv_attention (KernelLibrary.decode_attention).
+        after_skinny: launched right behind decode_qkv_attention's skinny QKV kernel, with programmatic
+        dependent launch (after a cuBLAS GEMM it measured slower: 1B batch 32, two steps in flight,
+        1.292-1.294 -> 1.297-1.298 ms)."""
         batch, num_heads, head_dim = q.shape
         splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -194,8 +205,10 @@ class CudaOps(TorchOps):
         if splits > 1:
             part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
+        int_lens = seq_lens.dtype == torch.int32  # else converted by a launch right before (not to be read early)
         self.lib.decode_attention(out, part_o, part_lse, self._split_counters, q, k_cache, v_cache, block_tables,
-                                  seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope)
+                                  seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope,
+                                  pdl=after_skinny, fresh=batch if after_skinny and int_lens else -1)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

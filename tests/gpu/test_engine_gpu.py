@@ -116,6 +116,49 @@ def test_graph_replay_is_bit_identical_to_eager_under_churn(ckpt_1b):
     assert s.hits > 50 and s.captures > 5
 
 
+def verify_workload(engine: Engine, steps: int = 30, seed: int = 0) -> list[tuple]:
+    """Verify steps of 1-3 sequences with 1-3 random drafts each (every row's log-probs compared, whatever
+    is accepted): [(step, seq, accepted, tokens, log-probs)]."""
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    ids = [engine.alloc_sequence(400, SamplingParams(), GREEDY).seq_id for _ in range(3)]
+    engine.prefill([PrefillItem(i, torch.randint(0, vocab, (int(torch.randint(3, 60, (1,), generator=g)),),
+                                                 generator=g).tolist()) for i in ids])
+    log = []
+    for step in range(steps):
+        n = 1 + step % 3
+        k = 1 + (step // 3) % 3
+        items = [VerifyItem(i, torch.randint(0, vocab, (k,), generator=g).tolist()) for i in ids[:n]]
+        for r in engine.verify(items).results:
+            log.append((step, r.seq_id, r.num_accepted, tuple(t.token_id for t in r.tokens),
+                        tuple(t.logprob for t in r.tokens)))
+    engine.release(ids)
+    return log
+
+
+def test_programmatic_dependent_launch_is_bit_identical_under_churn(ckpt_1b, monkeypatch):
+    """The decode kernels launched with programmatic dependent launch (each may start while the one before
+    it finishes; the default on sm_90) give the tokens and log-probs of serialised launches, replayed and
+    eager, under churn."""
+    from engine import env
+    pdl = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
+    if not pdl.ops.lib.pdl:
+        pytest.skip(f"programmatic dependent launch needs sm_90 (this device: {pdl.ops.lib.compute_capability})")
+    assert pdl.ops.lib.kernels["skinny_silu_bf16_m8"].pdl and pdl.ops.lib.kernels["decode_attention_bf16_d64"].pdl
+    assert not pdl.ops.lib.kernels["sample_stats"].pdl
+    monkeypatch.setattr(env, "PDL", False)
+    serial = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
+    assert not serial.ops.lib.pdl and not serial.ops.lib.kernels["skinny_silu_bf16_m8"].pdl
+    a, b = churn_workload(pdl, seed=4), churn_workload(serial, seed=4)
+    assert a == b
+    assert pdl.graphs.stats.hits > 50
+    assert verify_workload(pdl) == verify_workload(serial)
+    monkeypatch.setattr(env, "PDL", True)
+    eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
+    assert eager.ops.lib.pdl
+    assert churn_workload(eager, seed=4) == a
+
+
 def test_width_fallback_graphs_are_bit_identical_to_eager_under_churn(ckpt_1b):
     """fallback_graphs: steps whose slot vector has no graph yet replay their batch width's graph, which
     reads the slot vector staged (pinned copy) just before; the same tokens and log-probs as eager."""
