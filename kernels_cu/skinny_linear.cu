@@ -52,10 +52,12 @@
 // through shared memory in warp order (deterministic) and warp 0 runs the epilogue.
 // 16-warp blocks (entry suffix _w16) are for grids with no more tiles than SMs (1B o and down: 128
 // tiles on 132 SMs), where 8-warp blocks would leave each SM one block and half the loads in flight.
-// Measured and left out (H200): programmatic dependent launch (griddepcontrol.wait before reading x,
-// the next kernel launched early) changed the 1B decode step by < 1% and made the 8B step 16% slower
-// (4.44 -> 5.17 ms); prefetching a block's W rows into L2 before that wait made the many-block shapes
-// slower (1B lm_head 122 -> 174 us). A "staged" variant for 9..32 tokens (x staged once per block
+// Programmatic dependent launch (common.cuh; the engine launches these kernels with it): each warp
+// issues its first group's W loads, then waits for the previous kernel, then loads x (and norm_w, bias,
+// the residual and RoPE operands later): nothing but W is read before the wait, and nothing written.
+// H200, 1B batch 1 two steps in flight 0.895 -> 0.851 ms with decode attention's part, 8B 4.200 -> 4.112
+// (bench/results/pdl-ab-20261202-nvidia-h200.md). Measured and left out: prefetching a block's W rows
+// into L2 before the wait (1B lm_head 122 -> 174 us; with a wait at the top, 8B 4.44 -> 5.17 ms). A "staged" variant for 9..32 tokens (x staged once per block
 // in shared memory, one 16-row tile per warp, K split over a thread-block cluster and reduced in
 // distributed shared memory; commit 4370f91) was slower than cuBLAS at every 1B and 8B shape at 16 and
 // 32 tokens (1B gate_up + norm + SiLU at 32 tokens 29.9 us vs F.linear 19.2; o + residual 13.3 vs 6.5:
