@@ -290,6 +290,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf-compile", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--skinny-wide-tiles", type=int, default=None,
+                   help="(GPU, experiments) skinny grids of at most this many tiles get 16-warp blocks "
+                        "(default: the SM count; 0: never)")
     args = p.parse_args(argv)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -323,10 +326,14 @@ def main(argv=None) -> int:
                        max_seq_len=max_len + 512, max_prefill_tokens=8192,
                        kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
     engine = Engine(cfg)
+    lib = getattr(engine.ops, "lib", None)
+    if args.skinny_wide_tiles is not None and lib is not None:  # before any step is captured
+        lib.skinny_wide_tiles = args.skinny_wide_tiles
     results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name, capture_after=cfg.capture_after,
                            fallback_graphs=cfg.fallback_graphs, max_graphs=cfg.max_graphs,
                            weight_bytes=weight_bytes(engine.weights),
-                           pdl=bool(getattr(getattr(engine.ops, "lib", None), "pdl", False)))
+                           pdl=bool(getattr(lib, "pdl", False)),
+                           skinny_wide_tiles=getattr(lib, "skinny_wide_tiles", None))
     floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None
     results["decode_floor_ms"] = floor_ms
 

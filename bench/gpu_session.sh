@@ -87,6 +87,11 @@ for what in "$@"; do
         if [ "${PDL8B:-0}" = 1 ]; then for pdl in 0 1; do
           METRALE_PDL=$pdl stage engine-bench-8b-pdl$pdl 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
         done; fi ;;
+    # A/B of 16-warp skinny blocks for grids of <= SM-count tiles (1B o and down) vs 8-warp blocks everywhere
+    # (with PDL, 8-warp blocks leave room on the SM for the next kernel's blocks): 1B batch 1, REPS (2) pairs
+    abwide) for rep in $(seq 1 ${REPS:-2}); do for w in default 0; do
+          stage engine-bench-1b-wide$w-rep$rep 120 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 --steps 200 $( [ $w = 0 ] && echo --skinny-wide-tiles 0 ) --out "$OUT"
+        done; done ;;
     # The same against the worker: C = 32, the router three in flight, twice alternating
     abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
         ln -sfn "$PWD/metrale" build/ab-base/metrale
