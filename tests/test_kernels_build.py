@@ -80,3 +80,49 @@ def test_launch_parameters_pack_into_8_byte_slots():
     assert struct.unpack_from("<f", raw, 24)[0] == 1.5
     base = kernel._ptrs[0]
     assert [kernel._ptrs[i] - base for i in range(4)] == [0, 8, 16, 24]
+
+
+def test_launch_attributes_for_clusters_and_programmatic_dependent_launch(monkeypatch):
+    """Kernel.__call__ picks cuLaunchKernel for a plain launch and cuLaunchKernelEx with the cluster and/or
+    programmatic-serialization attributes otherwise (a per-call pdl=False drops the latter); the configs are
+    made once per kind and carry each launch's grid, block, shared memory and stream."""
+    from engine.cuda import kernels
+    real = kernels._driver()
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def cuLaunchKernel(self, func, *args):
+            calls.append(("plain", args[:8]))
+            return (real.CUresult.CUDA_SUCCESS,)
+
+        def cuLaunchKernelEx(self, config, func, params, extra):
+            attrs = {}
+            for a in config.attrs[:config.numAttrs]:
+                if a.id == real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION:
+                    attrs["cluster"] = (a.value.clusterDim.x, a.value.clusterDim.y, a.value.clusterDim.z)
+                elif a.id == real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION:
+                    attrs["pdl"] = a.value.programmaticStreamSerializationAllowed
+            calls.append(("ex", (config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                                 config.sharedMemBytes, int(config.hStream)), attrs, id(config)))
+            return (real.CUresult.CUDA_SUCCESS,)
+
+    monkeypatch.setattr(kernels, "_driver", lambda: Recorder())
+    plain = Kernel("plain", None, "i")
+    plain((2, 1, 1), (32, 1, 1), 0, 0, 7)
+    plain((8, 1, 1), (32, 1, 1), 0, 0, 7, cluster=4)
+    pdl = Kernel("pdl", None, "i", pdl=True)
+    pdl((3, 2, 1), (128, 1, 1), 1024, 5, 7)
+    pdl((4, 1, 1), (128, 1, 1), 0, 6, 7)
+    pdl((8, 1, 1), (128, 1, 1), 0, 6, 7, cluster=2)
+    pdl((3, 1, 1), (64, 1, 1), 0, 6, 7, pdl=False)
+    pdl((8, 1, 1), (64, 1, 1), 0, 6, 7, cluster=2, pdl=False)
+    assert calls[0] == ("plain", (2, 1, 1, 32, 1, 1, 0, 0))
+    assert calls[1][:3] == ("ex", (8, 1, 1, 32, 0, 0), {"cluster": (4, 1, 1)})
+    assert calls[2][:3] == ("ex", (3, 2, 1, 128, 1024, 5), {"pdl": 1})
+    assert calls[3][:3] == ("ex", (4, 1, 1, 128, 0, 6), {"pdl": 1}) and calls[3][3] == calls[2][3]
+    assert calls[4][:3] == ("ex", (8, 1, 1, 128, 0, 6), {"cluster": (2, 1, 1), "pdl": 1})
+    assert calls[5] == ("plain", (3, 1, 1, 64, 1, 1, 0, 6))
+    assert calls[6][:3] == ("ex", (8, 1, 1, 64, 0, 6), {"cluster": (2, 1, 1)}) and calls[6][3] != calls[4][3]
