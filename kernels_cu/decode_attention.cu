@@ -310,6 +310,8 @@ __device__ __forceinline__ void decode_attention_impl(
       cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
     }
   };
+  // (Two copies of the prologue loop on purpose: one loop with `early ? 2 : 0` made ptxas spill in the
+  // d32 entries.)
   if (early) {  // the first tiles' older rows, the wait, then q and the rest of those tiles: one group
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
