@@ -89,6 +89,7 @@ class Engine:
         self._in_flight: collections.deque[PendingStep] = collections.deque()  # launched, not finished; oldest first
         self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of max_steps_in_flight)
         self._refused_steps = 0  # launched steps refused because an earlier step ended one of their sequences
+        self._last_plan: BatchPlan | None = None  # the last decode batch's (see _batch_plan)
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
                  "(%.1f MB)", self.model_path, mc.architecture, mc.num_layers, weight_bytes(self.weights) / 1e6,
                  self.device, self.dtype, time.perf_counter() - t0, num_blocks, self.block_size,
@@ -187,6 +188,7 @@ class Engine:
         seqs = self._check_ids(seq_ids, limit=False)
         if any(seq in step.seqs for step in self._in_flight for seq in seqs):
             self._finish_in_flight()  # a slot is freed only after every step that writes it has finished
+        self._last_plan = None
         for seq in [self.sequences[i] for i in seq_ids]:
             self.blocks.free(seq.block_ids)
             self.slots.free(seq.slot)
@@ -369,7 +371,8 @@ class Engine:
         checked on the committed state. If an earlier step then ends one of its sequences by EOS or a
         stop token, finish() refuses it as decode would have (FAILED_PRECONDITION), puts every sequence
         back as it was, and runs again the steps queued after it."""
-        seqs = self._check_ids(seq_ids)
+        plan = self._batch_plan(seq_ids)
+        seqs = plan.seqs
         self._check_running(seqs)
         if input_token_ids:
             if len(input_token_ids) != len(seq_ids):
@@ -382,9 +385,18 @@ class Engine:
         while len(self._in_flight) >= self.config.max_steps_in_flight:
             self._finish_next()
             self._check_running(seqs)
-        step = PendingStep(seqs, list(input_token_ids) if input_token_ids else None)
+        step = PendingStep(plan, list(input_token_ids) if input_token_ids else None)
         self._launch(step)
         return step
+
+    def _batch_plan(self, seq_ids: list[int]) -> "BatchPlan":
+        """The checked sequences of a decode batch and their slot order; the last batch's plan is kept,
+        since a router decodes the same batch step after step (release() drops it)."""
+        plan = self._last_plan
+        if plan is None or plan.ids != seq_ids:
+            seqs = self._check_ids(seq_ids)
+            plan = self._last_plan = BatchPlan(list(seq_ids), seqs, self._num_top(seqs))
+        return plan
 
     def finish(self, step: "PendingStep") -> api.StepResult:
         """Waits for a launched step (and the ones launched before it) and returns its result, or raises
@@ -405,9 +417,6 @@ class Engine:
         """Queues the device work of a decode step; its sequences count its token as cached from now on.
         The step runs on the slots in ascending order (the graph key); results go back in request order."""
         seqs = step.seqs
-        step.order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
-        step.batch = [seqs[i] for i in step.order]
-        step.num_top = self._num_top(seqs)
         step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % self.config.max_steps_in_flight
         # A replayed step is driver calls on the compute stream; whatever runs torch ops (the token
         # override, an eager or captured step, top-logprob copies) switches torch's stream itself.
@@ -419,8 +428,8 @@ class Engine:
                         self._rebuild_seen(seq)
                     self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
                         torch.tensor(step.input_token_ids, device=self.device)
-            self._run_decode(step.batch, step.num_top, step.ring)
-            self.outputs.copy_to_host(len(step.batch), step.num_top, step.ring, self.streams)
+            self._run_decode(step.plan, step.ring)
+            self.outputs.copy_to_host(len(step.batch), step.plan.num_top, step.ring, self.streams)
         step.timer = timer
         if self.streams is not None:  # a mark of this launch, for a thread that waits on it
             step.done_event = self.streams.mark()
@@ -433,17 +442,18 @@ class Engine:
         refuses it, see decode_launch)."""
         step = self._in_flight[0]
         step.wait_device()
-        ended = [s for s in step.seqs if s.finished]  # by a step committed after this one was launched
-        if ended:
+        if any(s.finish_reason for s in step.seqs):  # ended by a step committed after this one was launched
             self._refuse_in_flight()
             return
         self._in_flight.popleft()
-        host = self.outputs.host_values(len(step.batch), step.num_top, step.ring)
-        results = self._commit(step.batch, *host)
-        by_request = [None] * len(results)
-        for pos, i in enumerate(step.order):
-            by_request[i] = results[pos]
-        step.result = api.StepResult(by_request, step.timer.elapsed_ns())
+        plan = step.plan
+        results = self._commit(plan.batch, *self.outputs.host_values(len(plan.batch), plan.num_top, step.ring))
+        if not plan.in_slot_order:
+            by_request = [None] * len(results)
+            for pos, i in enumerate(plan.order):
+                by_request[i] = results[pos]
+            results = by_request
+        step.result = api.StepResult(results, step.timer.elapsed_ns())
 
     def _refuse_in_flight(self) -> None:
         """The oldest launched step holds a sequence an earlier step ended: refuses it, rolls every
@@ -482,21 +492,27 @@ class Engine:
         while self._in_flight:
             self._finish_next()
 
-    def _run_decode(self, batch: list[Sequence], num_top: int, ring: int = 0) -> None:
-        """The decode step of `batch` (ascending slots), through _run_step. Each sequence's length counts
-        the steps launched before this one (num_cached + 1)."""
-        seq_lens = [s.num_cached + 1 for s in batch]
-        self._run_step("decode", [s.slot for s in batch], (num_top,),
-                       lambda slots_t: lambda: self._decode_into_outputs(slots_t, seq_lens, num_top), ring)
+    def _run_decode(self, plan: "BatchPlan", ring: int = 0) -> None:
+        """The decode step of plan.batch (ascending slots), through _run_step. Each sequence's length counts
+        the steps launched before this one (num_cached + 1; read only when the step is built, not replayed)."""
+        batch, num_top = plan.batch, plan.num_top
+
+        def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
+            seq_lens = [s.num_cached + 1 for s in batch]
+            return lambda: self._decode_into_outputs(slots_t, seq_lens, num_top)
+
+        self._run_step("decode", plan.slots, (num_top,), make_step, ring, key=plan.decode_key)
 
     def _run_step(self, kind: str, slots: list[int], shape: tuple,
-                  make_step: Callable[[torch.Tensor], Callable[[], None]], ring: int = 0) -> None:
+                  make_step: Callable[[torch.Tensor], Callable[[], None]], ring: int = 0,
+                  key: tuple | None = None) -> None:
         """Runs the device work of a decode or uniform verify step over `slots` (ascending); make_step(the
         slot vector on the device) returns that work. It is replayed from the CUDA graph of the slot
         vector when one is held; else, with fallback_graphs, from the graph of the batch width (and
         `shape`), which reads the slot vector from a staging buffer written just before; else it runs
         eagerly. GraphCache decides when to capture either. ring: which pinned staging buffer the slot
-        vector goes through (one per step in flight).
+        vector goes through (one per step in flight). key: the graph key, when the caller holds it already
+        ((kind, *GraphCache.key_for(slots, *shape))).
 
         Only a replay may run outside torch's compute stream context (it is driver calls on the compute
         stream): every step function is built and run inside it."""
@@ -526,7 +542,7 @@ class Engine:
                     staged.device[:width].copy_(staged.host[ring][:width])
 
             fallback = ((kind, "width", width, *shape), lambda: on_compute(make_step(staged.device[:width])), stage)
-        self.graphs.run((kind, *GraphCache.key_for(slots, *shape)), prepare, fallback)
+        self.graphs.run(key or (kind, *GraphCache.key_for(slots, *shape)), prepare, fallback)
 
     def _decode_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
         """Device work of one decode step: inputs from the slot state, forward, sample; the sampled
@@ -712,6 +728,9 @@ class Engine:
         """Appends the sampled tokens (host copies) to the sequences; returns their results. (Run for every
         token of every step: one loop, locals.)"""
         eos, TokenResult = self.eos_token_ids, api.TokenResult
+        if top_ids is None:  # no top logprobs in this step (append runs before len: the new length)
+            return [TokenResult(seq.seq_id, tok, lp, [], seq.append(tok, eos), len(seq.token_ids))
+                    for seq, tok, lp in zip(seqs, token_ids, logprobs)]
         results = []
         for row, (seq, tok) in enumerate(zip(seqs, token_ids)):
             reason = seq.append(tok, eos)
@@ -782,6 +801,7 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # launched steps end before their buffers go; nobody finishes them
         self._in_flight.clear()
+        self._last_plan = None
         self.sequences.clear()
         if self.graphs is not None:
             self.graphs.clear()
@@ -798,12 +818,11 @@ class PendingStep:
     """A decode step launched by Engine.decode_launch: its sequences, then (set by the engine) how it
     ran, and once finished its result or the error that refused it."""
 
-    def __init__(self, seqs: list[Sequence], input_token_ids: list[int] | None):
-        self.seqs = seqs  # in request order
+    def __init__(self, plan: "BatchPlan", input_token_ids: list[int] | None):
+        self.plan = plan
+        self.seqs = plan.seqs  # in request order
+        self.batch = plan.batch  # in slot order (the device's)
         self.input_token_ids = input_token_ids
-        self.batch: list[Sequence] = []  # in slot order (the device's)
-        self.order: list[int] = []  # batch[j] is seqs[order[j]]
-        self.num_top = 0
         self.ring = 0  # its pinned buffers and timer
         self.timer = None  # its device time (Timing, or _HostTimer on CPU)
         # A DeviceMark recorded by each launch once its results are in pinned memory, new for each launch
@@ -829,6 +848,23 @@ class PendingStep:
         event = self.done_event
         if event is not None:
             event.synchronize()
+
+
+class BatchPlan:
+    """A decode batch as the device runs it: the sequences in request order, the same in ascending slot
+    order (batch[j] is seqs[order[j]]), the slot vector, its graph key and the step's number of top
+    logprobs. It depends only on which sequences the batch holds (a sequence's slot and sampling never
+    change), so it serves every step of the same batch."""
+
+    __slots__ = ("ids", "seqs", "order", "batch", "slots", "num_top", "decode_key", "in_slot_order")
+
+    def __init__(self, ids: list[int], seqs: list[Sequence], num_top: int):
+        self.ids, self.seqs, self.num_top = ids, seqs, num_top
+        self.order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
+        self.batch = [seqs[i] for i in self.order]
+        self.slots = [s.slot for s in self.batch]
+        self.decode_key = ("decode", *GraphCache.key_for(self.slots, num_top))
+        self.in_slot_order = self.order == list(range(len(seqs)))
 
 
 def _ends_by_length(seq: Sequence) -> bool:

@@ -7,7 +7,7 @@ import pytest
 from conftest import engine_config, random_prompts
 from engine.api import PrefillItem
 from engine.engine import Engine
-from engine.errors import FailedPrecondition
+from engine.errors import FailedPrecondition, NotFound
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason
 from test_graph_cache import ExecBackend
@@ -335,3 +335,27 @@ def test_decode_width_warm_up_is_a_no_op_without_cuda_graphs(tiny_model):
     engine = Engine(engine_config(tiny_model, warm_up_widths=4))
     assert engine.warm_up_decode() == 0
     assert not engine.sequences
+
+
+def test_the_last_batch_plan_serves_the_same_batch_and_release_drops_it(tiny_model):
+    """decode_launch keeps the last batch's checked sequences and slot order (BatchPlan): a repeated batch
+    reuses it, a batch in another order gets its own (results still in request order), and a released
+    sequence is unknown at once even though the plan held it."""
+    engine = Engine(engine_config(tiny_model))
+    prompts = random_prompts([6, 5, 7], engine.model_config.vocab_size, seed=11)
+    a, b, c = start(engine, prompts, [20, 20, 20])
+    first = engine.decode([a, b, c])
+    plan = engine._last_plan
+    engine.decode([a, b, c])
+    assert engine._last_plan is plan and plan.in_slot_order
+    reordered = engine.decode([c, a, b])
+    assert engine._last_plan is not plan and not engine._last_plan.in_slot_order
+    assert [t.seq_id for t in reordered.tokens] == [c, a, b]
+    assert [t.seq_len for t in reordered.tokens] == [t.seq_len + 2 for t in (first.tokens[2], first.tokens[0],
+                                                                              first.tokens[1])]
+    engine.release([b])
+    assert engine._last_plan is None
+    with pytest.raises(NotFound):
+        engine.decode([c, a, b])
+    assert [t.seq_id for t in engine.decode([c, a]).tokens] == [c, a]
+    engine.close()
