@@ -35,6 +35,9 @@ for what in "$@"; do
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
     kskinny) stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider ;;
     kverify) stage gpu-kernel-verify-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "verify or decode_prepare or decode_commit or decode_step" ;;
+    ksampling) stage gpu-kernel-sampling-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "sample or spec_accept or embedding or decode_prepare or decode_commit or verify" ;;
+    # The sampling kernels alone at decode batches; with build/ab-base also the base tree's, in the same process
+    bsample) stage bench-sample 120 python3 tests/gpu/bench_kernels.py --sample $( [ -d build/ab-base ] && echo --variant build/ab-base/kernels_cu build/ab-base/kernels_cu/build ) ;;
     kdecode) stage gpu-kernel-decode-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "decode or fused or replay" ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
@@ -122,6 +125,7 @@ for what in "$@"; do
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
     ttft)    stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
+    profdecode) stage profile-decode-1b 200 python3 bench/profile_step.py --shape 1b --only decode ;;
     replay)  stage profile-replay-1b 200 python3 bench/profile_step.py --shape 1b --only replay ;;
     replay8b) stage profile-replay-8b 300 python3 bench/profile_step.py --shape 8b --only replay ;;
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;

@@ -39,6 +39,8 @@
 //     also copies the table row, and its thread 0 writes the scalars. block_size > 0; P >= 1.
 //   decode_commit, verify_commit: grid (ceil(B / 128)), block 128; thread b handles row b.
 //   B == 0: no launch.
+//   Programmatic dependent launch (the launch attribute; a no-op without it): each kernel waits at its
+//   top and reads nothing before (common.cuh, grid_dependency_wait).
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -53,6 +55,7 @@ extern "C" __global__ void __launch_bounds__(256)
                    const float* __restrict__ top_p, const i64* __restrict__ seed, const float* __restrict__ penalty,
                    const unsigned char* __restrict__ seen, int max_blocks, i64 vocab, int block_size,
                    const i64* __restrict__ drafts, i64 draft_stride, int rows_per_slot) {
+  wait_then_allow_dependents();
   const int r = blockIdx.x, part = blockIdx.y, parts = gridDim.y;
   const int b = r / rows_per_slot, i = r - b * rows_per_slot;  // row i of slot row b
   const i64 s = slots[b];
@@ -110,6 +113,7 @@ extern "C" __global__ void __launch_bounds__(256)
 extern "C" __global__ void __launch_bounds__(128)
     decode_commit(i64* out_tokens, float* out_logprobs, int* num_cached, i64* last_token, unsigned char* seen,
                   const i64* slots, const i64* tokens, const float* logprobs, int batch, i64 vocab) {
+  wait_then_allow_dependents();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const i64 s = slots[b];
@@ -127,6 +131,7 @@ extern "C" __global__ void __launch_bounds__(128)
     verify_commit(i64* out_accepted, i64* out_tokens, float* out_logprobs, int* num_cached, i64* last_token,
                   unsigned char* seen, const i64* slots, const i64* drafts, const i64* sampled,
                   const float* logprobs, int batch, int k, i64 draft_stride, int out_stride, i64 vocab) {
+  wait_then_allow_dependents();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int n = k + 1;

@@ -9,10 +9,13 @@
 // Launch contract (embedding_{bf16,fp16}):
 //   grid (T), block (min(256, hidden / 8)), no dynamic shared memory.
 //   hidden % 8 == 0; out and weight 16-byte aligned (each thread moves 16-byte vectors).
+//   Programmatic dependent launch (the launch attribute; a no-op without it): it waits at its top and
+//   reads nothing before (common.cuh, grid_dependency_wait).
 #include "common.cuh"
 
 __device__ __forceinline__ void embedding_impl(u16* __restrict__ out, const u16* __restrict__ weight,
                                                const i64* __restrict__ input_ids, int hidden, i64 vocab) {
+  wait_then_allow_dependents();
   const int t = blockIdx.x;
   const i64 id = input_ids[t];
   const int num_vec = hidden >> 3;

@@ -27,6 +27,8 @@
 //   sample_select  grid (N), block 1024: the top-k / top-p threshold of filtered rows (0 otherwise).
 //   sample_draw    grid (S, N), block 256: the Gumbel argmax of filtered rows over kept tokens.
 //   sample_finish  grid (N), block 32: merge the splits; write tokens and logprobs.
+// Programmatic dependent launch (the launch attribute; a no-op without it): each kernel waits at its top
+// and reads nothing before (common.cuh, grid_dependency_wait); its launch overlaps the end of the one before.
 // Built WITHOUT --use_fast_math: divisions, expf and logf must be the accurate ones.
 #include "common.cuh"
 
@@ -90,35 +92,70 @@ __device__ __forceinline__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
       const float *top_p, const i64 *seed, const float *penalty, const i64 *position, int V, int num_splits
 
 extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PARTS_ARGS) {
+  wait_then_allow_dependents();
   __shared__ float sv[32], sv2[32];
   __shared__ int si[32];
   const int row = blockIdx.y, split = blockIdx.x;
   const RowParams rp(row, V, temperature, top_k, top_p, seed, penalty, position);
   const bool draw_here = rp.temperature != 0.f && !rp.filtered;
-  const int chunk = (V + num_splits - 1) / num_splits;
+  // V % 4 == 0 (every row 16-byte aligned, given an aligned base): 16-byte logit and 4-byte seen loads,
+  // splits of a multiple of 4 tokens, so a block's share is one trip of ILP vectors a thread far more
+  // often (32 rows of a 128k vocabulary: one trip instead of four).
+  const bool vec = (V & 3) == 0 && (reinterpret_cast<unsigned long long>(logits) & 15) == 0 &&
+                   (reinterpret_cast<unsigned long long>(seen) & 3) == 0;
+  int chunk = (V + num_splits - 1) / num_splits;
+  if (vec) chunk = (chunk + 3) & ~3;
   const int start = split * chunk, end = min(V, start + chunk);
   const float* lg = logits + (i64)row * V;
   const unsigned char* sn = seen + (i64)row * V;
 
   SoftmaxStat st{NEG_INF, 0.f};
   ArgMax best_p = argmax_init(), best_g = argmax_init();
-  for (int base = start + threadIdx.x; base < end; base += ILP * blockDim.x) {
-    float l[ILP];
-    unsigned char seen_u[ILP];
+  auto add = [&](float l, unsigned char seen_i, int i) {
+    softmax_add(st, l);
+    const float p = penalize(l, seen_i, rp.penalty);
+    argmax_merge(best_p, p, i);
+    if (draw_here) argmax_merge(best_g, p / rp.temperature + gumbel_noise(rp.seed, rp.position, (u32)i), i);
+  };
+  if (vec) {
+    const float4* lg4 = reinterpret_cast<const float4*>(lg);
+    const u32* sn4 = reinterpret_cast<const u32*>(sn);
+    const int vend = end >> 2;  // start and end are multiples of 4
+    for (int base = (start >> 2) + threadIdx.x; base < vend; base += ILP * blockDim.x) {
+      float4 l[ILP];
+      u32 seen_u[ILP];
 #pragma unroll
-    for (int u = 0; u < ILP; ++u) {
-      const int i = base + u * blockDim.x;
-      l[u] = i < end ? lg[i] : NEG_INF;
-      seen_u[u] = i < end ? sn[i] : 0;
+      for (int u = 0; u < ILP; ++u) {
+        const int j = base + u * blockDim.x;
+        l[u] = j < vend ? lg4[j] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
+        seen_u[u] = j < vend ? sn4[j] : 0u;
+      }
+#pragma unroll
+      for (int u = 0; u < ILP; ++u) {
+        const int j = base + u * blockDim.x;
+        if (j >= vend) break;
+        add(l[u].x, seen_u[u] & 0xffu, 4 * j);
+        add(l[u].y, (seen_u[u] >> 8) & 0xffu, 4 * j + 1);
+        add(l[u].z, (seen_u[u] >> 16) & 0xffu, 4 * j + 2);
+        add(l[u].w, seen_u[u] >> 24, 4 * j + 3);
+      }
     }
+  } else {
+    for (int base = start + threadIdx.x; base < end; base += ILP * blockDim.x) {
+      float l[ILP];
+      unsigned char seen_u[ILP];
 #pragma unroll
-    for (int u = 0; u < ILP; ++u) {
-      const int i = base + u * blockDim.x;
-      if (i >= end) break;
-      softmax_add(st, l[u]);
-      const float p = penalize(l[u], seen_u[u], rp.penalty);
-      argmax_merge(best_p, p, i);
-      if (draw_here) argmax_merge(best_g, p / rp.temperature + gumbel_noise(rp.seed, rp.position, (u32)i), i);
+      for (int u = 0; u < ILP; ++u) {
+        const int i = base + u * blockDim.x;
+        l[u] = i < end ? lg[i] : NEG_INF;
+        seen_u[u] = i < end ? sn[i] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < ILP; ++u) {
+        const int i = base + u * blockDim.x;
+        if (i >= end) break;
+        add(l[u], seen_u[u], i);
+      }
     }
   }
 
@@ -264,6 +301,7 @@ __device__ u32 radix_select(u64* hist, u64* scratch, const float* lg, const unsi
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
     sample_select(u32* thresholds, const float* parts, PARTS_ARGS) {
+  wait_then_allow_dependents();
   __shared__ u64 hist[4096];
   __shared__ u64 scratch[32];
   const int row = blockIdx.x;
@@ -291,6 +329,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
 
 extern "C" __global__ void __launch_bounds__(256)
     sample_draw(float* parts, const u32* thresholds, PARTS_ARGS) {
+  wait_then_allow_dependents();
   __shared__ float sv[32];
   __shared__ int si[32];
   const int row = blockIdx.y, split = blockIdx.x;
@@ -329,6 +368,7 @@ extern "C" __global__ void __launch_bounds__(256)
 
 extern "C" __global__ void sample_finish(i64* tokens, float* logprobs, const float* parts, const float* logits,
                                          const float* temperature, int V, int num_splits) {
+  wait_then_allow_dependents();
   const int row = blockIdx.x, lane = threadIdx.x;
   SoftmaxStat st{NEG_INF, 0.f};
   ArgMax bp = argmax_init(), bg = argmax_init();

@@ -15,6 +15,7 @@
 //   scratch; num_accepted [B] i64, tokens [B] i64. All contiguous.
 // Launch contract: spec_accept_draw grid (S, B), block 256 (every block recomputes j, then draws over
 //   its vocab split [s * ceil(V/S), ...)); then spec_accept_finish grid (B), block 32. K >= 1.
+// Programmatic dependent launch (the launch attribute): both kernels wait at their top, as sampling.cu's.
 // Built WITHOUT --use_fast_math.
 #include "common.cuh"
 
@@ -23,6 +24,7 @@
 extern "C" __global__ void __launch_bounds__(256)
     spec_accept_draw(float* parts, const float* target_logp, const i64* draft_ids, const float* draft_probs,
                      const i64* seed, const i64* position, int K, int V, int num_splits) {
+  wait_then_allow_dependents();
   __shared__ int j_s;
   __shared__ float sv[32];
   __shared__ int si[32];
@@ -125,6 +127,7 @@ extern "C" __global__ void __launch_bounds__(256)
 
 extern "C" __global__ void spec_accept_finish(i64* num_accepted, i64* tokens, const float* parts, int K,
                                               int num_splits) {
+  wait_then_allow_dependents();
   const int b = blockIdx.x, lane = threadIdx.x;
   ArgMax best_r = argmax_init(), best_p = argmax_init();
   int any_positive = 0;

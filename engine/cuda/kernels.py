@@ -91,10 +91,13 @@ MODULES: dict[str, list[KernelSpec]] = {
 # Launch constants shared with the .cu files (their header comments state the same numbers).
 DECODE_TILE = 64
 DECODE_CLUSTER = 8  # the portable maximum cluster size
-# Kernels launched with programmatic dependent launch when the library's pdl is on: the decode chain
-# (skinny -> attention -> skinny ...), so each kernel's launch, and the skinny kernels' first weight loads,
-# overlap the end of the kernel before (kernels_cu/common.cuh, grid_dependency_wait).
-PDL_PREFIXES = ("skinny_", "decode_attention_")
+# Kernels launched with programmatic dependent launch when the library's pdl is on: the decode and verify
+# step chain (decode_prepare -> embedding -> skinny -> attention -> skinny ... -> the sampling kernels ->
+# decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
+# the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
+# anything the launch before may have written (the ones outside the layers wait at their top).
+PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
+                "decode_commit", "verify_commit")
 DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
 

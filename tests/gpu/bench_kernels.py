@@ -214,10 +214,38 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
+def sample_rows(lib, dev) -> list[tuple]:
+    """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
+    rows = []
+    for batch in (1, 8, 32):
+        logits = torch.randn(batch, VOCAB, device=dev) * 3
+        splits = lib.vocab_splits(batch, VOCAB)
+        parts = torch.empty((batch, splits, 8), dtype=torch.float32, device=dev)
+        th = torch.empty(batch, dtype=torch.int32, device=dev)
+        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+        lps = torch.empty(batch, dtype=torch.float32, device=dev)
+        for kind in ("greedy", "temperature"):
+            st = sampling_rows(batch, kind)
+            args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
+
+            def four(args=args):
+                lib.sample_stats(parts, *args)
+                lib.sample_select(th, parts, *args)
+                lib.sample_draw(parts, th, *args)
+                lib.sample_finish(tokens, lps, parts, logits, args[2])
+
+            stats_us = device_us(lambda args=args: lib.sample_stats(parts, *args))
+            nbytes = batch * VOCAB * 5
+            rows.append((batch, f"sample_stats {kind}", stats_us, f"{nbytes / stats_us / 1e3:8.0f} GB/s, {splits} splits"))
+            rows.append((batch, f"sample (4 kernels) {kind}", device_us(four), ""))
+    return rows
+
+
 def main() -> int:
-    """Flags: --skinny (only the skinny linear rows), --norm (only rms_norm layouts at prompt sizes),
+    """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
+    rms_norm layouts at prompt sizes),
     --attention (only decode attention with forced key splits, attention_split_rows);
-    --variant SRC BUILD with --skinny: also the skinny rows of the kernels built from SRC into BUILD
+    --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
@@ -230,6 +258,16 @@ def main() -> int:
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
             print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
+        return 0
+    if "--sample" in sys.argv:  # the sampling kernels alone (sample_stats, then the four) at decode batches
+        libs = [("", ops.lib)]
+        if "--variant" in sys.argv:
+            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
+            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
+                                                                        kernel_dir=pathlib.Path(src), pdl=True)))
+        for tag, lib in libs:
+            for batch, name, d_us, extra in sample_rows(lib, dev):
+                print(f"{batch:>5}  {tag + name:<40} {d_us:>10.2f}  {extra}")
         return 0
     if "--skinny" in sys.argv:
         libs = [("", ops.lib)]

@@ -144,8 +144,11 @@ def test_programmatic_dependent_launch_is_bit_identical_under_churn(ckpt_1b, mon
     pdl = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
     if not pdl.ops.lib.pdl:
         pytest.skip(f"programmatic dependent launch needs sm_90 (this device: {pdl.ops.lib.compute_capability})")
-    assert pdl.ops.lib.kernels["skinny_silu_bf16_m8"].pdl and pdl.ops.lib.kernels["decode_attention_bf16_d64"].pdl
-    assert not pdl.ops.lib.kernels["sample_stats"].pdl
+    kernels = pdl.ops.lib.kernels
+    assert all(kernels[name].pdl for name in ("skinny_silu_bf16_m8", "decode_attention_bf16_d64", "decode_prepare",
+                                              "embedding_bf16", "sample_stats", "sample_finish", "decode_commit",
+                                              "spec_accept_draw", "verify_commit"))
+    assert not kernels["rms_norm_bf16"].pdl and not kernels["prefill_attention_bf16_d64"].pdl
     monkeypatch.setattr(env, "PDL", False)
     serial = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
     assert not serial.ops.lib.pdl and not serial.ops.lib.kernels["skinny_silu_bf16_m8"].pdl

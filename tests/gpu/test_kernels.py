@@ -419,6 +419,8 @@ SAMPLE_CASES = [
     (16, 128256, 4.0, list(ROW_KINDS)),
     (3, 151936, 1.0, ["top_p", "temperature", "top_k_top_p"]),
     (256, 4096, 5.0, list(ROW_KINDS)),
+    (7, 50257, 3.0, list(ROW_KINDS)),  # V % 4 != 0: sample_stats' scalar loads
+    (32, 128256, 3.0, ["greedy", "greedy_penalty", "temperature"]),  # the 1B decode batch: 16-byte loads
 ]
 
 
