@@ -27,6 +27,9 @@ class ForwardBatch:
     seq_lens_host: list[int]  # [B] host copy of seq_lens
     rope_scale_lens: list[int] | None = None  # per token, its sequence's seq_len (dynamic NTK only)
     logits_all_rows: bool = False  # logits_indices is every row in order (decode, verify)
+    # Verify: each of a sequence's k + 1 query tokens is a decode row of its own (one sequence each), and
+    # row i attends to the tokens rows 0 .. i - 1 write into the cache in this same forward.
+    rows_per_seq: int = 1
     token_slots: torch.Tensor | None = None  # [real T] int64: the slot of each real token's sequence (prefill, verify)
     # [W, 4] int32 on the device: the paged prefill attention's work list (prefill_work), padded with
     # empty rows to a fixed length; given, attention reads it instead of the host lists (CUDA graphs).

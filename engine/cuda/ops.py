@@ -63,6 +63,7 @@ class CudaOps(TorchOps):
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
+        self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
         self._sdpa_key: tuple | None = None
@@ -101,8 +102,9 @@ class CudaOps(TorchOps):
     def prefill_buckets(self, limit: int) -> list[int]:
         return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
 
-    def begin_forward(self, num_tokens: int, decode: bool) -> None:
+    def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
+        self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
         self._prefill_work_key = self._sdpa_key = None
@@ -139,13 +141,18 @@ class CudaOps(TorchOps):
             q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
                                    v_cache, slot_mapping, eps)
             return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                         after_skinny=True)
-        if q_norm is not None or not self.lib.decode_fits_one_wave(B, H, Hkv, D, self.max_seq_len):
+                                         fresh=B)
+        # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
+        # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
+        if q_norm is not None or self._rows_per_seq > 1 or not self.lib.decode_fits_one_wave(B, H, Hkv, D,
+                                                                                              self.max_seq_len):
             return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
                                                 k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
                                                 sliding_window, eps)
         out = torch.nn.functional.linear(self.rms_norm(h, norm, eps), qkv, bias)
         q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
+        # Serialised behind the GEMM: with programmatic dependent launch and every older row read before the
+        # wait (fresh = 0) it measured the same (1B batch 32, two steps in flight, 1.242 vs 1.241-1.243 ms).
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                      rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
 
@@ -193,11 +200,11 @@ class CudaOps(TorchOps):
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          sliding_window: int = 0, rope: tuple[torch.Tensor, ...] | None = None,
-                         after_skinny: bool = False) -> torch.Tensor:
+                         fresh: int | None = None) -> torch.Tensor:
         """rope: the fused RoPE and KV write of decode_qkv_attention (KernelLibrary.decode_attention).
-        after_skinny: launched right behind decode_qkv_attention's skinny QKV kernel, with programmatic
-        dependent launch (after a cuBLAS GEMM it measured slower: 1B batch 32, two steps in flight,
-        1.292-1.294 -> 1.297-1.298 ms)."""
+        fresh: launched right behind the kernel that produced q (decode_qkv_attention's QKV projection),
+        with programmatic dependent launch; that kernel wrote no cache row of a position < seq_len - fresh,
+        so the older rows (and the tables) are read before the wait. None: serialised, nothing read early."""
         batch, num_heads, head_dim = q.shape
         splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -208,7 +215,7 @@ class CudaOps(TorchOps):
         int_lens = seq_lens.dtype == torch.int32  # else converted by a launch right before (not to be read early)
         self.lib.decode_attention(out, part_o, part_lse, self._split_counters, q, k_cache, v_cache, block_tables,
                                   seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope,
-                                  pdl=after_skinny, fresh=batch if after_skinny and int_lens else -1)
+                                  pdl=fresh is not None, fresh=fresh if fresh is not None and int_lens else -1)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -347,7 +354,8 @@ class CudaOps(TorchOps):
         (input_ids, positions, slot_mapping, tables, seq_lens), rows = self._prepare(state, slots, block_size, drafts)
         batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
                              seq_lens=seq_lens, logits_indices=torch.arange(input_ids.shape[0], device=slots.device),
-                             is_decode=True, query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
+                             is_decode=True, query_start_loc=[], seq_lens_host=[], logits_all_rows=True,
+                             rows_per_seq=drafts.shape[1] + 1)
         return batch, rows
 
     def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,

@@ -48,7 +48,7 @@ class LlamaModel:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
-        ops.begin_forward(batch.num_tokens, batch.is_decode)
+        ops.begin_forward(batch.num_tokens, batch.is_decode, batch.rows_per_seq)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
         for i, layer in enumerate(self.w.layers):
             if batch.is_decode:

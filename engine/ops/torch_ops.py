@@ -52,9 +52,10 @@ class TorchOps:
         small enough to warm up (Engine.warm_up_prefill); none here: no per-shape costs to pay."""
         return []
 
-    def begin_forward(self, num_tokens: int, decode: bool) -> None:
+    def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         """Called by the model before each forward: a backend may pick its kernels by the forward's shape
-        (the same choice for every op of the forward, from host-known values only)."""
+        (the same choice for every op of the forward, from host-known values only). rows_per_seq: a
+        verify forward's decode rows per sequence (ForwardBatch.rows_per_seq)."""
 
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
@@ -231,7 +232,7 @@ class TorchOps:
             input_ids=torch.cat([state.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
             slot_mapping=block_ids * block_size + positions % block_size, block_tables=tables,
             seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
-            query_start_loc=[], seq_lens_host=[], logits_all_rows=True)
+            query_start_loc=[], seq_lens_host=[], logits_all_rows=True, rows_per_seq=n)
         st = state.sampling_rows(slots[seq_index], positions + 1)
         # Row (b, i) marks drafts j < i as seen: the pairs (i, j) below the diagonal, for every b.
         i, j = torch.tril_indices(n, k, -1, device=dev)

@@ -824,6 +824,37 @@ def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention
     assert not results[1][0].isnan().any()
 
 
+@pytest.mark.parametrize("S,n", [(3, 4), (8, 5), (2, 9)])
+def test_verify_rows_past_the_skinny_kernels_see_the_rows_before_them(ops, gen, S, n):
+    """A verify forward of more rows than the skinny kernels take (S sequences x n rows, each row a decode
+    row of its own): row i of a sequence attends to the tokens its rows 0 .. i - 1 write into the cache in
+    the same forward. decode_qkv_attention (rope_cache_write first, not the RoPE fused into attention,
+    which writes each row's own token only) against the torch reference on fp32 copies of the same inputs."""
+    from engine.ops.torch_ops import AttentionShape
+    rng = random.Random(gen)
+    H, Hkv, D, bs, hidden, dtype = 16, 4, 64, 16, 512, torch.bfloat16
+    starts = [rng.choice([1, 17, 63, 200]) for _ in range(S)]
+    k_cache, v_cache, table = paged_cache([s + n for s in starts], Hkv, D, bs, dtype)
+    seq_index = torch.arange(S, device=dev()).repeat_interleave(n)
+    positions = (torch.tensor(starts, device=dev())[:, None] + torch.arange(n, device=dev())).reshape(-1)
+    tables = table[seq_index]
+    T = S * n
+    slots = tables[torch.arange(T, device=dev()), positions // bs].long() * bs + positions % bs
+    lens = (positions + 1).to(torch.int32)
+    cos_sin = rope_table(512, D)
+    h, norm = randn(T, hidden, dtype=dtype), (1 + 0.1 * randn(hidden)).to(dtype)
+    w_qkv = (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype)
+    shape = AttentionShape(H, Hkv, D)
+    kc_ref, vc_ref = k_cache.float(), v_cache.float()
+    ops.begin_forward(T, decode=True, rows_per_seq=n)
+    out = ops.decode_qkv_attention(h, norm, w_qkv, None, None, None, shape, cos_sin, positions, k_cache, v_cache,
+                                   slots, tables, lens, D ** -0.5, 0, 1e-6)
+    ref = TORCH.decode_qkv_attention(h.float(), norm.float(), w_qkv.float(), None, None, None, shape, cos_sin,
+                                     positions, kc_ref, vc_ref, slots, tables, lens, D ** -0.5, 0, 1e-6)
+    check("verify rows attention", out, ref, BF16_TOL)
+    check("verify rows k written", k_cache.view(-1, Hkv, D)[slots], kc_ref.view(-1, Hkv, D)[slots], BF16_TOL)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 5, 8, 9, 32, 200])
 def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
