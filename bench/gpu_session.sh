@@ -29,6 +29,13 @@ stage() {  # stage NAME TIMEOUT CMD...
   echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
 }
 
+base_tree() {  # build/ab-base ready to run: this tree's stubs, and this tree's fatbins where the base has
+  # none, so that only the kernels whose sources differ are rebuilt there (build.py's stamps)
+  ln -sfn "$PWD/metrale" build/ab-base/metrale
+  mkdir -p build/ab-base/kernels_cu/build && cp -rn kernels_cu/build/. build/ab-base/kernels_cu/build/
+  (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+}
+
 for what in "$@"; do
   case "$what" in
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
@@ -64,8 +71,7 @@ for what in "$@"; do
     # engine_bench 1B at batch 1 and 32 twice, alternating, then 8B batch 1 once each
     # (the base tree builds its own kernels: their launch contracts may differ)
     abengine) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        ln -sfn "$PWD/metrale" build/ab-base/metrale
-        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+        base_tree
         for rep in 1 2; do
           (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT/base")
           stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 32 --out "$OUT"
@@ -75,8 +81,7 @@ for what in "$@"; do
       else echo "abengine: no build/ab-base"; fi ;;
     # The 1B part alone, at the batches in AB_BATCHES (default 1 32), three times alternating
     abengine1b) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        ln -sfn "$PWD/metrale" build/ab-base/metrale
-        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+        base_tree
         for rep in 1 2 3; do
           (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT/base")
           stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT"
@@ -97,8 +102,7 @@ for what in "$@"; do
         done; done ;;
     # The same against the worker: C = 32, the router three in flight, twice alternating
     abload) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        ln -sfn "$PWD/metrale" build/ab-base/metrale
-        (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+        base_tree
         for rep in 1 2; do
           (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage load-1b-c32-base-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT/base")
           stage load-1b-c32-new-rep$rep 150 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"
