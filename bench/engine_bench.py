@@ -105,6 +105,19 @@ def graph_stats(engine: Engine) -> tuple[int, int]:
     return (g.stats.hits, g.stats.misses) if g is not None else (0, 0)
 
 
+def batch_layout(engine: Engine, ids: list[int]) -> dict:
+    """Where a batch lives: its slots, its KV block ids (range, and the fraction of a sequence's consecutive
+    blocks that are adjacent ids) and the graphs captured so far. The same tree replays a batch-32 step up
+    to 55 us faster or slower depending on the runs before it (docs/decode-step-budget.md item 6)."""
+    seqs = [engine.sequences[i] for i in ids]
+    blocks = [b for s in seqs for b in s.block_ids]
+    pairs = [(a, b) for s in seqs for a, b in zip(s.block_ids, s.block_ids[1:])]
+    g = engine.graphs
+    return {"slots": [min(s.slot for s in seqs), max(s.slot for s in seqs)], "blocks": [min(blocks), max(blocks)],
+            "adjacent_blocks": sum(b == a + 1 for a, b in pairs) / max(1, len(pairs)),
+            "captures": g.stats.captures if g is not None else 0}
+
+
 def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
     ids = start_batch(engine, batch, prompt_len, steps + engine.config.capture_after + 16)
     for _ in range(engine.config.capture_after + 2):  # warm-up: this slot vector's own graph gets captured here
@@ -117,10 +130,11 @@ def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128)
         wall.append(time.perf_counter() - t0)
         dev.append(r.forward_ns / 1e9)
     h1, m1 = graph_stats(engine)
+    layout = batch_layout(engine, ids)
     engine.release(ids)
     return {"batch": batch, "steps": steps, "step_ms": 1e3 * statistics.median(wall),
             "step_ms_mean": 1e3 * statistics.fmean(wall), "device_ms": 1e3 * statistics.median(dev),
-            "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))}
+            "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0)), "layout": layout}
 
 
 def engine_decode_queued(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
@@ -140,8 +154,10 @@ def engine_decode_queued(engine: Engine, batch: int, steps: int, prompt_len: int
     while in_flight:
         engine.finish(in_flight.popleft())
     wall = time.perf_counter() - t0
+    layout = batch_layout(engine, ids)
     engine.release(ids)
-    return {"batch": batch, "steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps}
+    return {"batch": batch, "steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps,
+            "layout": layout}
 
 
 def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_len: int = 128) -> dict:
