@@ -137,8 +137,11 @@ for what in "$@"; do
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
     norm)    stage bench-norm 120 python3 tests/gpu/bench_kernels.py --norm ;;
     skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;
+    # Nsight Compute on sample_stats (batch 32) and decode attention (1B batch 32, fused RoPE), keys from DRAM
+    ncu)     stage ncu-sample-attention 200 ncu --clock-control none --target-processes all --kernel-name regex:"sample_stats|decode_attention" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 tests/gpu/bench_kernels.py --ncu ;;
     attn)    stage bench-attention-splits 200 python3 tests/gpu/bench_kernels.py --attention ;;
     skinnytests) stage gpu-skinny-tests 240 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
+    quick8b) stage engine-bench-8b-quick 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT" ;;
     quick1b) stage engine-bench-1b-quick 300 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 8 32 --out "$OUT" ;;
     # racecheck leaves out cuDNN's kernels (torch's fused attention): it reports hazards inside them that are
     # not ours to fix; memcheck checks every kernel.

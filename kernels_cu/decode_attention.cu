@@ -38,20 +38,26 @@
 // (STAGES deep); warp w scores tokens [16 w, 16 w + 16) of each tile with mma.m16n8k16 (fp32
 // accumulation), keeps its own online softmax, and the 4 warps merge at the end.
 //
-// Launch contract (decode_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
+// Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}):
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
-//   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes, STAGES = 2 if D >= 128 else 3
-//   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
+//   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
+//   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3 (engine/cuda/kernels.py computes the
+//   same and raises the function's limit at load). A deeper pipeline (6 stages at D = 64, every tile of a
+//   1B batch-32 sequence in flight at once) was faster with the keys in L2 (batch 32, context 256: 9.57 ->
+//   8.36 us) and slower from DRAM (ncu: 12.3 -> 20.0 us; the 1B batch-32 step 1.243 -> 1.380 ms): dropped.
 //   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);
 //   q, caches 16-byte aligned; a sequence whose keys fit one chunk is written to out directly (part_*
 //   and counters untouched). cluster: the launch's cluster size along x (1: none; ignored below sm_90),
 //   dividing num_splits.
-//   Fused RoPE (cos_sin non-null; else k_new, v_new, rope_index, slot_mapping unused): q is unrotated;
+//   Fused RoPE (the decode_attention_rope_* entries, cos_sin non-null; the others ignore k_new, v_new,
+//   cos_sin, rope_index and slot_mapping, and need no cos / sin row of shared memory): q is unrotated;
 //   k_new / v_new [B, Hkv, D] (contiguous heads, batch stride kv_stride) hold the new token's unrotated
 //   k and its v; cos_sin [P, D] fp32, rope_index and slot_mapping [B] int64 as in rope_cache_write.cu.
-//   Each block rotates its q rows in shared memory; the block whose keys end at the new token (position
-//   seq_len - 1) puts the rotated k and v into that tile row itself, and its head chunk 0 writes them
-//   to the cache at slot_mapping[b] (negative: no write, and the row is read from the cache as usual).
+//   Each block copies the position's cos / sin row to shared memory with its first tile and rotates its q
+//   rows there; the block whose keys end at the new token (position seq_len - 1) copies the unrotated k and
+//   the v into that tile row (cp.async, like the rest of the tile), rotates the k row in place when the
+//   tile has landed, and its head chunk 0 writes both rows to the cache at slot_mapping[b] (negative: no
+//   write, and the row is read from the cache as usual).
 //   Results equal rope_cache_write followed by this kernel bit for bit.
 //   Programmatic dependent launch (the launch attribute; a no-op without it): fresh < 0 reads nothing
 //   before griddepcontrol.wait. fresh >= 0 promises that the kernel just before wrote none of seq_lens,
@@ -166,34 +172,7 @@ __device__ __forceinline__ void rope_pair(u16* x1p, u16* x2p, const float* c, co
   *reinterpret_cast<Vec16*>(x2p) = pack8<T>(o2);
 }
 
-// The new token's 16-byte vector c of its KV head: rotated k and v into the tile's rows (shared memory)
-// and, unless null, into the cache. k / v: the head's unrotated k and its v; cs: cos then sin (D each half).
-template <class T, int D>
-__device__ __forceinline__ void new_kv(u16* k_row, u16* v_row, const u16* k, const u16* v, const float* cs, int c,
-                                       u16* k_dst, u16* v_dst) {
-  constexpr int HALF = D / 2;
-  const int e0 = c * 8;
-  const bool first = e0 < HALF;  // this vector holds x1 (else x2) of its pairs
-  const int p0 = first ? e0 : e0 - HALF;
-  float x1[8], x2[8], o[8];
-  unpack8<T>(*reinterpret_cast<const Vec16*>(k + p0), x1);
-  unpack8<T>(*reinterpret_cast<const Vec16*>(k + p0 + HALF), x2);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float cv = cs[p0 + i], sv = cs[HALF + p0 + i];
-    o[i] = first ? __fsub_rn(__fmul_rn(x1[i], cv), __fmul_rn(x2[i], sv))
-                 : __fadd_rn(__fmul_rn(x2[i], cv), __fmul_rn(x1[i], sv));
-  }
-  const Vec16 kv = pack8<T>(o), vv = *reinterpret_cast<const Vec16*>(v + e0);
-  *reinterpret_cast<Vec16*>(k_row) = kv;
-  *reinterpret_cast<Vec16*>(v_row) = vv;
-  if (k_dst != nullptr) {
-    reinterpret_cast<Vec16*>(k_dst)[c] = kv;
-    reinterpret_cast<Vec16*>(v_dst)[c] = vv;
-  }
-}
-
-template <class T, int D>
+template <class T, int D, bool ROPE>
 __device__ __forceinline__ void decode_attention_impl(
     u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
     const u16* __restrict__ q, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
@@ -208,6 +187,7 @@ __device__ __forceinline__ void decode_attention_impl(
   u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [16][LD]
   u16* k_s = q_s + 16 * LD;                     // [STAGES][TILE][LD]
   u16* v_s = k_s + STAGES * DA_TILE * LD;       // [STAGES][TILE][LD]
+  float* cs_s = reinterpret_cast<float*>(v_s + STAGES * DA_TILE * LD);  // [D]: cos then sin (fused RoPE)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.z;
@@ -256,7 +236,7 @@ __device__ __forceinline__ void decode_attention_impl(
   // token puts its rotated k and its v into the tile in shared memory, and (head chunk 0) into the cache.
   const float* cs = nullptr;
   i64 new_slot = -1;
-  if (cos_sin != nullptr) {
+  if (ROPE) {
     cs = cos_sin + rope_index[b] * (i64)D;
     new_slot = t1 == seq_len ? slot_mapping[b] : -1;
   }
@@ -283,19 +263,16 @@ __device__ __forceinline__ void decode_attention_impl(
       const bool valid = pos < t1;
       const u16* ksrc = k_cache;
       const u16* vsrc = v_cache;
-      if (valid) {
+      if (new_slot >= 0 && pos == seq_len - 1) {  // the new token's unrotated k (rotated in place later) and v
+        ksrc = k_new + b * kv_stride + (i64)hkv * D + c * 8;
+        vsrc = v_new + b * kv_stride + (i64)hkv * D + c * 8;
+      } else if (valid) {
         const i64 blk = table[pos >> bs_log2];
         const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
         ksrc = k_cache + row * D + c * 8;
         vsrc = v_cache + row * D + c * 8;
       }
       const int off = (stage * DA_TILE + tok) * LD + c * 8;
-      if (new_slot >= 0 && pos == seq_len - 1) {
-        new_kv<T, D>(k_s + off, v_s + off, k_new + b * kv_stride + (i64)hkv * D, v_new + b * kv_stride + (i64)hkv * D,
-                     cs, c, hc == 0 ? k_cache + (new_slot * Hkv + hkv) * D : nullptr,
-                     hc == 0 ? v_cache + (new_slot * Hkv + hkv) * D : nullptr);
-        continue;
-      }
       cp_async16(k_s + off, ksrc, valid ? 16 : 0);
       cp_async16(v_s + off, vsrc, valid ? 16 : 0);
     }
@@ -310,6 +287,8 @@ __device__ __forceinline__ void decode_attention_impl(
       cp_async16(q_s + r * LD + c * 8, src, valid ? 16 : 0);
     }
   };
+  if (ROPE)  // the position's cos / sin row (a constant table): joins the first group
+    for (int i = tid; i < D / 4; i += DA_THREADS) cp_async16(cs_s + i * 4, cs + i * 4, 16);
   // (Two copies of the prologue loop on purpose: one loop with `early ? 2 : 0` made ptxas spill in the
   // d32 entries.)
   if (early) {  // the first tiles' older rows, the wait, then q and the rest of those tiles: one group
@@ -347,18 +326,32 @@ __device__ __forceinline__ void decode_attention_impl(
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncthreads();
-    if (it == 0) {
-      if (cs != nullptr) {  // rotate the q rows in place (the block-uniform fused-RoPE case)
-        for (int i = tid; i < rows * (D / 16); i += DA_THREADS) {
-          const int r = i / (D / 16), c = i - r * (D / 16);
-          rope_pair<T>(q_s + r * LD + c * 8, q_s + r * LD + D / 2 + c * 8, cs + c * 8, cs + D / 2 + c * 8);
-        }
-        __syncthreads();
+    const int stage = it % STAGES;
+    // Fused RoPE (block-uniform): the q rows are rotated in place in the first tile's iteration, and the new
+    // token's k row in the last tile's (then k and v go to the cache from shared memory).
+    const bool new_row = new_slot >= 0 && it == num_tiles - 1;
+    if (ROPE && (it == 0 || new_row)) {
+      const int nq = it == 0 ? rows * (D / 16) : 0;
+      // the new token's row in this stage (k_s and v_s alike)
+      const int row_off = (stage * DA_TILE + ((seq_len - 1 - t0) & (DA_TILE - 1))) * LD;
+      for (int i = tid; i < nq + (new_row ? D / 16 : 0); i += DA_THREADS) {
+        const int r = i / (D / 16), c = i - r * (D / 16);
+        u16* x = i < nq ? q_s + r * LD : k_s + row_off;
+        rope_pair<T>(x + c * 8, x + D / 2 + c * 8, cs_s + c * 8, cs_s + D / 2 + c * 8);
       }
+      __syncthreads();
+      if (new_row && hc == 0 && tid < 2 * VPR) {  // threads [0, VPR): k's vectors; [VPR, 2 VPR): v's
+        const bool is_k = tid < VPR;
+        const int c = is_k ? tid : tid - VPR;
+        u16* dst = (is_k ? k_cache : v_cache) + (new_slot * Hkv + hkv) * D;
+        const u16* src = (is_k ? k_s : v_s) + row_off;
+        reinterpret_cast<Vec16*>(dst)[c] = reinterpret_cast<const Vec16*>(src)[c];
+      }
+    }
+    if (it == 0) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + ld_row * LD + ks * 16 + ld_col);
     }
-    const int stage = it % STAGES;
     const int tok0 = t0 + it * DA_TILE + warp * 16;
     if (tok0 < t1) {
       const u16* kb = k_s + (stage * DA_TILE + warp * 16) * LD;
@@ -531,18 +524,22 @@ __device__ __forceinline__ void decode_attention_impl(
                     used, D);
 }
 
-#define DECODE_ENTRY(SUFFIX, T, D)                                                                          \
-  extern "C" __global__ void __launch_bounds__(DA_THREADS) decode_attention_##SUFFIX##_d##D(                \
+#define DECODE_ENTRY1(NAME, T, D, ROPE)                                                                     \
+  extern "C" __global__ void __launch_bounds__(DA_THREADS) NAME(                                            \
       u16* out, float* part_o, float* part_lse, int* counters, const u16* q, u16* k_cache, u16* v_cache,    \
       const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,            \
       int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,               \
       const u16* k_new, const u16* v_new, i64 kv_stride, const float* cos_sin, const i64* rope_index,       \
       const i64* slot_mapping, int fresh) {                                                                 \
-    decode_attention_impl<T, D>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,         \
-                                seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, num_splits,    \
-                                window, scale_log2, cluster, k_new, v_new, kv_stride, cos_sin, rope_index,  \
-                                slot_mapping, fresh);                                                       \
+    decode_attention_impl<T, D, ROPE>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,   \
+                                      seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2,          \
+                                      num_splits, window, scale_log2, cluster, k_new, v_new, kv_stride,     \
+                                      cos_sin, rope_index, slot_mapping, fresh);                            \
   }
+// decode_attention_*: q rotated, the new token's K/V in the cache; decode_attention_rope_*: the fused RoPE.
+#define DECODE_ENTRY(SUFFIX, T, D)                                 \
+  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D, T, D, false)     \
+  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D, T, D, true)
 
 DECODE_ENTRY(bf16, Bf16, 16)
 DECODE_ENTRY(bf16, Bf16, 32)

@@ -200,7 +200,7 @@ class TorchGraphBackend:
     kernels, ~10 us of host time). The engine's steps draw no random numbers from torch (sampling has
     its own counter-based RNG, keyed by the slot's seed and position), so there is nothing to refill."""
 
-    def __init__(self, streams, warmup: bool = True):
+    def __init__(self, streams):
         import torch
 
         from engine.cuda.kernels import _check, _driver
@@ -209,7 +209,6 @@ class TorchGraphBackend:
         self._check, self._graph_launch = _check, _driver().cuGraphLaunch
         self.streams = streams
         self.pool = torch.cuda.graph_pool_handle()
-        self.warmup = warmup
         self._bytes = 0
 
     def capture(self, step: Callable[[], None]) -> _Captured:

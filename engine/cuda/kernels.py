@@ -73,9 +73,9 @@ MODULES: dict[str, list[KernelSpec]] = {
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
-    "decode_attention": [KernelSpec(f"decode_attention_{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
+    "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
                                      + "ppl" + "ppp" + "i")
-                         for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
+                         for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
@@ -102,9 +102,11 @@ DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
 
 
-def decode_smem_bytes(head_dim: int) -> int:
+def decode_smem_bytes(head_dim: int, rope: bool = False) -> int:
+    """The q tile and 2-3 K and V tiles (rows padded by 8 elements); the fused-RoPE entries (rope) also
+    one cos / sin row (fp32)."""
     stages = 2 if head_dim >= 128 else 3
-    return (16 + 2 * stages * DECODE_TILE) * (head_dim + 8) * 2
+    return (16 + 2 * stages * DECODE_TILE) * (head_dim + 8) * 2 + (head_dim * 4 if rope else 0)
 
 
 def decode_blocks(batch: int, num_heads: int, num_kv_heads: int) -> int:
@@ -410,6 +412,7 @@ class KernelLibrary:
         for dt in DTYPE_SUFFIX.values():
             for d in ATTENTION_HEAD_DIMS:
                 for name, size in ((f"decode_attention_{dt}_d{d}", decode_smem_bytes(d)),
+                                   (f"decode_attention_rope_{dt}_d{d}", decode_smem_bytes(d, rope=True)),
                                    (f"prefill_attention_{dt}_d{d}", prefill_smem_bytes(d))):
                     if size > self.max_smem_optin:
                         raise KernelLoadError(f"{name} needs {size} bytes of shared memory; the device "
@@ -691,8 +694,9 @@ class KernelLibrary:
         if cluster > 1 and (num_splits % cluster or cluster > self.decode_cluster):
             raise KernelArgError(f"decode attention: clusters of {cluster} for {num_splits} splits (at most "
                                  f"{self.decode_cluster} on this device, dividing the splits)")
-        self.kernels[f"decode_attention_{sfx}_d{D}"](
-            (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D), self.stream(),
+        fused = rope is not None
+        self.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}"](
+            (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), decode_smem_bytes(D, fused), self.stream(),
             o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
             num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
             int(fresh) if pdl and self.pdl else -1, cluster=cluster, pdl=pdl)

@@ -187,7 +187,8 @@ def decode_cache(batch: int, ctx: int, dev, dt) -> tuple:
 def attention_split_rows(ops, dev, dt) -> list[tuple]:
     """Decode attention at the 1B shape for batches 32 and 64 and several contexts, with the launch's key
     splits forced to 1, 2, 4 and 8 (clusters of all of them: the DSMEM merge), unfused and with the fused
-    RoPE + KV write. The shipped rule's choice (decode_num_splits at max_seq_len 2048) is marked *."""
+    RoPE + KV write. The shipped rule's choice (decode_num_splits at max_seq_len 2048) is marked *. The
+    caches are the same on every call, so the keys come from L2: `--ncu` shows the kernel reading DRAM."""
     lib, rows = ops.lib, []
     cos_sin = torch.randn(8192, D, device=dev)
     for batch in (32, 64):
@@ -241,9 +242,36 @@ def sample_rows(lib, dev) -> list[tuple]:
     return rows
 
 
+def ncu_targets(ops, dev, dt) -> None:
+    """Eager launches for Nsight Compute (`ncu --kernel-name regex:...`; bench/gpu_session.sh stage ncu):
+    sample_stats at batch 32 (greedy), and decode attention at 1B batch 32, context 256, with the fused
+    RoPE, twice each (ncu flushes the caches before each: the keys come from DRAM, as in a decode step)."""
+    lib = ops.lib
+    logits = torch.randn(32, VOCAB, device=dev) * 3
+    splits = lib.vocab_splits(32, VOCAB)
+    parts = torch.empty((32, splits, 8), dtype=torch.float32, device=dev)
+    st = sampling_rows(32, "greedy")
+    kc, vc, table, seq_lens, pos, slots = decode_cache(32, 256, dev, dt)
+    qkv = torch.randn(32, (H + 2 * HKV) * D, device=dev).to(dt)
+    q = qkv[:, :H * D].view(32, H, D)
+    k = qkv[:, H * D:(H + HKV) * D].view(32, HKV, D)
+    v = qkv[:, (H + HKV) * D:].view(32, HKV, D)
+    out = torch.empty(32, H, D, device=dev, dtype=dt)
+    cos_sin = torch.randn(8192, D, device=dev)
+    splits = lib.decode_num_splits(32, H, HKV, D, 2048)
+    po, pl = torch.empty(32, H, splits, D, device=dev), torch.empty(32, H, splits, device=dev)
+    for _ in range(2):
+        lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+                         st.repetition_penalty, st.position)
+    for _ in range(2):
+        lib.decode_attention(out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                             rope=(k, v, cos_sin, pos, slots))
+    torch.cuda.synchronize()
+
+
 def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
-    rms_norm layouts at prompt sizes),
+    rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows);
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
@@ -251,6 +279,9 @@ def main() -> int:
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--ncu" in sys.argv:
+        ncu_targets(ops, dev, dt)
+        return 0
     if "--attention" in sys.argv:
         for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
