@@ -139,14 +139,6 @@ __device__ __forceinline__ SoftmaxStat softmax_merge(SoftmaxStat a, SoftmaxStat 
   float s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - m)) + (b.m == NEG_INF ? 0.f : b.s * expf(b.m - m));
   return SoftmaxStat{m, s};
 }
-__device__ __forceinline__ void softmax_add(SoftmaxStat& a, float x) {
-  if (x > a.m) {
-    a.s = (a.m == NEG_INF ? 0.f : a.s * expf(a.m - x)) + 1.f;
-    a.m = x;
-  } else if (x != NEG_INF) {
-    a.s += expf(x - a.m);
-  }
-}
 __device__ __forceinline__ SoftmaxStat warp_softmax(SoftmaxStat a) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
