@@ -46,6 +46,7 @@ for what in "$@"; do
     # The sampling kernels alone at decode batches; with build/ab-base also the base tree's, in the same process
     bsample) stage bench-sample 120 python3 tests/gpu/bench_kernels.py --sample $( [ -d build/ab-base ] && echo --variant build/ab-base/kernels_cu build/ab-base/kernels_cu/build ) ;;
     kdecode) stage gpu-kernel-decode-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "decode or fused or replay" ;;
+    graphtests) stage gpu-graph-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -rA -s -p no:cacheprovider -k "invalidated or churn or capture or pool or warm or cycling" ;;
     engine)  stage gpu-engine-tests 240 python3 -m pytest tests/gpu/test_engine_gpu.py -m gpu -q -x -s -p no:cacheprovider ;;
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;

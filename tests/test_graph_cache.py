@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cuda.graphs import GraphCache
+from engine.cuda.graphs import RETRY_AFTER, GraphCache
 
 
 class FakeBackend:
@@ -95,13 +95,56 @@ def test_cycling_over_more_keys_than_graphs_stays_bounded():
 
 
 def test_capture_failure_runs_eagerly_and_is_counted():
+    """A recoverable failure: the step runs eagerly; that key is tried again after RETRY_AFTER more
+    sightings (eager meanwhile), while other keys are captured as usual."""
     backend, eager = FakeBackend(), []
-    cache = GraphCache(backend, max_graphs=2, capture_after=1)
+    cache = GraphCache(backend, max_graphs=4, capture_after=1)
     backend.fail_next = True
-    key = GraphCache.key_for([7])
+    key, other = GraphCache.key_for([7]), GraphCache.key_for([8])
     assert run(cache, key, eager) is False and eager == [key]
-    assert cache.stats.capture_failures == 1 and key not in cache
-    assert run(cache, key, eager) is True  # tried again later, and it works
+    assert cache.stats.capture_failures == 1 and key not in cache and not cache.capture_disabled
+    assert run(cache, other, eager) is True and other in cache  # other keys still capture
+    assert [run(cache, key, eager) for _ in range(RETRY_AFTER - 1)] == [False] * (RETRY_AFTER - 1)
+    assert eager == [key] * RETRY_AFTER and backend.captured == [1]
+    assert run(cache, key, eager) is True and key in cache  # its RETRY_AFTER-th sighting since: captured
+    assert eager == [key] * RETRY_AFTER and cache.stats.capture_failures == 1
+
+
+def test_a_key_that_fails_again_waits_twice_as_long():
+    backend, eager = FakeBackend(), []
+    cache = GraphCache(backend, max_graphs=4, capture_after=2)
+    key = GraphCache.key_for([3])
+    run(cache, key, eager)
+    backend.fail_next = True
+    assert run(cache, key, eager) is False and cache.stats.capture_failures == 1  # second sighting: fails
+    for _ in range(RETRY_AFTER - 1):
+        run(cache, key, eager)
+    backend.fail_next = True
+    assert run(cache, key, eager) is False and cache.stats.capture_failures == 2  # retried, fails again
+    assert [run(cache, key, eager) for _ in range(2 * RETRY_AFTER)] == [False] * (2 * RETRY_AFTER - 1) + [True]
+
+
+def test_a_failing_fallback_key_runs_eagerly_without_stopping_captures():
+    backend, eager = FakeBackend(), []
+    cache = GraphCache(backend, max_graphs=4, capture_after=3)
+    fallback = (("width", 1), lambda: (lambda: eager.append("width")), lambda: None)
+    a = GraphCache.key_for([0])
+    backend.fail_next = True
+    assert cache.run(a, lambda: (lambda: eager.append(a)), fallback) is False and eager == ["width"]
+    assert cache.run(a, lambda: (lambda: eager.append(a)), fallback) is False  # width key waits: eager
+    assert eager == ["width", "width"] and not cache.capture_disabled
+    assert cache.run(a, lambda: (lambda: eager.append(a)), fallback) is True  # a's third sighting: its own graph
+    assert cache.stats.capture_failures == 1 and ("width", 1) not in cache
+
+
+def test_captures_stop_after_max_failures():
+    backend, eager = FakeBackend(), []
+    cache = GraphCache(backend, max_graphs=4, capture_after=1, max_failures=3)
+    for i in range(3):
+        backend.fail_next = True
+        assert run(cache, GraphCache.key_for([i]), eager) is False
+    assert cache.capture_disabled and cache.stats.capture_failures == 3
+    assert run(cache, GraphCache.key_for([9]), eager) is False and backend.captured == []
 
 
 def test_fallback_key_is_captured_the_first_time_it_is_needed():
@@ -166,6 +209,8 @@ def test_bad_limits_rejected():
         GraphCache(FakeBackend(), max_graphs=0, capture_after=1)
     with pytest.raises(ValueError):
         GraphCache(FakeBackend(), max_graphs=1, capture_after=1, max_seen=0)
+    with pytest.raises(ValueError):
+        GraphCache(FakeBackend(), max_graphs=1, capture_after=1, max_failures=0)
 
 
 class ExecBackend:

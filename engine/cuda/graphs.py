@@ -14,9 +14,11 @@ request order. Policy:
   end, and a key not seen for that long is not worth a graph);
 - at most `max_graphs` graphs are held; the least recently used is evicted, and destroyed only once
   the device has finished every replay of it (each replay records an event);
-- a capture that fails (out of memory, anything) is logged and counted, and the step runs eagerly;
-  after a failure the backend cannot vouch for (anything but out of memory on a GPU) no more graphs
-  are captured;
+- a capture that fails (out of memory, an invalidated capture, anything) is logged and counted, and the
+  step runs eagerly. Where the backend cleaned up after it (recoverable), captures go on: that key is
+  tried again only after RETRY_AFTER more sightings, twice that after a second failure, and so on, and
+  after `max_failures` failures in all no more graphs are captured. After a failure the backend cannot
+  vouch for, no more graphs are captured at once (held ones still replay);
 - all graphs share one memory pool; the step functions copy their outputs into buffers allocated
   outside it (the caller's static output buffers).
 
@@ -32,6 +34,8 @@ from typing import Any, Callable, Hashable, Protocol
 from engine.api import GraphStats
 
 log = logging.getLogger(__name__)
+
+RETRY_AFTER = 64  # sightings before a key whose capture failed once is tried again (doubled per failure)
 
 
 class GraphBackend(Protocol):
@@ -51,9 +55,12 @@ class _Entry:
 
 
 class GraphCache:
-    def __init__(self, backend: GraphBackend, max_graphs: int, capture_after: int, max_seen: int = 4096):
-        if max_graphs < 1 or capture_after < 1 or max_seen < 1:
-            raise ValueError("max_graphs, capture_after and max_seen must be >= 1")
+    def __init__(self, backend: GraphBackend, max_graphs: int, capture_after: int, max_seen: int = 4096,
+                 max_failures: int = 16):
+        if max_graphs < 1 or capture_after < 1 or max_seen < 1 or max_failures < 1:
+            raise ValueError("max_graphs, capture_after, max_seen and max_failures must be >= 1")
+        self.max_failures = max_failures
+        self._failed: collections.OrderedDict[Hashable, int] = collections.OrderedDict()  # key -> its failures
         self.backend = backend
         self.max_graphs = max_graphs
         self.capture_after = capture_after
@@ -103,6 +110,9 @@ class GraphCache:
         self._seen[key] = seen
         if len(self._seen) > self.max_seen:
             self._seen.popitem(last=False)
+        failures = self._failed.get(key, 0)
+        if failures:  # its capture failed before: tried again after RETRY_AFTER << (failures - 1) sightings
+            capture_after = max(capture_after, RETRY_AFTER << (failures - 1))
         if fallback is not None and seen < capture_after:
             fallback_key, fallback_prepare, stage = fallback
             stage()
@@ -117,20 +127,13 @@ class GraphCache:
         try:
             graph = self.backend.capture(step)
         except Exception as e:  # noqa: BLE001 - any capture failure degrades to eager, never fails the step
-            self.stats.capture_failures += 1
-            self._seen.pop(key, None)
-            if self.backend.recoverable(e):
-                log.warning("CUDA graph capture failed for %s (%s: %s); running eagerly", _short(key),
-                            type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-            else:
-                self.capture_disabled = True
-                log.error("CUDA graph capture failed for %s (%s: %s); it may have left the capture state broken, so "
-                          "no more graphs are captured (held ones still replay)", _short(key), type(e).__name__, e)
+            self._capture_failed(key, e)
             step()
             return False
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - t0
         self._seen.pop(key, None)
+        self._failed.pop(key, None)
         # Capturing does not execute the work: replay once now so this step's results exist.
         entry = _Entry(graph, inputs=step)
         entry.last_replay = self.backend.replay(graph)
@@ -139,6 +142,26 @@ class GraphCache:
             self.evict()
         self._update_gauges()
         return True
+
+    def _capture_failed(self, key: Hashable, error: Exception) -> None:
+        self.stats.capture_failures += 1
+        self._seen.pop(key, None)
+        failures = self._failed.pop(key, 0) + 1
+        self._failed[key] = failures
+        if len(self._failed) > self.max_seen:
+            self._failed.popitem(last=False)
+        what = f"CUDA graph capture failed for {_short(key)} ({type(error).__name__}: {error})"
+        if not self.backend.recoverable(error):
+            self.capture_disabled = True
+            log.error("%s; it may have left the capture state broken, so no more graphs are captured (held ones "
+                      "still replay)", what)
+        elif self.stats.capture_failures >= self.max_failures:
+            self.capture_disabled = True
+            log.error("%s; %d capture failures in all, so no more graphs are captured (held ones still replay)",
+                      what, self.stats.capture_failures)
+        else:
+            log.warning("%s; running eagerly, this key is tried again after %d more sightings", what,
+                        max(self.capture_after, RETRY_AFTER << (failures - 1)), exc_info=log.isEnabledFor(logging.DEBUG))
 
     def evict(self) -> Hashable | None:
         """Drops the least recently used graph; it is destroyed once its last replay finished."""
@@ -192,8 +215,27 @@ class _Captured:
         self.graph, self.exec = graph, exec_handle
 
 
+class CaptureFailed(RuntimeError):
+    """A capture gave no graph. clean: the capture is over (the stream no longer captures) and the
+    allocator no longer records into a graph pool, so later captures may go on."""
+
+    def __init__(self, message: str, clean: bool):
+        super().__init__(message)
+        self.clean = clean
+
+
 class TorchGraphBackend:
     """torch.cuda.CUDAGraph on the engine's compute stream, one shared memory pool.
+
+    A capture is CUDAGraph.capture_begin (thread-local mode: the runner's waiter thread may wait on an
+    event meanwhile), the step, capture_end, without the torch.cuda.graph context manager, for two
+    reasons. It synchronises the device and empties the allocator's caches before every capture (a
+    capture needs neither). And where capture_end fails (an invalidated capture), torch raises before it
+    ends the allocator's recording into the pool, so the next capture into that pool would fail too
+    ("already recording") and the allocator would defer its event processing from then on. Here a
+    failed capture_end is cleaned up: the caching allocator's recording is ended and its pool reference
+    dropped, and later graphs go to a fresh pool (torch's pinned-memory allocator was told to record
+    into the old one too, and Python cannot end that). Such a failure is then recoverable.
 
     Replays launch the executable graph with one driver call (cuGraphLaunch) instead of
     CUDAGraph.replay(), which first refills torch's CUDA RNG seed and offset for the replay (two small
@@ -206,29 +248,66 @@ class TorchGraphBackend:
         from engine.cuda.kernels import _check, _driver
 
         self.torch = torch
-        self._check, self._graph_launch = _check, _driver().cuGraphLaunch
+        self._check, self._drv = _check, _driver()
         self.streams = streams
+        self.device_index = streams.device.index if streams.device.index is not None else torch.cuda.current_device()
         self.pool = torch.cuda.graph_pool_handle()
+        self._pools = [tuple(self.pool)]  # this one and those left after a failed capture_end
         self._bytes = 0
 
     def capture(self, step: Callable[[], None]) -> _Captured:
         torch = self.torch
         graph = torch.cuda.CUDAGraph()
-        before = torch.cuda.memory_stats().get("reserved_bytes.all.current", 0)
-        # thread_local: the runner's waiter thread may wait on an event during a capture; in "global"
-        # mode that call would invalidate the capture.
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.streams.compute, capture_error_mode="thread_local"):
-            step()
-        self._bytes += max(0, torch.cuda.memory_stats().get("reserved_bytes.all.current", 0) - before)
-        raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
-        return _Captured(graph, raw_exec() if raw_exec is not None else None)
+        before = torch.cuda.memory_stats(self.device_index).get("reserved_bytes.all.current", 0)
+        step_error = end_error = None
+        with torch.cuda.stream(self.streams.compute):
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001 - the capture is ended below whatever the step raised
+                step_error = e
+            try:
+                graph.capture_end()
+            except Exception as e:  # noqa: BLE001
+                end_error = e
+        if step_error is None and end_error is None:
+            self._bytes += max(0, torch.cuda.memory_stats(self.device_index).get("reserved_bytes.all.current", 0)
+                               - before)
+            raw_exec = getattr(graph, "raw_cuda_graph_exec", None)
+            return _Captured(graph, raw_exec() if raw_exec is not None else None)
+        if end_error is None:
+            graph.reset()  # a whole capture of a step that raised: torch's state is as after any capture
+        else:
+            self._abandon_pool()
+        err, status = self._drv.cuStreamIsCapturing(self.streams.compute_handle)
+        clean = err == self._drv.CUresult.CUDA_SUCCESS and \
+            status == self._drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+        error = step_error or end_error
+        if clean and isinstance(error, torch.OutOfMemoryError):
+            raise error
+        raise CaptureFailed(f"{type(error).__name__}: {error}" + (f" (then capture_end: {end_error})"
+                                                                   if step_error and end_error else ""),
+                            clean=clean) from error
+
+    def _abandon_pool(self) -> None:
+        """After a failed capture_end: ends the caching allocator's recording into the pool (torch did
+        not), drops the reference its capture_begin took, and sends later captures to a fresh pool."""
+        torch = self.torch
+        try:
+            torch._C._cuda_endAllocateToPool(self.device_index, self.pool)
+        except RuntimeError:  # "not currently recording": capture_end got that far before it failed
+            pass
+        else:
+            torch._C._cuda_releasePool(self.device_index, self.pool)
+        self.pool = torch.cuda.graph_pool_handle()
+        self._pools.append(tuple(self.pool))
 
     def replay(self, captured: _Captured):
         if captured.exec is None:
             with self.torch.cuda.stream(self.streams.compute):
                 captured.graph.replay()
         else:
-            self._check("cuGraphLaunch", self._graph_launch(captured.exec, self.streams.compute_handle))
+            self._check("cuGraphLaunch", self._drv.cuGraphLaunch(captured.exec, self.streams.compute_handle))
         return self.streams.mark()
 
     def is_done(self, marker) -> bool:
@@ -239,16 +318,18 @@ class TorchGraphBackend:
         captured.graph.reset()
 
     def recoverable(self, error: Exception) -> bool:
-        """Out of memory leaves the capture state clean; other errors (an invalidated capture) may not."""
+        """Out of memory, or a capture this backend cleaned up after (CaptureFailed.clean): captures may
+        go on. Anything else (the stream still capturing) may have left the capture state broken."""
+        if isinstance(error, CaptureFailed):
+            return error.clean
         return isinstance(error, self.torch.OutOfMemoryError)
 
     def pool_bytes(self) -> int:
-        """Bytes of the device segments the shared graph pool holds (the allocator's snapshot), or the
+        """Bytes of the device segments this backend's graph pools hold (the allocator's snapshot), or the
         growth of reserved memory across captures where the snapshot has no pool ids."""
         try:
-            pool = tuple(self.pool)
             segments = self.torch.cuda.memory_snapshot()
-            held = [s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool]
+            held = [s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) in self._pools]
             return sum(held) if held or not self._bytes else self._bytes
         except Exception:  # noqa: BLE001 - statistics only
             return self._bytes

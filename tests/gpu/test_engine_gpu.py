@@ -344,6 +344,72 @@ def test_capture_out_of_memory_falls_back_to_eager(ckpt_tiny, caplog):
     assert any("capture failed" in r.getMessage() for r in caplog.records)
 
 
+def test_an_invalidated_capture_is_cleaned_up_and_captures_go_on(ckpt_tiny):
+    """A capture invalidated by a call the capture forbids (a device synchronisation in the capturing
+    thread): TorchGraphBackend ends the capture and the allocator's recording into the pool, so it is
+    recoverable; torch's current stream is given back; later captures (into a fresh pool) replay
+    correctly, and the allocator is no longer recording into any of this backend's pools."""
+    from engine.cuda.graphs import CaptureFailed, TorchGraphBackend
+
+    engine = gpu_engine(ckpt_tiny, capture_after=1)
+    backend = engine.graphs.backend
+    assert isinstance(backend, TorchGraphBackend)
+    dev = engine.device
+    x = torch.zeros(1024, device=dev)
+    y = torch.zeros(1024, device=dev)
+    stream_before = torch.cuda.current_stream(dev)
+    first_pool = backend.pool
+
+    def bad():
+        x.add_(1)
+        torch.cuda.synchronize(dev)  # forbidden while this thread captures: invalidates the capture
+        x.add_(1)
+
+    with pytest.raises(CaptureFailed) as failed:
+        backend.capture(bad)
+    assert failed.value.clean and backend.recoverable(failed.value)
+    assert torch.cuda.current_stream(dev) == stream_before
+    assert backend.pool != first_pool
+    for pool in (first_pool, backend.pool):
+        with pytest.raises(RuntimeError):  # "not currently recording": the recording was ended
+            torch._C._cuda_endAllocateToPool(dev.index, pool)
+    graphs = [backend.capture(lambda k=k: y.copy_(x * 2 + k)) for k in range(3)]  # x * 2 + k: a pool temporary
+    x.fill_(5)
+    torch.cuda.synchronize(dev)  # fill_ ran on the default stream, the replays run on the compute stream
+    for k, g in enumerate(graphs):
+        backend.replay(g).synchronize()
+        assert torch.equal(y, torch.full_like(y, 10.0 + k))
+    for g in graphs:
+        backend.destroy(g)
+
+
+def test_an_invalidated_capture_under_churn_degrades_one_step_not_the_process(ckpt_1b):
+    """The first capture of a churning workload is invalidated: that step runs eagerly, the engine
+    goes on capturing and replaying graphs, and every token equals the eager engine's."""
+    graphs = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
+    eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
+    backend, capture = graphs.graphs.backend, graphs.graphs.backend.capture
+    broken = []
+
+    def capture_breaking_the_first(step):
+        if not broken:
+            broken.append(True)
+
+            def invalidated():
+                torch.cuda.synchronize(graphs.device)
+                step()
+            return capture(invalidated)
+        return capture(step)
+
+    backend.capture = capture_breaking_the_first
+    a, b = churn_workload(graphs), churn_workload(eager)
+    assert a == b
+    s = graphs.graphs.stats
+    print(f"churn with one invalidated capture: {s}")
+    assert broken and s.capture_failures == 1 and not graphs.graphs.capture_disabled
+    assert s.hits > 50 and s.captures > 5
+
+
 def test_kv_cache_that_does_not_fit_is_a_clear_start_up_error(ckpt_tiny):
     with pytest.raises(ConfigError, match="does not fit"):
         gpu_engine(ckpt_tiny, num_kv_blocks=2**31 // 16)
