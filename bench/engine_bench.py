@@ -41,6 +41,8 @@ from engine.engine import Engine  # noqa: E402
 from engine.loader import weight_bytes  # noqa: E402
 from engine.sampling import SamplingParams, StoppingCriteria  # noqa: E402
 
+SAMPLING = SamplingParams()  # every benchmarked sequence's (greedy; --top-logprobs N asks for N candidates)
+
 
 def sync(device):
     if device.type == "cuda":
@@ -80,7 +82,7 @@ def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dic
     vocab = engine.model_config.vocab_size
     times = []
     for r in range(repeats + 2):
-        ids = [engine.alloc_sequence(length + 2, SamplingParams(), GREEDY_LONG).seq_id for _ in range(batch)]
+        ids = [engine.alloc_sequence(length + 2, SAMPLING, GREEDY_LONG).seq_id for _ in range(batch)]
         prompts = prompts_of([length] * batch, vocab, seed=r)
         sync(engine.device)
         t0 = time.perf_counter()
@@ -94,7 +96,7 @@ def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dic
 
 def start_batch(engine: Engine, batch: int, prompt_len: int, room: int, seed: int = 1) -> list[int]:
     vocab = engine.model_config.vocab_size
-    ids = [engine.alloc_sequence(prompt_len + room, SamplingParams(), GREEDY_LONG).seq_id for _ in range(batch)]
+    ids = [engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id for _ in range(batch)]
     for i, p in zip(ids, prompts_of([prompt_len] * batch, vocab, seed)):
         engine.prefill([PrefillItem(i, p)])
     return ids
@@ -172,7 +174,7 @@ def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_
     for step in range(steps):
         if step and step % every == 0:
             engine.release([ids.pop(step % len(ids))])
-            new = engine.alloc_sequence(prompt_len + room, SamplingParams(), GREEDY_LONG).seq_id
+            new = engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id
             engine.prefill([PrefillItem(new, prompts_of([prompt_len], vocab, seed=step)[0])])
             ids.append(new)
         t0 = time.perf_counter()
@@ -302,6 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--quick", action="store_true", help="few steps and sizes (CPU / CI)")
+    p.add_argument("--top-logprobs", type=int, default=0,
+                   help="every sequence asks for this many top-logprob candidates per token")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-hf-compile", action="store_true")
     p.add_argument("--device", default="auto")
@@ -310,6 +314,8 @@ def main(argv=None) -> int:
                    help="(GPU, experiments) skinny grids of at most this many tiles get 16-warp blocks "
                         "(default: the SM count; 0: never)")
     args = p.parse_args(argv)
+    global SAMPLING
+    SAMPLING = SamplingParams(top_logprobs=args.top_logprobs)
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)

@@ -136,6 +136,7 @@ for what in "$@"; do
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
+    topk)    stage bench-topk 120 python3 tests/gpu/bench_kernels.py --topk ;;
     norm)    stage bench-norm 120 python3 tests/gpu/bench_kernels.py --norm ;;
     skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;
     # Nsight Compute on sample_stats (batch 32) and decode attention (1B batch 32, fused RoPE), keys from DRAM

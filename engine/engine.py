@@ -721,7 +721,12 @@ class Engine:
         return self.model_config.rope.rope_type == "dynamic"
 
     def _num_top(self, seqs: list[Sequence]) -> int:
-        return max(s.sampling.top_logprobs for s in seqs)
+        """How many top-logprob candidates a step computes: config.max_top_logprobs when any of its
+        sequences asks for some (each gets its own count of them back), else 0. One count, not the
+        largest asked for: the count fixes the step's shapes, so each distinct count would be a graph
+        of its own at every batch width (up to 20 x 256 of them, each captured at first sight), where
+        now each width has two. topk's cost barely depends on k."""
+        return self.config.max_top_logprobs if any(s.sampling.top_logprobs for s in seqs) else 0
 
     def _commit(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float], top_ids: list | None,
                 top_logprobs: list | None) -> list[api.TokenResult]:

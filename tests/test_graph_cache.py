@@ -390,3 +390,39 @@ def test_replayed_prefill_graphs_equal_eager_prefill(tiny_model):
     # Prefill shapes: (16 tokens, 1 row) for each 3-token chunk and for the last round's 17 remaining
     # tokens is (32, 1); the three-prompt calls are (32 or 48 tokens, 4 rows). Later rounds replay.
     assert stats.captures >= 3 and stats.hits >= 2, stats
+
+
+def test_top_logprob_counts_share_one_graph_per_width_and_each_sequence_gets_its_own(tiny_model):
+    """Steps whose sequences ask for 1, 2, 3 or 5 top-logprob candidates compute max_top_logprobs of them
+    (one graph key per width for all such counts, besides the key without any); each sequence gets back
+    exactly its own count, the highest-ranked first, and the same candidates the graph-less engine gives."""
+    from conftest import engine_config, random_prompts
+    from engine.api import PrefillItem
+    from engine.engine import Engine
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    prompts = random_prompts([5, 8, 3], 512, seed=4)
+
+    def run(engine: Engine) -> list:
+        out = []
+        for counts in ((1, 3, 0), (2, 5, 0), (0, 0, 0), (5, 1, 2)):
+            ids = [engine.alloc_sequence(16, SamplingParams(top_logprobs=c), StoppingCriteria(ignore_eos=True)).seq_id
+                   for c in counts]
+            engine.prefill([PrefillItem(i, p) for i, p in zip(ids, prompts)])
+            for _ in range(3):
+                for c, t in zip(counts, engine.decode(ids).tokens):
+                    assert len(t.top_logprobs) == c
+                    lps = [lp for _, lp in t.top_logprobs]
+                    assert lps == sorted(lps, reverse=True)
+                    out.append((t.token_id, tuple(t.top_logprobs)))
+            engine.release(ids)
+        return out
+
+    eager = run(Engine(engine_config(tiny_model, fallback_graphs=False)))
+    engine = Engine(engine_config(tiny_model, fallback_graphs=False))
+    engine.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=1)
+    assert run(engine) == eager
+    max_top = engine.config.max_top_logprobs
+    decode_keys = [k for k in engine.graphs._graphs if k[0] == "decode"]
+    assert {k[-1] for k in decode_keys} == {0, max_top}
+    assert len(decode_keys) == 2  # one slot vector (the same three slots each time), with and without candidates

@@ -272,7 +272,8 @@ def ncu_targets(ops, dev, dt) -> None:
 def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
-    --attention (only decode attention with forced key splits, attention_split_rows);
+    --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
+    top-logprob candidates, log_softmax + topk, at k = 1, 2, 5, 20);
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -285,6 +286,13 @@ def main() -> int:
     if "--attention" in sys.argv:
         for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
+        return 0
+    if "--topk" in sys.argv:  # the top-logprob candidates of a step (CudaOps.sample's num_top > 0 part)
+        for batch in (1, 8, 32):
+            logits = torch.randn(batch, VOCAB, device=dev) * 3
+            for k in (1, 2, 5, 20):
+                d_us = device_us(lambda k=k, x=logits: torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1))
+                print(f"{batch:>5}  {'log_softmax + topk k=' + str(k):<40} {d_us:>10.2f}")
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
