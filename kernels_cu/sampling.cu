@@ -27,6 +27,20 @@
 //   sample_select  grid (N), block 1024: the top-k / top-p threshold of filtered rows (0 otherwise).
 //   sample_draw    grid (S, N), block 256: the Gumbel argmax of filtered rows over kept tokens.
 //   sample_finish  grid (N), block 32: merge the splits; write tokens and logprobs.
+// The top-logprob candidates (when a step asks for k of them, 1 <= k <= TOPK_MAX), after those four:
+//   sample_topk_split  grid (ceil(V / TOPK_CHUNK), N), block 256: the k largest raw logits of each chunk
+//                      of TOPK_CHUNK tokens, as sort keys in order, into cand [N, ceil(V / TOPK_CHUNK), k] u64.
+//   sample_topk_merge  grid (N), block 32, dynamic shared memory ceil(V / TOPK_CHUNK) * (8 k + 4) bytes:
+//                      the k largest of a row's candidates, in order, to
+//                      top_ids [N, k] i64 and top_logprobs [N, k] f32 = logit - logsumexp(raw logits)
+//                      (the softmax stats in parts, merged as sample_finish does: the same logprob
+//                      sample_finish gives the token it picks).
+//   Order: larger logit first, then the lower token id (ties), NaN first (as torch.topk). A sort key is
+//   float_key(logit) << 32 | ~id, so one descending u64 order is all of it. A lane sorts its 4 keys; a warp
+//   merges its lanes' sorted lists, k rounds of a warp maximum over the lists' heads (warp_merge_lists);
+//   a split block merges its 8 warps' lists, and the merge block all the chunks' (a first version sorted
+//   whole chunks bitonically in shared memory: 64 us for one row at k = 20, 211 us for 32). Reference: torch.topk(torch.log_softmax(logits), k) (CudaOps.sample before
+//   these kernels; one row of a 128k vocabulary took 81 us there on an H200, ~90% of it topk).
 // Programmatic dependent launch (the launch attribute; a no-op without it): each kernel waits at its top
 // and reads nothing before (common.cuh, grid_dependency_wait); its launch overlaps the end of the one before.
 // Built WITHOUT --use_fast_math: divisions, expf and logf must be the accurate ones.
@@ -409,5 +423,124 @@ extern "C" __global__ void sample_finish(i64* tokens, float* logprobs, const flo
     if (tok < 0) tok = bp.i < 0 ? 0 : bp.i;  // no finite candidate (e.g. NaN logits)
     tokens[row] = tok;
     logprobs[row] = logits[(i64)row * V + tok] - st.m - logf(st.s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Top-logprob candidates. Keys are unique (the token id is in the low bits), so a maximum is held by
+// exactly one list.
+#define TOPK_CHUNK 1024  // tokens of a sample_topk_split block: 8 warps x 32 lanes x 4
+#define TOPK_MAX 32
+
+__device__ __forceinline__ u64 topk_key(float v, int i) { return ((u64)float_key(v) << 32) | (u32)~(u32)i; }
+
+__device__ __forceinline__ void swap_desc(u64& a, u64& b) {
+  if (a < b) {
+    const u64 t = a;
+    a = b;
+    b = t;
+  }
+}
+
+// One warp: the k largest keys of `lists` lists sorted in descending order, `len` keys each, at
+// keys[l * len + j]; out[r] (written by lane 0) = the r-th largest, r < k (0 where there are fewer).
+// Each round the lanes' best list heads meet in a warp maximum and the winning list moves on.
+// cur: `lists` ints of scratch (the lists' cursors).
+__device__ __forceinline__ void warp_merge_lists(const u64* keys, int lists, int len, int k, u64* out, int* cur) {
+  const int lane = threadIdx.x & 31;
+  u64 best = 0ull;
+  int best_l = -1;
+  for (int l = lane; l < lists; l += 32) {
+    cur[l] = 0;
+    const u64 h = keys[l * len];
+    if (h > best) {
+      best = h;
+      best_l = l;
+    }
+  }
+  __syncwarp();
+  for (int r = 0; r < k; ++r) {
+    u64 m = best;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const u64 other = __shfl_xor_sync(FULL_MASK, m, o);
+      m = other > m ? other : m;
+    }
+    if (lane == 0) out[r] = m;
+    if (m != 0ull && best == m) {  // this lane's list held it: advance that list, find the lane's new best
+      cur[best_l] += 1;
+      best = 0ull;
+      best_l = -1;
+      for (int l = lane; l < lists; l += 32) {
+        const int c = cur[l];
+        const u64 h = c < len ? keys[l * len + c] : 0ull;
+        if (h > best) {
+          best = h;
+          best_l = l;
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) sample_topk_split(u64* cand, const float* logits, int V, int k) {
+  wait_then_allow_dependents();
+  __shared__ u64 keys[TOPK_CHUNK];  // 32 sorted lists of 4 per warp
+  __shared__ u64 warp_top[8 * TOPK_MAX];
+  __shared__ int cur[256];
+  const int chunk = blockIdx.x, row = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* x = logits + (i64)row * V;
+  const int base = chunk * TOPK_CHUNK + warp * 128 + lane;
+  u64 a[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int i = base + 32 * j;  // coalesced; 0: below every real key (float_key(-inf) << 32 > 0)
+    a[j] = i < V ? topk_key(x[i], i) : 0ull;
+  }
+  swap_desc(a[0], a[1]);
+  swap_desc(a[2], a[3]);
+  swap_desc(a[0], a[2]);
+  swap_desc(a[1], a[3]);
+  swap_desc(a[1], a[2]);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) keys[threadIdx.x * 4 + j] = a[j];
+  __syncwarp();
+  warp_merge_lists(keys + warp * 128, 32, 4, k, warp_top + warp * k, cur + warp * 32);
+  __syncthreads();
+  if (warp == 0) {
+    u64* out = cand + ((i64)row * gridDim.x + chunk) * k;
+    warp_merge_lists(warp_top, 8, k, k, keys, cur);  // keys: free again
+    __syncwarp();
+    for (int j = lane; j < k; j += 32) out[j] = keys[j];
+  }
+}
+
+// Dynamic shared memory: num_chunks * k * 8 bytes of candidates, then num_chunks ints of cursors.
+extern "C" __global__ void __launch_bounds__(32) sample_topk_merge(i64* top_ids, float* top_logprobs,
+                                                                   const u64* cand, const float* parts,
+                                                                   const float* logits, int V, int num_splits,
+                                                                   int num_chunks, int k) {
+  wait_then_allow_dependents();
+  extern __shared__ u64 smem_keys[];
+  __shared__ u64 top[TOPK_MAX];
+  int* cur = reinterpret_cast<int*>(smem_keys + (i64)num_chunks * k);
+  const int row = blockIdx.x, lane = threadIdx.x;
+  const u64* c = cand + (i64)row * num_chunks * k;
+  for (int j = lane; j < num_chunks * k; j += 32) smem_keys[j] = c[j];
+  SoftmaxStat st{NEG_INF, 0.f};  // the row's softmax stats, merged as sample_finish merges them
+  for (int s = lane; s < num_splits; s += 32) {
+    const float* p = parts + ((i64)row * num_splits + s) * PART_STRIDE;
+    st = softmax_merge(st, SoftmaxStat{p[0], p[1]});
+  }
+  st = warp_softmax(st);
+  __syncwarp();
+  warp_merge_lists(smem_keys, num_chunks, k, k, top, cur);
+  __syncwarp();
+  const float* x = logits + (i64)row * V;
+  for (int j = lane; j < k; j += 32) {
+    const int i = (int)~(u32)top[j];
+    top_ids[(i64)row * k + j] = i;
+    top_logprobs[(i64)row * k + j] = x[i] - st.m - logf(st.s);
   }
 }

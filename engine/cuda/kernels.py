@@ -82,7 +82,8 @@ MODULES: dict[str, list[KernelSpec]] = {
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
-                 KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii")],
+                 KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
+                 KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
     "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"), KernelSpec("decode_commit", "p" * 8 + "il"),
                     KernelSpec("verify_commit", "p" * 10 + "iili" + "l")],
@@ -100,6 +101,8 @@ PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", 
                 "decode_commit", "verify_commit")
 DECODE_THREADS = 128
 SAMPLE_PART_STRIDE = 8
+TOPK_CHUNK = 1024  # tokens per block of sample_topk_split
+TOPK_MAX = 32  # the most top-logprob candidates the kernels give (sample_topk_*)
 
 
 def decode_smem_bytes(head_dim: int, rope: bool = False) -> int:
@@ -419,6 +422,11 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
+        # sample_topk_merge holds a row's candidates in shared memory (ceil(V / TOPK_CHUNK) * (8 k + 4) bytes;
+        # its static shared memory, 256 bytes, comes on top)
+        self.topk_smem_limit = self.max_smem_optin - 1024
+        _check("cuFuncSetAttribute(sample_topk_merge, MAX_DYNAMIC_SHARED_SIZE_BYTES)",
+               driver.cuFuncSetAttribute(self.kernels["sample_topk_merge"].func, smem_attr, self.topk_smem_limit))
         # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64).
         self.decode_blocks_per_sm = {
             d: _check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d})",
@@ -894,6 +902,35 @@ class KernelLibrary:
         tp = _tensor(temperature, "temperature", torch.float32, 1, align=False)
         S = parts.shape[1]
         self.kernels["sample_finish"]((N, 1, 1), (32, 1, 1), 0, self.stream(), tk, lp, pp, lg, tp, V, S)
+
+    def sample_topk(self, top_ids, top_logprobs, cand, parts, logits) -> None:
+        """The k = top_ids.shape[1] largest raw logits of each row, in order (ties: the lower id), and their
+        log-softmax (the stats sample_stats left in parts): sample_topk_split then sample_topk_merge.
+        cand: [N, ceil(V / TOPK_CHUNK), k] int64 scratch. topk_fits(V, k) says whether it can."""
+        lg = _tensor(logits, "logits", torch.float32, 2, align=False)
+        N, V = logits.shape
+        k = top_ids.shape[1] if top_ids.dim() == 2 else 0
+        if not self.topk_fits(V, k):
+            raise KernelArgError(f"sample_topk: k = {k} of {V} tokens; the kernels give 1 to {TOPK_MAX} candidates, "
+                                 f"from at most {self.topk_smem_limit // (8 * k + 4) * TOPK_CHUNK if k else 0} tokens")
+        chunks = -(-V // TOPK_CHUNK)
+        ti = _tensor(top_ids, "top_ids", torch.int64, 2, align=False)
+        tl = _tensor(top_logprobs, "top_logprobs", torch.float32, 2, align=False)
+        cp = _tensor(cand, "topk candidates", torch.int64, 3, align=False)
+        _shape(top_ids, "top_ids", (N, k))
+        _shape(top_logprobs, "top_logprobs", (N, k))
+        _shape(cand, "topk candidates", (N, chunks, k))
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        S = parts.shape[1]
+        _shape(parts, "sample parts", (N, S, SAMPLE_PART_STRIDE))
+        self.kernels["sample_topk_split"]((chunks, N, 1), (256, 1, 1), 0, self.stream(), cp, lg, V, k)
+        self.kernels["sample_topk_merge"]((N, 1, 1), (32, 1, 1), chunks * (8 * k + 4), self.stream(), ti, tl, cp,
+                                          pp, lg, V, S, chunks, k)
+
+    def topk_fits(self, vocab: int, k: int) -> bool:
+        """Whether sample_topk takes k candidates of a vocabulary of this size (its merge holds a row's in
+        shared memory)."""
+        return 1 <= k <= min(TOPK_MAX, vocab) and -(-vocab // TOPK_CHUNK) * (8 * k + 4) <= self.topk_smem_limit
 
     def spec_accept_draw(self, parts, target_logp, draft_ids, draft_probs, seed, position) -> None:
         tl = _tensor(target_logp, "target_logp", torch.float32, 3, align=False)

@@ -30,6 +30,7 @@ from engine import env, sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
+    TOPK_CHUNK,
     CudaError,
     KernelArgError,
     KernelLibrary,
@@ -305,10 +306,16 @@ class CudaOps(TorchOps):
             self.lib.sample_select(thresholds, parts, *args)
             self.lib.sample_draw(parts, thresholds, *args)
             self.lib.sample_finish(tokens, logprobs, parts, logits, args[2])
-        if num_top:
+        if not num_top:
+            return sampling.SampleOutput(tokens, logprobs, None, None)
+        if not rows or not self.lib.topk_fits(vocab, num_top):
             top = torch.topk(torch.log_softmax(logits, dim=-1), num_top, dim=-1)
             return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
-        return sampling.SampleOutput(tokens, logprobs, None, None)
+        top_ids = torch.empty((rows, num_top), dtype=torch.int64, device=dev)
+        top_logprobs = torch.empty((rows, num_top), dtype=torch.float32, device=dev)
+        cand = torch.empty((rows, -(-vocab // TOPK_CHUNK), num_top), dtype=torch.int64, device=dev)
+        self.lib.sample_topk(top_ids, top_logprobs, cand, parts, logits)  # torch.topk: 81 us for one 128k row
+        return sampling.SampleOutput(tokens, logprobs, top_ids, top_logprobs)
 
     def _prepare(self, state: SlotState, slots: torch.Tensor, block_size: int,
                  drafts: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], sampling.SamplingTensors]:

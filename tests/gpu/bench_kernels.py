@@ -273,7 +273,7 @@ def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
-    top-logprob candidates, log_softmax + topk, at k = 1, 2, 5, 20);
+    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -288,11 +288,21 @@ def main() -> int:
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
         return 0
     if "--topk" in sys.argv:  # the top-logprob candidates of a step (CudaOps.sample's num_top > 0 part)
-        for batch in (1, 8, 32):
+        from engine.cuda.kernels import SAMPLE_PART_STRIDE, TOPK_CHUNK
+        for batch in (1, 8, 32, 128):
             logits = torch.randn(batch, VOCAB, device=dev) * 3
-            for k in (1, 2, 5, 20):
+            st = sampling_rows(batch, "greedy")
+            parts = torch.empty((batch, ops.lib.vocab_splits(batch, VOCAB), SAMPLE_PART_STRIDE), device=dev)
+            ops.lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+                                 st.repetition_penalty, st.position)
+            for k in (1, 2, 5, 8, 20):
                 d_us = device_us(lambda k=k, x=logits: torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1))
-                print(f"{batch:>5}  {'log_softmax + topk k=' + str(k):<40} {d_us:>10.2f}")
+                ids = torch.empty((batch, k), dtype=torch.int64, device=dev)
+                lps = torch.empty((batch, k), dtype=torch.float32, device=dev)
+                cand = torch.empty((batch, -(-VOCAB // TOPK_CHUNK), k), dtype=torch.int64, device=dev)
+                k_us = device_us(lambda i=ids, lp=lps, c=cand: ops.lib.sample_topk(i, lp, c, parts, logits))
+                print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
+                print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):

@@ -463,6 +463,46 @@ def test_sample_through_cuda_ops_with_top_logprobs(ops, gen):
     check("sample_top_logprobs", out.top_logprobs, ref.top_logprobs, FP32_TOL)
 
 
+def topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits per row, larger first and the lower id among equals (a stable sort of the
+    negated logits), and their log-softmax."""
+    ids = torch.sort(-logits, dim=-1, stable=True).indices[:, :k]
+    return ids, torch.log_softmax(logits, dim=-1).gather(1, ids)
+
+
+@pytest.mark.parametrize("rows,vocab,k", [(1, 128256, 20), (32, 128256, 20), (5, 32000, 1), (3, 50001, 32),
+                                          (2, 4096, 7), (2, 262144, 32), (1, 1000, 32)])
+def test_sample_topk_kernels_match_a_stable_sort(ops, gen, rows, vocab, k):
+    """sample_topk_split + sample_topk_merge (through CudaOps.sample): the k largest logits in order and
+    their log-softmax; vocabularies that are not a multiple of the chunk, one of a single chunk, and one
+    (262144 x 32 candidates) whose merge takes several rounds."""
+    logits = randn(rows, vocab, scale=3.0)
+    st = sampling_tensors(["greedy"] * rows, vocab)
+    out = ops.sample(logits, st, num_top=k)
+    ids, lps = topk_reference(logits, k)
+    assert torch.equal(out.top_ids, ids)
+    check("sample_topk_logprobs", out.top_logprobs, lps, FP32_TOL)
+    assert torch.equal(out.top_ids[:, 0], out.token_ids)  # greedy: the token is the first candidate...
+    assert torch.equal(out.top_logprobs[:, 0], out.logprobs)  # ...with the very same logprob
+
+
+def test_sample_topk_ties_infinities_and_nan(ops, gen):
+    """Many equal logits (integers in a small range): the lower id first among equals; -inf logits are
+    ranked last; a NaN ranks first (as torch.topk puts it)."""
+    vocab, k = 70000, 32
+    logits = torch.randint(-3, 4, (4, vocab), generator=torch.Generator().manual_seed(3)).float().to(dev())
+    logits[1, : vocab - 10] = float("-inf")  # only 10 finite logits: the rest of the 32 are -inf, in id order
+    logits[2, 12345] = float("nan")
+    st = sampling_tensors(["greedy"] * 4, vocab, seen_fraction=0.0)
+    out = ops.sample(logits, st, num_top=k)
+    ids, _ = topk_reference(logits[[0, 1, 3]], k)
+    assert torch.equal(out.top_ids[[0, 1, 3]], ids)
+    assert int(out.top_ids[2, 0]) == 12345
+    lp = torch.log_softmax(logits[0], dim=-1)[out.top_ids[0]]
+    check("sample_topk_ties", out.top_logprobs[0], lp, FP32_TOL)
+    assert torch.isinf(out.top_logprobs[1, 10:]).all() and torch.isfinite(out.top_logprobs[1, :10]).all()
+
+
 SPEC_CASES = [
     # B, K, vocab, with draft probs, greedy target
     (1, 4, 1000, False, True),
