@@ -721,14 +721,16 @@ class Engine:
         return self.model_config.rope.rope_type == "dynamic"
 
     def _num_top(self, seqs: list[Sequence]) -> int:
-        """How many top-logprob candidates a step computes: the largest count its sequences ask for,
-        rounded up to a power of two (at most config.max_top_logprobs), or 0; each sequence gets its own
-        count back. The count fixes the step's shapes, so each distinct one is a graph of its own at
-        every batch width (up to 20 x 256 of them, each captured at first sight): rounded, a width has
-        at most six (1, 2, 4, 8, 16, 20). Not always the maximum: the candidates' kernels cost about
-        twice as much at k = 20 as at k = 5 (1B batch 1: 22.7 vs 10.3 us, H200)."""
-        n = max(s.sampling.top_logprobs for s in seqs)
-        return min(self.config.max_top_logprobs, 1 << (n - 1).bit_length()) if n else 0
+        """How many top-logprob candidates a step computes: config.max_top_logprobs when any of its
+        sequences asks for some (each gets its own count of them back), else 0. One count: it fixes the
+        step's shapes, so each distinct count would be a graph of its own at every batch width (up to
+        20 x 256 of them, each captured at first sight); and the step's device-to-pinned copies of the
+        candidates ([:n, :count] of [max_batch, max_top_logprobs] buffers) are contiguous only at the
+        full count: a strided copy of 5 held the host until the step ended (1B batch 32 queued, 5
+        candidates: 1.57-1.66 ms, 1.42 at the full count; H200). Rounding the count up to a power of
+        two would halve the candidates' kernels at k = 5 (13.2 vs 22.7 us at batch 1), once the buffers
+        are laid out so that every count's copy is contiguous."""
+        return self.config.max_top_logprobs if any(s.sampling.top_logprobs for s in seqs) else 0
 
     def _commit(self, seqs: list[Sequence], token_ids: list[int], logprobs: list[float], top_ids: list | None,
                 top_logprobs: list | None) -> list[api.TokenResult]:

@@ -393,10 +393,9 @@ def test_replayed_prefill_graphs_equal_eager_prefill(tiny_model):
 
 
 def test_top_logprob_counts_share_one_graph_per_width_and_each_sequence_gets_its_own(tiny_model):
-    """Steps compute the largest count of top-logprob candidates their sequences ask for rounded up to a
-    power of two (3 -> 4, 5 -> 8; at most max_top_logprobs), so counts share graph keys; each sequence
-    gets back exactly its own count, the highest-ranked first, and the candidates the graph-less engine
-    gives."""
+    """Steps whose sequences ask for 1, 2, 3 or 5 top-logprob candidates compute max_top_logprobs of them
+    (one graph key per width for all such counts, besides the key without any); each sequence gets back
+    exactly its own count, the highest-ranked first, and the same candidates the graph-less engine gives."""
     from conftest import engine_config, random_prompts
     from engine.api import PrefillItem
     from engine.engine import Engine
@@ -424,12 +423,4 @@ def test_top_logprob_counts_share_one_graph_per_width_and_each_sequence_gets_its
     engine.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=1)
     assert run(engine) == eager
     decode_keys = [k for k in engine.graphs._graphs if k[0] == "decode"]
-    assert sorted(k[-1] for k in decode_keys) == [0, 4, 8]  # one slot vector (the same three slots each time)
-    assert [engine._num_top([_Asks(n)]) for n in (0, 1, 2, 3, 9, 16, 17)] == [0, 1, 2, 4, 16, 16, 20]
-
-
-class _Asks:
-    """A stand-in sequence for Engine._num_top: only its sampling's top_logprobs is read."""
-
-    def __init__(self, n: int):
-        self.sampling = type("S", (), {"top_logprobs": n})()
+    assert sorted(k[-1] for k in decode_keys) == [0, engine.config.max_top_logprobs]  # one slot vector
