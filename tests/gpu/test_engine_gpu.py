@@ -52,11 +52,13 @@ def greedy_run(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
     return [out[i] for i in ids]
 
 
-def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b):
-    """64 greedy tokens for 4 prompts: the kernel engine equals the torch-ops engine (both bf16 on the
-    GPU), except where bf16 rounding flips a near-tie: then the two candidates' logits must be within
-    a small gap in the reference, and the divergence is reported."""
-    ps = prompts([5, 31, 128, 200], 128256, seed=1)
+@pytest.mark.parametrize("batch", [4, 16])
+def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b, batch):
+    """64 greedy tokens for 4 prompts (decode steps on the skinny kernels) and for 16 (the split kernels):
+    the kernel engine equals the torch-ops engine (both bf16 on the GPU), except where bf16 rounding flips a
+    near-tie: then the two candidates' logits must be within a small gap in the reference, and the
+    divergence is reported."""
+    ps = prompts([5, 31, 128, 200] * (batch // 4), 128256, seed=1)
     ref_engine = gpu_engine(ckpt_1b, kernels="torch", num_kv_blocks=1024)
     ref = greedy_run(ref_engine, ps, 64)
     fast_engine = gpu_engine(ckpt_1b, num_kv_blocks=1024)
@@ -76,7 +78,7 @@ def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b):
         assert gap < 0.1, f"not a near-tie: gap {gap}"
     exact = sum(a == b for a, b in zip(got, ref))
     agree = [next((i for i in range(64) if a[i] != b[i]), 64) for a, b in zip(got, ref)]
-    print(f"{exact}/4 sequences identical over 64 tokens; tokens in agreement before a divergence: {agree}")
+    print(f"{exact}/{batch} sequences identical over 64 tokens; tokens in agreement before a divergence: {agree}")
 
 
 def churn_workload(engine: Engine, steps: int = 200, seed: int = 0) -> list[tuple]:
