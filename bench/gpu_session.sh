@@ -136,9 +136,6 @@ for what in "$@"; do
     prefill8b) stage profile-prefill-8b 300 python3 bench/profile_step.py --shape 8b --only prefill ;;
     fused)   stage gpu-fused-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k "skinny or fused or decode or replay" ;;
     kbench)  stage bench-kernels 200 python3 tests/gpu/bench_kernels.py ;;
-    # The split linear kernels (9..32 tokens): their tests, and their times beside the cuBLAS path they replace
-    ksplit)  stage gpu-split-tests 240 python3 -m pytest tests/gpu/test_split_linear.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu ;;
-    bsplit)  stage bench-split 200 python3 tests/gpu/bench_kernels.py --split ;;
     topk)    stage bench-topk 120 python3 tests/gpu/bench_kernels.py --topk ;;
     norm)    stage bench-norm 120 python3 tests/gpu/bench_kernels.py --norm ;;
     skinny)  stage bench-skinny 200 python3 tests/gpu/bench_kernels.py --skinny ;;

@@ -86,33 +86,6 @@ __device__ __forceinline__ Vec16 pack8(const float (&f)[8]) {
   return v;
 }
 
-// Packed multiply of two T pairs, one rounding each (fma with -0: exact sign of zero products).
-template <class T>
-struct Mul2;
-template <>
-struct Mul2<Bf16> {
-  static __device__ __forceinline__ u32 run(u32 a, u32 b) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-  }
-};
-template <>
-struct Mul2<Fp16> {
-  static __device__ __forceinline__ u32 run(u32 a, u32 b) {
-    u32 d;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-  }
-};
-
-// Sum of squares of the two T values of one register, added to s.
-template <class T>
-__device__ __forceinline__ float add_squares(float s, u32 x) {
-  const float lo = lo_of<T>(x), hi = hi_of<T>(x);
-  return fmaf(hi, hi, fmaf(lo, lo, s));
-}
-
 // ---------------------------------------------------------------------------------------------
 // Reductions.
 

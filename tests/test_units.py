@@ -234,56 +234,6 @@ def test_decode_attention_grid_rules(cluster):
     assert lib.decode_fits_one_wave(49, 32, 8, 64, 2048) and not lib.decode_fits_one_wave(50, 32, 8, 64, 2048)
 
 
-@pytest.mark.parametrize("cluster", [1, 8])
-def test_split_linear_grid_rules(cluster):
-    """The split linear kernels' K split (engine/cuda/kernels.py; arithmetic only, an H200's numbers): at most
-    one block per SM, steps of 64 elements, clusters the device has; the 1B and 8B shapes get one wave."""
-    from engine.cuda.kernels import KernelLibrary
-    lib = KernelLibrary.__new__(KernelLibrary)
-    lib.num_sms, lib.decode_cluster = 132, cluster
-    for tiles in (1, 2, 16, 32, 33, 66, 128, 224):
-        for K in (64, 192, 512, 2048, 8192, 14336):
-            s = lib.split_blocks(tiles, K)
-            assert s in (1, 2, 4, 8) and s <= cluster and K % (64 * s) == 0
-            assert s == 1 or tiles * s <= lib.num_sms
-    if cluster == 8:  # 1B o / down: 16 tiles x 8; 8B o / down: 32 x 4; gate_up: one split
-        assert [lib.split_blocks(t, k) for t, k in ((16, 2048), (16, 8192), (32, 4096), (32, 14336), (128, 2048))] \
-            == [8, 8, 4, 4, 1]
-
-
-class _SplitStandIn:
-    """Records which linear kernels CudaOps launches."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):  # the primitives of the cuBLAS path (rms_norm, silu_and_mul) are recorded too
-        return lambda *args, **kw: self.calls.append(name)
-
-
-@pytest.mark.parametrize("tokens,expected", [(1, "skinny"), (8, "skinny"), (9, "split"), (32, "split"), (33, None)])
-def test_cuda_ops_picks_the_linear_kernels_by_token_count(tokens, expected):
-    """Decode forwards of <= 8 tokens take the skinny kernels, 9..32 the split kernels (o, gate_up, down),
-    more tokens and prompts TorchOps' cuBLAS path (on CPU: the kernels stood in for, the fallback computed)."""
-    import torch
-
-    from engine.cuda.ops import CudaOps
-    ops = CudaOps.__new__(CudaOps)
-    ops.lib = _SplitStandIn()
-    ops._rows_per_seq = 1
-    bf16 = torch.bfloat16
-    h = torch.randn(tokens, 256, dtype=bf16)
-    o, gate_up, norm = (torch.randn(256, 256) / 16).to(bf16), (torch.randn(512, 256) / 16).to(bf16), torch.ones(256, dtype=bf16)
-    for decode in (True, False):
-        ops.lib.calls.clear()
-        ops.begin_forward(tokens, decode)
-        ops.linear_add(h.clone(), torch.randn(tokens, 256, dtype=bf16), o)
-        ops.norm_gate_up(h, norm, gate_up, 1e-5)
-        want = expected if decode else None
-        linear = [c for c in ops.lib.calls if c.startswith(("split_", "skinny_"))]
-        assert linear == ([] if want is None else [f"{want}_residual", f"{want}_silu"])
-
-
 def test_prefill_buckets_are_few_and_tight():
     from engine.cuda.ops import PREFILL_BUCKET, PREFILL_BUCKET_UNTIL, prefill_bucket
     sizes = [prefill_bucket(n) for n in range(1, 8193)]

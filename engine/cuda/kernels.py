@@ -68,15 +68,6 @@ SKINNY_EPILOGUE_ARGS = {
 }
 
 
-# Entry suffix -> (K per step, ring stages) of the split linear kernels; "" is the one the engine launches.
-SPLIT_VARIANTS = {"": (64, 4), "_x1": (64, 4), "_x2": (128, 3), "_x3": (64, 6)}
-
-
-def split_smem_bytes(variant: str = "") -> int:
-    bk, stages = SPLIT_VARIANTS[variant]
-    return stages * (128 + 32) * (bk + 8) * 2
-
-
 MODULES: dict[str, list[KernelSpec]] = {
     "embedding": _per_dtype("embedding_{dt}", "pppil"),
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
@@ -90,8 +81,6 @@ MODULES: dict[str, list[KernelSpec]] = {
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
-    "split_linear": [KernelSpec(f"split_residual_{dt}{v}", "ppp" + "iii") for dt in ("bf16", "fp16") for v in SPLIT_VARIANTS]
-    + [KernelSpec(f"split_silu_{dt}{v}", "pppp" + "iii" + "f") for dt in ("bf16", "fp16") for v in SPLIT_VARIANTS],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
@@ -108,12 +97,9 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 # decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
 # the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
 # anything the launch before may have written (the ones outside the layers wait at their top).
-PDL_PREFIXES = ("skinny_", "split_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
+PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
                 "decode_commit", "verify_commit")
 DECODE_THREADS = 128
-# Split linear layers (kernels_cu/split_linear.cu): 128 weight rows per block, K in steps of 64 split over a
-# cluster of up to 8 blocks, at most 32 tokens; 4 stages of a [128 + 32, 72] tile ring in shared memory.
-SPLIT_ROWS, SPLIT_BK, SPLIT_MAX_M, SPLIT_THREADS = 128, 64, 32, 256
 SAMPLE_PART_STRIDE = 8
 TOPK_CHUNK = 1024  # tokens per block of sample_topk_split
 TOPK_MAX = 32  # the most top-logprob candidates the kernels give (sample_topk_*)
@@ -436,12 +422,6 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
-        for dt in DTYPE_SUFFIX.values():
-            for ep in ("residual", "silu"):
-                for v in SPLIT_VARIANTS:
-                    size = split_smem_bytes(v)
-                    _check(f"cuFuncSetAttribute(split_{ep}_{dt}{v}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
-                           driver.cuFuncSetAttribute(self.kernels[f"split_{ep}_{dt}{v}"].func, smem_attr, size))
         # sample_topk_merge holds a row's candidates in shared memory (ceil(V / TOPK_CHUNK) * (8 k + 4) bytes;
         # its static shared memory, 256 bytes, comes on top)
         self.topk_smem_limit = self.max_smem_optin - 1024
@@ -849,73 +829,6 @@ class KernelLibrary:
         if M == 0:
             return
         self._skinny_launch("residual", sfx, M, N, rp, xp, wp, M, N, K)
-
-    # Split linear layers for decode batches of 9..32 tokens (kernels_cu/split_linear.cu): the weight streamed
-    # once through shared memory, K split over a thread-block cluster, the norm, SiLU and residual fused.
-
-    def split_blocks(self, tiles: int, K: int) -> int:
-        """The K split S of a split_linear launch of `tiles` 128-row tiles: the largest of 8, 4, 2 that keeps the
-        grid within one block per SM and divides K into 64-element steps; 1 without clusters (before sm_90)."""
-        for s in (8, 4, 2):
-            if s <= self.decode_cluster and tiles * s <= self.num_sms and K % (SPLIT_BK * s) == 0:
-                return s
-        return 1
-
-    def _split_inputs(self, what: str, x: torch.Tensor, weight: torch.Tensor, tile_rows: int) -> tuple:
-        """Checks x [M, K] (1 <= M <= 32) and weight [N, K] with K % 64 == 0 and N % tile_rows == 0.
-        Returns (suffix, M, N, K, x, weight) with pointers."""
-        sfx = _suffix(x.dtype, f"{what} x")
-        xp = _tensor(x, f"{what} x", x.dtype, 2)
-        wp = _tensor(weight, f"{what} weight", x.dtype, 2)
-        M, K = x.shape
-        N = weight.shape[0]
-        if weight.shape[1] != K:
-            raise KernelArgError(f"{what}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)} "
-                                 f"(expected [N, {K}])")
-        if K == 0 or K % SPLIT_BK:
-            raise KernelArgError(f"{what}: K = {K} must be a positive multiple of {SPLIT_BK}")
-        if N == 0 or N % tile_rows:
-            raise KernelArgError(f"{what}: N = {N} must be a positive multiple of {tile_rows}")
-        if not 0 <= M <= SPLIT_MAX_M:
-            raise KernelArgError(f"{what}: {M} tokens; the split kernels take at most {SPLIT_MAX_M}")
-        return sfx, M, N, K, xp, wp
-
-    def _split_launch(self, ep: str, sfx: str, tiles: int, K: int, *args, splits: int | None = None,
-                      variant: str = "") -> None:
-        s = self.split_blocks(tiles, K) if splits is None else splits
-        bk = SPLIT_VARIANTS[variant][0]
-        if s not in (1, 2, 4, 8) or s > self.decode_cluster or K % (bk * s):
-            raise KernelArgError(f"split_{ep}: {s} K splits for K = {K} (1, 2, 4 or 8 dividing K into steps of "
-                                 f"{bk}; clusters of at most {self.decode_cluster} on this device)")
-        self.kernels[f"split_{ep}_{sfx}{variant}"]((s, tiles, 1), (SPLIT_THREADS, 1, 1), split_smem_bytes(variant),
-                                                   self.stream(), *args, cluster=s)
-
-    def split_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                       splits: int | None = None, variant: str = "") -> None:
-        """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1). splits: the K split
-        (default split_blocks)."""
-        sfx, M, N, K, xp, wp = self._split_inputs("split_residual", x, weight, SPLIT_ROWS)
-        rp = self._skinny_output(residual, "split_residual residual", x.dtype, (M, N), x, weight)
-        if M == 0:
-            return
-        self._split_launch("residual", sfx, N // SPLIT_ROWS, K, rp, xp, wp, M, N, K, splits=splits, variant=variant)
-
-    def split_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6, splits: int | None = None,
-                   variant: str = "") -> None:
-        """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T),
-        x' = rms_norm(x, norm_weight, eps) or x."""
-        sfx, M, N, K, xp, wp = self._split_inputs("split_silu", x, weight, SPLIT_ROWS)
-        I = N // 2
-        o = self._skinny_output(out, "split_silu out", x.dtype, (M, I), x, weight)
-        nw = 0
-        if norm_weight is not None:
-            nw = _tensor(norm_weight, "split_silu norm_weight", x.dtype, 1)
-            _shape(norm_weight, "split_silu norm_weight", (K,))
-        if M == 0:
-            return
-        self._split_launch("silu", sfx, I // (SPLIT_ROWS // 2), K, o, xp, wp, nw, M, I, K, float(eps), splits=splits,
-                           variant=variant)
 
     def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,

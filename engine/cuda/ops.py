@@ -4,10 +4,7 @@ or float16; logits are float32.
 Small batches (at most SKINNY_MAX_M tokens: decode and verify steps) run each fused op as one
 "skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
 neighbours fused in: the rms_norm before it (its statistics computed by the kernel from the x it
-loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Decode
-and verify forwards of SKINNY_TOKENS + 1 .. SPLIT_TOKENS tokens run o_proj + residual, norm + gate_up + SiLU
-and down + residual as "split linear" kernels (kernels_cu/split_linear.cu: the weight streamed once through
-shared memory, K split over a thread-block cluster), and their QKV projection and logits through cuBLAS. Larger
+loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
 forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs.
 
 Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
@@ -33,9 +30,6 @@ from engine import env, sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
-    SPLIT_BK,
-    SPLIT_MAX_M,
-    SPLIT_ROWS,
     TOPK_CHUNK,
     CudaError,
     KernelArgError,
@@ -50,7 +44,6 @@ if TYPE_CHECKING:
     from engine.state import SlotState
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
-SPLIT_TOKENS = SPLIT_MAX_M  # decode forwards of SKINNY_TOKENS + 1 .. this many use the split kernels for o, gate_up, down
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
@@ -62,14 +55,6 @@ def skinny_fits(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
-def split_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the split kernels take x [M, K] @ weight^T: SKINNY_TOKENS < M <= SPLIT_TOKENS, K in steps of
-    SPLIT_BK and N in tiles of SPLIT_ROWS (gate_up: I in tiles of SPLIT_ROWS / 2)."""
-    n, k = weight.shape
-    return (SKINNY_TOKENS < x.shape[0] <= SPLIT_TOKENS and x.is_contiguous()
-            and weight.dtype in (torch.bfloat16, torch.float16) and k % SPLIT_BK == 0 and n % SPLIT_ROWS == 0)
-
-
 class CudaOps(TorchOps):
     name = "cuda"
 
@@ -79,7 +64,6 @@ class CudaOps(TorchOps):
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
-        self._split = False
         self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
@@ -121,7 +105,6 @@ class CudaOps(TorchOps):
 
     def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
-        self._split = decode and SKINNY_TOKENS < num_tokens <= SPLIT_TOKENS
         self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
@@ -175,18 +158,15 @@ class CudaOps(TorchOps):
                                      rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        if self._split and split_fits(h, weight):
-            return self.lib.split_residual(h, x.contiguous(), weight)
         if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):
             return super().linear_add(h, x, weight)
         self.lib.skinny_residual(h, x.contiguous(), weight)
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
-        split = self._split and split_fits(h, gate_up)
-        if not split and (not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0])):
+        if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
             return super().norm_gate_up(h, norm, gate_up, eps)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
-        (self.lib.split_silu if split else self.lib.skinny_silu)(out, h, gate_up, norm, eps)
+        self.lib.skinny_silu(out, h, gate_up, norm, eps)
         return out
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.cuda.kernels import SPLIT_VARIANTS, KernelLibrary
+from engine.cuda.kernels import KernelLibrary
 from engine.cuda.ops import CudaOps
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
@@ -144,48 +144,6 @@ def skinny_rows(lib, dev, dt) -> list[tuple]:
             for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                 d_us = device_us(fn)
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
-SPLIT_SHAPES = [("1B o", 2048, 2048, "residual"), ("1B gate_up", 16384, 2048, "silu"),
-                ("1B down", 2048, 8192, "residual"), ("8B o", 4096, 4096, "residual"),
-                ("8B gate_up", 28672, 4096, "silu"), ("8B down", 4096, 14336, "residual")]
-
-
-def split_rows(ops, dev, dt) -> list[tuple]:
-    """The split linear kernels (o / down + residual, norm + gate_up + SiLU) at 9..32 tokens against what the
-    engine runs there without them: cuBLAS addmm_ into the residual, and rms_norm + F.linear + silu_and_mul;
-    at the K split the wrapper picks and at every other one the launch allows."""
-    lib, rows = ops.lib, []
-    for label, N, K, ep in SPLIT_SHAPES:
-        nbytes = N * K * 2
-        weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(max(1, min(20, -(-ROTATE_BYTES // nbytes))))]
-        tiles = N // 128
-        for M in (16, 32):
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            nw = torch.ones(K, device=dev, dtype=dt)
-            if ep == "residual":
-                res = torch.zeros(M, N, device=dev, dtype=dt)
-                cases = {"cuBLAS addmm_": rotating(lambda w: res.addmm_(x, w.t()), weights)}
-                split = lambda s, v: rotating(  # noqa: E731
-                    lambda w: lib.split_residual(res, x, w, splits=s, variant=v), weights)
-            else:
-                act = torch.empty(M, N // 2, device=dev, dtype=dt)
-                cases = {"rms_norm + cuBLAS + silu": rotating(
-                    lambda w: ops.silu_and_mul(F.linear(ops.rms_norm(x, nw, 1e-5), w)), weights)}
-                split = lambda s, v: rotating(  # noqa: E731
-                    lambda w: lib.split_silu(act, x, w, nw, 1e-5, splits=s, variant=v), weights)
-            picked = lib.split_blocks(tiles, K)
-            for s in sorted({picked, 2 if ep == "silu" else picked}):
-                for v, (bk, stages) in SPLIT_VARIANTS.items():
-                    if s <= lib.decode_cluster and K % (bk * s) == 0:
-                        cases[f"split S={s} {v or 'ship'} bk{bk}x{stages}{' *' if s == picked and not v else ''}"] = \
-                            split(s, v)
-            for name, fn in cases.items():
-                d_us = device_us(fn)
-                rows.append((M, f"{label} {name}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -312,7 +270,7 @@ def ncu_targets(ops, dev, dt) -> None:
 
 
 def main() -> int:
-    """Flags: --skinny (only the skinny linear rows), --split (only the split linear rows, split_rows), --sample (only the sampling kernels), --norm (only
+    """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
@@ -345,10 +303,6 @@ def main() -> int:
                 k_us = device_us(lambda i=ids, lp=lps, c=cand: ops.lib.sample_topk(i, lp, c, parts, logits))
                 print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
                 print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
-        return 0
-    if "--split" in sys.argv:
-        for batch, name, d_us, h_us, extra in split_rows(ops, dev, dt):
-            print(f"{batch:>5}  {name:<40} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
