@@ -148,17 +148,28 @@ def engine_decode_queued(engine: Engine, batch: int, steps: int, prompt_len: int
     for _ in range(engine.config.capture_after + 2):
         engine.decode(ids)
     in_flight: collections.deque = collections.deque()
+    done, finish_s, launch_s = [], [], []  # when each result was ready; host time in finish() and in decode_launch()
     t0 = time.perf_counter()
     for _ in range(steps):
         if len(in_flight) == depth:
+            t = time.perf_counter()
             engine.finish(in_flight.popleft())
+            done.append(time.perf_counter())
+            finish_s.append(done[-1] - t)
+        t = time.perf_counter()
         in_flight.append(engine.decode_launch(ids))
+        launch_s.append(time.perf_counter() - t)
     while in_flight:
         engine.finish(in_flight.popleft())
+        done.append(time.perf_counter())
     wall = time.perf_counter() - t0
     layout = batch_layout(engine, ids)
     engine.release(ids)
+    # finish() waits for the device: a device-bound run spends most of each interval there; a host-bound one
+    # spends it launching and committing.
     return {"batch": batch, "steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps,
+            "interval_ms_median": 1e3 * statistics.median(b - a for a, b in zip(done, done[1:])),
+            "finish_ms_median": 1e3 * statistics.median(finish_s), "launch_ms_median": 1e3 * statistics.median(launch_s),
             "layout": layout}
 
 
@@ -286,6 +297,12 @@ def hf_decode_compiled(model, device, batch: int, steps: int, prompt_len: int = 
 # --------------------------------------------------------------------------------------------------
 
 def guarded(results: dict, name: str, fn, *args, **kwargs):
+    # As the worker does once it has started: what is alive now (torch, the models) leaves the collector's
+    # reach, so no full collection over it (tens of ms) lands inside a timed phase. Without it the queued
+    # batch-32 figure, a mean over 200 steps, read up to 55 us higher after the batch-64 and -128 phases
+    # (docs/decode-step-budget.md item 6).
+    gc.collect()
+    gc.freeze()
     try:
         value = fn(*args, **kwargs)
     except Exception as e:  # a failing section is recorded, the run goes on
