@@ -103,3 +103,18 @@ def test_engine_benchmark_quick_runs(tmp_path):
     assert v["ratio"] == pytest.approx(v["step_ms"] / v["decode_step_ms"])
     assert ours["decode_b1"]["step_ms"] > 0 and 0.0 <= ours["decode_churn_b4"]["graph_hit_rate"] <= 1.0
     assert "verify 4 drafts b1" in out.stdout
+    q = ours["decode_queued_b1"]  # where a queued step's interval goes: waiting for the device, or launching
+    assert q["interval_ms_median"] > 0 and 0 <= q["finish_ms_median"] and 0 < q["launch_ms_median"]
+
+
+def test_queued_layout_benchmark_runs():
+    """bench/queued_layout.py on CPU: the five layouts, each where the script puts it (slots and KV blocks)."""
+    out = subprocess.run([sys.executable, "bench/queued_layout.py", "--shape", "tiny", "--batch", "4", "--steps", "3"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["phase"] for r in rows] == ["first slots, first blocks", "high slots, low blocks", "low slots, high blocks",
+                                          "high slots, high blocks", "first slots again"]
+    assert rows[0]["layout"]["slots"] == [0, 3] and rows[1]["layout"]["slots"][0] >= 96
+    assert rows[2]["layout"]["blocks"][0] > 2560 and rows[3]["layout"]["slots"][0] >= 96
+    assert all(r["queued_ms"] > 0 and r["device_ms"] > 0 for r in rows)
