@@ -298,9 +298,8 @@ def hf_decode_compiled(model, device, batch: int, steps: int, prompt_len: int = 
 
 def guarded(results: dict, name: str, fn, *args, **kwargs):
     # As the worker does once it has started: what is alive now (torch, the models) leaves the collector's
-    # reach, so no full collection over it (tens of ms) lands inside a timed phase. Without it the queued
-    # batch-32 figure, a mean over 200 steps, read up to 55 us higher after the batch-64 and -128 phases
-    # (docs/decode-step-budget.md item 6).
+    # reach, so no full collection over it (tens of ms) lands inside a timed phase. (It is not what moves the
+    # queued batch-32 figure between processes: docs/decode-step-budget.md item 6.)
     gc.collect()
     gc.freeze()
     try:

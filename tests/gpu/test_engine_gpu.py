@@ -54,10 +54,10 @@ def greedy_run(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("batch", [4, 16])
 def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b, batch):
-    """64 greedy tokens for 4 prompts (decode steps on the skinny kernels) and for 16 (the split kernels):
-    the kernel engine equals the torch-ops engine (both bf16 on the GPU), except where bf16 rounding flips a
-    near-tie: then the two candidates' logits must be within a small gap in the reference, and the
-    divergence is reported."""
+    """64 greedy tokens for 4 prompts (decode steps on the skinny kernels) and for 16 (cuBLAS and decode
+    attention with the fused RoPE): the kernel engine equals the torch-ops engine (both bf16 on the GPU),
+    except where bf16 rounding flips a near-tie: then the two candidates' logits must be within a small gap in
+    the reference, and the divergence is reported."""
     ps = prompts([5, 31, 128, 200] * (batch // 4), 128256, seed=1)
     ref_engine = gpu_engine(ckpt_1b, kernels="torch", num_kv_blocks=1024)
     ref = greedy_run(ref_engine, ps, 64)
