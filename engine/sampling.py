@@ -115,7 +115,8 @@ class SamplingTensors:
     top_p: torch.Tensor  # [N] float32, 1 = off
     seed: torch.Tensor  # [N] int64 (uint64 bits)
     repetition_penalty: torch.Tensor  # [N] float32, 1 = off
-    seen: torch.Tensor  # [N, vocab] bool: tokens already in the sequence (for the penalty)
+    seen: torch.Tensor  # [N, vocab] bool: tokens already in the sequence (read only in rows whose penalty is not 1;
+    # CudaOps leaves the other rows as they were)
     position: torch.Tensor  # [N] int64: index in the sequence of the token being drawn
 
 

@@ -8,7 +8,9 @@
 //   input_ids[r] = i == 0 ? last_token[s] : drafts[b, i - 1];  positions[r] = p;  seq_lens[r] = p + 1;
 //   row_position[r] = p + 1
 //   slot_mapping[r] = block_table[s, p / block_size] * block_size + p % block_size   (64-bit product)
-//   tables[r, :] = block_table[s, :];  row_seen[r, :] = seen[s, :] | {drafts[b, j] : j < i}
+//   tables[r, :] = block_table[s, :];  row_seen[r, :] = seen[s, :] | {drafts[b, j] : j < i}  where penalty[s] != 1
+//     (the sampling kernels read a row's seen only when its penalty is not 1: the rows of the others are
+//     left as they were, so a batch with no repetition penalty copies no 125 KiB rows at a 128k vocabulary)
 //   row_{temperature, top_k, top_p, seed, penalty}[r] = {temperature, top_k, top_p, seed, penalty}[s]
 // decode_commit, for each row b with s = slots[b], t = tokens[b] (the slots of one call are distinct):
 //   num_cached[s] += 1;  last_token[s] = t;  seen[s, t] = true;  out_tokens[b] = t;  out_logprobs[b] = logprobs[b]
@@ -67,6 +69,24 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int i = threadIdx.x; i < max_blocks; i += blockDim.x) table_dst[i] = table_src[i];
   }
 
+  if (part == 0 && threadIdx.x == 0) {
+    const int p = num_cached[s] + i;
+    const int block = p / block_size;
+    input_ids[r] = i == 0 ? last_token[s] : row_drafts[i - 1];
+    positions[r] = p;
+    slot_mapping[r] = (p < 0 || block >= max_blocks)
+                          ? -1
+                          : (i64)table_src[block] * block_size + p % block_size;
+    seq_lens[r] = p + 1;
+    row_position[r] = (i64)p + 1;
+    row_temperature[r] = temperature[s];
+    row_top_k[r] = top_k[s];
+    row_top_p[r] = top_p[s];
+    row_seed[r] = seed[s];
+    row_penalty[r] = penalty[s];
+  }
+  if (penalty[s] == 1.f) return;  // uniform over the block
+
   const unsigned char* seen_src = seen + s * vocab;
   unsigned char* seen_dst = row_seen + (i64)r * vocab;
   const bool aligned = ((vocab & 15) == 0) && (((u64)seen | (u64)row_seen) & 15) == 0;
@@ -88,23 +108,6 @@ extern "C" __global__ void __launch_bounds__(256)
       const i64 t = row_drafts[j];
       if (t >= lo && t < hi) seen_dst[t] = 1;
     }
-  }
-
-  if (part == 0 && threadIdx.x == 0) {
-    const int p = num_cached[s] + i;
-    const int block = p / block_size;
-    input_ids[r] = i == 0 ? last_token[s] : row_drafts[i - 1];
-    positions[r] = p;
-    slot_mapping[r] = (p < 0 || block >= max_blocks)
-                          ? -1
-                          : (i64)table_src[block] * block_size + p % block_size;
-    seq_lens[r] = p + 1;
-    row_position[r] = (i64)p + 1;
-    row_temperature[r] = temperature[s];
-    row_top_k[r] = top_k[s];
-    row_top_p[r] = top_p[s];
-    row_seed[r] = seed[s];
-    row_penalty[r] = penalty[s];
   }
 }
 

@@ -16,7 +16,7 @@
 // order-preserving uint32 image of x, with histograms in shared memory; masses are fixed point
 // (2^-40 units, integer atomics), so the result does not depend on the order of the atomics.
 //
-// Layouts: logits [N, V] fp32, seen [N, V] bool (1 byte), temperature [N] f32, top_k [N] i64,
+// Layouts: logits [N, V] fp32, seen [N, V] bool (1 byte; a row is read only where its penalty is not 1), temperature [N] f32, top_k [N] i64,
 //   top_p [N] f32, seed [N] i64 (uint64 bits), penalty [N] f32, position [N] i64 — all contiguous.
 //   parts [N, S, 8] fp32 scratch (per row and vocab split: raw max, raw sum-exp, best p, its index,
 //   best x+g, its index); thresholds [N] uint32 scratch; tokens [N] i64, logprobs [N] f32.
@@ -164,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PAR
       for (int u = 0; u < ILP; ++u) {
         const int j = base + u * blockDim.x;
         l[u] = j < vend ? lg4[j] : make_float4(NEG_INF, NEG_INF, NEG_INF, NEG_INF);
-        seen_u[u] = j < vend ? sn4[j] : 0u;
+        seen_u[u] = penalized && j < vend ? sn4[j] : 0u;
       }
       trip_softmax(reinterpret_cast<const float*>(l), 4 * ILP);
 #pragma unroll
@@ -185,7 +185,7 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PAR
       for (int u = 0; u < ILP; ++u) {
         const int i = base + u * blockDim.x;
         l[u] = i < end ? lg[i] : NEG_INF;
-        seen_u[u] = i < end ? sn[i] : 0;
+        seen_u[u] = penalized && i < end ? sn[i] : 0;
       }
       trip_softmax(l, ILP);
 #pragma unroll
@@ -269,7 +269,7 @@ __device__ u32 radix_select(u64* hist, u64* scratch, const float* lg, const unsi
       for (int u = 0; u < ILP; ++u) {
         const int i = base + u * blockDim.x;
         l[u] = i < V ? lg[i] : 0.f;
-        seen_u[u] = i < V ? sn[i] : 0;
+        seen_u[u] = pen != 1.f && i < V ? sn[i] : 0;
       }
 #pragma unroll
       for (int u = 0; u < ILP; ++u) {
@@ -386,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int u = 0; u < ILP; ++u) {
       const int i = base + u * blockDim.x;
       l[u] = i < end ? lg[i] : 0.f;
-      seen_u[u] = i < end ? sn[i] : 0;
+      seen_u[u] = rp.penalty != 1.f && i < end ? sn[i] : 0;
     }
 #pragma unroll
     for (int u = 0; u < ILP; ++u) {

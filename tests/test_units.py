@@ -335,6 +335,8 @@ class _PrepareStandIn:
                 tables[r] = block_table[s]
                 row_temperature[r], row_top_k[r], row_top_p[r] = temperature[s], top_k[s], top_p[s]
                 row_seed[r], row_penalty[r] = seed[s], penalty[s]
+                if penalty[s] == 1:
+                    continue  # the kernel copies seen rows of penalised rows only
                 row_seen[r] = seen[s]
                 if i:
                     row_seen[r, drafts[b, :i]] = True
@@ -361,6 +363,7 @@ def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
     state.top_k.copy_(torch.randint(0, 9, (S,), generator=g))
     state.seed.copy_(torch.randint(0, 1 << 40, (S,), generator=g))
     state.seen.copy_(torch.rand(S, V, generator=g) < 0.2)
+    state.repetition_penalty.copy_(torch.tensor([1.0, 1.3, 1.0, 0.8, 1.0, 1.0]))
     slots = torch.tensor([4, 1, 3])
     ops = CudaOps.__new__(CudaOps)
     ops.lib = _PrepareStandIn()
@@ -375,5 +378,8 @@ def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
         assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
     for name in ("is_decode", "logits_all_rows", "seq_lens_host", "query_start_loc"):
         assert getattr(got[0], name) == getattr(want[0], name), name
-    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "seen", "position"):
+    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "position"):
         assert torch.equal(getattr(got[1], name), getattr(want[1], name)), name
+    penalised = want[1].repetition_penalty != 1  # seen rows are defined there only (slots 1 and 3)
+    assert penalised.sum() == 2 * (k + 1)
+    assert torch.equal(got[1].seen[penalised], want[1].seen[penalised])

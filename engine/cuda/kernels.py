@@ -70,7 +70,7 @@ SKINNY_EPILOGUE_ARGS = {
 
 MODULES: dict[str, list[KernelSpec]] = {
     "embedding": _per_dtype("embedding_{dt}", "pppil"),
-    "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif"),
+    "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif") + _per_dtype("residual_norm_{dt}", "pppipiif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4)],
     "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
@@ -552,6 +552,40 @@ class KernelLibrary:
         tpr, rpb = self._norm_layout(D, rows)
         self.kernels[f"rms_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
                                         o, xp, w, rows, inner, s_outer, s_inner, D, float(eps))
+
+    def residual_norm(self, h: torch.Tensor, out: torch.Tensor | None, parts: torch.Tensor,
+                      weight: torch.Tensor | None, eps: float) -> None:
+        """The end of a split-K linear layer: h [rows, D] = h + sum over s of parts [S, rows, D] (fp32), one
+        rounding; and with weight (out then [rows, D] too), out = rms_norm(h, weight, eps)."""
+        sfx = _suffix(h.dtype, "residual_norm h")
+        hp = _tensor(h, "residual_norm h", h.dtype, 2)
+        rows, D = h.shape
+        pp = _tensor(parts, "residual_norm parts", torch.float32, 3)
+        if parts.shape[1:] != h.shape or parts.shape[0] < 1:
+            raise KernelArgError(f"residual_norm parts: expected [S, {rows}, {D}], got {tuple(parts.shape)}")
+        if D % 8:
+            raise KernelArgError(f"residual_norm: D ({D}) must be a multiple of 8")
+        if (weight is None) != (out is None):
+            raise KernelArgError("residual_norm: out and weight go together")
+        op = wp = 0
+        if weight is not None:
+            wp = _tensor(weight, "residual_norm weight", h.dtype, 1)
+            _shape(weight, "residual_norm weight", (D,))
+            op = _tensor(out, "residual_norm out", h.dtype)
+            _shape(out, "residual_norm out", h.shape)
+            if _overlaps(out, h):
+                raise KernelArgError("residual_norm: out must not overlap h")
+        if rows == 0:
+            return
+        # One 8-element vector per thread up to D = 4096 (32 rows of the 1B hidden size: 32 blocks of 256):
+        # every load a thread makes (h, the S partials, the weight) is issued at once, one round trip.
+        # At most 512 threads (the entry's launch bounds: 1024 ran out of registers at D = 8192).
+        tpr = min(512, 1 << (D // 8 - 1).bit_length())
+        rpb = 128 // tpr if tpr <= 32 else 1
+        if -(-(D // 8) // tpr) > 4:
+            raise KernelArgError(f"residual_norm: D = {D} is too large (at most {512 * 32})")
+        self.kernels[f"residual_norm_{sfx}"]((-(-rows // rpb), 1, 1), (tpr, rpb, 1), 0, self.stream(),
+                                             hp, op, pp, parts.shape[0], wp, rows, D, float(eps))
 
     @staticmethod
     def _norm_layout(D: int, rows: int) -> tuple[int, int]:

@@ -5,7 +5,9 @@ Small batches (at most SKINNY_MAX_M tokens: decode and verify steps) run each fu
 "skinny linear" kernel (kernels_cu/skinny_linear.cu): the projection on tensor cores with its
 neighbours fused in: the rms_norm before it (its statistics computed by the kernel from the x it
 loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
-forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs.
+forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs; decode forwards of up
+to SPLIT_K_TOKENS tokens run each residual linear layer as a split-K bmm whose reduce kernel (residual_norm)
+also makes the next op's rms_norm (linear_add).
 
 Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
 silu_and_mul, sample) is sync-free and capturable in a CUDA graph: it allocates its outputs with
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from engine.state import SlotState
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
+SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
+SPLIT_K = 4  # ... over this many slices of K (fp32 partials summed by residual_norm)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
@@ -64,6 +68,7 @@ class CudaOps(TorchOps):
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
+        self._decode = False
         self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
@@ -105,6 +110,7 @@ class CudaOps(TorchOps):
 
     def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
+        self._decode = decode
         self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
@@ -113,10 +119,10 @@ class CudaOps(TorchOps):
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         if q_norm is not None or not self._skinny or not skinny_fits(h, qkv, shape.head_dim):
             return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
-                                         v_cache, slot_mapping, eps)
+                                         v_cache, slot_mapping, eps, normed)
         q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
         self.lib.skinny_rope_kv(q, h, qkv, bias, norm, cos_sin, rope_index.long(), k_cache, v_cache,
                                 slot_mapping.long(), shape.num_heads, shape.num_kv_heads, eps)
@@ -126,7 +132,8 @@ class CudaOps(TorchOps):
                              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                              cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float) -> torch.Tensor:
+                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float,
+                             normed: torch.Tensor | None = None) -> torch.Tensor:
         """Batches past the skinny kernels (cuBLAS QKV projection) whose attention grid fits on the GPU at
         once: decode attention rotates q and the new k itself and writes the new k and v into the cache,
         instead of a rope_cache_write launch before it (the same bits). 1B at batch 32 (H200, A/B in one
@@ -149,31 +156,53 @@ class CudaOps(TorchOps):
                                                                                               self.max_seq_len):
             return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
                                                 k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
-                                                sliding_window, eps)
-        out = torch.nn.functional.linear(self.rms_norm(h, norm, eps), qkv, bias)
+                                                sliding_window, eps, normed)
+        out = torch.nn.functional.linear(self.rms_norm(h, norm, eps) if normed is None else normed, qkv, bias)
         q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
         # Serialised behind the GEMM: with programmatic dependent launch and every older row read before the
         # wait (fresh = 0) it measured the same (1B batch 32, two steps in flight, 1.242 vs 1.241-1.243 ms).
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
                                      rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
 
-    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        if not self._skinny or not skinny_fits(h, weight, weight.shape[0]):
-            return super().linear_add(h, x, weight)
-        self.lib.skinny_residual(h, x.contiguous(), weight)
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor | None:
+        """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
+        Decode forwards of up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into
+        fp32 partials, then residual_norm sums them into h and makes the next op's rms_norm in the same
+        launch. Against cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm
+        launch after it (1B, 32 tokens, H200; bench/split_k_gemm.py): down 14.1 -> 11.4 us, o 6.4 -> 5.1 us
+        before the reduce, and the 1B batch-32 step 1.276 -> 1.199 ms queued (A/B in one call,
+        bench/results/split-k-residual-norm-20261202-nvidia-h200.md). gate_up stays on cuBLAS (slower split).
+        Otherwise TorchOps' addmm_."""
+        if self._skinny and skinny_fits(h, weight, weight.shape[0]):
+            self.lib.skinny_residual(h, x.contiguous(), weight)
+            return None
+        if self._skinny:  # a skinny forward whose next op fuses the norm itself
+            norm = None
+        M, K = x.shape
+        if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
+                or not h.is_contiguous() or not weight.is_contiguous() or x.dtype not in (torch.bfloat16, torch.float16)):
+            return super().linear_add(h, x, weight, norm, eps)
+        N, S = weight.shape[0], SPLIT_K
+        parts = torch.bmm(x.view(M, S, K // S).transpose(0, 1), weight.view(N, S, K // S).permute(1, 2, 0),
+                          out_dtype=torch.float32)
+        normed = None if norm is None else torch.empty_like(h)
+        self.lib.residual_norm(h, normed, parts, norm, eps)
+        return normed
 
-    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
+                     normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
-            return super().norm_gate_up(h, norm, gate_up, eps)
+            return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         self.lib.skinny_silu(out, h, gate_up, norm, eps)
         return out
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
-                    eps: float) -> torch.Tensor:
+                    eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         x = h if rows is None else h[rows]
         if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
-            return super().norm_logits(x, None, norm, lm_head, eps)
+            return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         self.lib.skinny_store(out, x, lm_head, None, norm, eps)
         return out

@@ -50,20 +50,27 @@ class LlamaModel:
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
         ops.begin_forward(batch.num_tokens, batch.is_decode, batch.rows_per_seq)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
-        for i, layer in enumerate(self.w.layers):
+        rows = None if batch.logits_all_rows else batch.logits_indices
+        # normed: rms_norm of h for the op after a linear_add, when linear_add made it with the residual add
+        # (a backend's choice: None where the next op fuses the norm itself)
+        normed = None
+        layers = self.w.layers
+        for i, layer in enumerate(layers):
             if batch.is_decode:
                 attn = ops.decode_qkv_attention(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm,
                                                 layer.k_norm, self.shape, cos_sin, rope_index, self.kv.k[i],
                                                 self.kv.v[i], batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                                self.scale, cfg.sliding_window, eps)
+                                                self.scale, cfg.sliding_window, eps, normed)
             else:
                 q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
                                       self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i],
-                                      batch.slot_mapping, eps)
+                                      batch.slot_mapping, eps, normed)
                 attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
                                              batch.query_start_loc, batch.seq_lens_host, self.scale,
                                              cfg.sliding_window, batch.prefill_work)
-            ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj)
-            ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps), layer.down)
-        rows = None if batch.logits_all_rows else batch.logits_indices
-        return ops.norm_logits(h, rows, self.w.norm, self.w.lm_head, eps)
+            normed = ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj, layer.post_norm, eps)
+            # the next op's norm: the next layer's, or the final one when every row's logits are taken
+            next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else (self.w.norm if rows is None else None)
+            normed = ops.linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps, normed), layer.down,
+                                    next_norm, eps)
+        return ops.norm_logits(h, rows, self.w.norm, self.w.lm_head, eps, normed)

@@ -60,11 +60,12 @@ class TorchOps:
     def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
                       q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, eps: float) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         """Attention's input half: rms_norm, the fused QKV projection (+ bias), per-head q/k norm
-        (Qwen3), RoPE on q and k, k and v written to the cache. Returns the rotated q [T, H, D]."""
+        (Qwen3), RoPE on q and k, k and v written to the cache. Returns the rotated q [T, H, D].
+        normed: rms_norm(h, norm, eps) where the op that wrote h made it (linear_add), else None."""
         T, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        out = F.linear(self.rms_norm(h, norm, eps), qkv, bias)
+        out = F.linear(self.rms_norm(h, norm, eps) if normed is None else normed, qkv, bias)
         q, k, v = out.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         if q_norm is not None:
@@ -75,25 +76,33 @@ class TorchOps:
                              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
                              cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float) -> torch.Tensor:
+                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float,
+                             normed: torch.Tensor | None = None) -> torch.Tensor:
         """A decode layer's attention half: norm_qkv_rope, then decode_attention over the cache it wrote
         (one op, so that a backend can fuse the RoPE and the KV write into the attention kernel).
         Returns [B, H, D]."""
         q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache, v_cache,
-                               slot_mapping, eps)
+                               slot_mapping, eps, normed)
         return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
 
-    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-        """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1)."""
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> torch.Tensor | None:
+        """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1). With norm
+        (the next op's), returns rms_norm(h, norm, eps) too, for that op's `normed`, or None where the
+        next op computes it itself (a backend may fuse the norm into either side: CudaOps does)."""
         h.addmm_(x, weight.t())
+        return None if norm is None else self.rms_norm(h, norm, eps)
 
-    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
+                     normed: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's input half: silu(gate) * up of rms_norm(h) @ gate_up^T. Returns [T, I]."""
-        return self.silu_and_mul(F.linear(self.rms_norm(h, norm, eps), gate_up))
+        return self.silu_and_mul(F.linear(self.rms_norm(h, norm, eps) if normed is None else normed, gate_up))
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
-                    eps: float) -> torch.Tensor:
+                    eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of the final rms_norm of h's rows `rows` (None: every row)."""
+        if normed is not None:
+            return logits(normed if rows is None else normed[rows], lm_head)
         x = h if rows is None else h[rows]
         return logits(self.rms_norm(x, norm, eps), lm_head)
 

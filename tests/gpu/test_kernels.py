@@ -145,6 +145,33 @@ def test_rms_norm(lib, gen, dtype, rows, D):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("S,rows,D", [(1, 9, 2048), (4, 32, 2048), (4, 64, 4096), (3, 17, 512), (4, 1, 8192),
+                                      (2, 40, 128)])
+def test_residual_norm(lib, gen, dtype, S, rows, D):
+    """The end of a split-K linear layer: h = h + the partials summed in order (fp32, one rounding), bit for
+    bit as the same sums in torch; the norm after it as rms_norm of the new h."""
+    from engine.cuda.kernels import KernelArgError
+    h, parts = randn(rows, D, dtype=dtype, scale=2.0), randn(S, rows, D, scale=2.0)
+    w = (1 + 0.1 * randn(D)).to(dtype)
+    acc = parts[0].clone()
+    for s in range(1, S):
+        acc = acc + parts[s]
+    h_ref = (acc + h.float()).to(dtype)
+    out = nan((rows, D), dtype)
+    h2 = h.clone()
+    lib.residual_norm(h2, None, parts, None, 1e-5)  # the add alone
+    assert torch.equal(h2, h_ref)
+    lib.residual_norm(h, out, parts, w, 1e-5)
+    assert torch.equal(h, h_ref)
+    check("residual_norm's norm", out, TORCH.rms_norm(h_ref.float(), w.float(), 1e-5), BF16_TOL)
+    check("residual_norm's norm vs same dtype", out, TORCH.rms_norm(h_ref, w, 1e-5), 2e-3)
+    with pytest.raises(KernelArgError):
+        lib.residual_norm(h, out, parts[:, :-1] if rows > 1 else parts[:, :, :-8], w, 1e-5)
+    with pytest.raises(KernelArgError):
+        lib.residual_norm(h, None, parts, w, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,H,Hkv,D", [(1, 32, 8, 128), (50, 16, 2, 64), (300, 8, 8, 128)])
 def test_rms_norm_per_head_on_qkv_views(lib, gen, dtype, T, H, Hkv, D):
     qkv = randn(T, (H + 2 * Hkv) * D, dtype=dtype, scale=2.0)
@@ -576,9 +603,9 @@ def slot_state(S: int, MB: int, V: int, bs: int) -> dict[str, torch.Tensor]:
         top_k=torch.randint(0, 1000, (S,), dtype=torch.int64, device=dev()),
         top_p=torch.rand(S, device=dev()),
         seed=torch.randint(-2**62, 2**62, (S,), dtype=torch.int64, device=dev()),
-        penalty=torch.rand(S, device=dev()) + 0.5,
+        penalty=torch.where(torch.arange(S, device=dev()) % 3 == 0, 1.0, torch.rand(S, device=dev()) + 0.5),
         seen=torch.rand(S, V, device=dev()) < 0.3,
-    )
+    )  # every third slot has no repetition penalty: decode_prepare copies no seen row for it
 
 
 def prepare_outputs(B: int, MB: int, V: int) -> dict[str, torch.Tensor]:
@@ -614,12 +641,14 @@ def test_decode_prepare_matches_torch(lib, gen, B, V, bs):
         seq_lens=(pos + 1).to(torch.int32), tables=st["block_table"][slots],
         row_temperature=st["temperature"][slots], row_top_k=st["top_k"][slots], row_top_p=st["top_p"][slots],
         row_seed=st["seed"][slots], row_penalty=st["penalty"][slots], row_position=pos + 1,
-        row_seen=st["seen"][slots],
     )
     for name, want in ref.items():
         got = out[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(got, want), f"{name} differs from the torch reference"
+    penalised = st["penalty"][slots] != 1  # seen rows are copied there only; the others stay as they were
+    assert torch.equal(out["row_seen"][penalised], st["seen"][slots][penalised])
+    assert out["row_seen"][~penalised].all()
 
 
 @pytest.mark.parametrize("B", [1, 5, 64])
@@ -688,9 +717,11 @@ def test_verify_inputs_match_torch_ops(ops, gen, B, k, V):
         got, want = getattr(fb, name), getattr(ref_fb, name)
         assert got.dtype == want.dtype and torch.equal(got, want), f"ForwardBatch.{name} differs"
     assert fb.logits_all_rows and fb.is_decode
-    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "seen", "position"):
+    for name in ("temperature", "top_k", "top_p", "seed", "repetition_penalty", "position"):
         got, want = getattr(rows, name), getattr(ref_rows, name)
         assert got.dtype == want.dtype and torch.equal(got, want), f"SamplingTensors.{name} differs"
+    penalised = ref_rows.repetition_penalty != 1  # seen rows are defined there only
+    assert torch.equal(rows.seen[penalised], ref_rows.seen[penalised]), "SamplingTensors.seen differs"
 
 
 @pytest.mark.parametrize("B,k", [(1, 1), (1, 4), (5, 4), (8, 7)])
@@ -896,11 +927,12 @@ def test_verify_rows_past_the_skinny_kernels_see_the_rows_before_them(ops, gen, 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("T", [1, 5, 8, 9, 32, 200])
+@pytest.mark.parametrize("T", [1, 5, 8, 9, 32, 64, 65, 200])
 def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
     """A decoder layer's fused ops on the kernels (skinny for T <= SKINNY_TOKENS, cuBLAS + kernels above)
     against TorchOps' composition in fp32 from the same inputs: relative error <= 1e-2 on q, the cache
     rows written, the residual stream after each add, the MLP activation and the logits."""
+    from engine.cuda.ops import SKINNY_TOKENS
     from engine.ops.torch_ops import AttentionShape
     H, Hkv, D, bs, vocab, inter = 16, 4, 64, 16, 2048, 1408
     hidden, eps = 1024, 1e-5
@@ -934,17 +966,22 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
     untouched[slot_mapping] = False
     assert torch.isnan(k_rows[untouched].float()).all(), "a cache row outside slot_mapping changed"
     a = randn(T, H * D, dtype=dtype)
-    ops.linear_add(h, a, w_o)
+    # linear_add with the next op's norm: the split-K path (SKINNY_TOKENS < T <= SPLIT_K_TOKENS) and addmm_
+    # return it, the skinny path leaves it to the next op's kernel
+    normed = ops.linear_add(h, a, w_o, norms[1], eps)
     TORCH.linear_add(r, a.float(), f32[5])
     check("fused linear_add", h, r, BF16_TOL)
-    m = ops.norm_gate_up(h, norms[1], w_gate_up, eps)
+    assert (normed is None) == (T <= SKINNY_TOKENS)
+    if normed is not None:
+        check("linear_add's norm", normed, TORCH.rms_norm(r, f32[1], eps), BF16_TOL)
+    m = ops.norm_gate_up(h, norms[1], w_gate_up, eps, normed)
     m_ref = TORCH.norm_gate_up(r, f32[1], f32[6], eps)
     check("fused norm_gate_up", m, m_ref, BF16_TOL)
-    ops.linear_add(h, m, w_down)
+    rows = None if T < 3 else torch.tensor([0, T - 1], device=dev())
+    normed = ops.linear_add(h, m, w_down, norms[2] if rows is None else None, eps)
     TORCH.linear_add(r, m.float(), f32[7])
     check("fused linear_add (down)", h, r, BF16_TOL)
-    rows = None if T < 3 else torch.tensor([0, T - 1], device=dev())
-    logits = ops.norm_logits(h, rows, norms[2], lm_head, eps)
+    logits = ops.norm_logits(h, rows, norms[2], lm_head, eps, normed)
     assert logits.dtype == torch.float32
     check("fused norm_logits", logits, TORCH.norm_logits(r, rows, f32[2], f32[8], eps), BF16_TOL)
 
