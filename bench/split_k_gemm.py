@@ -5,8 +5,9 @@ replayed in one CUDA graph, so the weights come from DRAM as in the step; the fi
 
     python bench/split_k_gemm.py [--tokens 16 32 64] [--splits 2 4 8] [--all-shapes]
 
-H200, 32 tokens, 2026-12-02 (bench/results/split-k-residual-norm-20261202-nvidia-h200.md): o 6.36 us
-(addmm_) vs 5.10 (S = 4), down 14.12 vs 11.44, gate_up 19.33 vs 22.85 (why gate_up and qkv keep cuBLAS)."""
+H200, 2026-12-02 12:25 (bench/results/split-k-gemm-20261202T1225-nvidia-h200.log), 32 tokens: o 6.40 us
+(addmm_) vs 5.50 (S = 4), down 14.24 vs 12.05; gate_up was slower split (19.3 vs 21.0-25.1 us in the first
+form of this script, bench/results/split-k-residual-norm-20261202-nvidia-h200.md), so it keeps cuBLAS."""
 from __future__ import annotations
 
 import argparse
