@@ -19,25 +19,22 @@
 // Layouts: logits [N, V] fp32, seen [N, V] bool (1 byte; a row is read only where its penalty is not 1), temperature [N] f32, top_k [N] i64,
 //   top_p [N] f32, seed [N] i64 (uint64 bits), penalty [N] f32, position [N] i64 — all contiguous.
 //   parts [N, S, 8] fp32 scratch (per row and vocab split: raw max, raw sum-exp, best p, its index,
-//   best x+g, its index); counters [>= N] i32, zero (the kernels leave them zero); thresholds [N] uint32
-//   scratch; tokens [N] i64, logprobs [N] f32.
-// Launch contract — three kernels, always all three, in this order on one stream (no host sync, no
+//   best x+g, its index); thresholds [N] uint32 scratch; tokens [N] i64, logprobs [N] f32.
+// Launch contract — four kernels, always all four, in this order on one stream (no host sync, no
 // data-dependent shapes: rows decide on the device which stages apply to them):
 //   sample_stats   grid (S, N), block 256: softmax stats, greedy argmax, and the Gumbel argmax of
-//                  unfiltered rows, per vocab split [s * ceil(V/S), ...). The last block of an unfiltered
-//                  row to finish (a ticket in counters[row]) merges the splits and writes the row's token
-//                  and logprob (finish_row).
+//                  unfiltered rows, per vocab split [s * ceil(V/S), ...).
 //   sample_select  grid (N), block 1024: the top-k / top-p threshold of filtered rows (0 otherwise).
-//   sample_draw    grid (S, N), block 256: the Gumbel argmax of filtered rows over kept tokens; the last
-//                  block of a filtered row merges and writes it as sample_stats does the others.
-// The top-logprob candidates (when a step asks for k of them, 1 <= k <= TOPK_MAX), after those:
+//   sample_draw    grid (S, N), block 256: the Gumbel argmax of filtered rows over kept tokens.
+//   sample_finish  grid (N), block 32: merge the splits; write tokens and logprobs.
+// The top-logprob candidates (when a step asks for k of them, 1 <= k <= TOPK_MAX), after those four:
 //   sample_topk_split  grid (ceil(V / TOPK_CHUNK), N), block 256: the k largest raw logits of each chunk
 //                      of TOPK_CHUNK tokens, as sort keys in order, into cand [N, ceil(V / TOPK_CHUNK), k] u64.
 //   sample_topk_merge  grid (N), block 32, dynamic shared memory ceil(V / TOPK_CHUNK) * (8 k + 4) bytes:
 //                      the k largest of a row's candidates, in order, to
 //                      top_ids [N, k] i64 and top_logprobs [N, k] f32 = logit - logsumexp(raw logits)
-//                      (the softmax stats in parts, merged as finish_row does: the same logprob
-//                      the token's row got).
+//                      (the softmax stats in parts, merged as sample_finish does: the same logprob
+//                      sample_finish gives the token it picks).
 //   Order: larger logit first, then the lower token id (ties), NaN first (as torch.topk). A sort key is
 //   float_key(logit) << 32 | ~id, so one descending u64 order is all of it. A lane sorts its 4 keys; a warp
 //   merges its lanes' sorted lists, k rounds of a warp maximum over the lists' heads (warp_merge_lists);
@@ -105,53 +102,11 @@ __device__ __forceinline__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
   return a;  // valid in warp 0
 }
 
-#define PART_ARGS_FINISH int *counters, i64 *tokens, float *logprobs
-
-// One row's splits merged by one warp (lane = threadIdx.x & 31): the token (greedy, or the Gumbel argmax of
-// the row's splits) and its logprob. Reads the parts other blocks wrote from L2 (after their tickets).
-__device__ __forceinline__ void finish_row(i64* tokens, float* logprobs, const float* parts, const float* logits,
-                                           float temperature, int row, int V, int num_splits) {
-  const int lane = threadIdx.x & 31;
-  SoftmaxStat st{NEG_INF, 0.f};
-  ArgMax bp = argmax_init(), bg = argmax_init();
-  for (int s = lane; s < num_splits; s += 32) {
-    const float* p = parts + ((i64)row * num_splits + s) * PART_STRIDE;
-    st = softmax_merge(st, SoftmaxStat{__ldcg(p), __ldcg(p + 1)});
-    argmax_merge(bp, __ldcg(p + 2), __float_as_int(__ldcg(p + 3)));
-    argmax_merge(bg, __ldcg(p + 4), __float_as_int(__ldcg(p + 5)));
-  }
-  st = warp_softmax(st);
-  bp = warp_argmax(bp);
-  bg = warp_argmax(bg);
-  if (lane == 0) {
-    int tok = temperature == 0.f ? bp.i : bg.i;
-    if (tok < 0) tok = bp.i < 0 ? 0 : bp.i;  // no finite candidate (e.g. NaN logits)
-    tokens[row] = tok;
-    logprobs[row] = logits[(i64)row * V + tok] - st.m - logf(st.s);
-  }
-}
-
-// After each block of a row wrote its part (thread 0): whether this block is the row's last (block-uniform).
-__device__ __forceinline__ bool last_of_row(int* counters, int row, int num_splits) {
-  __shared__ int is_last;
-  __threadfence();  // the part this block wrote is visible device-wide before the ticket
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int ticket = atomicAdd(counters + row, 1);
-    is_last = ticket == num_splits - 1;
-    if (is_last) counters[row] = 0;  // every other block of the row has taken its ticket
-  }
-  __syncthreads();
-  if (is_last) __threadfence();
-  return is_last;
-}
-
 #define PARTS_ARGS                                                                                       \
   const float *logits, const unsigned char *seen, const float *temperature, const i64 *top_k,              \
       const float *top_p, const i64 *seed, const float *penalty, const i64 *position, int V, int num_splits
 
-extern "C" __global__ void __launch_bounds__(256)
-    sample_stats(float* parts, PART_ARGS_FINISH, PARTS_ARGS) {
+extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PARTS_ARGS) {
   wait_then_allow_dependents();
   __shared__ float sv[32], sv2[32];
   __shared__ int si[32];
@@ -265,8 +220,6 @@ extern "C" __global__ void __launch_bounds__(256)
     out[4] = best_g.v;
     out[5] = __int_as_float(best_g.i);
   }
-  if (!last_of_row(counters, row, num_splits) || rp.filtered) return;  // sample_draw finishes filtered rows
-  if (threadIdx.x < 32) finish_row(tokens, logprobs, parts, logits, rp.temperature, row, V, num_splits);
 }
 
 // Sum of x over the lanes of `peers` (lanes with the same histogram bin), valid at the lowest lane
@@ -413,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-    sample_draw(float* parts, PART_ARGS_FINISH, const u32* thresholds, PARTS_ARGS) {
+    sample_draw(float* parts, const u32* thresholds, PARTS_ARGS) {
   wait_then_allow_dependents();
   __shared__ float sv[32];
   __shared__ int si[32];
@@ -449,8 +402,29 @@ extern "C" __global__ void __launch_bounds__(256)
     out[4] = best.v;
     out[5] = __int_as_float(best.i);
   }
-  if (!last_of_row(counters, row, num_splits)) return;
-  if (threadIdx.x < 32) finish_row(tokens, logprobs, parts, logits, rp.temperature, row, V, num_splits);
+}
+
+extern "C" __global__ void sample_finish(i64* tokens, float* logprobs, const float* parts, const float* logits,
+                                         const float* temperature, int V, int num_splits) {
+  wait_then_allow_dependents();
+  const int row = blockIdx.x, lane = threadIdx.x;
+  SoftmaxStat st{NEG_INF, 0.f};
+  ArgMax bp = argmax_init(), bg = argmax_init();
+  for (int s = lane; s < num_splits; s += 32) {
+    const float* p = parts + ((i64)row * num_splits + s) * PART_STRIDE;
+    st = softmax_merge(st, SoftmaxStat{p[0], p[1]});
+    argmax_merge(bp, p[2], __float_as_int(p[3]));
+    argmax_merge(bg, p[4], __float_as_int(p[5]));
+  }
+  st = warp_softmax(st);
+  bp = warp_argmax(bp);
+  bg = warp_argmax(bg);
+  if (lane == 0) {
+    int tok = temperature[row] == 0.f ? bp.i : bg.i;
+    if (tok < 0) tok = bp.i < 0 ? 0 : bp.i;  // no finite candidate (e.g. NaN logits)
+    tokens[row] = tok;
+    logprobs[row] = logits[(i64)row * V + tok] - st.m - logf(st.s);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -555,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(32) sample_topk_merge(i64* top_ids,
   const int row = blockIdx.x, lane = threadIdx.x;
   const u64* c = cand + (i64)row * num_chunks * k;
   for (int j = lane; j < num_chunks * k; j += 32) smem_keys[j] = c[j];
-  SoftmaxStat st{NEG_INF, 0.f};  // the row's softmax stats, merged as finish_row merges them
+  SoftmaxStat st{NEG_INF, 0.f};  // the row's softmax stats, merged as sample_finish merges them
   for (int s = lane; s < num_splits; s += 32) {
     const float* p = parts + ((i64)row * num_splits + s) * PART_STRIDE;
     st = softmax_merge(st, SoftmaxStat{p[0], p[1]});

@@ -81,8 +81,8 @@ MODULES: dict[str, list[KernelSpec]] = {
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
-    "sampling": [KernelSpec("sample_stats", "p" * 12 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
-                 KernelSpec("sample_draw", "p" * 13 + "ii"),
+    "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
+                 KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
     "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"), KernelSpec("decode_commit", "p" * 8 + "il"),
@@ -887,7 +887,7 @@ class KernelLibrary:
             return
         self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
 
-    # Sampling: three kernels, always launched together (see kernels_cu/sampling.cu).
+    # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):
         lg = _tensor(logits, "logits", torch.float32, 2, align=False)
         N, V = logits.shape
@@ -901,29 +901,12 @@ class KernelLibrary:
             _shape(t, name, (N,))
         return N, V, ptrs
 
-    @staticmethod
-    def _finish_outputs(counters, tokens, logprobs, N: int) -> list[int]:
-        """The outputs of the block that finishes a row: tokens [N] i64, logprobs [N] f32, and the rows'
-        tickets, counters [>= N] i32, zero (the kernels leave them zero)."""
-        ct = _tensor(counters, "sample counters", torch.int32, 1, align=False)
-        if counters.shape[0] < N:
-            raise KernelArgError(f"sample counters: {counters.shape[0]} for {N} rows")
-        tk = _tensor(tokens, "tokens", torch.int64, 1, align=False)
-        lp = _tensor(logprobs, "logprobs", torch.float32, 1, align=False)
-        _shape(tokens, "tokens", (N,))
-        _shape(logprobs, "logprobs", (N,))
-        return [ct, tk, lp]
-
-    def sample_stats(self, parts, counters, tokens, logprobs, logits, seen, temperature, top_k, top_p, seed,
-                     penalty, position) -> None:
-        """Per vocabulary split: softmax stats and argmaxes into parts; each unfiltered row's last block
-        writes its token and logprob (sample_draw writes the filtered rows')."""
+    def sample_stats(self, parts, logits, seen, temperature, top_k, top_p, seed, penalty, position) -> None:
         N, V, ptrs = self._sampling_rows(logits, seen, temperature, top_k, top_p, seed, penalty, position)
-        fin = self._finish_outputs(counters, tokens, logprobs, N)
         pp = _tensor(parts, "sample parts", torch.float32, 3)
         S = parts.shape[1]
         _shape(parts, "sample parts", (N, S, SAMPLE_PART_STRIDE))
-        self.kernels["sample_stats"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, *fin, *ptrs, V, S)
+        self.kernels["sample_stats"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, *ptrs, V, S)
 
     def sample_select(self, thresholds, parts, logits, seen, temperature, top_k, top_p, seed, penalty,
                       position) -> None:
@@ -934,16 +917,25 @@ class KernelLibrary:
         S = parts.shape[1]
         self.kernels["sample_select"]((N, 1, 1), (1024, 1, 1), 0, self.stream(), th, pp, *ptrs, V, S)
 
-    def sample_draw(self, parts, counters, tokens, logprobs, thresholds, logits, seen, temperature, top_k, top_p,
-                    seed, penalty, position) -> None:
-        """The Gumbel argmax of filtered rows over their kept tokens; each filtered row's last block writes
-        its token and logprob."""
+    def sample_draw(self, parts, thresholds, logits, seen, temperature, top_k, top_p, seed, penalty,
+                    position) -> None:
         N, V, ptrs = self._sampling_rows(logits, seen, temperature, top_k, top_p, seed, penalty, position)
-        fin = self._finish_outputs(counters, tokens, logprobs, N)
         pp = _tensor(parts, "sample parts", torch.float32, 3)
         th = _tensor(thresholds, "sample thresholds", torch.int32, 1, align=False)
         S = parts.shape[1]
-        self.kernels["sample_draw"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, *fin, th, *ptrs, V, S)
+        self.kernels["sample_draw"]((S, N, 1), (256, 1, 1), 0, self.stream(), pp, th, *ptrs, V, S)
+
+    def sample_finish(self, tokens, logprobs, parts, logits, temperature) -> None:
+        lg = _tensor(logits, "logits", torch.float32, 2, align=False)
+        N, V = logits.shape
+        tk = _tensor(tokens, "tokens", torch.int64, 1, align=False)
+        lp = _tensor(logprobs, "logprobs", torch.float32, 1, align=False)
+        _shape(tokens, "tokens", (N,))
+        _shape(logprobs, "logprobs", (N,))
+        pp = _tensor(parts, "sample parts", torch.float32, 3)
+        tp = _tensor(temperature, "temperature", torch.float32, 1, align=False)
+        S = parts.shape[1]
+        self.kernels["sample_finish"]((N, 1, 1), (32, 1, 1), 0, self.stream(), tk, lp, pp, lg, tp, V, S)
 
     def sample_topk(self, top_ids, top_logprobs, cand, parts, logits) -> None:
         """The k = top_ids.shape[1] largest raw logits of each row, in order (ties: the lower id), and their

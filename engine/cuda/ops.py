@@ -49,7 +49,6 @@ SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
 SPLIT_K = 4  # ... over this many slices of K (fp32 partials summed by residual_norm)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
-SAMPLE_COUNTERS = 1 << 16  # the sampling kernels' tickets: one per row sampled in one call
 
 
 def skinny_fits(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
@@ -68,8 +67,6 @@ class CudaOps(TorchOps):
         self.max_seq_len = max_seq_len
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
-        # The sampling kernels' per-row tickets (a row's last vocabulary-split block writes its token).
-        self._sample_counters = torch.zeros(SAMPLE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
         self._decode = False
         self._rows_per_seq = 1
@@ -334,10 +331,10 @@ class CudaOps(TorchOps):
         tokens = torch.empty(rows, dtype=torch.int64, device=dev)
         logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
         if rows:
-            finish = (self._sample_counters, tokens, logprobs)
-            self.lib.sample_stats(parts, *finish, *args)
+            self.lib.sample_stats(parts, *args)
             self.lib.sample_select(thresholds, parts, *args)
-            self.lib.sample_draw(parts, *finish, thresholds, *args)
+            self.lib.sample_draw(parts, thresholds, *args)
+            self.lib.sample_finish(tokens, logprobs, parts, logits, args[2])
         if not num_top:
             return sampling.SampleOutput(tokens, logprobs, None, None)
         if not rows or not self.lib.topk_fits(vocab, num_top):

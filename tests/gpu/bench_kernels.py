@@ -216,7 +216,7 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
 
 
 def sample_rows(lib, dev) -> list[tuple]:
-    """sample_stats alone and the three sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
+    """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
     rows = []
     for batch in (1, 8, 32):
         logits = torch.randn(batch, VOCAB, device=dev) * 3
@@ -225,20 +225,20 @@ def sample_rows(lib, dev) -> list[tuple]:
         th = torch.empty(batch, dtype=torch.int32, device=dev)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
         lps = torch.empty(batch, dtype=torch.float32, device=dev)
-        fin = (torch.zeros(batch, dtype=torch.int32, device=dev), tokens, lps)
         for kind in ("greedy", "temperature"):
             st = sampling_rows(batch, kind)
             args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
 
-            def three(args=args):
-                lib.sample_stats(parts, *fin, *args)
+            def four(args=args):
+                lib.sample_stats(parts, *args)
                 lib.sample_select(th, parts, *args)
-                lib.sample_draw(parts, *fin, th, *args)
+                lib.sample_draw(parts, th, *args)
+                lib.sample_finish(tokens, lps, parts, logits, args[2])
 
-            stats_us = device_us(lambda args=args: lib.sample_stats(parts, *fin, *args))
+            stats_us = device_us(lambda args=args: lib.sample_stats(parts, *args))
             nbytes = batch * VOCAB * 5
             rows.append((batch, f"sample_stats {kind}", stats_us, f"{nbytes / stats_us / 1e3:8.0f} GB/s, {splits} splits"))
-            rows.append((batch, f"sample (3 kernels) {kind}", device_us(three), ""))
+            rows.append((batch, f"sample (4 kernels) {kind}", device_us(four), ""))
     return rows
 
 
@@ -260,10 +260,8 @@ def ncu_targets(ops, dev, dt) -> None:
     cos_sin = torch.randn(8192, D, device=dev)
     splits = lib.decode_num_splits(32, H, HKV, D, 2048)
     po, pl = torch.empty(32, H, splits, D, device=dev), torch.empty(32, H, splits, device=dev)
-    fin = (torch.zeros(32, dtype=torch.int32, device=dev), torch.empty(32, dtype=torch.int64, device=dev),
-           torch.empty(32, dtype=torch.float32, device=dev))
     for _ in range(2):
-        lib.sample_stats(parts, *fin, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+        lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
                          st.repetition_penalty, st.position)
     for _ in range(2):
         lib.decode_attention(out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
@@ -295,9 +293,7 @@ def main() -> int:
             logits = torch.randn(batch, VOCAB, device=dev) * 3
             st = sampling_rows(batch, "greedy")
             parts = torch.empty((batch, ops.lib.vocab_splits(batch, VOCAB), SAMPLE_PART_STRIDE), device=dev)
-            fin = (torch.zeros(batch, dtype=torch.int32, device=dev), torch.empty(batch, dtype=torch.int64, device=dev),
-                   torch.empty(batch, dtype=torch.float32, device=dev))
-            ops.lib.sample_stats(parts, *fin, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+            ops.lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
                                  st.repetition_penalty, st.position)
             for k in (1, 2, 5, 8, 20):
                 d_us = device_us(lambda k=k, x=logits: torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1))

@@ -148,7 +148,7 @@ def test_programmatic_dependent_launch_is_bit_identical_under_churn(ckpt_1b, mon
         pytest.skip(f"programmatic dependent launch needs sm_90 (this device: {pdl.ops.lib.compute_capability})")
     kernels = pdl.ops.lib.kernels
     assert all(kernels[name].pdl for name in ("skinny_silu_bf16_m8", "decode_attention_bf16_d64", "decode_prepare",
-                                              "embedding_bf16", "sample_stats", "sample_draw", "decode_commit",
+                                              "embedding_bf16", "sample_stats", "sample_finish", "decode_commit",
                                               "spec_accept_draw", "verify_commit"))
     assert not kernels["rms_norm_bf16"].pdl and not kernels["prefill_attention_bf16_d64"].pdl
     monkeypatch.setattr(env, "PDL", False)

@@ -417,20 +417,18 @@ def sampling_tensors(kinds: list[str], vocab: int, seen_fraction: float = 0.05) 
 
 
 def run_sample(lib, logits: torch.Tensor, st: sampling.SamplingTensors):
-    """The three sampling kernels with poisoned outputs; returns (tokens, logprobs, thresholds). The rows'
-    tickets must be back at zero after them (the next call's last blocks depend on it)."""
+    """The four sampling kernels with poisoned outputs; returns (tokens, logprobs, thresholds)."""
     rows, vocab = logits.shape
     splits = lib.vocab_splits(rows, vocab)
     parts = nan((rows, splits, 8), torch.float32)
     thresholds = torch.full((rows,), -1, dtype=torch.int32, device=dev())
     tokens = torch.full((rows,), -1, dtype=torch.int64, device=dev())
     logprobs = nan((rows,), torch.float32)
-    counters = torch.zeros(rows + 5, dtype=torch.int32, device=dev())
     args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
-    lib.sample_stats(parts, counters, tokens, logprobs, *args)
+    lib.sample_stats(parts, *args)
     lib.sample_select(thresholds, parts, *args)
-    lib.sample_draw(parts, counters, tokens, logprobs, thresholds, *args)
-    assert not counters.any(), "a row's ticket was left non-zero"
+    lib.sample_draw(parts, thresholds, *args)
+    lib.sample_finish(tokens, logprobs, parts, logits, st.temperature)
     return tokens, logprobs, thresholds
 
 
@@ -459,8 +457,6 @@ def test_sample_matches_reference(lib, gen, rows, vocab, scale, kinds):
     row_kinds = [kinds[i % len(kinds)] for i in range(rows)]
     st = sampling_tensors(row_kinds, vocab)
     tokens, logprobs, thresholds = run_sample(lib, logits, st)
-    again = run_sample(lib, logits, st)  # the same bits on a second call (tickets reset, no order dependence)
-    assert torch.equal(again[0], tokens) and torch.equal(again[1], logprobs)
     ref = sampling.sample(logits, st)
     mismatch = [(i, row_kinds[i]) for i in range(rows) if tokens[i] != ref.token_ids[i]]
     assert not mismatch, f"token mismatch in rows {mismatch[:10]}"
