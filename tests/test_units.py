@@ -383,3 +383,78 @@ def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
     penalised = want[1].repetition_penalty != 1  # seen rows are defined there only (slots 1 and 3)
     assert penalised.sum() == 2 * (k + 1)
     assert torch.equal(got[1].seen[penalised], want[1].seen[penalised])
+
+
+def test_skinny_chain_queue_policy():
+    """KernelLibrary's chain queue (record_chain / flush_chain), with recording kernels instead of CUDA ones:
+    queued ops launch once, as one chain of at most CHAIN_PHASES ops of one dtype and token count with at
+    most one rope_kv; a lone op launches its own kernel with its own arguments; ops of more than
+    CHAIN_MAX_M tokens, and everything when not recording, launch at once; consecutive chains alternate
+    their counters; the packed parameter has exactly the slots of CHAIN_ARGS."""
+    import torch
+
+    from engine.cuda.kernels import CHAIN_ARGS, CHAIN_EP, CHAIN_PHASES, KernelLibrary, SkinnyPhase
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, grid, block, smem, stream, *args, **kw):
+            calls.append((self.name, grid, block, args))
+
+    lib = KernelLibrary.__new__(KernelLibrary)
+    lib.kernels = {n: Recorder(n) for n in ("skinny_residual_bf16_m8", "skinny_residual_bf16_m8_w16",
+                                            "skinny_silu_bf16_m8", "skinny_rope_kv_bf16_m8", "skinny_residual_bf16_m16_w16",
+                                            "skinny_residual_fp16_m8_w16", "skinny_chain_bf16", "skinny_chain_fp16",
+                                            "skinny_chain_bf16_w16")}
+    lib.stream = lambda: 0
+    lib.num_sms, lib.skinny_wide_tiles, lib.chain_block = 132, 132, "8"
+    lib._chain, lib._chain_launches = None, 0
+    lib._chain_counters = torch.zeros((2, 6), dtype=torch.int32)
+
+    def phase(ep, M=1, sfx="bf16", N=2048, rope=None):
+        normed = ep in ("silu", "rope_kv")  # the norm's eps goes into the launch
+        return SkinnyPhase(ep, sfx, M, N, 2048, N // 2, 1, 2, 3, 0, 4 if normed else 0, 1e-5, (), rope)
+
+    def run(p):
+        lib._skinny_run(p, "args-of", p.ep)
+
+    run(phase("residual"))  # not recording: at once, its own kernel (128 tiles: 16 warps)
+    assert [c[0] for c in calls] == ["skinny_residual_bf16_m8_w16"] and calls[0][3] == ("args-of", "residual")
+    calls.clear()
+    lib.record_chain(True)
+    for ep in ("residual", "silu", "residual"):
+        run(phase(ep, N=16384 if ep == "silu" else 2048))
+    run(phase("rope_kv", N=3072, rope=(11, 12, 13, 14, 15, 32, 8, 64)))
+    assert calls == []
+    run(phase("residual"))  # a fifth op: the four go as one chain, this one waits
+    assert len(calls) == 1 and calls[0][0] == "skinny_chain_bf16"
+    _, grid, block, args = calls[0]
+    assert len(args) == len(CHAIN_ARGS) and block == (256, 1, 1)
+    assert grid == (min(128 + 1024 + 128 + 192, 2 * 132), 1, 1)
+    per_phase = [args[9 * i:9 * i + 9] for i in range(CHAIN_PHASES)]
+    assert [p[5] for p in per_phase] == [CHAIN_EP[e] for e in ("residual", "silu", "residual", "rope_kv")]
+    rope_and_rest = args[9 * CHAIN_PHASES:]
+    assert rope_and_rest[:5] == (11, 12, 13, 14, 15)
+    assert rope_and_rest[5] == lib._chain_counters[0].data_ptr()
+    assert rope_and_rest[6:] == (4, 1, 32, 8, 64, 1e-5)
+    calls.clear()
+    lib.flush_chain()  # the lone fifth op: its own kernel
+    assert [c[0] for c in calls] == ["skinny_residual_bf16_m8_w16"] and calls[0][3] == ("args-of", "residual")
+    calls.clear()
+    run(phase("rope_kv", N=3072, rope=(1,) * 8))
+    run(phase("rope_kv", N=3072, rope=(2,) * 8))  # a second rope_kv ends the chain before it
+    run(phase("residual", sfx="fp16"))  # another dtype too
+    assert [c[0] for c in calls] == ["skinny_rope_kv_bf16_m8", "skinny_rope_kv_bf16_m8"]
+    calls.clear()
+    run(phase("residual", M=9))  # past CHAIN_MAX_M: what is queued, then this one
+    assert [c[0] for c in calls] == ["skinny_residual_fp16_m8_w16", "skinny_residual_bf16_m16_w16"]
+    calls.clear()
+    run(phase("residual"))
+    run(phase("residual"))
+    lib.record_chain(False)  # flushes
+    assert [c[0] for c in calls] == ["skinny_chain_bf16"]
+    assert calls[0][3][9 * CHAIN_PHASES + 5] == lib._chain_counters[1].data_ptr()  # the other set
+    assert calls[0][3][9 * 2:9 * CHAIN_PHASES] == (0,) * 18  # unused phases are zero

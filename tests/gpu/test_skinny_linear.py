@@ -269,6 +269,83 @@ def test_skinny_rope_kv(lib, gen, dtype, M, H, Hkv, D, K, with_bias, with_norm):
 
 
 # ---------------------------------------------------------------------------------------------
+# chains (KernelLibrary.record_chain: the skinny ops of a run in one skinny_chain launch)
+
+CHAIN_SHAPES = {  # hidden, intermediate, H, Hkv, D, vocab
+    "1b": (2048, 8192, 32, 8, 64, 128256),
+    "small": (256, 96, 4, 2, 64, 1040),  # intermediate 96: a gate_up of 12 tiles; 3 + 12 + 16 + 8 tiles in all
+}
+
+
+def layer_tail(lib, dtype, M: int, shape: str, last: str, chained: bool, w: dict) -> dict:
+    """A decode layer's o_proj + residual, norm + gate_up + SiLU and down + residual, then the next layer's
+    norm + QKV + RoPE + KV write (last = "rope_kv") or the final norm + fp32 logits ("f32"), recorded as a
+    chain (chained) or launched one by one. Returns every output, NaN-filled before."""
+    hidden, inter, H, Hkv, D, vocab = CHAIN_SHAPES[shape]
+    out = {"h": w["h"].clone(), "act": nan((M, inter), dtype), "q": nan((M, H, D), dtype),
+           "k_cache": nan(w["cache_shape"], dtype), "v_cache": nan(w["cache_shape"], dtype)}
+    launches = lib._chain_launches
+    lib.record_chain(chained)
+    lib.skinny_residual(out["h"], w["attn"], w["o"])
+    lib.skinny_silu(out["act"], out["h"], w["gate_up"], w["post_norm"], EPS)
+    lib.skinny_residual(out["h"], out["act"], w["down"])
+    if last == "rope_kv":
+        lib.skinny_rope_kv(out["q"], out["h"], w["qkv"], None, w["next_norm"], w["cos_sin"], w["rope_index"],
+                           out["k_cache"], out["v_cache"], w["slots"], H, Hkv, EPS)
+    else:
+        for name in ("q", "k_cache", "v_cache"):
+            del out[name]
+        out["logits"] = nan((M, vocab), torch.float32)
+        lib.skinny_store(out["logits"], out["h"], w["lm_head"], None, w["next_norm"], EPS)
+    assert lib._chain_launches == launches, "a chain launched before the last op was queued"
+    lib.record_chain(False)
+    assert lib._chain_launches == launches + chained, "the queued ops did not launch as one chain"
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("shape", list(CHAIN_SHAPES))
+@pytest.mark.parametrize("last", ["rope_kv", "f32"])
+def test_skinny_chain_matches_the_single_kernels(lib, gen, block_width, dtype, M, shape, last):
+    """The chain's outputs equal, bit for bit, those of the single kernels at the same block width (same
+    arithmetic per tile), every chained phase read what the phase before it wrote (the residual stream is
+    updated twice in place and read in between), the launch is repeatable (its counters are reset: three
+    chains in a row give the same bits) and the counters end at zero. At 8 warps, both chain blocks: 8
+    warps, and 8 compute warps with one that runs the epilogues (the same sums in the same order)."""
+    hidden, inter, H, Hkv, D, vocab = CHAIN_SHAPES[shape]
+    bs = 16
+    num_blocks = -(-M // bs) + 2
+    w = {"attn": randn(M, H * D, dtype=dtype), "h": randn(M, hidden, dtype=dtype, scale=3.0),
+         "o": weight(hidden, H * D, dtype), "gate_up": weight(2 * inter, hidden, dtype),
+         "down": weight(hidden, inter, dtype), "qkv": weight((H + 2 * Hkv) * D, hidden, dtype),
+         "post_norm": (1 + 0.1 * randn(hidden)).to(dtype), "next_norm": (1 + 0.1 * randn(hidden)).to(dtype),
+         "cos_sin": rope_table(4096, D), "rope_index": torch.randint(0, 4096, (M,), device=dev()),
+         "slots": torch.randperm(num_blocks * bs, device=dev())[:M], "cache_shape": (num_blocks, bs, Hkv, D)}
+    if last == "f32":
+        w["lm_head"] = weight(vocab, hidden, dtype)
+    single = layer_tail(lib, dtype, M, shape, last, False, w)
+    chained = []
+    try:
+        for block in [str(block_width)] + (["e8"] if block_width == 8 else []):
+            lib.chain_block = block
+            chained += [layer_tail(lib, dtype, M, shape, last, True, w) for _ in range(3)]
+    finally:
+        lib.chain_block = "8"
+    torch.cuda.synchronize()
+    for name, ref in single.items():
+        assert not torch.isnan(ref).all(), f"{name}: the single kernels wrote nothing"
+        for i, out in enumerate(chained):
+            torch.testing.assert_close(out[name], ref, rtol=0, atol=0, equal_nan=True,
+                                       msg=lambda m, name=name, i=i: f"chain {i} (of 3 per block), {name}: {m}")
+    assert not lib._chain_counters.any(), f"counters left at {lib._chain_counters.tolist()}"
+    # and the single kernels are right (the oracle of the tests above; gate_up reads h after o_proj added to it)
+    h1 = w["h"].float() + reference(w["attn"], w["o"])
+    check("act (single kernels)", single["act"], TORCH.silu_and_mul(reference(h1.to(dtype), w["gate_up"], None,
+                                                                              w["post_norm"])), tol=2e-2)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA graphs
 
 @pytest.mark.parametrize("dtype", DTYPES)
