@@ -41,16 +41,6 @@ for what in "$@"; do
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
     kskinny) stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider ;;
-    kchain) stage gpu-chain-tests 240 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider -k chain ;;
-    # A/B of skinny chains in one tree (METRALE_SKINNY_CHAIN=0: one launch per skinny op; 8 / 16: warps a
-    # chain block), alternating: 1B at the batches in AB_BATCHES (default 1 8), REPS (2) times, CHAINS (0 8 16)
-    abchain) for rep in $(seq 1 ${REPS:-2}); do for c in ${CHAINS:-0 8 16}; do
-          METRALE_SKINNY_CHAIN=$c stage engine-bench-1b-chain$c-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --out "$OUT"
-        done; done ;;
-    # Kernel time per eager decode step with and without skinny chains (bench/profile_step.py --only decode)
-    profchain) for c in ${CHAINS:-0 8}; do
-          METRALE_SKINNY_CHAIN=$c stage profile-1b-decode-chain$c 240 python3 bench/profile_step.py --shape 1b --only decode
-        done ;;
     kverify) stage gpu-kernel-verify-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "verify or decode_prepare or decode_commit or decode_step" ;;
     ksampling) stage gpu-kernel-sampling-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "sample or spec_accept or embedding or decode_prepare or decode_commit or verify" ;;
     # The sampling kernels alone at decode batches; with build/ab-base also the base tree's, in the same process

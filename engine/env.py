@@ -11,7 +11,3 @@ LOG_LEVEL = os.environ.get("METRALE_LOG_LEVEL", "INFO")
 CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r)
 # Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/kernels.py).
 PDL = os.environ.get("METRALE_PDL", "1") != "0"
-# Skinny chains (engine/cuda/kernels.py record_chain): the chain kernel's blocks, "8" (8 warps),
-# "16" or "e8" (8 warps and an epilogue warp); "0" off: each skinny op of a decode forward of at most 8 tokens
-# then launches on its own (the default: chains are not yet measured faster on the H200).
-SKINNY_CHAIN = os.environ.get("METRALE_SKINNY_CHAIN", "0")

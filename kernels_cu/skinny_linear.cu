@@ -160,31 +160,14 @@ struct LaneOperands {
   const u16* nw;      // norm_w + 8t
 };
 
-// x (and the residual) read in a chain launch (below): written by an earlier phase of the same launch on
-// other SMs, so never through the non-coherent path (.nc: read-only for the kernel's lifetime). A plain
-// (weak, L1-cached) load is ordered after the block's wait for that phase (thread 0's ld.acquire.gpu, then
-// a block barrier), and the phase's x does not change after it, so later tiles may hit this SM's L1.
-__device__ __forceinline__ Vec16 ld_coherent16(const u16* p) {
-  Vec16 v;
-  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
-               : "l"(p));
-  return v;
-}
-__device__ __forceinline__ u16 ld_coherent_u16(const u16* p) {
-  u16 v;
-  asm volatile("ld.global.u16 %0, [%1];\n" : "=h"(v) : "l"(p));
-  return v;
-}
-
 // U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
-// (warp-uniform: c depends on the warp only). A group is its W loads (skinny_group_w) and then its x (and
-// norm_w) loads and mmas (skinny_group_mma); the first group of a warp waits for the previous kernel
-// between the two (programmatic dependent launch), and a chain launch issues a tile's first W loads
-// before the tile's inputs are ready. COHERENT: x through L2 (chain launches).
-template <int U, bool FULL, int WARPS, int NT>
-__device__ __forceinline__ void skinny_group_w(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<NT>& L, int c,
-                                               int C) {
+// (warp-uniform: c depends on the warp only).
+// WAIT (the warp's first group): the W loads are issued before waiting for the previous kernel
+// (programmatic dependent launch), x and the rest after it.
+template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false>
+__device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
+                                             int c, int C) {
+  Vec16 wa[U], wb[U], xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
@@ -192,21 +175,13 @@ __device__ __forceinline__ void skinny_group_w(Vec16 (&wa)[U], Vec16 (&wb)[U], c
     wa[u] = on ? ld_weight16(L.wa + k) : zero16();
     wb[u] = on ? ld_weight16(L.wb + k) : zero16();
   }
-}
-
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool COHERENT>
-__device__ __forceinline__ void skinny_group_mma(float (&acc)[CH][NT][4], float (&ss)[NT], const Vec16 (&wa)[U],
-                                                 const Vec16 (&wb)[U], const LaneOperands<NT>& L, int c, int C) {
-  Vec16 xb[U][NT], nw[U];
+  if (WAIT) wait_then_allow_dependents();
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
     const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const u16* px = L.x + j * L.xstride + k;
-      xb[u][j] = on && L.xv[j] ? (COHERENT ? ld_coherent16(px) : ld_act16(px)) : zero16();
-    }
+    for (int j = 0; j < NT; ++j) xb[u][j] = on && L.xv[j] ? ld_act16(L.x + j * L.xstride + k) : zero16();
     if (NORM) nw[u] = on ? ld_act16(L.nw + k) : zero16();
   }
 #pragma unroll
@@ -227,15 +202,6 @@ __device__ __forceinline__ void skinny_group_mma(float (&acc)[CH][NT][4], float 
       Mma<T>::run(acc[u % CH][j], a_hi, xb[u][j].w[2], xb[u][j].w[3]);
     }
   }
-}
-
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false, bool COHERENT = false>
-__device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                             int c, int C) {
-  Vec16 wa[U], wb[U];
-  skinny_group_w<U, FULL, WARPS>(wa, wb, L, c, C);
-  if (WAIT) wait_then_allow_dependents();
-  skinny_group_mma<T, NT, U, CH, NORM, FULL, WARPS, COHERENT>(acc, ss, wa, wb, L, c, C);
 }
 
 template <class T, int NT, int U, int CH, bool NORM, int WARPS>
@@ -288,8 +254,8 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
       if (norm) scale[j][s] = inv_rms(m);
       if (EP == EP_RESIDUAL) {
         const u16* res = (const u16*)a.out + (i64)m * a.N;
-        in0[j][s] = T::to_float(ld_coherent_u16(res + r0));  // a chain's earlier phase may have written it
-        in1[j][s] = T::to_float(ld_coherent_u16(res + r1));
+        in0[j][s] = T::to_float(res[r0]);
+        in1[j][s] = T::to_float(res[r1]);
       } else if (EP == EP_ROPE_KV) {
         if (head >= a.H) slot[j][s] = a.slot_mapping[m];
         if (head < a.H + a.Hkv) {
@@ -489,313 +455,3 @@ SKINNY_ENTRIES(bf16, Bf16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, 32, 4)
-
-// ---------------------------------------------------------------------------------------------
-// Chains: up to CHAIN_PHASES skinny ops of one decode forward of M <= 8 tokens in one launch
-// (skinny_chain_<dt>, 8-warp blocks, two per SM; _w16: 16-warp blocks, one per SM; _e8: 8 compute warps
-// and an epilogue warp, two blocks per SM), e.g. a layer's
-// o_proj + residual, norm + gate_up + SiLU, down + residual and the next layer's norm + QKV + RoPE + KV
-// write. Phase p + 1 reads what phase p wrote, so between separate launches every SM drains: the last
-// wave of p's tiles finishes while the rest of the GPU idles, and p + 1's weights start streaming only
-// after that. Here a block that finishes a tile takes the next one at once, in ticket order over the
-// phases, issues that tile's first weight loads (they depend on nothing), and only then waits until
-// every tile of the phase before is done: the weight stream, which is the step's cost, does not stop at
-// phase boundaries.
-//
-// Scheduling: counters[TICKET] hands out tiles in order (phase 0's tiles, then phase 1's, ...);
-// counters[DONE + p] counts phase p's finished tiles (the warp that ran a tile's epilogue, warp 0 or the
-// epilogue warp, fences its stores, then one lane adds 1; a fence also waits for that warp's loads in
-// flight, so that warp issues the next tile's first W loads only after it). A block holding a tile of phase p > 0 waits (one thread, ld.acquire.gpu, then a
-// block barrier) until counters[DONE + p - 1] reaches phase p - 1's tile count (once per phase and block:
-// tickets come in phase order, so the block's later tiles of that phase need no check). No deadlock: a block
-// takes a ticket only while it runs, so every tile of an earlier phase belongs to a running block, and
-// phase 0 waits for nothing inside the launch. A block takes its next ticket while it computes the
-// current tile, and its compute warps issue the next tile's first W loads before the current tile's
-// epilogue (shared-memory partials are double-buffered by tile parity: one barrier per tile). The last
-// block to leave (counters[EXITED]) sets the counters back to zero for the next launch; the launch right
-// after a chain must not use the same counters (the engine alternates two sets, and a decode attention
-// launch, which waits for the chain to finish before it lets the next kernel start, sits in between).
-// Programmatic dependent launch: every block issues its first tile's W loads, then waits for the
-// previous kernel, as the single kernels do. x and the residual are read with plain loads, not the
-// non-coherent path: an earlier phase of the same launch wrote them from other SMs.
-// Per tile the arithmetic (the mma order, the warps' reduction, the epilogue) is that of
-// skinny_<ep>_<dt>_m8 with as many warps, so a chain's outputs equal those of the single kernels with
-// the same block width bit for bit.
-//
-// Launch contract (skinny_chain_{bf16,fp16}[_w16|_e8]): one parameter, a ChainParams by value (the host
-// packs it as 8-byte slots); grid = min(total tiles, blocks that fit on the GPU at once) (any grid is
-// correct), block 256 (_w16: 512, _e8: 288), no dynamic shared memory. Every phase: M <= 8 tokens, the single
-// kernel's contract for its epilogue (K % 32 == 0, N % 16 == 0, half % 8 == 0, alignment); at most one
-// rope_kv phase (the RoPE / KV-cache operands are shared). counters: CHAIN_COUNTERS u32, zero before.
-
-#define CHAIN_PHASES 4
-enum { CHAIN_TICKET = 0, CHAIN_EXITED = 1, CHAIN_DONE = 2, CHAIN_COUNTERS = CHAIN_DONE + CHAIN_PHASES };
-
-struct ChainPhase {  // 9 slots of 8 bytes
-  void* out;
-  const u16* x;
-  const u16* w;
-  const u16* bias;    // store / f32 / rope_kv, or null
-  const u16* norm_w;  // or null
-  i64 ep, N, K, half;
-};
-struct ChainParams {
-  ChainPhase ph[CHAIN_PHASES];
-  const float* cos_sin;  // rope_kv's operands (the one rope_kv phase)
-  const i64* rope_index;
-  u16* k_cache;
-  u16* v_cache;
-  const i64* slot_mapping;
-  u32* counters;  // [CHAIN_COUNTERS]
-  i64 num_phases, M, H, Hkv, D;
-  float eps;
-  int pad_;
-};
-
-__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
-  u32 v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// One tile of a chain: its phase, its row pairs and this lane's operand pointers.
-template <int NT>
-struct ChainTile {
-  int ph, p, r0, r1, C;
-  bool norm;
-  LaneOperands<NT> L;
-};
-
-template <int NT>
-__device__ __forceinline__ ChainTile<NT> chain_tile(const ChainParams& P, int ticket, int g, int t) {
-  ChainTile<NT> c;
-  int ph = 0, first = 0;
-  while (ph + 1 < P.num_phases && ticket >= first + (int)(P.ph[ph].N / 16)) first += (int)(P.ph[ph++].N / 16);
-  const ChainPhase& a = P.ph[ph];
-  const int half = (int)a.half, K = (int)a.K;
-  c.ph = ph;
-  c.p = (ticket - first) * 8 + g;
-  c.r0 = (c.p / half) * 2 * half + c.p % half;
-  c.r1 = c.r0 + half;
-  c.C = K / SK_CHUNK;
-  c.norm = a.norm_w != nullptr;
-  c.L.wa = a.w + (i64)c.r0 * K + 8 * t;
-  c.L.wb = a.w + (i64)c.r1 * K + 8 * t;
-  c.L.nw = a.norm_w + 8 * t;
-  c.L.x = a.x + (i64)g * K + 8 * t;
-  c.L.xstride = (i64)8 * K;
-#pragma unroll
-  for (int j = 0; j < NT; ++j) c.L.xv[j] = 8 * j + g < P.M;
-  return c;
-}
-
-// The first group's W loads of a tile, as skinny_mainloop issues them.
-template <int NT, int U, int WARPS>
-__device__ __forceinline__ void chain_prefetch(Vec16 (&wa)[U], Vec16 (&wb)[U], const ChainTile<NT>& c, int warp) {
-  if (warp + WARPS * (U - 1) < c.C)
-    skinny_group_w<U, true, WARPS>(wa, wb, c.L, warp, c.C);
-  else if (warp < c.C)
-    skinny_group_w<U, false, WARPS>(wa, wb, c.L, warp, c.C);
-}
-
-// skinny_mainloop with the first group's W already in wa / wb.
-template <class T, int NT, int U, int CH, bool NORM, int WARPS>
-__device__ __forceinline__ void chain_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const Vec16 (&wa)[U],
-                                               const Vec16 (&wb)[U], const LaneOperands<NT>& L, int warp, int C) {
-  int c = warp;
-  if (c + WARPS * (U - 1) < C) {
-    skinny_group_mma<T, NT, U, CH, NORM, true, WARPS, true>(acc, ss, wa, wb, L, c, C);
-    c += WARPS * U;
-  } else {
-    if (c < C) skinny_group_mma<T, NT, U, CH, NORM, false, WARPS, true>(acc, ss, wa, wb, L, c, C);
-    return;
-  }
-  for (; c + WARPS * (U - 1) < C; c += WARPS * U) skinny_group<T, NT, U, CH, NORM, true, WARPS, false, true>(acc, ss, L, c, C);
-  if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS, false, true>(acc, ss, L, c, C);
-}
-
-// One tile's main loop (first group's W in wa / wb): the warp's fp32 partial (fragment layout) and, with
-// the NORM prologue, its sums of squares into sq[warp] (t == 0 lanes).
-template <class T, int NT, int U, int CH, int WARPS>
-__device__ __forceinline__ void chain_compute(float (&acc)[NT][4], float (*sq)[NT * 8], const Vec16 (&wa)[U],
-                                              const Vec16 (&wb)[U], const ChainTile<NT>& cur, int warp, int g,
-                                              int t) {
-  float chains[CH][NT][4], ss[NT];
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    ss[j] = 0.f;
-#pragma unroll
-    for (int h = 0; h < CH; ++h) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
-    }
-  }
-  if (cur.norm)
-    chain_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, wa, wb, cur.L, warp, cur.C);
-  else
-    chain_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, wa, wb, cur.L, warp, cur.C);
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[j][e] = chains[0][j][e];
-#pragma unroll
-      for (int h = 1; h < CH; ++h) acc[j][e] += chains[h][j][e];
-    }
-  }
-  if (cur.norm) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      float v = ss[j];
-      v += __shfl_xor_sync(FULL_MASK, v, 1);
-      v += __shfl_xor_sync(FULL_MASK, v, 2);
-      if (t == 0) sq[warp][8 * j + g] = v;
-    }
-  }
-}
-
-// The epilogue of one tile (acc: the sum over the warps), its stores fenced, then counted as done.
-template <class T, int NT, int WARPS>
-__device__ __forceinline__ void chain_finish(const ChainParams& P, const ChainTile<NT>& cur, const float (&acc)[NT][4],
-                                             const float (*sq)[NT * 8], int lane) {
-  const int t = lane & 3;
-  const ChainPhase& ph = P.ph[cur.ph];
-  SkinnyArgs a = {};
-  a.out = ph.out; a.x = ph.x; a.w = ph.w; a.bias = ph.bias; a.norm_w = ph.norm_w;
-  a.cos_sin = P.cos_sin; a.rope_index = P.rope_index; a.k_cache = P.k_cache; a.v_cache = P.v_cache;
-  a.slot_mapping = P.slot_mapping;
-  a.M = (int)P.M; a.N = (int)ph.N; a.K = (int)ph.K; a.half = (int)ph.half;
-  a.H = (int)P.H; a.Hkv = (int)P.Hkv; a.D = (int)P.D; a.eps = P.eps;
-  const bool norm = cur.norm;
-  auto inv_rms = [&](int m) {
-    float sum = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += sq[w][m];
-    return rsqrtf(sum / (float)a.K + a.eps);
-  };
-  switch ((int)ph.ep) {
-    case EP_STORE: skinny_epilogue<T, NT, EP_STORE>(a, acc, cur.p, cur.r0, cur.r1, t, norm, inv_rms); break;
-    case EP_F32: skinny_epilogue<T, NT, EP_F32>(a, acc, cur.p, cur.r0, cur.r1, t, norm, inv_rms); break;
-    case EP_SILU: skinny_epilogue<T, NT, EP_SILU>(a, acc, cur.p, cur.r0, cur.r1, t, norm, inv_rms); break;
-    case EP_RESIDUAL: skinny_epilogue<T, NT, EP_RESIDUAL>(a, acc, cur.p, cur.r0, cur.r1, t, norm, inv_rms); break;
-    default: skinny_epilogue<T, NT, EP_ROPE_KV>(a, acc, cur.p, cur.r0, cur.r1, t, norm, inv_rms); break;
-  }
-  __threadfence();  // this lane's stores are visible device-wide before the count
-  __syncwarp();
-  if (lane == 0) atomicAdd(P.counters + CHAIN_DONE + cur.ph, 1u);
-}
-
-// The last block to leave sets the counters back to zero (called by the thread that made the block's
-// every count and claim, after the last).
-__device__ __forceinline__ void chain_exit(u32* ctr) {
-  __threadfence();
-  if (atomicAdd(ctr + CHAIN_EXITED, 1u) == gridDim.x - 1) {  // every other block has left
-#pragma unroll
-    for (int i = 0; i < CHAIN_COUNTERS; ++i) ctr[i] = 0u;
-  }
-}
-
-// EPI: one more warp (warp WARPS) does every tile's epilogue, fence and count while the WARPS compute warps
-// go on with the next tile; without it, warp 0 does them between two tiles.
-template <class T, int WARPS, bool EPI>
-__device__ __forceinline__ void skinny_chain_impl(const ChainParams& P) {
-  constexpr int NT = 1, U = SK_GROUP, CH = 2;
-  constexpr int PARTS = EPI ? WARPS : WARPS - 1;  // partials through shared memory (warp 0's too with EPI)
-  // Double-buffered by tile parity, so that no barrier is needed between a tile's epilogue (reads
-  // red / sq_red[i & 1]) and the next tile's reduction (writes [(i + 1) & 1]); a buffer is written again
-  // two tiles later, after the barrier that the epilogue's warp reaches only past its epilogue.
-  __shared__ float red[2][PARTS][NT * 4][32];
-  __shared__ float sq_red[2][WARPS][NT * 8];
-  __shared__ int next_ticket[2];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const bool epi_warp = EPI && warp == WARPS;
-  u32* const ctr = P.counters;
-  int total = 0;
-  for (int i = 0; i < P.num_phases; ++i) total += (int)(P.ph[i].N / 16);
-
-  if (threadIdx.x == 0) next_ticket[0] = (int)atomicAdd(ctr + CHAIN_TICKET, 1u);
-  __syncthreads();
-  int ticket = next_ticket[0];
-  Vec16 wa[U], wb[U];
-  ChainTile<NT> cur = {};
-  if (ticket < total) {
-    cur = chain_tile<NT>(P, ticket, g, t);
-    if (!epi_warp) chain_prefetch<NT, U, WARPS>(wa, wb, cur, warp);
-  }
-  wait_then_allow_dependents();
-  int ready = 0;  // the last phase this block knows it may start (uniform over the compute warps)
-  for (int it = 0; ticket < total; ++it) {
-    const int buf = it & 1;
-    float acc[NT][4];
-    if (!epi_warp) {
-      int claimed = 0;
-      if (threadIdx.x == 0) claimed = (int)atomicAdd(ctr + CHAIN_TICKET, 1u);  // read after the main loop
-      if (cur.ph > ready) {  // the first tile of a later phase: wait until the phase before is complete
-        if (threadIdx.x == 0) {
-          const u32 need = (u32)(P.ph[cur.ph - 1].N / 16);
-          while (ld_acquire_u32(ctr + CHAIN_DONE + cur.ph - 1) < need) {
-          }
-        }
-        // thread 0's acquire, then a barrier of the compute warps: the phase's writes are visible to them
-        if (EPI)
-          asm volatile("bar.sync 1, %0;\n" ::"r"(WARPS * 32) : "memory");
-        else
-          __syncthreads();
-        ready = cur.ph;
-      }
-      chain_compute<T, NT, U, CH, WARPS>(acc, sq_red[buf], wa, wb, cur, warp, g, t);
-      if (EPI || warp > 0) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) red[buf][EPI ? warp : warp - 1][j * 4 + e][lane] = acc[j][e];
-        }
-      }
-      if (threadIdx.x == 0) next_ticket[(it + 1) & 1] = claimed;
-    }
-    __syncthreads();
-
-    const int next = next_ticket[(it + 1) & 1];
-    ChainTile<NT> nxt = {};
-    if (next < total) nxt = chain_tile<NT>(P, next, g, t);
-    // The next tile's first W loads go out before this tile's epilogue, except those of a warp that fences
-    // (its fence would wait for them).
-    const bool finisher = EPI ? epi_warp : warp == 0;
-    if (!finisher && next < total) chain_prefetch<NT, U, WARPS>(wa, wb, nxt, warp);
-    if (finisher) {
-      if (EPI) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = red[buf][0][j * 4 + e][lane];
-        }
-      }
-#pragma unroll
-      for (int w = EPI ? 1 : 0; w < PARTS; ++w) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] += red[buf][w][j * 4 + e][lane];
-        }
-      }
-      chain_finish<T, NT, WARPS>(P, cur, acc, sq_red[buf], lane);
-      if (!EPI && next < total) chain_prefetch<NT, U, WARPS>(wa, wb, nxt, warp);
-    }
-    ticket = next;
-    cur = nxt;
-  }
-  if (EPI ? warp == WARPS && lane == 0 : threadIdx.x == 0) chain_exit(ctr);
-}
-
-#define SKINNY_CHAIN_ENTRY(SUFFIX, T, WARPS, EPI, MINB, WSFX)                                             \
-  extern "C" __global__ void __launch_bounds__((WARPS + EPI) * 32, MINB) skinny_chain_##SUFFIX##WSFX(       \
-      const __grid_constant__ ChainParams params) {                                                        \
-    skinny_chain_impl<T, WARPS, EPI>(params);                                                              \
-  }
-SKINNY_CHAIN_ENTRY(bf16, Bf16, 8, false, 2, )
-SKINNY_CHAIN_ENTRY(bf16, Bf16, 16, false, 1, _w16)
-SKINNY_CHAIN_ENTRY(bf16, Bf16, 8, true, 2, _e8)
-SKINNY_CHAIN_ENTRY(fp16, Fp16, 8, false, 2, )
-SKINNY_CHAIN_ENTRY(fp16, Fp16, 16, false, 1, _w16)
-SKINNY_CHAIN_ENTRY(fp16, Fp16, 8, true, 2, _e8)

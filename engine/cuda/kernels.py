@@ -24,7 +24,7 @@ import os
 import pathlib
 import struct
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,16 +66,6 @@ SKINNY_EPILOGUE_ARGS = {
     "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
                                           # slot_mapping, M, H, Hkv, D, K, eps
 }
-# Skinny chains (skinny_chain_<dt>[_w16]): up to CHAIN_PHASES skinny ops of one forward in one launch. Its one
-# parameter, a ChainParams, is packed as these 8-byte slots: per phase out, x, w, bias, norm_w, ep, N, K, half;
-# then cos_sin, rope_index, k_cache, v_cache, slot_mapping, counters; num_phases, M, H, Hkv, D; eps.
-CHAIN_PHASES = 4
-CHAIN_COUNTERS = 2 + CHAIN_PHASES  # ticket, exited, one "tiles done" per phase (skinny_linear.cu)
-CHAIN_ARGS = ("ppppp" + "llll") * CHAIN_PHASES + "pppppp" + "lllll" + "f"
-CHAIN_EP = {"store": 0, "f32": 1, "silu": 2, "residual": 3, "rope_kv": 4}
-CHAIN_MAX_M = 8  # chains are built for one tensor-core n-tile (the _m8 kernels)
-# Chain blocks: name -> (entry suffix, threads, blocks per SM): 8 warps; 16 warps; 8 warps and an epilogue warp
-CHAIN_BLOCKS = {"8": ("", 256, 2), "16": ("_w16", 512, 1), "e8": ("_e8", 288, 2)}
 
 
 MODULES: dict[str, list[KernelSpec]] = {
@@ -90,9 +80,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
-                     + [KernelSpec(f"skinny_chain_{dt}{b[0]}", CHAIN_ARGS) for dt in ("bf16", "fp16")
-                        for b in CHAIN_BLOCKS.values()],
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
@@ -358,44 +346,6 @@ def _raw_stream_fn():
     return lambda index: torch.cuda.current_stream(index).cuda_stream
 
 
-@dataclass
-class SkinnyPhase:
-    """One skinny op (an epilogue of SKINNY_EPILOGUE_ARGS) as a chain phase: pointers (0 = none) and sizes;
-    half = the distance between the two rows of an epilogue pair (N / 2; I for silu; D / 2 for rope_kv).
-    rope: (cos_sin, rope_index, k_cache, v_cache, slot_mapping, H, Hkv, D) of a rope_kv op."""
-
-    ep: str
-    sfx: str
-    M: int
-    N: int
-    K: int
-    half: int
-    out: int
-    x: int
-    w: int
-    bias: int
-    norm_w: int
-    eps: float
-    tensors: tuple  # held until the launch
-    rope: tuple | None = None
-
-
-@dataclass
-class SkinnyChain:
-    """The skinny ops queued for one launch: same dtype and token count, at most CHAIN_PHASES, at most one
-    rope_kv (its operands are the launch's), one eps among the normed ones."""
-
-    phases: list = field(default_factory=list)  # [(SkinnyPhase, its single kernel's args)]
-
-    def takes(self, phase: SkinnyPhase) -> bool:
-        if not self.phases:
-            return True
-        first = self.phases[0][0]
-        eps = {p.eps for p, _ in self.phases if p.norm_w} | ({phase.eps} if phase.norm_w else set())
-        return (len(self.phases) < CHAIN_PHASES and phase.sfx == first.sfx and phase.M == first.M and len(eps) <= 1
-                and not (phase.rope is not None and any(p.rope is not None for p, _ in self.phases)))
-
-
 # ---------------------------------------------------------------------------------------------
 
 class KernelLibrary:
@@ -440,11 +390,6 @@ class KernelLibrary:
         self.max_smem_optin = _check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
         self.skinny_wide_tiles = self.num_sms  # skinny grids of at most this many tiles use 16-warp blocks
-        # Skinny chains (record_chain): 8- or 16-warp blocks; the pending phases and what they hold alive.
-        self.chain_block = "8"  # a key of CHAIN_BLOCKS
-        self._chain: SkinnyChain | None = None
-        self._chain_counters = torch.zeros((2, CHAIN_COUNTERS), dtype=torch.int32, device=self.device)
-        self._chain_launches = 0
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
@@ -886,62 +831,6 @@ class KernelLibrary:
         self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}{'_w16' if wide else ''}"](
             (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, self.stream(), *args)
 
-    def _skinny_run(self, phase: "SkinnyPhase", *args) -> None:
-        """Launches one skinny op (args: its single kernel's), or appends it to the chain being recorded."""
-        chain = self._chain
-        if chain is None or phase.M > CHAIN_MAX_M:
-            self.flush_chain()
-            self._skinny_launch(phase.ep, phase.sfx, phase.M, phase.N, *args)
-            return
-        if not chain.takes(phase):
-            self.flush_chain()
-        chain.phases.append((phase, args))
-
-    # Skinny chains: while recording (record_chain(True)), the skinny ops above are not launched but
-    # queued, and flush_chain launches the queue as one skinny_chain kernel (one op: its own kernel). The
-    # caller flushes before anything else reads what a queued op writes; CudaOps does at every op that is
-    # not a skinny one. Tensors a queued op reads or writes are held until its launch.
-
-    def record_chain(self, on: bool) -> None:
-        """Flushes what is queued, then queues skinny ops from now on (on) or launches each at once."""
-        self.flush_chain()
-        self._chain = SkinnyChain() if on else None
-
-    def discard_chain(self) -> None:
-        """Drops what is queued unlaunched (a forward that raised, or a capture that failed, left it)."""
-        if self._chain is not None:
-            self._chain.phases = []
-
-    def flush_chain(self) -> None:
-        chain = self._chain
-        if chain is None or not chain.phases:
-            return
-        phases = chain.phases
-        chain.phases = []
-        if len(phases) == 1:
-            phase, args = phases[0]
-            self._skinny_launch(phase.ep, phase.sfx, phase.M, phase.N, *args)
-            return
-        slots: list = []
-        rope = (0, 0, 0, 0, 0, 0, 0, 0)
-        for phase, _ in phases:
-            slots += [phase.out, phase.x, phase.w, phase.bias, phase.norm_w, CHAIN_EP[phase.ep], phase.N, phase.K,
-                      phase.half]
-            if phase.rope is not None:
-                rope = phase.rope
-        for _ in range(CHAIN_PHASES - len(phases)):
-            slots += [0] * 9
-        counters = self._chain_counters[self._chain_launches & 1]
-        self._chain_launches += 1
-        cs, ri, kc, vc, sm, H, Hkv, D = rope
-        first = phases[0][0]
-        eps = next((phase.eps for phase, _ in phases if phase.norm_w), 0.0)
-        suffix, threads, per_sm = CHAIN_BLOCKS[self.chain_block]
-        tiles = sum(phase.N // SKINNY_TILE for phase, _ in phases)
-        self.kernels[f"skinny_chain_{first.sfx}{suffix}"](
-            (min(tiles, self.num_sms * per_sm), 1, 1), (threads, 1, 1), 0, self.stream(), *slots, cs, ri, kc, vc, sm,
-            counters.data_ptr(), len(phases), first.M, H, Hkv, D, eps)
-
     def skinny_store(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
         """out [M, N] = x' @ weight^T (+ bias), x' = rms_norm(x, norm_weight, eps) or x; out in x's dtype, or
@@ -953,8 +842,7 @@ class KernelLibrary:
         bp = self._skinny_bias(bias, "skinny_store", x.dtype, N)
         if M == 0:
             return
-        self._skinny_run(SkinnyPhase(ep, sfx, M, N, K, N // 2, o, xp, wp, bp, nw, float(eps), (out, x, weight)),
-                         o, xp, wp, bp, nw, M, N, K, float(eps))
+        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
 
     def skinny_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
@@ -965,8 +853,7 @@ class KernelLibrary:
         o = self._skinny_output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
         if M == 0:
             return
-        self._skinny_run(SkinnyPhase("silu", sfx, M, N, K, I, o, xp, wp, 0, nw, float(eps), (out, x, weight)),
-                         o, xp, wp, nw, M, I, K, float(eps))
+        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
 
     def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
@@ -975,8 +862,7 @@ class KernelLibrary:
         rp = self._skinny_output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
         if M == 0:
             return
-        self._skinny_run(SkinnyPhase("residual", sfx, M, N, K, N // 2, rp, xp, wp, 0, 0, 0.0, (residual, x, weight)),
-                         rp, xp, wp, M, N, K)
+        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, M, N, K)
 
     def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
@@ -999,10 +885,7 @@ class KernelLibrary:
                                                  x.dtype)
         if M == 0:
             return
-        self._skinny_run(SkinnyPhase("rope_kv", sfx, M, N, K, D // 2, qo, xp, wp, bp, nw, float(eps),
-                                     (q_out, x, weight, cos_sin, rope_index, k_cache, v_cache, slot_mapping),
-                                     (cs, ri, kc, vc, sm, H, Hkv, D)),
-                         qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
+        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

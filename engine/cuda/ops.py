@@ -31,7 +31,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine import env, sampling
 from engine.batch import ForwardBatch, decode_batch, prefill_work
 from engine.cuda.kernels import (
-    CHAIN_BLOCKS,
     SAMPLE_PART_STRIDE,
     TOPK_CHUNK,
     CudaError,
@@ -69,9 +68,6 @@ class CudaOps(TorchOps):
         # Decode attention's per-(sequence, head group) tickets (its last split block merges the splits).
         self._split_counters = torch.zeros(DECODE_COUNTERS, dtype=torch.int32, device=lib.device)
         self._skinny = False  # set per forward by begin_forward
-        # Skinny forwards queue their skinny ops and launch each run of them between two other ops as one
-        # kernel (KernelLibrary.record_chain): a layer's o, gate_up and down and the next layer's QKV.
-        self.skinny_chain = False
         self._decode = False
         self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
@@ -94,13 +90,7 @@ class CudaOps(TorchOps):
             lib = KernelLibrary(device, pdl=env.PDL)
         except (KernelLoadError, CudaError, ImportError, OSError) as e:
             raise ConfigError(f"the CUDA kernel backend cannot start on {device}: {e}") from e
-        if env.SKINNY_CHAIN not in ("0", *CHAIN_BLOCKS):
-            raise ConfigError(f"METRALE_SKINNY_CHAIN={env.SKINNY_CHAIN}: expected 0 (off) or one of {list(CHAIN_BLOCKS)}")
-        ops = cls(lib, max_seq_len)
-        ops.skinny_chain = env.SKINNY_CHAIN != "0"
-        if ops.skinny_chain:
-            lib.chain_block = env.SKINNY_CHAIN
-        return ops
+        return cls(lib, max_seq_len)
 
     # ---------------------------------------------------------------------------------------------
     # Fused ops: one skinny kernel each in decode and verify forwards of at most SKINNY_TOKENS tokens,
@@ -120,8 +110,6 @@ class CudaOps(TorchOps):
 
     def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
-        self.lib.discard_chain()  # every forward that finished flushed its chain at its last op (norm_logits)
-        self.lib.record_chain(self._skinny and self.skinny_chain)
         self._decode = decode
         self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
@@ -133,7 +121,6 @@ class CudaOps(TorchOps):
                       cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor, eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         if q_norm is not None or not self._skinny or not skinny_fits(h, qkv, shape.head_dim):
-            self.lib.flush_chain()
             return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
                                          v_cache, slot_mapping, eps, normed)
         q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
@@ -165,7 +152,6 @@ class CudaOps(TorchOps):
                                          fresh=B)
         # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
         # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
-        self.lib.flush_chain()
         if q_norm is not None or self._rows_per_seq > 1 or not self.lib.decode_fits_one_wave(B, H, Hkv, D,
                                                                                               self.max_seq_len):
             return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
@@ -191,7 +177,6 @@ class CudaOps(TorchOps):
         if self._skinny and skinny_fits(h, weight, weight.shape[0]):
             self.lib.skinny_residual(h, x.contiguous(), weight)
             return None
-        self.lib.flush_chain()
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
         M, K = x.shape
@@ -208,7 +193,6 @@ class CudaOps(TorchOps):
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
-            self.lib.flush_chain()
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         self.lib.skinny_silu(out, h, gate_up, norm, eps)
@@ -216,28 +200,22 @@ class CudaOps(TorchOps):
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
-        if rows is not None:  # the gather reads h
-            self.lib.flush_chain()
         x = h if rows is None else h[rows]
         if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
-            self.lib.flush_chain()
             return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         self.lib.skinny_store(out, x, lm_head, None, norm, eps)
-        self.lib.flush_chain()  # the forward's last op
         return out
 
     # ---------------------------------------------------------------------------------------------
     # Primitives.
 
     def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        self.lib.flush_chain()
         out = torch.empty((input_ids.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
         self.lib.embedding(out, input_ids, weight)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        self.lib.flush_chain()
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         self.lib.rms_norm(out, x, weight, eps)
         return out
@@ -245,7 +223,6 @@ class CudaOps(TorchOps):
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                          rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
-        self.lib.flush_chain()
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.lib.rope_cache_write(q_out, q, k, v, cos_sin, rope_index.long(), k_cache, v_cache, slot_mapping.long())
         return q_out
@@ -258,7 +235,6 @@ class CudaOps(TorchOps):
         fresh: launched right behind the kernel that produced q (decode_qkv_attention's QKV projection),
         with programmatic dependent launch; that kernel wrote no cache row of a position < seq_len - fresh,
         so the older rows (and the tables) are read before the wait. None: serialised, nothing read early."""
-        self.lib.flush_chain()  # q (the QKV projection) may be queued
         batch, num_heads, head_dim = q.shape
         splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -339,13 +315,11 @@ class CudaOps(TorchOps):
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        self.lib.flush_chain()
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
         self.lib.silu_and_mul(out, x.contiguous())
         return out
 
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors, num_top: int = 0) -> sampling.SampleOutput:
-        self.lib.flush_chain()
         logits = logits.float().contiguous()
         rows, vocab = logits.shape
         dev = logits.device
