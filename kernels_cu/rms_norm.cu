@@ -46,6 +46,26 @@ __device__ __forceinline__ float row_sum(float v, int tpr) {
   return red[0];
 }
 
+// out[idx] = weight * to_dtype(v * rstd) for the vectors idx = threadIdx.x + j * tpr of a row that this thread
+// holds (v: the row's values in fp32, wv: the same vectors of the weight, loaded before the reduction so
+// that the stores need no further memory round trip).
+template <class T>
+__device__ __forceinline__ void store_normed(u16* __restrict__ out_row, const float (&v)[MAX_VEC][8],
+                                             const Vec16 (&wv)[MAX_VEC], float rstd, int tpr, int num_vec,
+                                             bool active) {
+#pragma unroll
+  for (int j = 0; j < MAX_VEC; ++j) {
+    const int idx = threadIdx.x + j * tpr;
+    if (active && idx < num_vec) {
+      float w[8], o[8];
+      unpack8<T>(wv[j], w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = w[e] * round_to<T>(v[j][e] * rstd);
+      reinterpret_cast<Vec16*>(out_row)[idx] = pack8<T>(o);
+    }
+  }
+}
+
 template <class T>
 __device__ __forceinline__ void rms_norm_impl(u16* __restrict__ out, const u16* __restrict__ x,
                                               const u16* __restrict__ weight, int num_rows, int num_inner,
@@ -63,11 +83,13 @@ __device__ __forceinline__ void rms_norm_impl(u16* __restrict__ out, const u16* 
   const i64 out_off = (i64)row * D;
 
   float v[MAX_VEC][8];
+  Vec16 wv[MAX_VEC];
   float sumsq = 0.f;
 #pragma unroll
   for (int j = 0; j < MAX_VEC; ++j) {
     const int idx = threadIdx.x + j * tpr;
     if (active && idx < num_vec) {
+      wv[j] = reinterpret_cast<const Vec16*>(weight)[idx];
       Vec16 raw = reinterpret_cast<const Vec16*>(x + in_off)[idx];
       unpack8<T>(raw, v[j]);
 #pragma unroll
@@ -76,18 +98,7 @@ __device__ __forceinline__ void rms_norm_impl(u16* __restrict__ out, const u16* 
   }
 
   const float rstd = rsqrtf(row_sum(sumsq, tpr) / (float)D + eps);
-
-#pragma unroll
-  for (int j = 0; j < MAX_VEC; ++j) {
-    const int idx = threadIdx.x + j * tpr;
-    if (active && idx < num_vec) {
-      float w[8], o[8];
-      unpack8<T>(reinterpret_cast<const Vec16*>(weight)[idx], w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = w[e] * round_to<T>(v[j][e] * rstd);
-      reinterpret_cast<Vec16*>(out + out_off)[idx] = pack8<T>(o);
-    }
-  }
+  store_normed<T>(out + out_off, v, wv, rstd, tpr, num_vec, active);
 }
 
 // One vector of 8 elements: its S partials (S a compile-time count, or 0: S_rt at run time) summed in order,
@@ -140,7 +151,7 @@ __device__ __forceinline__ void residual_norm_impl(u16* __restrict__ h, u16* __r
   const i64 part_stride = (i64)num_rows * D;
 
   float v[MAX_VEC][8];
-  Vec16 wv[MAX_VEC];  // the norm weight, loaded with the rest (not one more round trip after the reduction)
+  Vec16 wv[MAX_VEC];  // the norm weight (store_normed)
   float sumsq = 0.f;
 #pragma unroll
   for (int j = 0; j < MAX_VEC; ++j) {
@@ -161,18 +172,7 @@ __device__ __forceinline__ void residual_norm_impl(u16* __restrict__ h, u16* __r
   if (weight == nullptr) return;  // uniform over the launch
 
   const float rstd = rsqrtf(row_sum(sumsq, tpr) / (float)D + eps);
-
-#pragma unroll
-  for (int j = 0; j < MAX_VEC; ++j) {
-    const int idx = threadIdx.x + j * tpr;
-    if (active && idx < num_vec) {
-      float w[8], o[8];
-      unpack8<T>(wv[j], w);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) o[e] = w[e] * round_to<T>(v[j][e] * rstd);
-      reinterpret_cast<Vec16*>(out + off)[idx] = pack8<T>(o);
-    }
-  }
+  store_normed<T>(out + off, v, wv, rstd, tpr, num_vec, active);
 }
 
 #define RMS_NORM_ENTRY(SUFFIX, T)                                                                      \
@@ -183,8 +183,9 @@ __device__ __forceinline__ void residual_norm_impl(u16* __restrict__ h, u16* __r
   }
 
 #define RESIDUAL_NORM_ENTRY(SUFFIX, T)                                                                       \
-  extern "C" __global__ void __launch_bounds__(512) residual_norm_##SUFFIX(u16* h, u16* out, const float* parts, int S,            \
-                                                    const u16* weight, int num_rows, int D, float eps) {     \
+  extern "C" __global__ void __launch_bounds__(512)                                                          \
+      residual_norm_##SUFFIX(u16* h, u16* out, const float* parts, int S, const u16* weight, int num_rows,   \
+                             int D, float eps) {                                                             \
     switch (S) { /* the split counts CudaOps uses, unrolled; any other at run time */                      \
       case 2: residual_norm_impl<T, 2>(h, out, parts, S, weight, num_rows, D, eps); break;                 \
       case 4: residual_norm_impl<T, 4>(h, out, parts, S, weight, num_rows, D, eps); break;                 \
