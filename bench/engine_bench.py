@@ -296,6 +296,25 @@ def hf_decode_compiled(model, device, batch: int, steps: int, prompt_len: int = 
 
 # --------------------------------------------------------------------------------------------------
 
+def tune_kernels(lib, args) -> None:
+    """The experiment flags (--skinny-wide-tiles, --decode-splits, --decode-cluster) applied to a KernelLibrary."""
+    if getattr(args, "skinny_wide_tiles", None) is not None:
+        lib.skinny_wide_tiles = args.skinny_wide_tiles
+    if getattr(args, "decode_splits", None) is not None:
+        lib.decode_max_splits = args.decode_splits
+    if getattr(args, "decode_cluster", None) is not None:
+        lib.decode_cluster = min(lib.decode_cluster, args.decode_cluster)
+
+
+def use_kernels(kernel_dir: pathlib.Path, build_dir: pathlib.Path) -> None:
+    """Engines created after this load their CUDA kernels from kernel_dir's sources and build_dir's fatbins."""
+    import functools
+
+    from engine.cuda import kernels as cuda_kernels
+    from engine.cuda import ops as cuda_ops
+    cuda_ops.KernelLibrary = functools.partial(cuda_kernels.KernelLibrary, build_dir=build_dir, kernel_dir=kernel_dir)
+
+
 def guarded(results: dict, name: str, fn, *args, **kwargs):
     # As the worker does once it has started: what is alive now (torch, the models) leaves the collector's
     # reach, so no full collection over it (tens of ms) lands inside a timed phase. (It is not what moves the
@@ -326,6 +345,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf-compile", action="store_true")
     p.add_argument("--device", default="auto")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--kernels", nargs=2, metavar=("SOURCES", "BUILD"),
+                   help="(GPU, A/B of kernel variants) load the kernels of this source dir from this build dir "
+                        "(e.g. a copy of kernels_cu/ with one file changed; fatbins not current there are "
+                        "compiled with NVRTC)")
+    p.add_argument("--decode-splits", type=int, default=None,
+                   help="(GPU, experiments) at most this many key splits in decode attention")
+    p.add_argument("--decode-cluster", type=int, default=None,
+                   help="(GPU, experiments) decode attention's cluster size (1: splits merge through global memory)")
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="the engine's context limit (default 2048 + 16 + 512; it sizes decode attention's split grid)")
     p.add_argument("--skinny-wide-tiles", type=int, default=None,
                    help="(GPU, experiments) skinny grids of at most this many tiles get 16-warp blocks "
                         "(default: the SM count; 0: never)")
@@ -333,6 +362,8 @@ def main(argv=None) -> int:
     global SAMPLING
     SAMPLING = SamplingParams(top_logprobs=args.top_logprobs)
 
+    if args.kernels:
+        use_kernels(pathlib.Path(args.kernels[0]), pathlib.Path(args.kernels[1]))
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     if args.quick:
@@ -361,17 +392,19 @@ def main(argv=None) -> int:
 
     max_len = 2048 + 16 if not args.quick else 512
     cfg = EngineConfig(model=model_dir, device=device.type, max_slots=256, max_batch_size=256,
-                       max_seq_len=max_len + 512, max_prefill_tokens=8192,
+                       max_seq_len=args.max_seq_len or max_len + 512, max_prefill_tokens=8192,
                        kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
     engine = Engine(cfg)
     lib = getattr(engine.ops, "lib", None)
-    if args.skinny_wide_tiles is not None and lib is not None:  # before any step is captured
-        lib.skinny_wide_tiles = args.skinny_wide_tiles
+    if lib is not None:  # before any step is captured
+        tune_kernels(lib, args)
     results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name, capture_after=cfg.capture_after,
                            fallback_graphs=cfg.fallback_graphs, max_graphs=cfg.max_graphs,
                            weight_bytes=weight_bytes(engine.weights),
                            pdl=bool(getattr(lib, "pdl", False)),
-                           skinny_wide_tiles=getattr(lib, "skinny_wide_tiles", None))
+                           skinny_wide_tiles=getattr(lib, "skinny_wide_tiles", None),
+                           decode_max_splits=getattr(lib, "decode_max_splits", None),
+                           decode_cluster=getattr(lib, "decode_cluster", None))
     floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None
     results["decode_floor_ms"] = floor_ms
 
@@ -435,7 +468,7 @@ def table(r: dict, prefill_shapes, batches, churn_b) -> str:
     for b, n in prefill_shapes:
         o, h = get(ours, f"prefill_{b}x{n}", "tokens_per_s"), get(hf, f"prefill_{b}x{n}", "tokens_per_s")
         ratio = f"{o / h:.2f}x transformers" if o and h else ""
-        lines.append(f"prefill {b}x{n}: {o and round(o):>10} tok/s   transformers {h and round(h)}   {ratio}")
+        lines.append(f"prefill {b}x{n}: {'-' if o is None else round(o):>10} tok/s   transformers {h and round(h)}   {ratio}")
     for b in batches:
         o = get(ours, f"decode_b{b}", "step_ms")
         h = get(hf, f"eager_decode_b{b}", "step_ms")

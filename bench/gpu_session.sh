@@ -127,6 +127,21 @@ for what in "$@"; do
     # Calls vs stream at C = 64 and 128, three in flight, twice (the sweep's C = 128 went the other way)
     loadstreamhigh) for rep in 1 2; do stage load-1b-stream-high-rep$rep 200 python3 bench/load.py --shape 1b --concurrency 64 128 --pipeline 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --step-log --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT"; done ;;
     floorstream) stage pipeline-floor-stream 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 1 --decode call stream && stage pipeline-floor-stream-p3 200 python3 bench/pipeline_floor.py --gil-us 0 150 --pipeline 3 --decode call stream ;;
+    # Launch-by-launch timeline of replayed queued decode steps from the kernels' own clocks (bench/trace_step.py;
+    # carry kernels_cu/build-trace, built here by `python bench/trace_step.py --build-only`)
+    trace)   TAIL=${TAIL:-80} stage trace-1b${TRACE_NAME:-} 240 python3 bench/trace_step.py --shape 1b --batch ${TRACE_BATCHES:-1 32} ${TRACE_ARGS:-} --json "$OUT/trace-1b${TRACE_NAME:-}.json" ;;
+    trace512) TAIL=${TAIL:-80} stage trace-1b-max512 240 python3 bench/trace_step.py --shape 1b --batch 1 --max-seq-len 512 --json "$OUT/trace-1b-max512.json" ;;
+    # Decode attention's split grid: the engine's context limit at engine_bench's 2576 (32 splits at batch 1) and
+    # at 512 (8 splits), 1B batch 1, REPS (2) pairs alternating
+    absplits) for rep in $(seq 1 ${REPS:-2}); do for m in 2576 512; do
+          stage engine-bench-1b-max$m-rep$rep 120 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 --max-seq-len $m --out "$OUT"
+        done; done ;;
+    # Decode attention's key splits capped (engine_bench --decode-splits; default: up to 32 at 1B batch 1, clusters
+    # of 8), 1B batch 1, REPS (2) rounds of: default, 4, 1
+    absplitcap) for rep in $(seq 1 ${REPS:-2}); do for cap in default 4 1; do
+          stage engine-bench-1b-splits$cap-rep$rep 120 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 $( [ $cap != default ] && echo --decode-splits $cap ) --out "$OUT"
+        done; done ;;
+    knorm)   stage gpu-kernel-norm-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "norm or fused or rms" ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;
     ttft)    stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;

@@ -286,7 +286,89 @@ __device__ __forceinline__ void allow_dependents() {
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 }
+// Step timeline (bench/trace_step.py; built only with -DMETRALE_TRACE, never by default): thread 0 of each
+// block that waits records, when the wait returns, one TraceRecord into the buffer the host points
+// `metrale_trace` at (each module has its own copy of the pointer): the wait's begin and end by
+// %globaltimer (ns, one clock for every SM) and by clock64 (this SM's cycles), its SM and its grid. The
+// record's index comes from one atomic counter, so records are in the order the waits returned: a launch's
+// blocks all return from their wait before the next launch starts (each allows its dependents only after
+// its own wait). Kernels with a TraceScope (skinny, decode attention) also record when thread 0 leaves.
+#ifdef METRALE_TRACE
+struct TraceRecord {
+  u64 g_wait, g_released, g_end;  // %globaltimer
+  u64 c_wait, c_released, c_end;  // clock64
+  u32 grid, threads, smid, block;
+  u64 c_mark[4];  // clock64 at TRACE_MARK(i) points inside a kernel (0: not reached)
+};
+struct TraceBuffer {
+  u32 count, capacity, pad[2];
+  TraceRecord rec[1];
+};
+extern "C" {
+__device__ TraceBuffer* metrale_trace = nullptr;
+}
+__device__ __forceinline__ u64 trace_gtime() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ u32 trace_smid() {
+  u32 s;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(s));
+  return s;
+}
+__device__ __forceinline__ bool trace_thread0() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
+__device__ __forceinline__ int& trace_slot() {
+  __shared__ int slot;
+  return slot;
+}
+struct TraceScope {  // thread 0's exit time into this block's record (if it waited)
+  __device__ __forceinline__ TraceScope() {
+    if (trace_thread0()) trace_slot() = -1;
+  }
+  __device__ __forceinline__ ~TraceScope() {
+    TraceBuffer* buf = metrale_trace;
+    if (!trace_thread0() || !buf) return;
+    const int slot = trace_slot();
+    if (slot < 0 || slot >= (int)buf->capacity) return;
+    buf->rec[slot].g_end = trace_gtime();
+    buf->rec[slot].c_end = clock64();
+  }
+};
+__device__ __forceinline__ void wait_then_allow_dependents() {
+  const u64 g0 = trace_gtime(), c0 = clock64();
+  grid_dependency_wait();
+  TraceBuffer* buf = metrale_trace;
+  if (trace_thread0() && buf) {
+    const u64 g1 = trace_gtime(), c1 = clock64();
+    const u32 slot = atomicAdd(&buf->count, 1u);
+    trace_slot() = (int)slot;
+    if (slot < buf->capacity) {
+      TraceRecord& r = buf->rec[slot];
+      r.g_wait = g0; r.g_released = g1; r.g_end = 0;
+      r.c_wait = c0; r.c_released = c1; r.c_end = 0;
+      r.c_mark[0] = r.c_mark[1] = r.c_mark[2] = r.c_mark[3] = 0;
+      r.grid = gridDim.x * gridDim.y * gridDim.z;
+      r.threads = blockDim.x * blockDim.y * blockDim.z;
+      r.smid = trace_smid();
+      r.block = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    }
+  }
+  allow_dependents();
+}
+__device__ __forceinline__ void trace_mark(int i) {
+  TraceBuffer* buf = metrale_trace;
+  if (!trace_thread0() || !buf) return;
+  const int slot = trace_slot();
+  if (slot >= 0 && slot < (int)buf->capacity) buf->rec[slot].c_mark[i] = clock64();
+}
+#define TRACE_SCOPE TraceScope trace_scope_
+#define TRACE_MARK(i) trace_mark(i)
+#else
 __device__ __forceinline__ void wait_then_allow_dependents() {
   grid_dependency_wait();
   allow_dependents();
 }
+#define TRACE_SCOPE
+#define TRACE_MARK(i)
+#endif

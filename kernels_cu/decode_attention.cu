@@ -181,6 +181,7 @@ __device__ __forceinline__ void decode_attention_impl(
     const u16* __restrict__ k_new,
     const u16* __restrict__ v_new, i64 kv_stride, const float* __restrict__ cos_sin,
     const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping, int fresh) {
+  TRACE_SCOPE;
   typedef DecodeCfg<D> C;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
   extern __shared__ Vec16 smem_raw[];
@@ -326,6 +327,7 @@ __device__ __forceinline__ void decode_attention_impl(
     cp_async_commit();
     cp_async_wait<STAGES - 1>();
     __syncthreads();
+    if (it == 0) TRACE_MARK(0);  // the first tile (and q) landed
     const int stage = it % STAGES;
     // Fused RoPE (block-uniform): the q rows are rotated in place in the first tile's iteration, and the new
     // token's k row in the last tile's (then k and v go to the cache from shared memory).
@@ -425,6 +427,7 @@ __device__ __forceinline__ void decode_attention_impl(
     __syncthreads();
   }
   cp_async_wait<0>();
+  TRACE_MARK(1);  // every tile scored
 
   // Merge the 4 warps' partial softmax states through shared memory (reusing the K/V stages).
 #pragma unroll
@@ -493,9 +496,11 @@ __device__ __forceinline__ void decode_attention_impl(
       if (c == 0) part_lse[bh * num_splits + split] = M + log2f(L);
     }
   }
+  TRACE_MARK(2);  // the block's own result (merged over its warps) written
 #if __CUDA_ARCH__ >= 900
   if (cmerge) {  // the leader (split 0) merges the cluster's splits from their shared memory, in split order
     cluster_sync();
+    TRACE_MARK(3);
     if (split == 0) {
       for (int i = tid; i < rows * VPR; i += DA_THREADS) {
         const int r = i / VPR, c = i - r * VPR;

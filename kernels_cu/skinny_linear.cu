@@ -315,6 +315,7 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
 
 template <class T, int NT, int EP, int WARPS>
 __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
+  TRACE_SCOPE;
   constexpr int U = SK_GROUP;
   constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
   __shared__ float red[WARPS - 1][NT * 4][32];  // fragments of warps 1..WARPS-1
@@ -355,6 +356,7 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, warp, C);
   else
     skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, warp, C);
+  TRACE_MARK(0);  // warp 0's share of W consumed
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
@@ -384,6 +386,7 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     }
   }
   __syncthreads();
+  TRACE_MARK(1);  // every warp's fragments in shared memory
   if (warp != 0) return;
 
 #pragma unroll

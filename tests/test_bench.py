@@ -118,3 +118,28 @@ def test_queued_layout_benchmark_runs():
     assert rows[0]["layout"]["slots"] == [0, 3] and rows[1]["layout"]["slots"][0] >= 96
     assert rows[2]["layout"]["blocks"][0] > 2560 and rows[3]["layout"]["slots"][0] >= 96
     assert all(r["queued_ms"] > 0 and r["device_ms"] > 0 for r in rows)
+
+
+def test_trace_step_cuts_records_into_launches_and_steps():
+    """bench/trace_step.py's analysis on synthetic records: blocks of one launch are consecutive in the order their
+    waits returned; launches are cut by grid size (or a full grid), a step by the repeating launch pattern."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import numpy as np
+    import trace_step as ts
+
+    pattern = [(8, 256), (3, 128), (4, 512), (4, 512), (2, 32)]  # two launches of one size back to back: cut by count
+    recs, t = [], 0
+    for _ in range(5):
+        for grid, threads in pattern:
+            for b in range(grid):
+                recs.append((t + 100, t + 1000 + b, t + 1800 + b, 0, 0, 0, grid, threads, 0, b, (0, 0, 0, 0)))
+            t += 2000
+    rec = np.array(recs, dtype=ts.RECORD)
+    launches = ts.launches(rec)
+    assert [x["sig"] for x in launches[:5]] == pattern and len(launches) == 25
+    assert all(x["blocks"] == x["sig"][0] for x in launches)
+    assert launches[2]["release"] == 5000 and launches[2]["last_release"] == 5003 and launches[2]["end"] == 5803
+    assert ts.find_period(launches) == len(pattern)
+    steps = ts.steps_of(launches, len(pattern))
+    text = ts.describe(steps, {})
+    assert "median 10.0 us over 4 steps; 5 launches a step" in text  # 5 launches of 2 us each

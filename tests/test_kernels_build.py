@@ -126,3 +126,10 @@ def test_launch_attributes_for_clusters_and_programmatic_dependent_launch(monkey
     assert calls[4][:3] == ("ex", (8, 1, 1, 128, 0, 6), {"cluster": (2, 1, 1), "pdl": 1})
     assert calls[5] == ("plain", (3, 1, 1, 64, 1, 1, 0, 6))
     assert calls[6][:3] == ("ex", (8, 1, 1, 64, 0, 6), {"cluster": (2, 1, 1)}) and calls[6][3] != calls[4][3]
+
+
+def test_trace_hooks_compile_to_nothing_by_default():
+    """bench/trace_step.py's clock records exist only in builds with METRALE_TRACE (its own copy of the sources)."""
+    text = (build.KERNEL_DIR / "common.cuh").read_text()
+    assert "#ifdef METRALE_TRACE" in text and "#define METRALE_TRACE" not in text
+    assert "#define TRACE_SCOPE\n#define TRACE_MARK(i)\n#endif" in text

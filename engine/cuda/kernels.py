@@ -393,6 +393,7 @@ class KernelLibrary:
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
+        self.decode_max_splits = 128  # a cap on decode attention's key splits (bench/engine_bench.py --decode-splits)
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -489,7 +490,7 @@ class KernelLibrary:
         blocks = decode_blocks(batch, num_heads, num_kv_heads)
         max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
         one_wave = self.decode_blocks_per_sm[head_dim] * self.num_sms // blocks
-        splits = max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, 128))
+        splits = max(1, min(-(-2 * self.num_sms // blocks), one_wave, max_tiles, self.decode_max_splits))
         return splits if splits <= self.decode_cluster else splits // self.decode_cluster * self.decode_cluster
 
     def decode_fits_one_wave(self, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
