@@ -221,9 +221,10 @@ def main(argv=None) -> int:
     from engine.engine import Engine
 
     eb.use_kernels(TRACE_SOURCES, TRACE_BUILD)
-    model = write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch="llama", shape=args.shape, device="cuda")
-    engine = Engine(EngineConfig(model=str(model), device="cuda", max_slots=256, max_batch_size=256, max_seq_len=args.max_seq_len,
-                                 max_prefill_tokens=8192, kv_cache_memory=0.5))
+    model = write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch="llama", shape=args.shape,
+                             device="cuda")
+    engine = Engine(EngineConfig(model=str(model), device="cuda", max_slots=256, max_batch_size=256,
+                                 max_seq_len=args.max_seq_len, max_prefill_tokens=8192, kv_cache_memory=0.5))
     lib = engine.ops.lib
     eb.tune_kernels(lib, args)
     print(f"kernels: {lib.origin}", flush=True)

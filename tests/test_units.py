@@ -231,6 +231,8 @@ def test_decode_attention_grid_rules(cluster):
                 assert lib.decode_fits_one_wave(batch, heads, kv_heads, head_dim, max_len) == (
                     blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms)
     assert lib.decode_num_splits(1, 32, 8, 64, 2048) == 32  # 1B at batch 1: four clusters of eight
+    lib.decode_max_splits = 4  # the experiments' cap (engine_bench --decode-splits): one cluster of four
+    assert lib.decode_num_splits(1, 32, 8, 64, 2048) == 4 and lib.decode_cluster_size(4) == min(4, cluster)
     assert lib.decode_fits_one_wave(49, 32, 8, 64, 2048) and not lib.decode_fits_one_wave(50, 32, 8, 64, 2048)
 
 

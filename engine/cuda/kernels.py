@@ -351,6 +351,9 @@ def _raw_stream_fn():
 class KernelLibrary:
     """Every kernel of kernels_cu/, loaded for one device."""
 
+    # A cap on decode attention's key splits (an instance may lower it: bench/engine_bench.py --decode-splits).
+    decode_max_splits = 128
+
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
                  kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
                  pdl: bool = False):
@@ -393,7 +396,6 @@ class KernelLibrary:
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
-        self.decode_max_splits = 128  # a cap on decode attention's key splits (bench/engine_bench.py --decode-splits)
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
