@@ -24,7 +24,6 @@ import argparse
 import collections
 import json
 import pathlib
-import shutil
 import statistics
 import sys
 import tempfile
@@ -67,14 +66,12 @@ def attach(lib, capacity: int) -> torch.Tensor:
     buf = torch.zeros(HEADER + capacity * RECORD.itemsize, dtype=torch.uint8, device=lib.device)
     buf[4:8] = torch.tensor([capacity], dtype=torch.int32).view(torch.uint8).to(lib.device)
     addr = buf.data_ptr()
-    found = 0
     for name, mod in lib._modules.items():
-        err, dptr, size = driver.cuModuleGetGlobal(mod, b"metrale_trace")
+        err, dptr, _ = driver.cuModuleGetGlobal(mod, b"metrale_trace")
         if err != driver.CUresult.CUDA_SUCCESS:
             raise SystemExit(f"module {name} has no metrale_trace: not a traced build ({lib.origin[name]})")
         _check("cuMemsetD32", driver.cuMemsetD32(dptr, addr & 0xFFFFFFFF, 1))
         _check("cuMemsetD32", driver.cuMemsetD32(int(dptr) + 4, addr >> 32, 1))
-        found += 1
     torch.cuda.synchronize(lib.device)
     return buf
 
@@ -128,7 +125,8 @@ def find_period(ls: list[dict]) -> int:
     raise SystemExit(f"no repeating step found in {len(sigs)} launches")
 
 
-def describe(steps: list[list[dict]], names: dict) -> str:
+def describe(steps: list[list[dict]]) -> str:
+    """Launches are named by their (grid, block) size: the step's order tells which is which."""
     lines = []
     period = len(steps[0])
     per_pos = []
@@ -154,14 +152,14 @@ def describe(steps: list[list[dict]], names: dict) -> str:
     t0 = first[0]["release"]
     for pos, x in enumerate(first):
         span, tail, ahead = per_pos[pos]
-        lines.append(f"  {pos:>3} {names.get(x['sig'], str(x['sig'])):28} {x['blocks']:>7} "
+        lines.append(f"  {pos:>3} {str(x['sig']):28} {x['blocks']:>7} "
                      f"{(x['release'] - t0) / 1e3:>8.1f} {'' if span is None else f'{span / 1e3:7.2f}'} "
                      f"{'' if tail is None else f'{tail / 1e3:6.2f}'} {ahead / 1e3:6.2f}")
     lines.append("")
     lines.append("per kind of launch (medians over every launch of that kind, us; total = sum of spans a step):")
     kinds: dict = collections.defaultdict(lambda: {"span": [], "tail": [], "ahead": [], "n": 0})
     for pos, x in enumerate(first):
-        k = kinds[names.get(x["sig"], str(x["sig"]))]
+        k = kinds[str(x["sig"])]
         k["n"] += 1
         span, tail, ahead = per_pos[pos]
         if span is not None:
@@ -179,10 +177,8 @@ def describe(steps: list[list[dict]], names: dict) -> str:
     lines.append("")
     lines.append(f"inside a block, after its wait returned (medians of the per-launch medians, us at {ghz:.2f} GHz, "
                  "the clock64 rate against %globaltimer): marks 0..3 (kernels_cu: TRACE_MARK), then its exit")
-    seen = {}
-    for x in first:
-        seen.setdefault(names.get(x["sig"], str(x["sig"])), x["sig"])
-    for name, sig in seen.items():
+    for sig in dict.fromkeys(x["sig"] for x in first):
+        name = str(sig)
         xs = [x for st in steps for x in st if x["sig"] == sig]
         cols = []
         for m in range(4):
@@ -250,12 +246,10 @@ def main(argv=None) -> int:
               f"{int(g[g > 0].min()) if len(g) else 0} ns", flush=True)
         ls = launches(rec)
         period = find_period(ls[len(ls) // 4:])
-        start = next(i for i in range(len(ls)) if ls[i:i + period] and
-                     [x["sig"] for x in ls[i:i + period]] == [x["sig"] for x in ls[len(ls) // 4:len(ls) // 4 + period]])
-        steps = steps_of(ls[start:], period)[1:]  # the first step may have started before the counter was reset
-        names = {}
-        print(describe(steps, names), flush=True)
-        out[f"b{batch}"] = [[{k: v for k, v in x.items()} for x in st] for st in steps]
+        # steps cut in phase with the reference window; the first may have started before the counter was reset
+        steps = steps_of(ls[(len(ls) // 4) % period:], period)[1:]
+        print(describe(steps), flush=True)
+        out[f"b{batch}"] = steps
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(out))
     return 0

@@ -322,17 +322,22 @@ __device__ __forceinline__ int& trace_slot() {
   __shared__ int slot;
   return slot;
 }
+// This block's record, for thread 0 of a block whose wait made one (null otherwise).
+__device__ __forceinline__ TraceRecord* trace_record() {
+  TraceBuffer* buf = metrale_trace;
+  if (!trace_thread0() || !buf) return nullptr;
+  const int slot = trace_slot();
+  return slot >= 0 && slot < (int)buf->capacity ? &buf->rec[slot] : nullptr;
+}
 struct TraceScope {  // thread 0's exit time into this block's record (if it waited)
   __device__ __forceinline__ TraceScope() {
     if (trace_thread0()) trace_slot() = -1;
   }
   __device__ __forceinline__ ~TraceScope() {
-    TraceBuffer* buf = metrale_trace;
-    if (!trace_thread0() || !buf) return;
-    const int slot = trace_slot();
-    if (slot < 0 || slot >= (int)buf->capacity) return;
-    buf->rec[slot].g_end = trace_gtime();
-    buf->rec[slot].c_end = clock64();
+    if (TraceRecord* r = trace_record()) {
+      r->g_end = trace_gtime();
+      r->c_end = clock64();
+    }
   }
 };
 __device__ __forceinline__ void wait_then_allow_dependents() {
@@ -357,10 +362,7 @@ __device__ __forceinline__ void wait_then_allow_dependents() {
   allow_dependents();
 }
 __device__ __forceinline__ void trace_mark(int i) {
-  TraceBuffer* buf = metrale_trace;
-  if (!trace_thread0() || !buf) return;
-  const int slot = trace_slot();
-  if (slot >= 0 && slot < (int)buf->capacity) buf->rec[slot].c_mark[i] = clock64();
+  if (TraceRecord* r = trace_record()) r->c_mark[i] = clock64();
 }
 #define TRACE_SCOPE TraceScope trace_scope_
 #define TRACE_MARK(i) trace_mark(i)

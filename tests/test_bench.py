@@ -141,5 +141,5 @@ def test_trace_step_cuts_records_into_launches_and_steps():
     assert launches[2]["release"] == 5000 and launches[2]["last_release"] == 5003 and launches[2]["end"] == 5803
     assert ts.find_period(launches) == len(pattern)
     steps = ts.steps_of(launches, len(pattern))
-    text = ts.describe(steps, {})
+    text = ts.describe(steps)
     assert "median 10.0 us over 4 steps; 5 launches a step" in text  # 5 launches of 2 us each
