@@ -297,10 +297,7 @@ def hf_decode_compiled(model, device, batch: int, steps: int, prompt_len: int = 
 # --------------------------------------------------------------------------------------------------
 
 def tune_kernels(lib, args) -> None:
-    """The experiment flags (--skinny-wide-tiles, --skinny-ring, --decode-splits, --decode-cluster) applied to a
-    KernelLibrary."""
-    if getattr(args, "skinny_ring", None) is not None:
-        lib.use_skinny_ring(lib.skinny_ring and bool(args.skinny_ring))
+    """The experiment flags (--skinny-wide-tiles, --decode-splits, --decode-cluster) applied to a KernelLibrary."""
     if getattr(args, "skinny_wide_tiles", None) is not None:
         lib.skinny_wide_tiles = args.skinny_wide_tiles
     if getattr(args, "decode_splits", None) is not None:
@@ -352,9 +349,6 @@ def main(argv=None) -> int:
                    help="(GPU, A/B of kernel variants) load the kernels of this source dir from this build dir "
                         "(e.g. a copy of kernels_cu/ with one file changed; fatbins not current there are "
                         "compiled with NVRTC)")
-    p.add_argument("--skinny-ring", type=int, choices=(0, 1), default=None,
-                   help="(GPU, experiments) 0: launches of <= 8 tokens take the register skinny path, not the ring "
-                        "entries (sm_90 default)")
     p.add_argument("--decode-splits", type=int, default=None,
                    help="(GPU, experiments) at most this many key splits in decode attention")
     p.add_argument("--decode-cluster", type=int, default=None,
@@ -409,7 +403,6 @@ def main(argv=None) -> int:
                            weight_bytes=weight_bytes(engine.weights),
                            pdl=bool(getattr(lib, "pdl", False)),
                            skinny_wide_tiles=getattr(lib, "skinny_wide_tiles", None),
-                           skinny_ring=getattr(lib, "skinny_ring", None),
                            decode_max_splits=getattr(lib, "decode_max_splits", None),
                            decode_cluster=getattr(lib, "decode_cluster", None))
     floor_ms = (1e3 * results["meta"]["weight_bytes"] / (bw * 1e12)) if isinstance(bw, float) else None

@@ -40,7 +40,6 @@ for what in "$@"; do
   case "$what" in
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
     kernels) stage gpu-kernel-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -p no:cacheprovider ;;
-    kring)   stage gpu-skinny-ring-tests 200 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider --confcutdir=tests/gpu -n 4 -k ring ;;
     kskinny) stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py -m gpu -q -x -p no:cacheprovider ;;
     kverify) stage gpu-kernel-verify-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "verify or decode_prepare or decode_commit or decode_step" ;;
     ksampling) stage gpu-kernel-sampling-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "sample or spec_accept or embedding or decode_prepare or decode_commit or verify" ;;
@@ -142,14 +141,6 @@ for what in "$@"; do
     absplitcap) for rep in $(seq 1 ${REPS:-2}); do for cap in default 4 1; do
           stage engine-bench-1b-splits$cap-rep$rep 120 python3 bench/engine_bench.py --shape 1b --no-hf --batches 1 $( [ $cap != default ] && echo --decode-splits $cap ) --out "$OUT"
         done; done ;;
-    # A/B of the skinny ring entries (sm_90, <= 8 tokens) against the register path: 1B at the batches in
-    # AB_BATCHES (default 1 8), REPS (3) pairs alternating, then (RING8B=1, default) 8B batch 1 once each
-    abring) for rep in $(seq 1 ${REPS:-3}); do for r in 0 1; do
-          stage engine-bench-1b-ring$r-rep$rep 120 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --skinny-ring $r --out "$OUT"
-        done; done
-        [ "${RING8B:-1}" = 1 ] && for r in 0 1; do
-          stage engine-bench-8b-ring$r 200 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --skinny-ring $r --out "$OUT"
-        done ;;
     knorm)   stage gpu-kernel-norm-tests 120 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -x -p no:cacheprovider -k "norm or fused or rms" ;;
     profile) stage profile-1b 240 python3 bench/profile_step.py --shape 1b ;;
     profile8b) stage profile-8b 300 python3 bench/profile_step.py --shape 8b ;;

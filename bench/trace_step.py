@@ -205,7 +205,6 @@ def main(argv=None) -> int:
                    help="the engine's context limit (it sizes decode attention's split grid; engine_bench: 2576)")
     p.add_argument("--decode-splits", type=int, default=None, help="as engine_bench's")
     p.add_argument("--decode-cluster", type=int, default=None, help="as engine_bench's")
-    p.add_argument("--skinny-ring", type=int, choices=(0, 1), default=None, help="as engine_bench's")
     p.add_argument("--build-only", action="store_true", help="build kernels_cu/build-trace and stop (no GPU needed)")
     p.add_argument("--json", help="also write the launches of every traced run to this file")
     args = p.parse_args(argv)

@@ -406,273 +406,38 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Ring entries (sm_90; skinny_<ep>_<dt>_m8_ring, 1 <= M <= 8): the same tiles, fragments, reduction and
-// epilogues, with W streamed into a ring of shared-memory stages by the bulk-copy engine (cp.async.bulk,
-// completion counted on an mbarrier) instead of loaded into registers. bench/stream_probe.py on the H200:
-// such a ring (96 KB, 1-2 KB copies, one block per SM) reads 3.8-4.4 TB/s; plain 16-byte register loads
-// 4.1-4.2.
-// Block = RING_CONSUMERS consumer warps + 1 producer warp; grid = G <= SMs blocks, block b takes the tiles
-// [b T / G, (b + 1) T / G) (T = N / 16) one after another. A unit = one tile's 16 W rows x RING_KC columns
-// (one 1 KB bulk copy per row). The producer issues the first stages' W and norm_w (read-only) before
-// griddepcontrol.wait, so they stream while the kernel before still runs, then x once for the whole block
-// (every block reads all of x: copied per stage, those copies landed one ~1.1 us L2 round trip apart), then
-// refills each stage as the consumers free it. Consumer warp w takes the 32-column chunks w, w + 4, ... of
-// each unit, all operands from shared memory, two accumulator chains; a tile's warps are summed in warp
-// order through shared memory (double-buffered by tile parity) and warp 0 runs the tile's epilogue while
-// the others start the next tile.
-// Resources: RING_SMEM (102 KB) of dynamic shared memory and 160 threads (<= 204 registers), so one SM
-// holds a block of this launch and one of the next (its producer already filling its ring). Row r's
-// fragment loads of lanes g and g + 1 share banks (rows 1 KB apart): 2-way conflicts, within the shared
-// memory bandwidth a stage needs.
-#define RING_KC 512
-#define RING_STAGE_ELEMS (16 * RING_KC)  // a stage: 16 W rows of RING_KC elements (16 KB)
-#define RING_MIN_STAGES 4
-#define RING_MAX_STAGES 8
-#define RING_SMEM (102 * 1024)
-#define RING_CONSUMERS 4
-#define RING_THREADS (32 * (RING_CONSUMERS + 1))
-// x (M rows of K) and norm_w (NORM) sit before the stages, rounded up to 128 bytes; the stages take the rest
-// of RING_SMEM. engine/cuda/kernels.py's ring_stages() is the same rule: the ring entries are launched only
-// where it gives at least RING_MIN_STAGES.
-__device__ __forceinline__ int ring_x_elems(int M, int K, bool norm) { return ((M + (norm ? 1 : 0)) * K + 63) / 64 * 64; }
-__device__ __forceinline__ int ring_stages(int M, int K, bool norm) {
-  return min(RING_MAX_STAGES, (RING_SMEM - 2 * ring_x_elems(M, K, norm)) / (2 * RING_STAGE_ELEMS));
-}
-
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_addr(bar))
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "RING_WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra RING_WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-// bytes from global src to shared dst (both 16-byte aligned, bytes % 16 == 0), counted on bar; with an L2
-// cache policy, or without.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* bar, u64 policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;\n" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-__device__ __forceinline__ Vec16 lds16(const u16* p) {
-  Vec16 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
-               : "r"(smem_addr(p)));
-  return v;
-}
-
-template <class T, int EP>
-__device__ __forceinline__ void skinny_ring_impl(const SkinnyArgs& a) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  TRACE_SCOPE;
-  extern __shared__ __align__(128) u16 ring[];  // [x: M rows of K | norm_w: K] then the stages [16][RING_KC]
-  __shared__ __align__(8) u64 full[RING_MAX_STAGES], empty[RING_MAX_STAGES], xbar;
-  __shared__ float red[2][RING_CONSUMERS - 1][4][32];
-  __shared__ float sq_red[2][RING_CONSUMERS][8];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int M = a.M, K = a.K, half = a.half;
-  const bool norm = a.norm_w != nullptr;
-  const int tiles = a.N / 16;
-  const int first = (int)((i64)blockIdx.x * tiles / gridDim.x);
-  const int last = (int)((i64)(blockIdx.x + 1) * tiles / gridDim.x);
-  const int slices = (K + RING_KC - 1) / RING_KC;
-  const int units = (last - first) * slices;
-  const int x_elems = ring_x_elems(M, K, norm);
-  const int stages = ring_stages(M, K, norm);
-  u16* xs = ring;                 // token m's x at xs + m K, norm_w at xs + M K
-  u16* stage0 = ring + x_elems;   // stage s at stage0 + s RING_STAGE_ELEMS
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], RING_CONSUMERS);
-    }
-    mbar_init(&xbar, 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();
-
-  if (warp == RING_CONSUMERS) {  // the producer
-    u64 policy;                  // W is read once: first out of L2
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-    auto weights = [&](int u) {
-      const int s = u % stages;
-      const int tile = first + u / slices, k0 = (u % slices) * RING_KC, len = min(RING_KC, K - k0);
-      if (lane == 0) mbar_arrive_expect_tx(&full[s], 16u * len * 2u);
-      __syncwarp();
-      if (lane < 16) {
-        const int p = tile * 8 + (lane & 7);
-        const int r = (p / half) * 2 * half + p % half + (lane >= 8 ? half : 0);
-        bulk_load(stage0 + s * RING_STAGE_ELEMS + lane * RING_KC, a.w + (i64)r * K + k0, len * 2u, &full[s],
-                  policy);
-      }
-    };
-    // x (and norm_w) once for the whole block: every block reads them, so one copy each, all in flight at once
-    // (per-stage copies of them landed one L2 round trip apart, ~1.1 us, on the H200).
-    if (lane == 0) mbar_arrive_expect_tx(&xbar, (u32)(M + (norm ? 1 : 0)) * K * 2u);
-    __syncwarp();
-    if (lane == 0 && norm) bulk_load(xs + (i64)M * K, a.norm_w, K * 2u, &xbar);
-    int u = 0;
-    for (; u < units && u < stages; ++u) weights(u);
-    wait_then_allow_dependents();
-    if (lane < M) bulk_load(xs + (i64)lane * K, a.x + (i64)lane * K, K * 2u, &xbar);
-    for (; u < units; ++u) {
-      mbar_wait(&empty[u % stages], ((u / stages) & 1) ^ 1);
-      weights(u);
-    }
-    return;
-  }
-
-  wait_then_allow_dependents();
-  const int g = lane >> 2, t = lane & 3;
-  const bool xv = g < M;
-  const u16* xrow = xs + (i64)g * K + 8 * t;
-  const u16* nrow = xs + (i64)M * K + 8 * t;
-  mbar_wait(&xbar, 0);
-  int u = 0;
-  for (int tile = first; tile < last; ++tile) {
-    float chains[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    float ss = 0.f;
-    for (int sl = 0; sl < slices; ++sl, ++u) {
-      const int s = u % stages, k0 = sl * RING_KC;
-      const int C = min(RING_KC, K - k0) / SK_CHUNK;
-      const u16* st = stage0 + s * RING_STAGE_ELEMS + 8 * t;
-      constexpr int U = RING_KC / SK_CHUNK / RING_CONSUMERS;
-      Vec16 wa[U], wb[U], xb[U], nw[U];
-#pragma unroll
-      for (int i = 0; i < U; ++i) {  // x and norm_w first: they are already in shared memory
-        const int c = warp + RING_CONSUMERS * i;
-        xb[i] = c < C && xv ? lds16(xrow + k0 + c * SK_CHUNK) : zero16();
-        nw[i] = c < C && norm ? lds16(nrow + k0 + c * SK_CHUNK) : zero16();
-      }
-      mbar_wait(&full[s], (u / stages) & 1);
-      if (u < 3) TRACE_MARK(u);  // the first three units landed (warp 0)
-#pragma unroll
-      for (int i = 0; i < U; ++i) {
-        const int c = warp + RING_CONSUMERS * i;
-        if (c < C) {
-          wa[i] = lds16(st + g * RING_KC + c * SK_CHUNK);
-          wb[i] = lds16(st + (g + 8) * RING_KC + c * SK_CHUNK);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < U; ++i) {
-        const int c = warp + RING_CONSUMERS * i;
-        if (c >= C) continue;
-        if (norm) {  // tokens >= M: x = 0, so the operand and the sum stay 0
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            ss = add_squares<T>(ss, xb[i].w[e]);
-            xb[i].w[e] = Mul2<T>::run(xb[i].w[e], nw[i].w[e]);
-          }
-        }
-        const u32 a_lo[4] = {wa[i].w[0], wb[i].w[0], wa[i].w[1], wb[i].w[1]};
-        const u32 a_hi[4] = {wa[i].w[2], wb[i].w[2], wa[i].w[3], wb[i].w[3]};
-        Mma<T>::run(chains[i & 1], a_lo, xb[i].w[0], xb[i].w[1]);
-        Mma<T>::run(chains[i & 1], a_hi, xb[i].w[2], xb[i].w[3]);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[s]);  // this warp's reads of the stage are done
-    }
-    const int b = (tile - first) & 1;
-    float acc[1][4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[0][e] = chains[0][e] + chains[1][e];
-    if (warp > 0) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) red[b][warp - 1][e][lane] = acc[0][e];
-    }
-    if (norm) {
-      float v = ss;
-      v += __shfl_xor_sync(FULL_MASK, v, 1);
-      v += __shfl_xor_sync(FULL_MASK, v, 2);
-      if (t == 0) sq_red[b][warp][g] = v;
-    }
-    asm volatile("bar.sync 1, %0;\n" ::"n"(RING_CONSUMERS * 32) : "memory");
-    if (tile == first) TRACE_MARK(3);  // the first tile's warps summed
-    if (warp != 0) continue;
-#pragma unroll
-    for (int w = 0; w < RING_CONSUMERS - 1; ++w) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[0][e] += red[b][w][e][lane];
-    }
-    const int p = tile * 8 + g;
-    const int r0 = (p / half) * 2 * half + p % half;
-    skinny_epilogue<T, 1, EP>(a, acc, p, r0, r0 + half, t, norm, [&](int m) {
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < RING_CONSUMERS; ++w) sum += sq_red[b][w][m];
-      return rsqrtf(sum / (float)K + a.eps);
-    });
-  }
-#endif
-}
-
-// ---------------------------------------------------------------------------------------------
 // Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
 // per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs).
 
-// The two main paths, as types the entry macro can name.
-template <class T, int NT, int WARPS>
-struct RegisterPath {
-  template <int EP>
-  static __device__ __forceinline__ void run(const SkinnyArgs& a) { skinny_impl<T, NT, EP, WARPS>(a); }
-};
-template <class T>
-struct RingPath {
-  template <int EP>
-  static __device__ __forceinline__ void run(const SkinnyArgs& a) { skinny_ring_impl<T, EP>(a); }
-};
-
-#define SKINNY_ENTRY_SET(TAIL, THREADS, MINB, ...)                                                       \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) skinny_store_##TAIL(                 \
+#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, WARPS, MINB, WSFX)                                                       \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(                 \
       u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    __VA_ARGS__::template run<EP_STORE>(a);                                                                         \
+    skinny_impl<T, NT, EP_STORE, WARPS>(a);                                                                         \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) skinny_f32_##TAIL(                   \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                   \
       float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    __VA_ARGS__::template run<EP_F32>(a);                                                                           \
+    skinny_impl<T, NT, EP_F32, WARPS>(a);                                                                           \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) skinny_silu_##TAIL(                  \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                  \
       u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
     SkinnyArgs a = {};                                                                                              \
     a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
-    __VA_ARGS__::template run<EP_SILU>(a);                                                                          \
+    skinny_impl<T, NT, EP_SILU, WARPS>(a);                                                                          \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) skinny_residual_##TAIL(              \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(              \
       u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
     SkinnyArgs a = {};                                                                                              \
     a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
-    __VA_ARGS__::template run<EP_RESIDUAL>(a);                                                                      \
+    skinny_impl<T, NT, EP_RESIDUAL, WARPS>(a);                                                                      \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(THREADS, MINB) skinny_rope_kv_##TAIL(               \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(               \
       u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
       const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
       int K, float eps) {                                                                                           \
@@ -681,11 +446,11 @@ struct RingPath {
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
-    __VA_ARGS__::template run<EP_ROPE_KV>(a);                                                                       \
+    skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
   }
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)                                  \
-  SKINNY_ENTRY_SET(SUFFIX##_m##MB, 256, 2, RegisterPath<T, NT, 8>)         \
-  SKINNY_ENTRY_SET(SUFFIX##_m##MB##_w16, 512, 1, RegisterPath<T, NT, 16>)
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)             \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, )         \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)
 SKINNY_ENTRIES(bf16, Bf16, 16, 2)
@@ -693,5 +458,3 @@ SKINNY_ENTRIES(bf16, Bf16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, 32, 4)
-SKINNY_ENTRY_SET(bf16_m8_ring, RING_THREADS, 2, RingPath<Bf16>)
-SKINNY_ENTRY_SET(fp16_m8_ring, RING_THREADS, 2, RingPath<Fp16>)

@@ -58,20 +58,6 @@ SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-til
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
 SKINNY_K_ALIGN = 32  # K elements per warp step
-# The ring entries (skinny_<ep>_<dt>_m8_ring, sm_90, M <= 8): W, norm_w and x through shared-memory stages filled
-# by bulk copies; 4 consumer warps and a producer warp, RING_SMEM bytes of stages (skinny_linear.cu).
-SKINNY_RING_THREADS = 160
-SKINNY_RING_SMEM = 102 * 1024
-SKINNY_RING_MAX_M = 8
-SKINNY_RING_STAGE_BYTES = 16 * 512 * 2
-SKINNY_RING_MIN_STAGES, SKINNY_RING_MAX_STAGES = 4, 8
-
-
-def skinny_ring_stages(M: int, K: int, norm: bool) -> int:
-    """Stages of a ring launch (kernels_cu/skinny_linear.cu ring_stages): x (M rows of K) and norm_w first,
-    rounded up to 128 bytes, the 16 KB stages in the rest of SKINNY_RING_SMEM."""
-    x_bytes = -(-(M + int(norm)) * K // 64) * 64 * 2
-    return min(SKINNY_RING_MAX_STAGES, (SKINNY_RING_SMEM - x_bytes) // SKINNY_RING_STAGE_BYTES)
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
     "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
@@ -94,9 +80,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
-                     + [KernelSpec(f"skinny_{ep}_{dt}_m8_ring", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                        for dt in ("bf16", "fp16")],
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
@@ -369,9 +353,6 @@ class KernelLibrary:
 
     # A cap on decode attention's key splits (an instance may lower it: bench/engine_bench.py --decode-splits).
     decode_max_splits = 128
-    # Skinny launches of at most SKINNY_RING_MAX_M tokens take the ring entries on sm_90 (False: the register
-    # path everywhere; bench/engine_bench.py --skinny-ring 0 and the kernel tests set it per instance).
-    skinny_ring = False
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
                  kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
@@ -444,13 +425,6 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                            driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
-        for ep in SKINNY_EPILOGUE_ARGS:
-            for dt in DTYPE_SUFFIX.values():
-                name = f"skinny_{ep}_{dt}_m8_ring"
-                if SKINNY_RING_SMEM <= self.max_smem_optin:
-                    _check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={SKINNY_RING_SMEM})",
-                           driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, SKINNY_RING_SMEM))
-        self.use_skinny_ring(self.skinny_ring)
         # sample_topk_merge holds a row's candidates in shared memory (ceil(V / TOPK_CHUNK) * (8 k + 4) bytes;
         # its static shared memory, 256 bytes, comes on top)
         self.topk_smem_limit = self.max_smem_optin - 1024
@@ -490,22 +464,6 @@ class KernelLibrary:
         self._modules[module] = mod
         self.origin[module] = "nvrtc-cache" if cached else "nvrtc"
         return mod
-
-    def use_skinny_ring(self, on: bool) -> None:
-        """Skinny launches of <= SKINNY_RING_MAX_M tokens take the ring entries (on; sm_90 only) or the register
-        path. On, the ring entries and decode attention also prefer the largest shared-memory carveout: an SM
-        keeps the carveout it was configured with while any block runs on it, so a ring block (102 KB) of the
-        next launch can become resident beside attention's blocks only on an SM already configured for the most
-        shared memory. (The register path keeps the default: it reads x through L1, and with the largest
-        carveout the 1B lm_head took 164 us instead of 121.)"""
-        self.skinny_ring = bool(on) and self.compute_capability >= (9, 0)
-        driver = _driver()
-        carveout = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-        value = 100 if self.skinny_ring else -1
-        for name, kernel in self.kernels.items():
-            if name.endswith("_ring") or name.startswith("decode_attention_"):
-                _check(f"cuFuncSetAttribute({name}, PREFERRED_SHARED_MEMORY_CARVEOUT={value})",
-                       driver.cuFuncSetAttribute(kernel.func, carveout, value))
 
     def close(self) -> None:
         """Unloads the modules (after the device has finished every launch)."""
@@ -868,19 +826,10 @@ class KernelLibrary:
         _shape(bias, f"{what} bias", (N,))
         return ptr
 
-    def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, K: int, norm: bool, *args) -> None:
-        """The ring entries (skinny_ring on, M <= 8, x and norm_w leaving room for at least 4 stages): G <= SMs
-        blocks of whole tiles, G = ceil(T / waves) for waves = ceil(T / SMs), so the blocks' tile counts differ by
-        at most one. Else one block per 16-row tile; a grid of at most skinny_wide_tiles tiles (default: one
-        per SM) gets 16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would
-        give it."""
+    def _skinny_launch(self, ep: str, sfx: str, M: int, N: int, *args) -> None:
+        """One block per 16-row tile. A grid of at most skinny_wide_tiles tiles (default: one per SM) gets
+        16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
         tiles = N // SKINNY_TILE
-        if (self.skinny_ring and M <= SKINNY_RING_MAX_M
-                and skinny_ring_stages(M, K, norm) >= SKINNY_RING_MIN_STAGES):
-            waves = -(-tiles // self.num_sms)
-            self.kernels[f"skinny_{ep}_{sfx}_m8_ring"](
-                (-(-tiles // waves), 1, 1), (SKINNY_RING_THREADS, 1, 1), SKINNY_RING_SMEM, self.stream(), *args)
-            return
         wide = tiles <= self.skinny_wide_tiles
         self.kernels[f"skinny_{ep}_{sfx}_m{skinny_m_bucket(M)}{'_w16' if wide else ''}"](
             (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, self.stream(), *args)
@@ -896,7 +845,7 @@ class KernelLibrary:
         bp = self._skinny_bias(bias, "skinny_store", x.dtype, N)
         if M == 0:
             return
-        self._skinny_launch(ep, sfx, M, N, K, bool(nw), o, xp, wp, bp, nw, M, N, K, float(eps))
+        self._skinny_launch(ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
 
     def skinny_silu(self, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                     norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
@@ -907,7 +856,7 @@ class KernelLibrary:
         o = self._skinny_output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
         if M == 0:
             return
-        self._skinny_launch("silu", sfx, M, N, K, bool(nw), o, xp, wp, nw, M, I, K, float(eps))
+        self._skinny_launch("silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
 
     def skinny_residual(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
         """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
@@ -916,7 +865,7 @@ class KernelLibrary:
         rp = self._skinny_output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
         if M == 0:
             return
-        self._skinny_launch("residual", sfx, M, N, K, False, rp, xp, wp, M, N, K)
+        self._skinny_launch("residual", sfx, M, N, rp, xp, wp, M, N, K)
 
     def skinny_rope_kv(self, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
@@ -939,8 +888,7 @@ class KernelLibrary:
                                                  x.dtype)
         if M == 0:
             return
-        self._skinny_launch("rope_kv", sfx, M, N, K, bool(nw), qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K,
-                            float(eps))
+        self._skinny_launch("rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
 
     # Sampling: four kernels, always launched together (see kernels_cu/sampling.cu).
     def _sampling_rows(self, logits, seen, temperature, top_k, top_p, seed, penalty, position):

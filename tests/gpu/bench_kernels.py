@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.cuda.kernels import SKINNY_RING_MAX_M, KernelLibrary
+from engine.cuda.kernels import KernelLibrary
 from engine.cuda.ops import CudaOps
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
@@ -117,27 +117,20 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
     cases[f"skinny_{ep}"] = fused
-    ring = lib.skinny_ring and M <= SKINNY_RING_MAX_M  # the ring entries: also time the register path
-    if ring:
-        cases[f"skinny_{ep} registers"] = forced(lib, fused, skinny_ring=False)
-    wide = N // 16 <= lib.skinny_wide_tiles  # the register path's width the wrapper picks; also the other one
-    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced(lib, fused, skinny_ring=False,
-                                                            skinny_wide_tiles=0 if wide else 1 << 30)
+    wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
+    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
     return cases
 
 
-def forced(lib, fn, **attrs):
-    """fn, launching its skinny kernels with these library attributes (skinny_wide_tiles 0: always 8-warp
-    blocks, huge: always 16; skinny_ring False: the register path)."""
+def forced_width(lib, fn, wide_tiles: int):
+    """fn, launching its skinny kernels with lib.skinny_wide_tiles = wide_tiles (0: always 8-warp blocks,
+    huge: always 16)."""
     def run():
-        shipped = {k: getattr(lib, k) for k in attrs}
-        for k, v in attrs.items():
-            setattr(lib, k, v)
+        shipped, lib.skinny_wide_tiles = lib.skinny_wide_tiles, wide_tiles
         try:
             fn()
         finally:
-            for k, v in shipped.items():
-                setattr(lib, k, v)
+            lib.skinny_wide_tiles = shipped
     return run
 
 

@@ -1,6 +1,6 @@
 """The skinny linear kernels (kernels_cu/skinny_linear.cu) against torch, on fresh random inputs at the
 shapes of real models (Llama-3.2-1B, Llama-3.1-8B) and small ones, for every token count bucket and
-both block widths (8 and 16 warps) of the register path and the ring entries (sm_90).
+both block widths (8 and 16 warps).
 
 Oracle: F.linear in fp32 on the same bf16 / fp16 inputs (the NORM prologue's input through
 TorchOps().rms_norm in the activation dtype, as the model computes it; the kernel applies the norm's
@@ -30,19 +30,14 @@ EPS = 1e-5
 TORCH = TorchOps()
 
 
-@pytest.fixture(autouse=True, params=["8warps", "16warps", "ring"])
+@pytest.fixture(autouse=True, params=[8, 16], ids=["8warps", "16warps"])
 def block_width(request, lib):
-    """Every test runs on each path of the launches of at most 8 tokens: register blocks of 8 and of 16 warps
-    (the wrapper picks 16 for grids of at most lib.skinny_wide_tiles tiles; here forced one way or the
-    other), and the ring entries (sm_90, the wrapper's default there; launches of more tokens keep the
-    8-warp register path under this parameter)."""
-    if request.param == "ring" and lib.compute_capability < (9, 0):
-        pytest.skip("the ring entries are sm_90 code")
-    wide, ring = lib.skinny_wide_tiles, lib.skinny_ring
-    lib.skinny_ring = request.param == "ring"
-    lib.skinny_wide_tiles = 1 << 30 if request.param == "16warps" else 0
+    """Every test runs with 8-warp and with 16-warp blocks (the wrapper picks 16 for grids of at most
+    lib.skinny_wide_tiles tiles; here forced one way or the other)."""
+    wide = lib.skinny_wide_tiles
+    lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
     yield request.param
-    lib.skinny_wide_tiles, lib.skinny_ring = wide, ring
+    lib.skinny_wide_tiles = wide
 
 
 def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = TOL) -> float:
