@@ -71,7 +71,7 @@ class Engine:
         self.state = SlotState(config.max_slots, self.max_blocks_per_seq, mc.vocab_size, self.device)
         self.ops, self.streams, self.graphs = self._backend()
         self.model = LlamaModel(mc, self.weights, self.kv, self.ops, self.max_seq_len + 1)
-        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, self.device,
+        self.outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, config.max_slots, self.device,
                                    config.max_steps_in_flight)
         self._slot_staging = SlotStaging(config.max_batch_size, self.device, config.max_steps_in_flight)
         self._prefill_staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
@@ -418,6 +418,7 @@ class Engine:
         The step runs on the slots in ascending order (the graph key); results go back in request order."""
         seqs = step.seqs
         step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % self.config.max_steps_in_flight
+        step.entries = self.outputs.entries(step.plan.slots, [s.num_cached for s in step.batch])
         # A replayed step is driver calls on the compute stream; whatever runs torch ops (the token
         # override, an eager or captured step, top-logprob copies) switches torch's stream itself.
         with self._on_device(timer=1 + step.ring, torch_stream=False) as timer:
@@ -429,7 +430,7 @@ class Engine:
                     self.state.last_token[torch.tensor([s.slot for s in seqs], device=self.device)] = \
                         torch.tensor(step.input_token_ids, device=self.device)
             self._run_decode(step.plan, step.ring)
-            self.outputs.copy_to_host(len(step.batch), step.plan.num_top, step.ring, self.streams)
+            self.outputs.copy_top_to_host(len(step.batch), step.plan.num_top, step.ring, self.streams)
         step.timer = timer
         if self.streams is not None:  # a mark of this launch, for a thread that waits on it
             step.done_event = self.streams.mark()
@@ -447,7 +448,7 @@ class Engine:
             return
         self._in_flight.popleft()
         plan = step.plan
-        results = self._commit(plan.batch, *self.outputs.host_values(len(plan.batch), plan.num_top, step.ring))
+        results = self._commit(plan.batch, *self.outputs.step_values(step.entries, plan.num_top, step.ring))
         if not plan.in_slot_order:
             by_request = [None] * len(results)
             for pos, i in enumerate(plan.order):
@@ -815,8 +816,7 @@ class Engine:
         if self.graphs is not None:
             self.graphs.clear()
         if self.streams is not None:
-            self.outputs.hosts.clear()  # pinned buffers the compute stream copied into go before the stream
-            self.outputs.hosts_np.clear()
+            self.outputs.drop_top_hosts()  # pinned buffers torch copied into on the stream go before the stream
             self.verify_outputs.host.clear()
             self.verify_outputs.host_np.clear()
             self._slot_staging = self._prefill_staging = None
@@ -832,7 +832,8 @@ class PendingStep:
         self.seqs = plan.seqs  # in request order
         self.batch = plan.batch  # in slot order (the device's)
         self.input_token_ids = input_token_ids
-        self.ring = 0  # its pinned buffers and timer
+        self.ring = 0  # its timer and pinned buffers of top-logprob candidates
+        self.entries: list[int] = []  # where its tokens are read (StepOutputs.entries)
         self.timer = None  # its device time (Timing, or _HostTimer on CPU)
         # A DeviceMark recorded by each launch once its results are in pinned memory, new for each launch
         # (its event is recorded again only 64 marks later, long after this launch has finished; the timer's

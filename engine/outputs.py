@@ -1,7 +1,7 @@
-"""The static device buffers decode and Verify steps write their results to (outside any CUDA-graph
-pool, so a replayed graph writes where the host reads), the slot-vector staging of the batch-width
-fallback graphs, and the pinned host mirrors all of them go through. One set of pinned buffers per
-step in flight (`ring`): a step copies its results out while the host still reads the previous one's."""
+"""Where steps write their results for the host to read: a decode step's tokens per slot and position in
+pinned memory, static device buffers (outside any CUDA-graph pool, so a replayed graph writes where the
+host reads) for the rest, the slot-vector staging of the batch-width fallback graphs, and the pinned host
+mirrors they go through."""
 from __future__ import annotations
 
 import contextlib
@@ -12,66 +12,106 @@ from engine.sampling import SampleOutput
 
 
 class StepOutputs:
-    """Static device buffers a decode step writes its results to (outside any graph pool), and sets of
-    pinned host buffers they are read back through: one set per step in flight (`ring`), since a step
-    copies its results out while the host still reads the previous step's.
+    """Where a step's results go for the host to read.
 
-    The tokens (int64) and their logprobs (float32) share one allocation, tokens first, on the device
-    and in each pinned set: a step's results come back in one copy of its first 8 * max_batch + 4 * n
-    bytes (one driver call on a GPU)."""
+    A decode step's tokens and logprobs are kept per slot and position: slot_tokens / slot_logprobs
+    [max_slots, R] at [slot, p % R], p the slot's num_cached before the step and R = `rings`, the steps that
+    may be in flight. On a GPU both are pinned host memory that the commit kernel writes through unified
+    addressing, so nothing is copied on the compute stream between one step and the next, and the host
+    reads a step's results as soon as its event has completed. An entry is written again only by the step
+    that commits position p + R of the same slot: one launched at least R steps later, when fewer than R
+    steps are in flight, so after the step that wrote it was finished (read). A slot is freed only after
+    every step that wrote it was finished (Engine.release), so a new sequence in it overwrites nothing
+    unread.
 
-    def __init__(self, max_batch: int, max_top: int, device: torch.device, rings: int = 1):
+    Prefill's first tokens and every top-logprob candidate go through static device buffers (outside any
+    graph pool, so a replayed graph writes where the host reads) and one copy into pinned memory: for the
+    candidates one set of pinned buffers per step in flight (`ring`), since a step copies its candidates
+    out while the host still reads the previous step's. The prefill tokens (int64) and their logprobs
+    (float32) share one allocation, tokens first: they come back in one copy of 8 * max_batch + 4 * n bytes
+    (one driver call on a GPU)."""
+
+    def __init__(self, max_batch: int, max_top: int, max_slots: int, device: torch.device, rings: int = 1):
         pin = device.type == "cuda"
         self.max_batch = max_batch
+        self.slot_tokens = torch.zeros(max_slots, rings, dtype=torch.int64, pin_memory=pin)
+        self.slot_logprobs = torch.zeros(max_slots, rings, dtype=torch.float32, pin_memory=pin)
+        # numpy views of the same (pinned) memory: reading a few values back costs ~1 us through numpy, ~5 through torch
+        self._slot_np = (self.slot_tokens.numpy().reshape(-1), self.slot_logprobs.numpy().reshape(-1))
         self.packed = torch.zeros(3 * max_batch, dtype=torch.int32, device=device)
         self.tokens, self.logprobs = _unpack(self.packed, max_batch)
         self.top_ids = torch.zeros(max_batch, max(max_top, 1), dtype=torch.int64, device=device)
         self.top_logprobs = torch.zeros(max_batch, max(max_top, 1), dtype=torch.float32, device=device)
-        self.hosts = []
-        for _ in range(rings):
-            packed = torch.zeros(3 * max_batch, dtype=torch.int32, pin_memory=pin)
-            self.hosts.append((packed, *_unpack(packed, max_batch),
-                               *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids,
-                                                                                               self.top_logprobs))))
-        # numpy views of the same pinned memory: reading a few values back costs ~1 us through numpy, ~5 through torch
-        self.hosts_np = [tuple(t.numpy() for t in host) for host in self.hosts]
+        self.packed_host = torch.zeros(3 * max_batch, dtype=torch.int32, pin_memory=pin)
+        self._packed_np = tuple(t.numpy() for t in _unpack(self.packed_host, max_batch))
+        self.top_hosts = [tuple(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin)
+                                for t in (self.top_ids, self.top_logprobs)) for _ in range(rings)]
+        self._top_np = [tuple(t.numpy() for t in host) for host in self.top_hosts]
+
+    def drop_top_hosts(self) -> None:
+        """Drops the candidates' pinned buffers (torch's pinned allocator recorded its events for their copies
+        on the compute stream: they go before the stream does)."""
+        self.top_hosts.clear()
+        self._top_np.clear()
+
+    @property
+    def rings(self) -> int:
+        return self.slot_tokens.shape[1]
+
+    def entries(self, slots: list[int], num_cached: list[int]) -> list[int]:
+        """The flat indices of slot_tokens / slot_logprobs a decode step over `slots` writes, the slots'
+        num_cached before it given."""
+        r = self.rings
+        return [s * r + p % r for s, p in zip(slots, num_cached)]
 
     def write(self, out: SampleOutput, num_top: int) -> None:
+        """A prefill's sampled rows into the static device buffers."""
         n = out.token_ids.shape[0]
         self.tokens[:n].copy_(out.token_ids)
         self.logprobs[:n].copy_(out.logprobs)
+        self.write_top(out, n, num_top)
+
+    def write_top(self, out: SampleOutput, n: int, num_top: int) -> None:
+        """The top-logprob candidates of the first n rows, if asked for."""
         if num_top:
             self.top_ids[:n, :num_top].copy_(out.top_ids)
             self.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
 
     def read(self, n: int, num_top: int, streams) -> tuple[list[int], list[float], list | None, list | None]:
-        """Copies the first n results to the host and waits for them (the stream), through ring 0: no
-        step may be in flight."""
-        self.copy_to_host(n, num_top, 0, streams)
+        """Copies a prefill's first n results to the host and waits for them (the stream): no step may
+        be in flight (the candidates go through ring 0)."""
+        if streams is not None:
+            streams.to_host(self.packed_host, self.packed, 8 * self.max_batch + 4 * n)
+        else:
+            self.packed_host.copy_(self.packed)
+        self.copy_top_to_host(n, num_top, 0, streams)
         if streams is not None:
             streams.compute.synchronize()
-        return self.host_values(n, num_top, 0)
+        tokens, logprobs = self._packed_np
+        return tokens[:n].tolist(), logprobs[:n].tolist(), *self._top_values(n, num_top, 0)
 
-    def copy_to_host(self, n: int, num_top: int, ring: int, streams) -> None:
-        """Queues the copy of the first n results into pinned set `ring` (no host wait): on the compute
-        stream through the driver with `streams`, else (CPU) at once."""
-        packed, tokens, logprobs, top_ids, top_lps = self.hosts[ring]
-        if streams is not None:
-            streams.to_host(packed, self.packed, 8 * self.max_batch + 4 * n)
-        else:
-            tokens[:n].copy_(self.tokens[:n])
-            logprobs[:n].copy_(self.logprobs[:n])
-        if num_top:
-            with streams.compute_context() if streams is not None else contextlib.nullcontext():
-                top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
-                top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
+    def copy_top_to_host(self, n: int, num_top: int, ring: int, streams) -> None:
+        """Queues the copy of the first n rows' top-logprob candidates into pinned set `ring` (no host wait;
+        nothing when none was asked for): on the compute stream with `streams`, else (CPU) at once."""
+        if not num_top:
+            return
+        top_ids, top_lps = self.top_hosts[ring]
+        with streams.compute_context() if streams is not None else contextlib.nullcontext():
+            top_ids[:n, :num_top].copy_(self.top_ids[:n, :num_top], non_blocking=True)
+            top_lps[:n, :num_top].copy_(self.top_logprobs[:n, :num_top], non_blocking=True)
 
-    def host_values(self, n: int, num_top: int, ring: int) -> tuple[list[int], list[float], list | None, list | None]:
-        """The first n results of pinned set `ring`, once its copy has finished."""
-        _, tokens, logprobs, top_ids, top_lps = self.hosts_np[ring]
-        return (tokens[:n].tolist(), logprobs[:n].tolist(),
-                top_ids[:n, :num_top].tolist() if num_top else None,
-                top_lps[:n, :num_top].tolist() if num_top else None)
+    def step_values(self, entries: list[int], num_top: int, ring: int
+                    ) -> tuple[list[int], list[float], list | None, list | None]:
+        """A finished decode step's results: tokens and logprobs at `entries` (entries()), the candidates of
+        its rows from pinned set `ring`."""
+        tokens, logprobs = self._slot_np
+        return tokens[entries].tolist(), logprobs[entries].tolist(), *self._top_values(len(entries), num_top, ring)
+
+    def _top_values(self, n: int, num_top: int, ring: int) -> tuple[list | None, list | None]:
+        if not num_top:
+            return None, None
+        top_ids, top_lps = self._top_np[ring]
+        return top_ids[:n, :num_top].tolist(), top_lps[:n, :num_top].tolist()
 
 
 def _unpack(packed: torch.Tensor, max_batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,8 +12,12 @@
 //     (the sampling kernels read a row's seen only when its penalty is not 1: the rows of the others are
 //     left as they were, so a batch with no repetition penalty copies no 125 KiB rows at a 128k vocabulary)
 //   row_{temperature, top_k, top_p, seed, penalty}[r] = {temperature, top_k, top_p, seed, penalty}[s]
-// decode_commit, for each row b with s = slots[b], t = tokens[b] (the slots of one call are distinct):
-//   num_cached[s] += 1;  last_token[s] = t;  seen[s, t] = true;  out_tokens[b] = t;  out_logprobs[b] = logprobs[b]
+// decode_commit, for each row b with s = slots[b], t = tokens[b], p = num_cached[s] (the slots of one call
+// are distinct):
+//   num_cached[s] = p + 1;  last_token[s] = t;  seen[s, t] = true;
+//   out_tokens[s, p % R] = t;  out_logprobs[s, p % R] = logprobs[b]
+//   (the results are kept per slot and position, in R entries a slot, so the host can read them straight
+//   from mapped pinned memory while later steps of the same slots already write theirs: engine/outputs.py)
 // verify_commit, for each slot row b (s = slots[b], sampled[b, :] the n = k + 1 tokens its rows drew):
 //   a = the length of the prefix where sampled[b, j] == drafts[b, j];  t = sampled[b, a]
 //   num_cached[s] += 1 + a;  last_token[s] = t;  seen[s, e_i] = true for e_i = i <= a ? sampled[b, i] : t
@@ -29,8 +33,8 @@
 //   decode_prepare outputs (R = B n rows): input_ids, positions, slot_mapping, row_position [R] i64;
 //     seq_lens [R] i32;  tables [R, MB] i32;  row_temperature, row_top_p, row_penalty [R] fp32;
 //     row_top_k, row_seed [R] i64;  row_seen [R, V] bool.
-//   decode_commit: tokens [B] i64, logprobs [B] fp32;  out_tokens [>= B] i64, out_logprobs [>= B] fp32
-//     (the first B entries are written).
+//   decode_commit: tokens [B] i64, logprobs [B] fp32;  out_tokens [S, R] i64, out_logprobs [S, R] fp32, R >= 1
+//     (device memory, or pinned host memory: unified addressing maps it at the same address).
 //   verify_commit: sampled [B n] i64, logprobs [B n] fp32;  out_accepted, out_tokens [>= B] i64;
 //     out_logprobs [>= B, n] fp32 with row stride out_stride.
 // Launch contract:
@@ -111,22 +115,24 @@ extern "C" __global__ void __launch_bounds__(256)
   }
 }
 
-// No __restrict__: tokens / logprobs may be the caller's output buffers themselves (each thread reads
-// its element before it writes it).
 extern "C" __global__ void __launch_bounds__(128)
-    decode_commit(i64* out_tokens, float* out_logprobs, int* num_cached, i64* last_token, unsigned char* seen,
-                  const i64* slots, const i64* tokens, const float* logprobs, int batch, i64 vocab) {
+    decode_commit(i64* __restrict__ out_tokens, float* __restrict__ out_logprobs, int ring,
+                  int* __restrict__ num_cached, i64* __restrict__ last_token, unsigned char* __restrict__ seen,
+                  const i64* __restrict__ slots, const i64* __restrict__ tokens, const float* __restrict__ logprobs,
+                  int batch, i64 vocab) {
   wait_then_allow_dependents();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const i64 s = slots[b];
   const i64 t = tokens[b];
   const float lp = logprobs[b];
-  num_cached[s] += 1;
+  const int p = num_cached[s];
+  num_cached[s] = p + 1;
   last_token[s] = t;
   if (t >= 0 && t < vocab) seen[s * vocab + t] = 1;
-  out_tokens[b] = t;
-  out_logprobs[b] = lp;
+  const i64 entry = s * ring + (p >= 0 ? p % ring : 0);  // a negative count (never the engine's) stays in the row
+  out_tokens[entry] = t;
+  out_logprobs[entry] = lp;
 }
 
 // Thread b reads its rows of sampled / logprobs and drafts before any of its writes.

@@ -85,7 +85,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
-    "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"), KernelSpec("decode_commit", "p" * 8 + "il"),
+    "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"), KernelSpec("decode_commit", "ppi" + "p" * 6 + "il"),
                     KernelSpec("verify_commit", "p" * 10 + "iili" + "l")],
 }
 
@@ -302,11 +302,14 @@ def nvrtc_compile(src: pathlib.Path, arch: int, cache_dir: pathlib.Path) -> tupl
 # Argument checks (cheap: attribute reads only, never a device read)
 
 def _tensor(t: torch.Tensor, what: str, dtype: torch.dtype | tuple, ndim: int | None = None,
-            contiguous: bool = True, align: bool = True) -> int:
+            contiguous: bool = True, align: bool = True, host_mapped: bool = False) -> int:
+    """The pointer of a kernel argument, after checking it. host_mapped: a pinned host tensor will do too
+    (unified addressing maps pinned memory into the device's address space at the same address)."""
     if not isinstance(t, torch.Tensor):
         raise KernelArgError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if not t.is_cuda:
-        raise KernelArgError(f"{what}: expected a CUDA tensor, got one on {t.device}")
+    if not t.is_cuda and not (host_mapped and t.device.type == "cpu" and t.is_pinned()):
+        raise KernelArgError(f"{what}: expected a CUDA tensor{' or a pinned host one' if host_mapped else ''}, "
+                             f"got one on {t.device}{' (not pinned)' if host_mapped and not t.is_cuda else ''}")
     ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
     if not ok:
         raise KernelArgError(f"{what}: expected dtype {dtype}, got {t.dtype}")
@@ -1102,8 +1105,9 @@ class KernelLibrary:
 
     def decode_commit(self, slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs) -> None:
         """The sampled tokens back to the slot state (num_cached[s] += 1, last_token[s] = token,
-        seen[s, token] = True for s = slots[b]; the slots must be distinct) and to the first B entries of
-        out_tokens / out_logprobs."""
+        seen[s, token] = True for s = slots[b]; the slots must be distinct) and to the results kept per slot
+        and position: out_tokens / out_logprobs [S, R] at [s, num_cached[s] % R] (num_cached before the
+        step). The results may be pinned host tensors: the kernel writes them through unified addressing."""
         sl = _tensor(slots, "slots", torch.int64, 1, align=False)
         B = slots.shape[0]
         tk, lp = self._vectors(((tokens, "tokens", torch.int64), (logprobs, "logprobs", torch.float32)), B)
@@ -1113,12 +1117,14 @@ class KernelLibrary:
         if seen.shape[0] != S:
             raise KernelArgError(f"seen: expected [{S}, vocab] (one row per slot), got {tuple(seen.shape)}")
         V = seen.shape[1]
-        ot = _tensor(out_tokens, "out_tokens", torch.int64, 1, align=False)
-        ol = _tensor(out_logprobs, "out_logprobs", torch.float32, 1, align=False)
+        ot = _tensor(out_tokens, "out_tokens", torch.int64, 2, align=False, host_mapped=True)
+        ol = _tensor(out_logprobs, "out_logprobs", torch.float32, 2, align=False, host_mapped=True)
+        R = out_tokens.shape[1]
         for t, name in ((out_tokens, "out_tokens"), (out_logprobs, "out_logprobs")):
-            if t.shape[0] < B:
-                raise KernelArgError(f"{name}: {t.shape[0]} entries for a batch of {B}")
+            if t.shape[0] != S or t.shape[1] != R or R < 1:
+                raise KernelArgError(f"{name}: expected [{S}, R >= 1] (a row per slot, the rows of both alike), "
+                                     f"got {tuple(t.shape)}")
         if B == 0:
             return
         self.kernels["decode_commit"]((-(-B // 128), 1, 1), (128, 1, 1), 0, self.stream(),
-                                      ot, ol, nc, lt, sn, sl, tk, lp, B, V)
+                                      ot, ol, R, nc, lt, sn, sl, tk, lp, B, V)

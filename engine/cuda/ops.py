@@ -378,7 +378,7 @@ class CudaOps(TorchOps):
     def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
                       outputs: StepOutputs, num_top: int) -> None:
         self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
-                               outputs.tokens, outputs.logprobs)
+                               outputs.slot_tokens, outputs.slot_logprobs)
         if num_top:
             n = slots.shape[0]
             outputs.top_ids[:n, :num_top].copy_(out.top_ids)

@@ -216,11 +216,17 @@ class TorchOps:
     def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
                       outputs: StepOutputs, num_top: int) -> None:
         """Each slot moves one token on (num_cached + 1, last token = the sampled one, marked seen); the
-        results go to the step's static output buffers."""
+        token and its logprob go to the results kept per slot and position (outputs.slot_tokens /
+        slot_logprobs [S, R] at [slot, num_cached % R], num_cached before the step), the top-logprob
+        candidates to the step's static buffers."""
+        ring = outputs.slot_tokens.shape[1]
+        entries = (slots * ring + state.num_cached[slots] % ring).to(outputs.slot_tokens.device)
+        outputs.slot_tokens.view(-1)[entries] = out.token_ids.to(outputs.slot_tokens.device)
+        outputs.slot_logprobs.view(-1)[entries] = out.logprobs.to(outputs.slot_logprobs.device)
         state.num_cached[slots] += 1
         state.last_token[slots] = out.token_ids
         state.mark_seen(slots, out.token_ids)
-        outputs.write(out, num_top)
+        outputs.write_top(out, out.token_ids.shape[0], num_top)
 
     def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
                       block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:

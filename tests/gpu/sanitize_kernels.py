@@ -36,7 +36,7 @@ def decode_step_state(ops, dev, vocab: int) -> None:
         ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows)
         ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
                               state["num_cached"], state["last_token"], state["seen"],
-                              torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=f32, device=dev))
+                              torch.empty(S, 2, dtype=i64, pin_memory=True), torch.empty(S, 2, dtype=f32, pin_memory=True))
         # A uniform Verify of k = 3 drafts: prepare with k + 1 rows per slot (strided drafts), then commit.
         k = 3
         drafts = torch.randint(0, V, (B, k + 2), device=dev)[:, :k]

@@ -651,31 +651,40 @@ def test_decode_prepare_matches_torch(lib, gen, B, V, bs):
     assert out["row_seen"][~penalised].all()
 
 
-@pytest.mark.parametrize("B", [1, 5, 64])
-def test_decode_commit_matches_torch(lib, gen, B):
-    S, V, max_batch = STEP_SLOTS, 151936, 96
+@pytest.mark.parametrize("B, R, host", [(1, 1, False), (5, 3, False), (64, 2, False), (5, 2, True), (64, 4, True)])
+def test_decode_commit_matches_torch(lib, gen, B, R, host):
+    """The state moves on as TorchOps moves it, and each row's token and logprob land at [slot, num_cached % R]
+    of the per-slot results (on the device, or in pinned host memory as the engine keeps them); nothing else
+    of the results changes."""
+    S, V = STEP_SLOTS, 151936
     num_cached = torch.randint(0, 5000, (S,), dtype=torch.int32, device=dev())
     last_token = torch.randint(0, V, (S,), dtype=torch.int64, device=dev())
     seen = torch.rand(S, V, device=dev()) < 0.3
     slots = torch.randperm(S, device=dev())[:B]
     tokens = torch.randint(0, V, (B,), dtype=torch.int64, device=dev())
     logprobs = -5 * torch.rand(B, device=dev())
-    out_tokens = torch.full((max_batch,), -7, dtype=torch.int64, device=dev())
-    out_logprobs = nan((max_batch,), torch.float32)
+    where = {"pin_memory": True} if host else {"device": dev()}
+    out_tokens = torch.full((S, R), -7, dtype=torch.int64, **where)
+    out_logprobs = torch.full((S, R), float("nan"), dtype=torch.float32, **where)
 
     ref_cached, ref_last, ref_seen = num_cached.clone(), last_token.clone(), seen.clone()
     ref_cached[slots] += 1
     ref_last[slots] = tokens
     ref_seen[slots, tokens] = True
+    entry = (slots.cpu(), (num_cached[slots] % R).cpu())
     lib.decode_commit(slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs)
+    torch.cuda.synchronize()
 
     assert torch.equal(num_cached, ref_cached)
     assert torch.equal(last_token, ref_last)
     assert torch.equal(seen, ref_seen)
-    assert torch.equal(out_tokens[:B], tokens)
-    assert torch.equal(out_logprobs[:B], logprobs)
-    assert (out_tokens[B:] == -7).all(), "an output entry past the batch changed"
-    assert torch.isnan(out_logprobs[B:]).all(), "an output entry past the batch changed"
+    got_tokens, got_logprobs = out_tokens.cpu(), out_logprobs.cpu()
+    assert torch.equal(got_tokens[entry], tokens.cpu())
+    assert torch.equal(got_logprobs[entry], logprobs.cpu())
+    untouched = torch.ones(S, R, dtype=torch.bool)
+    untouched[entry] = False
+    assert (got_tokens[untouched] == -7).all(), "a result entry of another slot or position changed"
+    assert torch.isnan(got_logprobs[untouched]).all(), "a result entry of another slot or position changed"
 
 
 def verify_state(S: int, MB: int, V: int, bs: int):
@@ -775,8 +784,8 @@ def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
 
     tokens = torch.zeros(B, dtype=torch.int64, device=dev())
     logprobs = torch.zeros(B, dtype=torch.float32, device=dev())
-    out_tokens = torch.zeros(B, dtype=torch.int64, device=dev())
-    out_logprobs = torch.zeros(B, dtype=torch.float32, device=dev())
+    out_tokens = torch.zeros(S, 2, dtype=torch.int64, device=dev())
+    out_logprobs = torch.zeros(S, 2, dtype=torch.float32, device=dev())
     commit = (st["num_cached"], st["last_token"], st["seen"])
     lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs)  # the valid call launches
     with pytest.raises(KernelArgError, match="slots.*dtype"):
@@ -787,7 +796,11 @@ def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
         lib.decode_commit(slots, tokens, logprobs, st["num_cached"], st["last_token"], st["seen"].to(torch.uint8),
                           out_tokens, out_logprobs)
     with pytest.raises(KernelArgError, match="out_logprobs"):
-        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:B - 1])
+        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:S - 1])
+    with pytest.raises(KernelArgError, match="out_logprobs"):
+        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:, :1].contiguous())
+    with pytest.raises(KernelArgError, match="out_tokens.*not pinned"):
+        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens.cpu(), out_logprobs)
     torch.cuda.synchronize()
 
 
