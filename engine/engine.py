@@ -418,7 +418,7 @@ class Engine:
         The step runs on the slots in ascending order (the graph key); results go back in request order."""
         seqs = step.seqs
         step.ring, self._next_ring = self._next_ring, (self._next_ring + 1) % self.config.max_steps_in_flight
-        step.entries = self.outputs.entries(step.plan.slots, [s.num_cached for s in step.batch])
+        step.entries = self.outputs.entries(step.batch)
         # A replayed step is driver calls on the compute stream; whatever runs torch ops (the token
         # override, an eager or captured step, top-logprob copies) switches torch's stream itself.
         with self._on_device(timer=1 + step.ring, torch_stream=False) as timer:

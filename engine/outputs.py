@@ -58,11 +58,11 @@ class StepOutputs:
     def rings(self) -> int:
         return self.slot_tokens.shape[1]
 
-    def entries(self, slots: list[int], num_cached: list[int]) -> list[int]:
-        """The flat indices of slot_tokens / slot_logprobs a decode step over `slots` writes, the slots'
-        num_cached before it given."""
+    def entries(self, seqs) -> list[int]:
+        """The flat indices of slot_tokens / slot_logprobs that a decode step over `seqs` (Sequences, in the
+        step's slot order, their num_cached not yet counting the step) writes."""
         r = self.rings
-        return [s * r + p % r for s, p in zip(slots, num_cached)]
+        return [s.slot * r + s.num_cached % r for s in seqs]
 
     def write(self, out: SampleOutput, num_top: int) -> None:
         """A prefill's sampled rows into the static device buffers."""

@@ -307,9 +307,9 @@ def _tensor(t: torch.Tensor, what: str, dtype: torch.dtype | tuple, ndim: int | 
     (unified addressing maps pinned memory into the device's address space at the same address)."""
     if not isinstance(t, torch.Tensor):
         raise KernelArgError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if not t.is_cuda and not (host_mapped and t.device.type == "cpu" and t.is_pinned()):
-        raise KernelArgError(f"{what}: expected a CUDA tensor{' or a pinned host one' if host_mapped else ''}, "
-                             f"got one on {t.device}{' (not pinned)' if host_mapped and not t.is_cuda else ''}")
+    if not (t.is_cuda or (host_mapped and t.is_pinned())):
+        raise KernelArgError(f"{what}: expected a CUDA tensor" + (f" or a pinned host one, got one on {t.device}"
+                             " (not pinned)" if host_mapped else f", got one on {t.device}"))
     ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
     if not ok:
         raise KernelArgError(f"{what}: expected dtype {dtype}, got {t.dtype}")

@@ -219,7 +219,7 @@ class TorchOps:
         token and its logprob go to the results kept per slot and position (outputs.slot_tokens /
         slot_logprobs [S, R] at [slot, num_cached % R], num_cached before the step), the top-logprob
         candidates to the step's static buffers."""
-        ring = outputs.slot_tokens.shape[1]
+        ring = outputs.rings
         entries = (slots * ring + state.num_cached[slots] % ring).to(outputs.slot_tokens.device)
         outputs.slot_tokens.view(-1)[entries] = out.token_ids.to(outputs.slot_tokens.device)
         outputs.slot_logprobs.view(-1)[entries] = out.logprobs.to(outputs.slot_logprobs.device)
