@@ -270,12 +270,13 @@ struct Mma<Fp16> {
 
 // Programmatic dependent launch (sm_90+; no-ops before, and when the kernel was launched without the
 // attribute): a kernel launched with programmatic stream serialization may start while the kernel before
-// it in the stream finishes. Before grid_dependency_wait() it may read only what no kernel of the last
-// two launches writes (weights, and what earlier kernels of the step wrote) and must write nothing;
-// the wait returns once the previous grid has completed and its writes are visible. Every kernel of
-// this kind calls allow_dependents() right after its wait, so the next one is launched only once this
-// one's predecessor has completed (that is what makes the reads before the wait safe). Every thread of
-// a block calls both.
+// it in the stream finishes. Before grid_dependency_wait() it must write nothing, and may read only what
+// the kernel launched just before it does not write (weights, and what earlier kernels wrote); the wait
+// returns once the previous grid has completed and its writes are visible. Every kernel of this kind
+// calls allow_dependents() right after its wait (and at least one block of each launch waits), so the
+// next one is launched only once this one's predecessor has completed: that is what makes the reads
+// before the wait safe. Each kernel's launch contract names what it reads before its wait. Every thread
+// of a block calls both.
 __device__ __forceinline__ void grid_dependency_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");

@@ -43,7 +43,10 @@
 //   Reference: torch.topk(torch.log_softmax(logits), k), what CudaOps.sample ran before these kernels
 //   (one row of a 128k vocabulary: 81-88 us on an H200 for k = 1-20; these: 6.8-22.7 us).
 // Programmatic dependent launch (the launch attribute; a no-op without it): each kernel waits at its top
-// and reads nothing before (common.cuh, grid_dependency_wait); its launch overlaps the end of the one before.
+// (common.cuh, grid_dependency_wait); its launch overlaps the end of the one before. sample_stats, _select,
+// _draw and _finish read their row's parameters (temperature, top_k, top_p, seed, penalty, position) before
+// the wait, so the kernel launched just before one of them must not write those (in a step they come from
+// decode_prepare or the host, several launches earlier); everything else is read after it.
 // Built WITHOUT --use_fast_math: divisions, expf and logf must be the accurate ones.
 #include "common.cuh"
 
@@ -107,11 +110,11 @@ __device__ __forceinline__ ArgMax block_argmax(ArgMax a, float* sv, int* si) {
       const float *top_p, const i64 *seed, const float *penalty, const i64 *position, int V, int num_splits
 
 extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PARTS_ARGS) {
-  wait_then_allow_dependents();
   __shared__ float sv[32], sv2[32];
   __shared__ int si[32];
   const int row = blockIdx.y, split = blockIdx.x;
   const RowParams rp(row, V, temperature, top_k, top_p, seed, penalty, position);
+  wait_then_allow_dependents();
   const bool draw_here = rp.temperature != 0.f && !rp.filtered;
   // V % 4 == 0 (every row 16-byte aligned, given an aligned base): 16-byte logit and 4-byte seen loads,
   // splits of a multiple of 4 tokens, so a block's share is one trip of ILP vectors a thread far more
@@ -339,11 +342,11 @@ __device__ u32 radix_select(u64* hist, u64* scratch, const float* lg, const unsi
 
 extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
     sample_select(u32* thresholds, const float* parts, PARTS_ARGS) {
-  wait_then_allow_dependents();
   __shared__ u64 hist[4096];
   __shared__ u64 scratch[32];
   const int row = blockIdx.x;
   const RowParams rp(row, V, temperature, top_k, top_p, seed, penalty, position);
+  wait_then_allow_dependents();
   if (!rp.filtered) {
     if (threadIdx.x == 0) thresholds[row] = 0u;
     return;
@@ -367,11 +370,11 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS)
 
 extern "C" __global__ void __launch_bounds__(256)
     sample_draw(float* parts, const u32* thresholds, PARTS_ARGS) {
-  wait_then_allow_dependents();
   __shared__ float sv[32];
   __shared__ int si[32];
   const int row = blockIdx.y, split = blockIdx.x;
   const RowParams rp(row, V, temperature, top_k, top_p, seed, penalty, position);
+  wait_then_allow_dependents();
   if (!rp.filtered) return;
   const u32 keep = thresholds[row];
   const int chunk = (V + num_splits - 1) / num_splits;
@@ -406,8 +409,9 @@ extern "C" __global__ void __launch_bounds__(256)
 
 extern "C" __global__ void sample_finish(i64* tokens, float* logprobs, const float* parts, const float* logits,
                                          const float* temperature, int V, int num_splits) {
-  wait_then_allow_dependents();
   const int row = blockIdx.x, lane = threadIdx.x;
+  const float temp = temperature[row];
+  wait_then_allow_dependents();
   SoftmaxStat st{NEG_INF, 0.f};
   ArgMax bp = argmax_init(), bg = argmax_init();
   for (int s = lane; s < num_splits; s += 32) {
@@ -420,7 +424,7 @@ extern "C" __global__ void sample_finish(i64* tokens, float* logprobs, const flo
   bp = warp_argmax(bp);
   bg = warp_argmax(bg);
   if (lane == 0) {
-    int tok = temperature[row] == 0.f ? bp.i : bg.i;
+    int tok = temp == 0.f ? bp.i : bg.i;
     if (tok < 0) tok = bp.i < 0 ? 0 : bp.i;  // no finite candidate (e.g. NaN logits)
     tokens[row] = tok;
     logprobs[row] = logits[(i64)row * V + tok] - st.m - logf(st.s);

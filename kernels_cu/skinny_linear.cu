@@ -53,8 +53,10 @@
 // 16-warp blocks (entry suffix _w16) are for grids with no more tiles than SMs (1B o and down: 128
 // tiles on 132 SMs), where 8-warp blocks would leave each SM one block and half the loads in flight.
 // Programmatic dependent launch (common.cuh; the engine launches these kernels with it): each warp
-// issues its first group's W loads, then waits for the previous kernel, then loads x (and norm_w, bias,
-// the residual and RoPE operands later): nothing but W is read before the wait, and nothing written.
+// issues its first group's W loads, then waits for the previous kernel, then loads x and norm_w. Warp 0
+// of the _m8 entries also loads the epilogue's operands before the wait (bias; the residual's old values; RoPE's rope_index,
+// cos / sin row and slot_mapping): the kernel launched just before must not write them (launch contract).
+// Nothing is written before the wait.
 // H200, 1B batch 1 two steps in flight 0.895 -> 0.851 ms with decode attention's part, 8B 4.200 -> 4.112
 // (bench/results/pdl-ab-20261202-nvidia-h200.md). Measured and left out: prefetching a block's W rows
 // into L2 before the wait (1B lm_head 122 -> 174 us; with a wait at the top, 8B 4.44 -> 5.17 ms). A "staged" variant for 9..32 tokens (x staged once per block
@@ -75,7 +77,10 @@
 //   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
 //   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must not overlap
-//   x or W.
+//   x or W. Launched with programmatic dependent launch, the kernel just before it in the stream must not
+//   write bias, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv): they are read
+//   before the wait. (In a decode forward the residual's last writer is two or more launches back: o after
+//   attention, down after gate_up; rope_index and slot_mapping come from decode_prepare or earlier.)
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
 #include "common.cuh"
 
@@ -160,13 +165,17 @@ struct LaneOperands {
   const u16* nw;      // norm_w + 8t
 };
 
+struct NoPre {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only).
 // WAIT (the warp's first group): the W loads are issued before waiting for the previous kernel
 // (programmatic dependent launch), x and the rest after it.
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false>
+template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false, class Pre = NoPre>
 __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                             int c, int C) {
+                                             int c, int C, Pre pre = Pre()) {
   Vec16 wa[U], wb[U], xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -175,7 +184,10 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
     wa[u] = on ? ld_weight16(L.wa + k) : zero16();
     wb[u] = on ? ld_weight16(L.wb + k) : zero16();
   }
-  if (WAIT) wait_then_allow_dependents();
+  if (WAIT) {
+    pre();
+    wait_then_allow_dependents();
+  }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
@@ -204,75 +216,90 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
   }
 }
 
-template <class T, int NT, int U, int CH, bool NORM, int WARPS>
+// pre(): the loads this warp issues before the wait after its first group's W loads (the epilogue's operands).
+template <class T, int NT, int U, int CH, bool NORM, int WARPS, class Pre>
 __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                                int warp, int C) {
+                                                int warp, int C, Pre pre) {
   int c = warp;
   if (c + WARPS * (U - 1) < C) {  // the first group waits for the previous kernel after its W loads
-    skinny_group<T, NT, U, CH, NORM, true, WARPS, true>(acc, ss, L, c, C);
+    skinny_group<T, NT, U, CH, NORM, true, WARPS, true>(acc, ss, L, c, C, pre);
     c += WARPS * U;
   } else {
-    if (c < C)
-      skinny_group<T, NT, U, CH, NORM, false, WARPS, true>(acc, ss, L, c, C);
-    else
+    if (c < C) {
+      skinny_group<T, NT, U, CH, NORM, false, WARPS, true>(acc, ss, L, c, C, pre);
+    } else {
+      pre();
       wait_then_allow_dependents();  // no chunks for this warp (K < 32 WARPS): it still reads nothing before
+    }
     return;
   }
   for (; c + WARPS * (U - 1) < C; c += WARPS * U) skinny_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, c, C);
   if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, c, C);
 }
 
-// The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
-// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). inv_rms(m): the
-// NORM prologue's scale of token m (called only when norm). Every load the stores depend on (the
-// residual, RoPE's rope_index -> cos / sin, slot_mapping, the NORM scales) is issued before the first
-// store: the compiler cannot move a load above a store it may alias, so interleaved they would cost one
-// memory round trip per token.
-// rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
-// head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
-template <class T, int NT, int EP, class InvRms>
-__device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float (&acc)[NT][4], int p, int r0, int r1,
-                                                int t, bool norm, InvRms inv_rms) {
+// The operands an epilogue loads for lane (g, t): the bias of rows r0 / r1, and per token m = 8j + 2t + s
+// the residual's old values (in0 / in1 of rows r0 / r1), or RoPE's cos and sin (in0 / in1) and the cache slot.
+// Loaded by warp 0 before the wait for the previous kernel (skinny_impl; the 8-token entries), so none of
+// these round trips is on the critical path after it: the launch contract says the kernel launched just
+// before this one writes none of them (under programmatic dependent launch every earlier kernel has
+// completed when this one starts).
+template <int NT>
+struct EpilogueIn {
+  float b0, b1;
+  float in0[NT][2], in1[NT][2];
+  i64 slot[NT][2];
+};
+template <class T, int NT, int EP>
+__device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyArgs& a, int p, int r0, int r1, int t) {
   const int M = a.M, half = a.half;
   const int head = p / half, i = p % half;  // rope_kv
-  float b0 = 0.f, b1 = 0.f;
+  e.b0 = e.b1 = 0.f;
   if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
-    b0 = T::to_float(a.bias[r0]);
-    b1 = T::to_float(a.bias[r1]);
+    e.b0 = T::to_float(a.bias[r0]);
+    e.b1 = T::to_float(a.bias[r1]);
   }
-  float scale[NT][2], in0[NT][2], in1[NT][2];  // in: the residual's old values, or RoPE's cos and sin
-  i64 slot[NT][2];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int m = 8 * j + 2 * t + s;
-      scale[j][s] = 1.f;
-      in0[j][s] = in1[j][s] = 0.f;
-      slot[j][s] = -1;
+      e.in0[j][s] = e.in1[j][s] = 0.f;
+      e.slot[j][s] = -1;
       if (m >= M) continue;
-      if (norm) scale[j][s] = inv_rms(m);
       if (EP == EP_RESIDUAL) {
         const u16* res = (const u16*)a.out + (i64)m * a.N;
-        in0[j][s] = T::to_float(res[r0]);
-        in1[j][s] = T::to_float(res[r1]);
+        e.in0[j][s] = T::to_float(res[r0]);
+        e.in1[j][s] = T::to_float(res[r1]);
       } else if (EP == EP_ROPE_KV) {
-        if (head >= a.H) slot[j][s] = a.slot_mapping[m];
+        if (head >= a.H) e.slot[j][s] = a.slot_mapping[m];
         if (head < a.H + a.Hkv) {
           const float* cs = a.cos_sin + a.rope_index[m] * (i64)a.D;
-          in0[j][s] = cs[i];
-          in1[j][s] = cs[half + i];
+          e.in0[j][s] = cs[i];
+          e.in1[j][s] = cs[half + i];
         }
       }
     }
   }
+}
+
+// The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
+// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). inv_rms(m): the
+// NORM prologue's scale of token m (called only when norm); e: epilogue_inputs' operands.
+// rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
+// head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
+template <class T, int NT, int EP, class InvRms>
+__device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float (&acc)[NT][4], const EpilogueIn<NT>& e,
+                                                int p, int r0, int r1, int t, bool norm, InvRms inv_rms) {
+  const int M = a.M, half = a.half;
+  const int head = p / half, i = p % half;  // rope_kv
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int m = 8 * j + 2 * t + s;
       if (m >= M) continue;
-      const float v0 = acc[j][s] * scale[j][s] + b0, v1 = acc[j][2 + s] * scale[j][s] + b1;
+      const float scale = norm ? inv_rms(m) : 1.f;
+      const float v0 = acc[j][s] * scale + e.b0, v1 = acc[j][2 + s] * scale + e.b1;
       if (EP == EP_STORE) {
         u16* out = (u16*)a.out + (i64)m * a.N;
         out[r0] = T::from_float(v0);
@@ -287,8 +314,8 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
         ((u16*)a.out)[(i64)m * half + p] = T::from_float(act * up);
       } else if (EP == EP_RESIDUAL) {
         u16* res = (u16*)a.out + (i64)m * a.N;
-        res[r0] = T::from_float(in0[j][s] + v0);
-        res[r1] = T::from_float(in1[j][s] + v1);
+        res[r0] = T::from_float(e.in0[j][s] + v0);
+        res[r1] = T::from_float(e.in1[j][s] + v1);
       } else {  // EP_ROPE_KV
         const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
         const int D = a.D;
@@ -296,12 +323,12 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
         if (head < a.H) {
           dst = (u16*)a.out + ((i64)m * a.H + head) * D;
         } else {
-          if (slot[j][s] < 0) continue;
-          dst = head < a.H + a.Hkv ? a.k_cache + (slot[j][s] * a.Hkv + (head - a.H)) * (i64)D
-                                   : a.v_cache + (slot[j][s] * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
+          if (e.slot[j][s] < 0) continue;
+          dst = head < a.H + a.Hkv ? a.k_cache + (e.slot[j][s] * a.Hkv + (head - a.H)) * (i64)D
+                                   : a.v_cache + (e.slot[j][s] * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
         }
         if (head < a.H + a.Hkv) {
-          const float c = in0[j][s], sn = in1[j][s];
+          const float c = e.in0[j][s], sn = e.in1[j][s];
           dst[i] = T::from_float(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn)));
           dst[half + i] = T::from_float(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn)));
         } else {
@@ -352,10 +379,18 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
     }
   }
+  // Warp 0's epilogue operands, loaded before the wait at NT = 1 (up to 8 tokens: the engine's skinny
+  // forwards); the 16- and 32-token entries load them after the reduction (held through the main loop they
+  // would spill there).
+  constexpr bool EARLY_EPI = NT == 1;
+  EpilogueIn<NT> epi;
+  auto pre = [&]() {
+    if (EARLY_EPI && warp == 0) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
+  };
   if (norm)
-    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, warp, C);
+    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, warp, C, pre);
   else
-    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, warp, C);
+    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, warp, C, pre);
   TRACE_MARK(0);  // warp 0's share of W consumed
   float acc[NT][4];
 #pragma unroll
@@ -397,7 +432,8 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
     }
   }
-  skinny_epilogue<T, NT, EP>(a, acc, p, r0, r1, t, norm, [&](int m) {
+  if (!EARLY_EPI) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
+  skinny_epilogue<T, NT, EP>(a, acc, epi, p, r0, r1, t, norm, [&](int m) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
