@@ -54,9 +54,10 @@
 // tiles on 132 SMs), where 8-warp blocks would leave each SM one block and half the loads in flight.
 // Programmatic dependent launch (common.cuh; the engine launches these kernels with it): each warp
 // issues its first group's W loads, then waits for the previous kernel, then loads x and norm_w. Warp 0
-// of the _m8 entries also loads the epilogue's operands before the wait (bias; the residual's old values; RoPE's rope_index,
-// cos / sin row and slot_mapping): the kernel launched just before must not write them (launch contract).
-// Nothing is written before the wait.
+// of the _m8 entries also loads the epilogue's operands before the wait (bias; the residual's old values;
+// RoPE's rope_index, cos / sin row and slot_mapping): the kernel launched just before must not write them
+// (launch contract). Nothing is written before the wait. H200, 1B batch 1 queued 0.836 -> 0.799 ms with the
+// sampling kernels' part (bench/results/pre-wait-operands-20261203-nvidia-h200.md).
 // H200, 1B batch 1 two steps in flight 0.895 -> 0.851 ms with decode attention's part, 8B 4.200 -> 4.112
 // (bench/results/pdl-ab-20261202-nvidia-h200.md). Measured and left out: prefetching a block's W rows
 // into L2 before the wait (1B lm_head 122 -> 174 us; with a wait at the top, 8B 4.44 -> 5.17 ms). A "staged" variant for 9..32 tokens (x staged once per block
@@ -284,7 +285,9 @@ __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyA
 
 // The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
 // acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). inv_rms(m): the
-// NORM prologue's scale of token m (called only when norm); e: epilogue_inputs' operands.
+// NORM prologue's scale of token m (called only when norm, from shared memory); e: epilogue_inputs' operands,
+// loaded before the first store (the compiler cannot move a global load above a store it may alias, so
+// loads between the stores would cost one memory round trip per token).
 // rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
 // head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
 template <class T, int NT, int EP, class InvRms>
