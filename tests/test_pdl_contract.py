@@ -1,0 +1,168 @@
+"""The reads-before-the-wait contract of the CUDA kernels, checked on the launch order CudaOps produces.
+
+Under programmatic dependent launch a kernel reads some operands before it waits for the kernel launched just
+before it (kernels_cu/common.cuh): the skinny kernels their epilogue's operands, the sampling kernels their row
+parameters, decode attention its tables. That is safe only if the launch just before does not write them,
+which depends on the order in which engine/cuda/ops.py and the model issue the launches: a race that the GPU
+tests would catch only by chance. Here CudaOps runs a decode forward and the sampling chain on the CPU with a
+KernelLibrary stand-in that records every launch and its operands by name (bound to the real methods'
+signatures), and every pair of consecutive launches is checked against the kernels' launch contracts below.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from engine.batch import ForwardBatch
+from engine.config import ModelConfig
+from engine.cuda.kernels import KernelLibrary, _overlaps
+from engine.cuda.ops import CudaOps
+from engine.kv_cache import KVCache
+from engine.loader import load_weights
+from engine.models.llama import LlamaModel
+from engine.sampling import SamplingTensors
+
+from conftest import TINY_CONFIGS
+
+# What each kernel writes, and what it reads before its wait (the launch contracts in kernels_cu/*.cu).
+WRITES = {
+    "decode_prepare": {"input_ids", "positions", "slot_mapping", "row_position", "block_tables", "seq_lens",
+                       "temperature", "top_k", "top_p", "seed", "penalty", "position", "seen"},
+    "embedding": {"out"},
+    "skinny_rope_kv": {"q_out", "k_cache", "v_cache"},
+    "rope_cache_write": {"q_out", "k_cache", "v_cache"},
+    "decode_attention": {"out", "part_o", "part_lse", "counters"},
+    "skinny_residual": {"residual"},
+    "skinny_silu": {"out"},
+    "skinny_store": {"out"},
+    "residual_norm": {"h", "out"},
+    "rms_norm": {"out"},
+    "silu_and_mul": {"out"},
+    "sample_stats": {"parts"},
+    "sample_select": {"thresholds"},
+    "sample_draw": {"parts"},
+    "sample_finish": {"tokens", "logprobs"},
+}
+ROW_PARAMS = {"temperature", "top_k", "top_p", "seed", "penalty", "position"}
+BEFORE_WAIT = {
+    "skinny_residual": {"residual"},
+    "skinny_rope_kv": {"bias", "cos_sin", "rope_index", "slot_mapping"},
+    "skinny_store": {"bias"},
+    "sample_stats": ROW_PARAMS,
+    "sample_select": ROW_PARAMS,
+    "sample_draw": ROW_PARAMS,
+    "sample_finish": {"temperature"},
+    # with fresh >= 0 (its older cache rows: a row-level promise, fresh = the forward's tokens, not checked here)
+    "decode_attention": {"block_tables", "seq_lens"},
+}
+
+
+class RecordingLib:
+    """KernelLibrary's launch methods, recorded (name, {operand name: tensor}) instead of run; its sizing
+    helpers answer as a GPU would."""
+
+    device = torch.device("cpu")
+    decode_cluster = 8
+    skinny_wide_tiles = 132
+
+    def __init__(self):
+        self.launches: list[tuple[str, dict]] = []
+
+    def __getattr__(self, name: str):
+        real = getattr(KernelLibrary, name)
+        sig = inspect.signature(real)
+
+        def launch(*args, **kwargs):
+            bound = sig.bind(None, *args, **kwargs)
+            tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+            if name == "decode_attention" and kwargs.get("rope"):
+                k, v, cos_sin, rope_index, slot_mapping = kwargs["rope"]
+                tensors.update(k_new=k, v_new=v, cos_sin=cos_sin, rope_index=rope_index, slot_mapping=slot_mapping)
+            if name == "decode_attention" and kwargs.get("fresh", -1) < 0:
+                name_ = "decode_attention (fresh < 0)"  # reads nothing before its wait
+            else:
+                name_ = name
+            self.launches.append((name_, tensors))
+        return launch
+
+    def decode_num_splits(self, batch, num_heads, num_kv_heads, head_dim, max_seq_len) -> int:
+        return 4
+
+    def decode_fits_one_wave(self, *args) -> bool:
+        return True
+
+    def vocab_splits(self, rows: int, vocab: int) -> int:
+        return 2
+
+    def topk_fits(self, vocab: int, k: int) -> bool:
+        return True
+
+
+def violations(launches: list[tuple[str, dict]]) -> list[str]:
+    """Pairs of consecutive launches where the second reads before its wait what the first writes."""
+    found = []
+    for (a, ta), (b, tb) in zip(launches, launches[1:]):
+        for r in BEFORE_WAIT.get(b, ()):
+            for w in WRITES.get(a, ()):
+                if r in tb and w in ta and _overlaps(tb[r], ta[w]):
+                    found.append(f"{b}.{r} is read before its wait and written by {a}.{w}, the launch just before")
+    return found
+
+
+def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
+    """The launches of one decode step of batch_size sequences through CudaOps: decode_prepare's outputs
+    (recorded as its launch), the model's forward, then the sampling chain."""
+    cfg = ModelConfig.from_dir(model_dir)
+    dev, dt = torch.device("cpu"), torch.bfloat16
+    weights = load_weights(model_dir, cfg, dt, dev)
+    block_size, blocks_per_seq = 16, 4
+    kv = KVCache(cfg.num_layers, batch_size * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+    lib = RecordingLib()
+    ops = CudaOps(lib, max_seq_len=block_size * blocks_per_seq)
+    model = LlamaModel(cfg, weights, kv, ops, block_size * blocks_per_seq + 1)
+    B = batch_size
+    seq_lens = torch.full((B,), 20, dtype=torch.int32)
+    tables = torch.arange(B * blocks_per_seq, dtype=torch.int32).view(B, blocks_per_seq) + 1
+    positions = (seq_lens - 1).long()
+    slot_mapping = tables[:, 1].long() * block_size + positions % block_size
+    st = SamplingTensors(temperature=torch.ones(B), top_k=torch.zeros(B, dtype=torch.int64), top_p=torch.ones(B),
+                         seed=torch.zeros(B, dtype=torch.int64), repetition_penalty=torch.ones(B),
+                         seen=torch.zeros(B, cfg.vocab_size, dtype=torch.bool), position=positions.clone())
+    input_ids = torch.zeros(B, dtype=torch.int64)
+    lib.launches.append(("decode_prepare", dict(
+        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables, seq_lens=seq_lens,
+        temperature=st.temperature, top_k=st.top_k, top_p=st.top_p, seed=st.seed, penalty=st.repetition_penalty,
+        position=st.position, seen=st.seen)))
+    batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
+                         seq_lens=seq_lens, logits_indices=torch.arange(B), is_decode=True,
+                         query_start_loc=list(range(B + 1)), seq_lens_host=seq_lens.tolist(),
+                         rope_scale_lens=seq_lens.tolist(), logits_all_rows=True)
+    logits = model.forward(batch)
+    ops.sample(logits, st)
+    return lib.launches
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size):
+    launches = decode_launches(checkpoints[name], batch_size)
+    names = [n for n, _ in launches]
+    assert "embedding" in names and "sample_finish" in names  # the forward and the sampling chain ran
+    if batch_size <= 8 and "qwen3" not in name:  # the skinny forwards (q/k norm takes the composed QKV path)
+        assert {"skinny_rope_kv", "skinny_residual", "skinny_silu", "skinny_store"} <= set(names)
+    assert violations(launches) == []
+
+
+def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints):
+    """A kernel that wrote the residual right before o_proj's skinny_residual (e.g. a norm launched between
+    attention and o) must be flagged; so must one that rewrote the row parameters before sample_stats."""
+    launches = decode_launches(checkpoints["llama-gqa"], 1)
+    i = next(k for k, (n, _) in enumerate(launches) if n == "skinny_residual")
+    h = launches[i][1]["residual"]
+    bad = launches[:i] + [("rms_norm", {"out": h})] + launches[i:]
+    assert any("skinny_residual.residual" in v for v in violations(bad))
+    j = next(k for k, (n, _) in enumerate(launches) if n == "sample_stats")
+    bad = launches[:j] + [("decode_prepare", launches[0][1])] + launches[j:]
+    assert any("sample_stats.temperature" in v for v in violations(bad))
