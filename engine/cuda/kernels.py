@@ -96,7 +96,8 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 # step chain (decode_prepare -> embedding -> skinny -> attention -> skinny ... -> the sampling kernels ->
 # decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
 # the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
-# anything the launch before may have written (the ones outside the layers wait at their top).
+# anything the launch before may have written; what each reads before its wait is in its launch contract,
+# and tests/test_pdl_contract.py checks CudaOps' launch order against those.
 PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
                 "decode_commit", "verify_commit")
 DECODE_THREADS = 128
