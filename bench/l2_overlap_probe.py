@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.stream_probe import load_probe_module  # noqa: E402
 from engine.cuda.kernels import Kernel, KernelLibrary, _check, _driver  # noqa: E402
 
 SOURCE = r"""
@@ -113,12 +112,7 @@ def main() -> None:
     args = ap.parse_args()
     drv = _driver()
     lib = KernelLibrary(0, pdl=not args.no_pdl)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = pathlib.Path(tmp) / "probe.cu"
-        src.write_text(SOURCE)
-        cubin = pathlib.Path(tmp) / "probe.cubin"
-        subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-o", str(cubin), str(src)], check=True)
-        mod = _check("cuModuleLoadData", drv.cuModuleLoadData(cubin.read_bytes()))
+    mod = load_probe_module(SOURCE)
     func = _check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, b"window"))
     smem = 57600  # decode attention's at head_dim 64 (3 stages): 3 blocks an SM
     _check("cuFuncSetAttribute", drv.cuFuncSetAttribute(

@@ -154,6 +154,16 @@ RINGS = {  # name -> (stage bytes, stages)
 STREAM_BYTES = {"ring_c1k_s16k_x5_rows_x1k": 16384, "ring_c1k_s16k_x5_rows_x8k": 16384, "ring_c1k_s16k_x6_pad": 16384, "ring_c1k_s16k_x6_rowspad": 16384, "ring_c1k_s16k_x5_rowspad": 16384}
 
 
+def load_probe_module(source: str):
+    """Compiles a probe's CUDA source with nvcc (sm_90, in a temp dir) and loads it into the current context."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "probe.cu"
+        src.write_text(source)
+        cubin = pathlib.Path(tmp) / "probe.cubin"
+        subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-o", str(cubin), str(src)], check=True)
+        return _check("cuModuleLoadData", _driver().cuModuleLoadData(cubin.read_bytes()))
+
+
 def main() -> None:
     drv = _driver()
     torch.cuda.init()
@@ -162,12 +172,7 @@ def main() -> None:
     assert ctx
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    with tempfile.TemporaryDirectory() as tmp:
-        src = pathlib.Path(tmp) / "probe.cu"
-        src.write_text(SOURCE)
-        cubin = pathlib.Path(tmp) / "probe.cubin"
-        subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-o", str(cubin), str(src)], check=True)
-        mod = _check("cuModuleLoadData", drv.cuModuleLoadData(cubin.read_bytes()))
+    mod = load_probe_module(SOURCE)
     total = 1 << 30
     buf = torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda")
     sink = torch.zeros(16 + 8192 // 4, dtype=torch.int32, device="cuda")  # + the shared 4-8 KB
