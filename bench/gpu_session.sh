@@ -29,11 +29,12 @@ stage() {  # stage NAME TIMEOUT CMD...
   echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
 }
 
-base_tree() {  # build/ab-base ready to run: this tree's stubs, and this tree's fatbins where the base has
-  # none, so that only the kernels whose sources differ are rebuilt there (build.py's stamps)
-  ln -sfn "$PWD/metrale" build/ab-base/metrale
-  mkdir -p build/ab-base/kernels_cu/build && cp -rn kernels_cu/build/. build/ab-base/kernels_cu/build/
-  (cd build/ab-base && python3 -m engine.cuda.build 2>&1 | tail -1)
+base_tree() {  # base_tree [DIR] (default build/ab-base) ready to run: this tree's stubs, and this tree's
+  # fatbins where it has none, so that only the kernels whose sources differ are rebuilt there (build.py's stamps)
+  local dir=${1:-build/ab-base}
+  ln -sfn "$PWD/metrale" "$dir/metrale"
+  mkdir -p "$dir/kernels_cu/build" && cp -rn kernels_cu/build/. "$dir/kernels_cu/build/"
+  (cd "$dir" && python3 -m engine.cuda.build 2>&1 | tail -1)
 }
 
 for what in "$@"; do
@@ -80,6 +81,15 @@ for what in "$@"; do
         (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-8b-base 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT/base")
         stage engine-bench-8b-new 300 python3 bench/engine_bench.py --shape 8b --no-hf --batches 1 --out "$OUT"
       else echo "abengine: no build/ab-base"; fi ;;
+    # Several trees against this one (AB_TREES, e.g. "build/ab-base build/ab-v1": each made like build/ab-base),
+    # 1B at the batches in AB_BATCHES (default 1 8), REPS (3) rounds of every tree in turn, this tree last
+    abtrees) for dir in ${AB_TREES:-build/ab-base}; do base_tree "$dir"; mkdir -p "$OUT/$(basename "$dir")"; done
+        for rep in $(seq 1 ${REPS:-3}); do
+          for dir in ${AB_TREES:-build/ab-base}; do
+            (cd "$dir" && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-$(basename "$dir")-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --out "$OUT/$(basename "$dir")")
+          done
+          stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --out "$OUT"
+        done ;;
     # The 1B part alone, at the batches in AB_BATCHES (default 1 32), three times alternating
     abengine1b) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
         base_tree

@@ -4,9 +4,10 @@ Under programmatic dependent launch a kernel reads some operands before it waits
 before it (kernels_cu/common.cuh): the skinny kernels their epilogue's operands, the sampling kernels their row
 parameters, decode attention its tables. That is safe only if the launch just before does not write them,
 which depends on the order in which engine/cuda/ops.py and the model issue the launches: a race that the GPU
-tests would catch only by chance. Here CudaOps runs a decode forward and the sampling chain on the CPU with a
-KernelLibrary stand-in that records every launch and its operands by name (bound to the real methods'
-signatures), and every pair of consecutive launches is checked against the kernels' launch contracts below.
+tests would catch only by chance. Here CudaOps runs a decode step (decode_prepare, the forward, the sampling
+chain, decode_commit) on the CPU with a KernelLibrary stand-in that records every launch and its operands by
+name (bound to the real methods' signatures), and every pair of consecutive launches is checked against the
+kernels' launch contracts below.
 """
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ import inspect
 import pytest
 import torch
 
-from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.cuda.kernels import KernelLibrary, _overlaps
 from engine.cuda.ops import CudaOps
 from engine.kv_cache import KVCache
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
-from engine.sampling import SamplingTensors
+from engine.outputs import StepOutputs
+from engine.state import SlotState
 
 from conftest import TINY_CONFIGS
 
-# What each kernel writes, and what it reads before its wait (the launch contracts in kernels_cu/*.cu).
+# What each kernel writes, and what it reads before its wait (the launch contracts in kernels_cu/*.cu), by the
+# KernelLibrary methods' parameter names.
 WRITES = {
-    "decode_prepare": {"input_ids", "positions", "slot_mapping", "row_position", "block_tables", "seq_lens",
-                       "temperature", "top_k", "top_p", "seed", "penalty", "position", "seen"},
+    "decode_prepare": {"input_ids", "positions", "slot_mapping", "seq_lens", "tables", "row_temperature", "row_top_k",
+                       "row_top_p", "row_seed", "row_penalty", "row_position", "row_seen"},
     "embedding": {"out"},
     "skinny_rope_kv": {"q_out", "k_cache", "v_cache"},
     "rope_cache_write": {"q_out", "k_cache", "v_cache"},
@@ -44,6 +46,7 @@ WRITES = {
     "sample_select": {"thresholds"},
     "sample_draw": {"parts"},
     "sample_finish": {"tokens", "logprobs"},
+    "decode_commit": {"num_cached", "last_token", "seen", "out_tokens", "out_logprobs"},
 }
 ROW_PARAMS = {"temperature", "top_k", "top_p", "seed", "penalty", "position"}
 BEFORE_WAIT = {
@@ -112,35 +115,24 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
 
 
 def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
-    """The launches of one decode step of batch_size sequences through CudaOps: decode_prepare's outputs
-    (recorded as its launch), the model's forward, then the sampling chain."""
+    """The launches of one decode step of batch_size sequences through CudaOps, as Engine._decode_into_outputs
+    issues them: decode_prepare, the model's forward, the sampling chain, decode_commit."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
     weights = load_weights(model_dir, cfg, dt, dev)
     block_size, blocks_per_seq = 16, 4
-    kv = KVCache(cfg.num_layers, batch_size * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+    B, S = batch_size, batch_size + 2
+    kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dt, dev)
     lib = RecordingLib()
     ops = CudaOps(lib, max_seq_len=block_size * blocks_per_seq)
     model = LlamaModel(cfg, weights, kv, ops, block_size * blocks_per_seq + 1)
-    B = batch_size
-    seq_lens = torch.full((B,), 20, dtype=torch.int32)
-    tables = torch.arange(B * blocks_per_seq, dtype=torch.int32).view(B, blocks_per_seq) + 1
-    positions = (seq_lens - 1).long()
-    slot_mapping = tables[:, 1].long() * block_size + positions % block_size
-    st = SamplingTensors(temperature=torch.ones(B), top_k=torch.zeros(B, dtype=torch.int64), top_p=torch.ones(B),
-                         seed=torch.zeros(B, dtype=torch.int64), repetition_penalty=torch.ones(B),
-                         seen=torch.zeros(B, cfg.vocab_size, dtype=torch.bool), position=positions.clone())
-    input_ids = torch.zeros(B, dtype=torch.int64)
-    lib.launches.append(("decode_prepare", dict(
-        input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables, seq_lens=seq_lens,
-        temperature=st.temperature, top_k=st.top_k, top_p=st.top_p, seed=st.seed, penalty=st.repetition_penalty,
-        position=st.position, seen=st.seen)))
-    batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
-                         seq_lens=seq_lens, logits_indices=torch.arange(B), is_decode=True,
-                         query_start_loc=list(range(B + 1)), seq_lens_host=seq_lens.tolist(),
-                         rope_scale_lens=seq_lens.tolist(), logits_all_rows=True)
-    logits = model.forward(batch)
-    ops.sample(logits, st)
+    state = SlotState(S, blocks_per_seq, cfg.vocab_size, dev)
+    state.block_table.copy_(torch.arange(S * blocks_per_seq, dtype=torch.int32).view(S, blocks_per_seq) + 1)
+    state.num_cached.fill_(19)
+    slots = torch.arange(1, B + 1)
+    batch, rows = ops.decode_inputs(state, slots, block_size, [20] * B, False)
+    out = ops.sample(model.forward(batch), rows)
+    ops.decode_commit(state, slots, out, StepOutputs(B, 0, S, dev), 0)
     return lib.launches
 
 
@@ -149,7 +141,7 @@ def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
 def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size):
     launches = decode_launches(checkpoints[name], batch_size)
     names = [n for n, _ in launches]
-    assert "embedding" in names and "sample_finish" in names  # the forward and the sampling chain ran
+    assert names[:2] == ["decode_prepare", "embedding"] and "sample_finish" in names and names[-1] == "decode_commit"
     if batch_size <= 8 and "qwen3" not in name:  # the skinny forwards (q/k norm takes the composed QKV path)
         assert {"skinny_rope_kv", "skinny_residual", "skinny_silu", "skinny_store"} <= set(names)
     assert violations(launches) == []
@@ -166,3 +158,8 @@ def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoi
     j = next(k for k, (n, _) in enumerate(launches) if n == "sample_stats")
     bad = launches[:j] + [("decode_prepare", launches[0][1])] + launches[j:]
     assert any("sample_stats.temperature" in v for v in violations(bad))
+    # the first QKV right after decode_prepare (no embedding launch between them) reads its slot_mapping and
+    # positions before its wait, which decode_prepare writes
+    assert launches[1][0] == "embedding" and launches[2][0] == "skinny_rope_kv"
+    bad = [launches[0]] + launches[2:]
+    assert any("skinny_rope_kv.slot_mapping" in v and "decode_prepare.slot_mapping" in v for v in violations(bad))
