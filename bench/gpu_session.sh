@@ -37,6 +37,18 @@ base_tree() {  # base_tree [DIR] (default build/ab-base) ready to run: this tree
   (cd "$dir" && python3 -m engine.cuda.build 2>&1 | tail -1)
 }
 
+ab_rounds() {  # ab_rounds "TREES" "BATCHES": engine_bench 1B (--no-hf) in each tree and then this one, REPS (3)
+  # rounds; a tree's JSONs go to $OUT/<its folder name>, this tree's to $OUT (bench/ab_summary.py reads both)
+  local trees=$1 batches=$2 dir rep
+  for dir in $trees; do base_tree "$dir"; mkdir -p "$OUT/$(basename "$dir")"; done
+  for rep in $(seq 1 ${REPS:-3}); do
+    for dir in $trees; do
+      (cd "$dir" && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-$(basename "$dir")-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches $batches --out "$OUT/$(basename "$dir")")
+    done
+    stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches $batches --out "$OUT"
+  done
+}
+
 for what in "$@"; do
   case "$what" in
     tests)   stage gpu-tests 240 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
@@ -83,20 +95,9 @@ for what in "$@"; do
       else echo "abengine: no build/ab-base"; fi ;;
     # Several trees against this one (AB_TREES, e.g. "build/ab-base build/ab-v1": each made like build/ab-base),
     # 1B at the batches in AB_BATCHES (default 1 8), REPS (3) rounds of every tree in turn, this tree last
-    abtrees) for dir in ${AB_TREES:-build/ab-base}; do base_tree "$dir"; mkdir -p "$OUT/$(basename "$dir")"; done
-        for rep in $(seq 1 ${REPS:-3}); do
-          for dir in ${AB_TREES:-build/ab-base}; do
-            (cd "$dir" && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-$(basename "$dir")-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --out "$OUT/$(basename "$dir")")
-          done
-          stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 8} --out "$OUT"
-        done ;;
-    # The 1B part alone, at the batches in AB_BATCHES (default 1 32), three times alternating
-    abengine1b) if [ -d build/ab-base ]; then mkdir -p "$OUT/base"
-        base_tree
-        for rep in 1 2 3; do
-          (cd build/ab-base && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-base-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT/base")
-          stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches ${AB_BATCHES:-1 32} --out "$OUT"
-        done
+    abtrees) ab_rounds "${AB_TREES:-build/ab-base}" "${AB_BATCHES:-1 8}" ;;
+    # The same against build/ab-base alone, at the batches in AB_BATCHES (default 1 32)
+    abengine1b) if [ -d build/ab-base ]; then ab_rounds build/ab-base "${AB_BATCHES:-1 32}"
       else echo "abengine1b: no build/ab-base"; fi ;;
     # A/B of programmatic dependent launch in one tree (METRALE_PDL=0 / 1), alternating, off first: 1B at
     # the batches in AB_BATCHES (default 1 8 32) REPS (3) times, then (PDL8B=1) 8B batch 1 once each
