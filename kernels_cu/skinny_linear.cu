@@ -170,14 +170,12 @@ struct NoPre {
   __device__ __forceinline__ void operator()() const {}
 };
 
-// U chunks c, c + 8, ..., c + 8 (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
-// (warp-uniform: c depends on the warp only).
-// WAIT (the warp's first group): the W loads are issued before waiting for the previous kernel
-// (programmatic dependent launch), x and the rest after it.
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS, bool WAIT = false, class Pre = NoPre>
-__device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                             int c, int C, Pre pre = Pre()) {
-  Vec16 wa[U], wb[U], xb[U][NT], nw[U];
+// U chunks c, c + WARPS, ..., c + WARPS (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
+// (warp-uniform: c depends on the warp only). load_weight_group issues the group's W loads; mma_group then
+// loads x (and norm_w) and runs the group's mmas.
+template <int NT, int U, bool FULL, int WARPS>
+__device__ __forceinline__ void load_weight_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<NT>& L, int c,
+                                                  int C) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
@@ -185,10 +183,11 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
     wa[u] = on ? ld_weight16(L.wa + k) : zero16();
     wb[u] = on ? ld_weight16(L.wb + k) : zero16();
   }
-  if (WAIT) {
-    pre();
-    wait_then_allow_dependents();
-  }
+}
+template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
+__device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
+                                          const Vec16 (&wa)[U], const Vec16 (&wb)[U], int c, int C) {
+  Vec16 xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
@@ -217,25 +216,36 @@ __device__ __forceinline__ void skinny_group(float (&acc)[CH][NT][4], float (&ss
   }
 }
 
-// pre(): the loads this warp issues before the wait after its first group's W loads (the epilogue's operands).
-template <class T, int NT, int U, int CH, bool NORM, int WARPS, class Pre>
+// The first group's W loads of this warp (chunks warp, warp + WARPS, ...): full0 = all U chunks exist.
+template <int NT, int U, int WARPS>
+__device__ __forceinline__ void load_first_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<NT>& L, int warp,
+                                                 int C, bool full0) {
+  if (full0)
+    load_weight_group<NT, U, true, WARPS>(wa, wb, L, warp, C);
+  else
+    load_weight_group<NT, U, false, WARPS>(wa, wb, L, warp, C);
+}
+
+// One tile's main loop for this warp, its first group's W already loaded into wa0 / wb0 (load_first_group).
+template <class T, int NT, int U, int CH, bool NORM, int WARPS>
 __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                                int warp, int C, Pre pre) {
-  int c = warp;
-  if (c + WARPS * (U - 1) < C) {  // the first group waits for the previous kernel after its W loads
-    skinny_group<T, NT, U, CH, NORM, true, WARPS, true>(acc, ss, L, c, C, pre);
-    c += WARPS * U;
-  } else {
-    if (c < C) {
-      skinny_group<T, NT, U, CH, NORM, false, WARPS, true>(acc, ss, L, c, C, pre);
-    } else {
-      pre();
-      wait_then_allow_dependents();  // no chunks for this warp (K < 32 WARPS): it still reads nothing before
-    }
+                                                const Vec16 (&wa0)[U], const Vec16 (&wb0)[U], int warp, int C,
+                                                bool full0) {
+  if (!full0) {  // the first group is this warp's only one (possibly empty: K < 32 WARPS)
+    mma_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa0, wb0, warp, C);
     return;
   }
-  for (; c + WARPS * (U - 1) < C; c += WARPS * U) skinny_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, c, C);
-  if (c < C) skinny_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, c, C);
+  mma_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa0, wb0, warp, C);
+  int c = warp + WARPS * U;
+  Vec16 wa[U], wb[U];
+  for (; c + WARPS * (U - 1) < C; c += WARPS * U) {
+    load_weight_group<NT, U, true, WARPS>(wa, wb, L, c, C);
+    mma_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa, wb, c, C);
+  }
+  if (c < C) {
+    load_weight_group<NT, U, false, WARPS>(wa, wb, L, c, C);
+    mma_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa, wb, c, C);
+  }
 }
 
 // The operands an epilogue loads for lane (g, t): the bias of rows r0 / r1, and per token m = 8j + 2t + s
@@ -284,15 +294,15 @@ __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyA
 }
 
 // The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
-// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). inv_rms(m): the
-// NORM prologue's scale of token m (called only when norm, from shared memory); e: epilogue_inputs' operands,
+// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). scale[j][s]: the
+// NORM prologue's inv_rms of that token (1 without NORM); e: epilogue_inputs' operands,
 // loaded before the first store (the compiler cannot move a global load above a store it may alias, so
 // loads between the stores would cost one memory round trip per token).
 // rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
 // head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
-template <class T, int NT, int EP, class InvRms>
+template <class T, int NT, int EP>
 __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float (&acc)[NT][4], const EpilogueIn<NT>& e,
-                                                int p, int r0, int r1, int t, bool norm, InvRms inv_rms) {
+                                                int p, int r0, int r1, int t, const float (&scale)[NT][2]) {
   const int M = a.M, half = a.half;
   const int head = p / half, i = p % half;  // rope_kv
 #pragma unroll
@@ -301,8 +311,7 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
     for (int s = 0; s < 2; ++s) {
       const int m = 8 * j + 2 * t + s;
       if (m >= M) continue;
-      const float scale = norm ? inv_rms(m) : 1.f;
-      const float v0 = acc[j][s] * scale + e.b0, v1 = acc[j][2 + s] * scale + e.b1;
+      const float v0 = acc[j][s] * scale[j][s] + e.b0, v1 = acc[j][2 + s] * scale[j][s] + e.b1;
       if (EP == EP_STORE) {
         u16* out = (u16*)a.out + (i64)m * a.N;
         out[r0] = T::from_float(v0);
@@ -354,6 +363,8 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   const int g = lane >> 2, t = lane & 3;
   const int M = a.M, K = a.K, half = a.half;
   const bool norm = a.norm_w != nullptr;
+  const int C = K / SK_CHUNK;
+  const bool full0 = warp + WARPS * (U - 1) < C;  // this warp's first group has all U chunks
 
   // The pair of this lane's fragment rows g / g + 8.
   const int p = blockIdx.x * 8 + g;
@@ -368,8 +379,16 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   L.xstride = (i64)8 * K;
 #pragma unroll
   for (int j = 0; j < NT; ++j) L.xv[j] = 8 * j + g < M;
-  const int C = K / SK_CHUNK;
 
+  // The first group's W loads, then warp 0's epilogue operands at NT = 1 (up to 8 tokens: the engine's skinny
+  // forwards), then the wait for the previous kernel; the 16- and 32-token entries load the epilogue's operands
+  // after the reduction (held through the main loop they would spill there).
+  Vec16 wa0[U], wb0[U];
+  load_first_group<NT, U, WARPS>(wa0, wb0, L, warp, C, full0);
+  constexpr bool EARLY_EPI = NT == 1;
+  EpilogueIn<NT> epi;
+  if (EARLY_EPI && warp == 0) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
+  wait_then_allow_dependents();
 
   float chains[CH][NT][4];
   float ss[NT];
@@ -382,18 +401,10 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
     }
   }
-  // Warp 0's epilogue operands, loaded before the wait at NT = 1 (up to 8 tokens: the engine's skinny
-  // forwards); the 16- and 32-token entries load them after the reduction (held through the main loop they
-  // would spill there).
-  constexpr bool EARLY_EPI = NT == 1;
-  EpilogueIn<NT> epi;
-  auto pre = [&]() {
-    if (EARLY_EPI && warp == 0) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
-  };
   if (norm)
-    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, warp, C, pre);
+    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
   else
-    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, warp, C, pre);
+    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
   TRACE_MARK(0);  // warp 0's share of W consumed
   float acc[NT][4];
 #pragma unroll
@@ -435,13 +446,23 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
     }
   }
-  if (!EARLY_EPI) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
-  skinny_epilogue<T, NT, EP>(a, acc, epi, p, r0, r1, t, norm, [&](int m) {
-    float sum = 0.f;
+  float scale[NT][2];  // the NORM prologue's inv_rms of token 8j + 2t + s (1 without NORM)
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
-    return rsqrtf(sum / (float)K + a.eps);
-  });
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int m = 8 * j + 2 * t + s;
+      scale[j][s] = 1.f;
+      if (norm && m < M) {
+        float sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) sum += sq_red[w][m];
+        scale[j][s] = rsqrtf(sum / (float)K + a.eps);
+      }
+    }
+  }
+  if (!EARLY_EPI) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
+  skinny_epilogue<T, NT, EP>(a, acc, epi, p, r0, r1, t, scale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -487,8 +508,8 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
     skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
   }
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)             \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, )         \
+#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)     \
+  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, ) \
   SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
 
 SKINNY_ENTRIES(bf16, Bf16, 8, 1)

@@ -134,13 +134,16 @@ def forced_width(lib, fn, wide_tiles: int):
     return run
 
 
+TOKENS = (1, 5, 8, 16, 32)  # 5: Verify of 4 drafts at batch 1 (--tokens 1,8 picks some)
+
+
 def skinny_rows(lib, dev, dt) -> list[tuple]:
     rows = []
     for label, N, K, ep in SKINNY_SHAPES:
         nbytes = N * K * 2
         copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
         weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
-        for M in (1, 5, 8, 16, 32):  # 5: Verify of 4 drafts at batch 1
+        for M in TOKENS:
             for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                 d_us = device_us(fn)
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
@@ -274,8 +277,12 @@ def main() -> int:
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
+    --tokens 1,8 with --skinny: only those token counts;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
+    global TOKENS
+    if "--tokens" in sys.argv:
+        TOKENS = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
