@@ -38,14 +38,22 @@ base_tree() {  # base_tree [DIR] (default build/ab-base) ready to run: this tree
 }
 
 ab_rounds() {  # ab_rounds "TREES" "BATCHES": engine_bench 1B (--no-hf) in each tree and then this one, REPS (3)
-  # rounds; a tree's JSONs go to $OUT/<its folder name>, this tree's to $OUT (bench/ab_summary.py reads both)
-  local trees=$1 batches=$2 dir rep
+  # rounds; a tree's JSONs go to $OUT/<its folder name>, this tree's to $OUT (bench/ab_summary.py reads both).
+  # AB_VARIANTS="NAME:FLAGS;NAME:FLAGS" adds runs of this tree with engine_bench FLAGS to each round, their JSONs
+  # under $OUT/NAME (e.g. AB_VARIANTS="off:--skinny-wide-tiles 0": a switch measured in the same rounds)
+  local trees=$1 batches=$2 dir rep variant
+  local -a variants=()
+  [ -n "${AB_VARIANTS:-}" ] && IFS=';' read -ra variants <<< "$AB_VARIANTS"
   for dir in $trees; do base_tree "$dir"; mkdir -p "$OUT/$(basename "$dir")"; done
+  for variant in "${variants[@]}"; do mkdir -p "$OUT/${variant%%:*}"; done
   for rep in $(seq 1 ${REPS:-3}); do
     for dir in $trees; do
       (cd "$dir" && PYTHONPATH=/tmp/site:$PWD stage engine-bench-1b-$(basename "$dir")-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches $batches --out "$OUT/$(basename "$dir")")
     done
     stage engine-bench-1b-new-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches $batches --out "$OUT"
+    for variant in "${variants[@]}"; do
+      stage engine-bench-1b-${variant%%:*}-rep$rep 240 python3 bench/engine_bench.py --shape 1b --no-hf --batches $batches ${variant#*:} --out "$OUT/${variant%%:*}"
+    done
   done
 }
 
