@@ -166,10 +166,6 @@ struct LaneOperands {
   const u16* nw;      // norm_w + 8t
 };
 
-struct NoPre {
-  __device__ __forceinline__ void operator()() const {}
-};
-
 // U chunks c, c + WARPS, ..., c + WARPS (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only). load_weight_group issues the group's W loads; mma_group then
 // loads x (and norm_w) and runs the group's mmas.

@@ -134,16 +134,13 @@ def forced_width(lib, fn, wide_tiles: int):
     return run
 
 
-TOKENS = (1, 5, 8, 16, 32)  # 5: Verify of 4 drafts at batch 1 (--tokens 1,8 picks some)
-
-
-def skinny_rows(lib, dev, dt) -> list[tuple]:
+def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Verify of 4 drafts at batch 1
     rows = []
     for label, N, K, ep in SKINNY_SHAPES:
         nbytes = N * K * 2
         copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
         weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
-        for M in TOKENS:
+        for M in tokens:
             for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                 d_us = device_us(fn)
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
@@ -280,9 +277,6 @@ def main() -> int:
     --tokens 1,8 with --skinny: only those token counts;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
-    global TOKENS
-    if "--tokens" in sys.argv:
-        TOKENS = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
@@ -326,13 +320,16 @@ def main() -> int:
                 print(f"{batch:>5}  {tag + name:<40} {d_us:>10.2f}  {extra}")
         return 0
     if "--skinny" in sys.argv:
+        only = {}
+        if "--tokens" in sys.argv:
+            only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
         libs = [("", ops.lib)]
         if "--variant" in sys.argv:
             src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
             libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
                                                                         kernel_dir=pathlib.Path(src))))
         for tag, lib in libs:
-            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt):
+            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt, **only):
                 print(f"{batch:>5}  {tag + name:<34} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
         return 0
     rows = []
