@@ -448,6 +448,7 @@ SAMPLE_CASES = [
     (256, 4096, 5.0, list(ROW_KINDS)),
     (7, 50257, 3.0, list(ROW_KINDS)),  # V % 4 != 0: sample_stats' scalar loads
     (32, 128256, 3.0, ["greedy", "greedy_penalty", "temperature"]),  # the 1B decode batch: 16-byte loads
+    (2, 300000, 3.0, ["greedy", "temperature"]),  # 293 splits: sample_finish's lanes load more than one batch
 ]
 
 
