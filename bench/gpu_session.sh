@@ -2,7 +2,9 @@
 # One call on the GPU machine (the device tool): build the kernels, then run the named stages.
 #   bash bench/gpu_session.sh tests bench1b load1b bench8b
 # Stages write logs and result JSON under $OUT (bench/results/ here when OUT is unset). Needs the
-# generated stubs (metrale/, carried) and grpcio-reflection/health-checking wheels in .whl/ (carried).
+# generated stubs (metrale/, carried) and grpcio-reflection/health-checking wheels in .whl/ (carried) of the
+# device's grpcio version (1.84: `pip download --no-deps grpcio-health-checking==1.84.0 grpcio-reflection==1.84.0
+# -d .whl`; newer ones refuse to import under it, and the worker with them).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/bench/results}
@@ -10,6 +12,8 @@ mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
+  python3 -c "import grpc_health.v1.health_pb2_grpc, grpc_reflection.v1alpha.reflection" \
+    || echo "gpu_session: the wheels in .whl/ do not import under this grpcio (the worker will not start)"
 else
   export PYTHONPATH=$PWD
 fi
@@ -72,6 +76,8 @@ for what in "$@"; do
     bench1b) stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b) stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
     load1b)  stage load-1b 540 python3 bench/load.py --shape 1b --concurrency 1 4 16 32 64 128 --pipeline 1 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
+    # Batch 1 as a router sees it: C = 1 over gRPC, one to three Decodes in flight, calls and DecodeStream
+    loadc1)  stage load-1b-c1 300 python3 bench/load.py --shape 1b --concurrency 1 --pipeline 1 2 3 --decode call stream --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     load32)  stage load-1b-c32 420 python3 bench/load.py --shape 1b --concurrency 32 128 --pipeline 2 3 --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     load32p3) stage load-1b-c32-p3 300 python3 bench/load.py --shape 1b --concurrency 32 --pipeline 3 --prompt-len 128 --output-len 128 --no-plots --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT" ;;
     # Where each step's time goes (the worker's x-step-times trailer and the router's stamps), C = 32
