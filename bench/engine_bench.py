@@ -103,7 +103,7 @@ def start_batch(engine: Engine, batch: int, prompt_len: int, room: int, seed: in
 
 
 def graph_stats(engine: Engine) -> tuple[int, int]:
-    g = engine.graphs
+    g = engine.runtime.dispatch.graphs
     return (g.stats.hits, g.stats.misses) if g is not None else (0, 0)
 
 
@@ -114,7 +114,7 @@ def batch_layout(engine: Engine, ids: list[int]) -> dict:
     seqs = [engine.sequences[i] for i in ids]
     blocks = [b for s in seqs for b in s.block_ids]
     pairs = [(a, b) for s in seqs for a, b in zip(s.block_ids, s.block_ids[1:])]
-    g = engine.graphs
+    g = engine.runtime.dispatch.graphs
     return {"slots": [min(s.slot for s in seqs), max(s.slot for s in seqs)], "blocks": [min(blocks), max(blocks)],
             "adjacent_blocks": sum(b == a + 1 for a, b in pairs) / max(1, len(pairs)),
             "captures": g.stats.captures if g is not None else 0}
@@ -395,12 +395,12 @@ def main(argv=None) -> int:
                        max_seq_len=args.max_seq_len or max_len + 512, max_prefill_tokens=8192,
                        kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
     engine = Engine(cfg)
-    lib = getattr(engine.ops, "lib", None)
+    lib = getattr(engine.runtime.ops, "lib", None)
     if lib is not None:  # before any step is captured
         tune_kernels(lib, args)
-    results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.ops.name, capture_after=cfg.capture_after,
+    results["meta"].update(dtype=str(engine.dtype), kernel_backend=engine.runtime.ops.name, capture_after=cfg.capture_after,
                            fallback_graphs=cfg.fallback_graphs, max_graphs=cfg.max_graphs,
-                           weight_bytes=weight_bytes(engine.weights),
+                           weight_bytes=weight_bytes(engine.runtime.weights),
                            pdl=bool(getattr(lib, "pdl", False)),
                            skinny_wide_tiles=getattr(lib, "skinny_wide_tiles", None),
                            decode_max_splits=getattr(lib, "decode_max_splits", None),
@@ -415,16 +415,16 @@ def main(argv=None) -> int:
         guarded(ours, f"decode_b{b}", engine_decode, engine, b, args.steps)
     for b in sorted({1, 32} & set(args.batches)):
         guarded(ours, f"decode_queued_b{b}", engine_decode_queued, engine, b, args.steps)
-    if engine.graphs is not None:  # the same engine with its graph cache set aside: eager launches
-        graphs, engine.graphs = engine.graphs, None
+    if engine.runtime.dispatch.graphs is not None:  # the same engine with its graph cache set aside: eager launches
+        graphs, engine.runtime.dispatch.graphs = engine.runtime.dispatch.graphs, None
         guarded(ours, "eager_decode_b1", engine_decode, engine, 1, max(20, args.steps // 4))
-        engine.graphs = graphs
+        engine.runtime.dispatch.graphs = graphs
     churn_b = 32 if not args.quick else 4
     guarded(ours, f"decode_steady_b{churn_b}", engine_decode, engine, churn_b, args.steps)
     guarded(ours, f"decode_churn_b{churn_b}", engine_churn, engine, churn_b, args.steps)
     guarded(ours, "verify4_b1", engine_verify, engine, 4, max(10, args.steps // 2))
-    if engine.graphs is not None:
-        ours["graph_cache"] = vars(engine.graphs.stats).copy()
+    if engine.runtime.dispatch.graphs is not None:
+        ours["graph_cache"] = vars(engine.runtime.dispatch.graphs.stats).copy()
     engine.close()
     del engine
     gc.collect()

@@ -145,10 +145,10 @@ def profile_replay_host(path, steps: int = 400) -> None:
     spent: collections.Counter = collections.Counter()
 
     timed(spent, engine, "_launch", "launch: _launch")
-    timed(spent, engine.graphs, "run", "launch: graph run (replay)")
-    timed(spent, engine.outputs, "copy_to_host", "launch: copy_to_host")
+    timed(spent, engine.runtime.dispatch.graphs, "run", "launch: graph run (replay)")
+    timed(spent, engine.runtime.outputs, "copy_to_host", "launch: copy_to_host")
     timed(spent, engine, "_commit", "finish: _commit")
-    timed(spent, engine.outputs, "host_values", "finish: host_values")
+    timed(spent, engine.runtime.outputs, "host_values", "finish: host_values")
     wait_device = PendingStep.wait_device
 
     def timed_wait(step) -> None:
@@ -198,8 +198,8 @@ def profile_verify_host(path, calls: int = 300) -> None:
     spent: collections.Counter = collections.Counter()
 
     for obj, name in ((engine, "_check_ids"), (engine, "_finish_in_flight"), (engine, "_verify_uniform"),
-                      (engine, "_run_step"), (engine.graphs, "run"), (engine.verify_outputs, "write_drafts"),
-                      (engine.verify_outputs, "read"), (engine, "_token_result")):
+                      (engine, "_run_step"), (engine.runtime.dispatch.graphs, "run"), (engine.verifier.outputs, "write_drafts"),
+                      (engine.verifier.outputs, "read"), (engine, "_token_result")):
         timed(spent, obj, name, f"{type(obj).__name__}.{name}")
     seq = engine.alloc_sequence(128 + 8 * calls, SamplingParams(), GREEDY).seq_id
     engine.prefill([PrefillItem(seq, torch.randint(0, vocab, (128,)).tolist())])
@@ -375,24 +375,24 @@ def profile_ttft(path, n: int = 24) -> None:
 
     # Where the fused attention (gathered keys) pays off against the paged kernel: warm wall time of
     # each on the same prompts; CudaOps.sdpa_min_tokens picks between them.
-    ops = engine.ops
+    ops = engine.runtime.ops
     if not hasattr(ops, "sdpa_min_tokens"):
         return
     from torch.nn.attention import SDPBackend
     default, default_backends = ops.sdpa_min_tokens, ops.sdpa_backends
-    graphs = engine.graphs
+    graphs = engine.runtime.dispatch.graphs
     paths = (("graph", 1 << 30, None, graphs), ("paged", 1 << 30, None, None), ("sdpa", 0, None, None),
              ("flash", 0, [SDPBackend.FLASH_ATTENTION], None))
     print(f"\n== prefill wall ms (warm, median of 5): the CUDA graph of the padded shape (paged kernel; forwards "
-          f"of up to {engine._prefill_staging.max_tokens} tokens), the paged kernel eagerly, torch's fused "
+          f"of up to {engine.prefiller.staging.max_tokens} tokens), the paged kernel eagerly, torch's fused "
           f"attention as torch picks it, and restricted to FlashAttention; sdpa_min_tokens now {default}")
     for batch, length in ((1, 128), (1, 512), (1, 1024), (1, 2048), (4, 256), (8, 512), (4, 2048)):
         walls = {}
-        for name, threshold, backends, engine.graphs in paths:
+        for name, threshold, backends, engine.runtime.dispatch.graphs in paths:
             ops.sdpa_min_tokens, ops.sdpa_backends = threshold, backends
             walls[name] = sorted(run(length, batch=batch) for _ in range(6))[2]
         print(f"  {batch}x{length:<5d} " + "  ".join(f"{k} {v:7.2f}" for k, v in walls.items()))
-    engine.graphs = graphs
+    engine.runtime.dispatch.graphs = graphs
     print("\n== prefill wall ms at new lengths >= sdpa_min_tokens (cold shapes for the fused attention)")
     for name, backends in (("as torch picks", None), ("FlashAttention only", [SDPBackend.FLASH_ATTENTION])):
         ops.sdpa_min_tokens, ops.sdpa_backends = 0, backends
@@ -402,7 +402,7 @@ def profile_ttft(path, n: int = 24) -> None:
     ops.sdpa_min_tokens, ops.sdpa_backends = default, default_backends
 
     # cuBLAS's per-shape cost: the host time of a GEMM call the first time its M is seen, and again.
-    w = engine.model.w.layers[0].gate_up
+    w = engine.runtime.model.w.layers[0].gate_up
     firsts, agains = [], []
     for m in range(301, 333):
         x = torch.randn(m, w.shape[1], dtype=w.dtype, device=w.device)

@@ -221,7 +221,7 @@ def main(argv=None) -> int:
                              device="cuda")
     engine = Engine(EngineConfig(model=str(model), device="cuda", max_slots=256, max_batch_size=256,
                                  max_seq_len=args.max_seq_len, max_prefill_tokens=8192, kv_cache_memory=0.5))
-    lib = engine.ops.lib
+    lib = engine.runtime.ops.lib
     eb.tune_kernels(lib, args)
     print(f"kernels: {lib.origin}", flush=True)
     buf = attach(lib, capacity=1_000_000)

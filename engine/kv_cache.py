@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.errors import ResourceExhausted
+from engine.ops.torch_ops import LayerKV
 
 
 class BlockAllocator:
@@ -54,6 +55,9 @@ class KVCache:
         self.num_blocks = num_blocks
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def layer(self, i: int) -> LayerKV:
+        return LayerKV(self.k[i], self.v[i])
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -150,6 +150,11 @@ class VerifyOutputs:
                      *(torch.zeros(t.shape, dtype=t.dtype, pin_memory=pin) for t in (self.top_ids, self.top_logprobs))]
         self.host_np = [t.numpy() for t in (*self._views(packed), self.host[1])]  # accepted, tokens, logprobs, drafts
 
+    def drop_hosts(self) -> None:
+        """Drops the pinned mirrors (before the compute stream they were copied on goes)."""
+        self.host.clear()
+        self.host_np.clear()
+
     def _views(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         mb = self.max_batch
         return (packed[:2 * mb].view(torch.int64), packed[2 * mb:4 * mb].view(torch.int64),

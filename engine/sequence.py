@@ -1,10 +1,11 @@
-"""Per-request state (Sequence) and the free list of slots (SlotTable)."""
+"""Per-request state (Sequence), the live sequences by id with the checks every call makes on them
+(SequenceTable), and the free list of slots (SlotTable)."""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 
-from engine.errors import ResourceExhausted
+from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engine.sampling import SamplingParams, StoppingCriteria
 
 
@@ -84,3 +85,75 @@ class SlotTable:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+
+class SequenceTable:
+    """The live sequences by id, and the checks a call makes on the ids and tokens it is given (each raises
+    the EngineError the call answers with, before anything changes)."""
+
+    def __init__(self, vocab_size: int, max_batch_size: int):
+        self.vocab_size = vocab_size
+        self.max_batch_size = max_batch_size
+        self._by_id: dict[int, Sequence] = {}
+        self._next_id = 1
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._by_id
+
+    def __getitem__(self, seq_id: int) -> Sequence:
+        return self._by_id[seq_id]
+
+    def values(self):
+        return self._by_id.values()
+
+    def new_id(self) -> int:
+        seq_id, self._next_id = self._next_id, self._next_id + 1
+        return seq_id
+
+    def add(self, seq: Sequence) -> None:
+        self._by_id[seq.seq_id] = seq
+
+    def remove(self, seq_id: int) -> Sequence:
+        return self._by_id.pop(seq_id)
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+    def check_ids(self, seq_ids: list[int], limit: bool = True) -> list[Sequence]:
+        """The sequences of a batch: not empty, at most max_batch_size (with limit), no duplicates, all known."""
+        if not seq_ids:
+            raise InvalidArgument("the batch is empty")
+        if limit and len(seq_ids) > self.max_batch_size:
+            raise ResourceExhausted(f"batch of {len(seq_ids)} sequences exceeds max_batch_size="
+                                    f"{self.max_batch_size}")
+        if len(set(seq_ids)) != len(seq_ids):
+            dups = sorted({i for i in seq_ids if seq_ids.count(i) > 1})
+            raise InvalidArgument(f"duplicate sequence ids in one batch: {dups[:8]}")
+        unknown = [i for i in seq_ids if i not in self._by_id]
+        if unknown:
+            raise NotFound(f"unknown sequence ids: {unknown[:8]}")
+        return [self._by_id[i] for i in seq_ids]
+
+    @staticmethod
+    def check_running(seqs: list[Sequence]) -> None:
+        """Every sequence has a complete prompt and has not finished (what a decode or verify step needs)."""
+        if all(seq.prompt_len and not seq.finish_reason for seq in seqs):  # every step: the common case first
+            return
+        for seq in seqs:
+            if not seq.prompt_done:
+                raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is not complete (prefill first)")
+            if seq.finished:
+                raise FailedPrecondition(f"sequence {seq.seq_id} has finished ({seq.finish_reason.name}); "
+                                         f"release it")
+
+    def check_tokens(self, token_ids: list[int], what: str) -> None:
+        """Every id is inside the vocabulary."""
+        vocab = self.vocab_size
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+            return
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument(f"{what}: token ids {bad[:8]} are outside the vocabulary (size {vocab})")

@@ -25,11 +25,16 @@ class SlotState:
         self.seed = zeros(max_slots, dtype=torch.int64)
         self.repetition_penalty = zeros(max_slots, dtype=torch.float32)
         self.seen = zeros(max_slots, vocab_size, dtype=torch.bool)  # tokens in the sequence (penalty)
-        self._true = torch.ones((), dtype=torch.bool, device=device)
+        self.true = torch.ones((), dtype=torch.bool, device=device)  # the value index_put_ writes into seen
 
     def mark_seen(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """seen[slots[i], token_ids[i]] = True, with device tensors only (capturable in a CUDA graph)."""
-        self.seen.index_put_((slots, token_ids), self._true)
+        self.seen.index_put_((slots, token_ids), self.true)
+
+    def rebuild_seen(self, slot: int, token_ids: list[int]) -> None:
+        """seen[slot] from scratch: exactly token_ids (after the history was rewritten or rolled back)."""
+        self.seen[slot] = False
+        self.seen[slot, torch.tensor(token_ids, device=self.seen.device)] = True
 
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams) -> None:
         self.block_table[slot].zero_()

@@ -113,16 +113,16 @@ def test_unexpected_engine_exception_is_internal_and_server_keeps_serving(small,
     sid = alloc(stub, 40)
     prefill(stub, sid, [1, 2, 3])
     engine = small.engine
-    original = engine.model.forward
+    original = engine.runtime.model.forward
 
     def boom(batch):
         raise RuntimeError("injected fault")
-    engine.model.forward = boom
+    engine.runtime.model.forward = boom
     try:
         details = expect(C.INTERNAL, stub.Decode, pb.DecodeRequest(sequence_ids=[sid]),
                          match="request id")
     finally:
-        engine.model.forward = original
+        engine.runtime.model.forward = original
     rid = details.split("request id ")[1].split(")")[0]
     assert any(rid in r.getMessage() and r.exc_info for r in caplog.records)
     assert stub.Decode(pb.DecodeRequest(sequence_ids=[sid])).tokens[0].seq_len == 5

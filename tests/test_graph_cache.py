@@ -249,7 +249,7 @@ def test_engine_info_reports_the_graph_cache_counters(tiny_model):
     for graphs in (False, True):
         engine = Engine(engine_config(tiny_model, fallback_graphs=False))
         if graphs:
-            engine.graphs = GraphCache(ExecBackend(), max_graphs=4, capture_after=2)
+            engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=4, capture_after=2)
         ids = [engine.alloc_sequence(32, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
                for _ in prompts]
         engine.prefill([PrefillItem(i, p) for i, p in zip(ids, prompts)])
@@ -304,7 +304,7 @@ def test_batch_width_fallback_graph_serves_a_churning_batch_exactly(tiny_model):
     stats = {}
     for fallback in (False, True):
         engine = Engine(engine_config(tiny_model, fallback_graphs=fallback))
-        engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
+        engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
         assert churn(engine) == eager
         stats[fallback] = s = engine.info().graph_cache
         assert s.hits + s.misses == len(eager) + len(prompts)  # every decode step and prefill forward
@@ -345,7 +345,7 @@ def test_width_fallback_graph_serves_churning_verify_steps_exactly(tiny_model):
     eager = churn(Engine(engine_config(tiny_model)))
     assert any(step for step in eager)
     engine = Engine(engine_config(tiny_model, fallback_graphs=True))
-    engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=4)
+    engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=4)
     assert churn(engine) == eager
     s = engine.info().graph_cache
     assert s.fallbacks > 0 and s.hits + s.misses == len(eager) + len(prompts)  # verify steps and prefills
@@ -369,9 +369,9 @@ def test_replayed_prefill_graphs_equal_eager_prefill(tiny_model):
     runs = []
     for graphs in (False, True):
         engine = Engine(engine_config(tiny_model))
-        engine.ops.prefill_tokens = lambda n: -(-n // 16) * 16  # bucketed like CudaOps, so shapes recur
+        engine.runtime.ops.prefill_tokens = lambda n: -(-n // 16) * 16  # bucketed like CudaOps, so shapes recur
         if graphs:
-            engine.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=2)
+            engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=2)
         greedy, stop = SamplingParams(), StoppingCriteria(max_new_tokens=4, ignore_eos=True)
         firsts, steps = [], []
         for prompts in rounds:
@@ -381,7 +381,7 @@ def test_replayed_prefill_graphs_equal_eager_prefill(tiny_model):
                 [PrefillItem(ids[0], prompts[0][3:])] + [PrefillItem(i, p) for i, p in zip(ids[1:], prompts[1:])]).tokens]
             steps += [[t.token_id for t in engine.decode(ids).tokens] for _ in range(2)]
             engine.release(ids)
-        runs.append((firsts, steps, engine.kv.k[0].clone(), engine.kv.v[-1].clone(), engine.state.seen.clone(),
+        runs.append((firsts, steps, engine.runtime.kv.k[0].clone(), engine.runtime.kv.v[-1].clone(), engine.runtime.state.seen.clone(),
                      engine.info().graph_cache))
     (first0, steps0, k0, v0, seen0, _), (first1, steps1, k1, v1, seen1, stats) = runs
     assert [t for t, _ in first0] == [t for t, _ in first1] and steps0 == steps1
@@ -420,7 +420,7 @@ def test_top_logprob_counts_share_one_graph_per_width_and_each_sequence_gets_its
 
     eager = run(Engine(engine_config(tiny_model, fallback_graphs=False)))
     engine = Engine(engine_config(tiny_model, fallback_graphs=False))
-    engine.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=1)
+    engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=16, capture_after=1)
     assert run(engine) == eager
-    decode_keys = [k for k in engine.graphs._graphs if k[0] == "decode"]
+    decode_keys = [k for k in engine.runtime.dispatch.graphs._graphs if k[0] == "decode"]
     assert sorted(k[-1] for k in decode_keys) == [0, engine.config.max_top_logprobs]  # one slot vector

@@ -23,6 +23,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
 from engine.outputs import StepOutputs
+from engine.slot_io import KernelSlotIO
 from engine.state import SlotState
 
 from conftest import TINY_CONFIGS
@@ -115,7 +116,7 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
 
 
 def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
-    """The launches of one decode step of batch_size sequences through CudaOps, as Engine._decode_into_outputs
+    """The launches of one decode step of batch_size sequences through CudaOps, as DecodePipeline._step_into_outputs
     issues them: decode_prepare, the model's forward, the sampling chain, decode_commit."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
@@ -130,9 +131,10 @@ def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
     state.block_table.copy_(torch.arange(S * blocks_per_seq, dtype=torch.int32).view(S, blocks_per_seq) + 1)
     state.num_cached.fill_(19)
     slots = torch.arange(1, B + 1)
-    batch, rows = ops.decode_inputs(state, slots, block_size, [20] * B, False)
+    slot_io = KernelSlotIO(state, block_size, lib)
+    batch, rows = slot_io.decode_inputs(slots, [20] * B, False)
     out = ops.sample(model.forward(batch), rows)
-    ops.decode_commit(state, slots, out, StepOutputs(B, 0, S, dev), 0)
+    slot_io.decode_commit(slots, out, StepOutputs(B, 0, S, dev), 0)
     return lib.launches
 
 

@@ -10,6 +10,7 @@ from engine.engine import Engine
 from engine.errors import FailedPrecondition, NotFound
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason
+from engine.warm_up import warm_up_decode
 from test_graph_cache import ExecBackend
 
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.3, top_logprobs=2, seed=5)
@@ -141,7 +142,7 @@ def test_steps_launched_behind_the_running_one_equal_one_at_a_time(tiny_model, g
     def make_engine(reference: bool = False) -> Engine:
         engine = Engine(engine_config(tiny_model, fallback_graphs=graphs))
         if graphs and not reference:
-            engine.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
+            engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=8, capture_after=3)
         return engine
 
     engine = check_launched_steps_equal_one_at_a_time(make_engine, 512)
@@ -333,7 +334,7 @@ def test_decode_width_warm_up_is_a_no_op_without_cuda_graphs(tiny_model):
     """On the CPU (no CUDA graphs) warm_up_decode runs nothing and leaves nothing allocated; the GPU
     test test_warm_up_captures_each_decode_width_so_requests_do_not covers the captures."""
     engine = Engine(engine_config(tiny_model, warm_up_widths=4))
-    assert engine.warm_up_decode() == 0
+    assert warm_up_decode(engine) == 0
     assert not engine.sequences
 
 
@@ -345,16 +346,16 @@ def test_the_last_batch_plan_serves_the_same_batch_and_release_drops_it(tiny_mod
     prompts = random_prompts([6, 5, 7], engine.model_config.vocab_size, seed=11)
     a, b, c = start(engine, prompts, [20, 20, 20])
     first = engine.decode([a, b, c])
-    plan = engine._last_plan
+    plan = engine.decoder._last_plan
     engine.decode([a, b, c])
-    assert engine._last_plan is plan and plan.in_slot_order
+    assert engine.decoder._last_plan is plan and plan.in_slot_order
     reordered = engine.decode([c, a, b])
-    assert engine._last_plan is not plan and not engine._last_plan.in_slot_order
+    assert engine.decoder._last_plan is not plan and not engine.decoder._last_plan.in_slot_order
     assert [t.seq_id for t in reordered.tokens] == [c, a, b]
     assert [t.seq_len for t in reordered.tokens] == [t.seq_len + 2 for t in (first.tokens[2], first.tokens[0],
                                                                               first.tokens[1])]
     engine.release([b])
-    assert engine._last_plan is None
+    assert engine.decoder._last_plan is None
     with pytest.raises(NotFound):
         engine.decode([c, a, b])
     assert [t.seq_id for t in engine.decode([c, a]).tokens] == [c, a]

@@ -82,16 +82,16 @@ class SlowForward:
     """Makes every forward of an engine sleep first (to hold a step in flight)."""
 
     def __init__(self, engine: Engine, seconds: float):
-        self.engine, self.seconds, self.original = engine, seconds, engine.model.forward
+        self.engine, self.seconds, self.original = engine, seconds, engine.runtime.model.forward
 
     def __enter__(self):
         def slow(batch):
             time.sleep(self.seconds)
             return self.original(batch)
-        self.engine.model.forward = slow
+        self.engine.runtime.model.forward = slow
 
     def __exit__(self, *exc):
-        self.engine.model.forward = self.original
+        self.engine.runtime.model.forward = self.original
 
 
 def test_deadline_during_a_step_leaves_it_whole_and_queued_calls_are_skipped(tiny_model, solo):

@@ -13,6 +13,7 @@ from engine.errors import ConfigError, ResourceExhausted
 from engine.kv_cache import BlockAllocator
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason, Sequence, SlotTable
+from engine.warm_up import warm_up_prefill
 from worker.config import WorkerConfig, config_from_args, serve_parser
 from worker.leases import Leases
 from worker.metrics import LATENCY_BUCKETS, WeightedHistogram
@@ -145,8 +146,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     one = write_checkpoint(tmp_path / "one", arch="qwen2", shape="tiny", seed=4)
     many = write_checkpoint(tmp_path / "many", arch="qwen2", shape="tiny", seed=4, max_shard_bytes=60_000)
     assert len(list(many.glob("*.safetensors"))) > 2 and (many / "model.safetensors.index.json").exists()
-    a = Engine(EngineConfig(model=str(one), device="cpu", num_kv_blocks=8)).weights
-    b = Engine(EngineConfig(model=str(many), device="cpu", num_kv_blocks=8)).weights
+    a = Engine(EngineConfig(model=str(one), device="cpu", num_kv_blocks=8)).runtime.weights
+    b = Engine(EngineConfig(model=str(many), device="cpu", num_kv_blocks=8)).runtime.weights
     assert torch.equal(a.layers[1].qkv_bias, b.layers[1].qkv_bias) and torch.equal(a.lm_head, b.lm_head)
 
 
@@ -258,7 +259,7 @@ def test_padded_prefill_forward_equals_the_unpadded_one(tiny_model):
     runs = []
     for pad in (0, 37):
         engine = Engine(engine_config(tiny_model))
-        engine.ops.prefill_tokens = lambda n, pad=pad: n + pad
+        engine.runtime.ops.prefill_tokens = lambda n, pad=pad: n + pad
         greedy, stop = SamplingParams(), StoppingCriteria(max_new_tokens=6, ignore_eos=True)
         ids = [engine.alloc_sequence(40, greedy, stop).seq_id for _ in prompts]
         engine.prefill([PrefillItem(ids[0], prompts[0][:3], partial=True)])  # a chunk, then the rest
@@ -266,7 +267,7 @@ def test_padded_prefill_forward_equals_the_unpadded_one(tiny_model):
                                [PrefillItem(i, p) for i, p in zip(ids[1:], prompts[1:])]).tokens
         steps = [engine.decode(ids).tokens for _ in range(3)]
         runs.append(([(t.token_id, t.logprob) for t in first], [[t.token_id for t in s] for s in steps],
-                     engine.kv.k[0].clone(), engine.kv.v[-1].clone(), engine.state.seen.clone()))
+                     engine.runtime.kv.k[0].clone(), engine.runtime.kv.v[-1].clone(), engine.runtime.state.seen.clone()))
     (first0, steps0, k0, v0, seen0), (first1, steps1, k1, v1, seen1) = runs
     assert [t for t, _ in first0] == [t for t, _ in first1] and steps0 == steps1
     assert [lp for _, lp in first0] == pytest.approx([lp for _, lp in first1], abs=1e-4)
@@ -279,21 +280,21 @@ def test_warm_up_prefill_runs_each_bucket_once_and_leaves_nothing_allocated(tiny
     from engine.engine import Engine
 
     engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=64))
-    assert engine.warm_up_prefill() == 0  # TorchOps: no per-shape costs, nothing to warm
+    assert warm_up_prefill(engine) == 0  # TorchOps: no per-shape costs, nothing to warm
     bucket = 64
     seen = []
-    engine.ops.prefill_tokens = lambda n: -(-n // bucket) * bucket
-    engine.ops.prefill_buckets = lambda limit: list(range(bucket, limit + bucket, bucket))
-    forward = engine.model.forward
-    engine.model.forward = lambda batch: (seen.append(batch.num_tokens), forward(batch))[1]
+    engine.runtime.ops.prefill_tokens = lambda n: -(-n // bucket) * bucket
+    engine.runtime.ops.prefill_buckets = lambda limit: list(range(bucket, limit + bucket, bucket))
+    forward = engine.runtime.model.forward
+    engine.runtime.model.forward = lambda batch: (seen.append(batch.num_tokens), forward(batch))[1]
     free = engine.info().free_blocks
-    assert engine.warm_up_prefill() == 5  # 64 .. 320 (the last one padded past max_seq_len - 1 = 299)
+    assert warm_up_prefill(engine) == 5  # 64 .. 320 (the last one padded past max_seq_len - 1 = 299)
     assert seen == [64, 128, 192, 256, 320]
     info = engine.info()
     assert info.live_sequences == 0 and info.free_blocks == free
     small = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=10))  # 160 tokens of KV
-    small.ops.prefill_buckets = engine.ops.prefill_buckets
-    assert small.warm_up_prefill() == 2  # 64 and 128 fit; 192 does not: it stops there
+    small.runtime.ops.prefill_buckets = engine.runtime.ops.prefill_buckets
+    assert warm_up_prefill(small) == 2  # 64 and 128 fit; 192 does not: it stops there
 
 
 def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
@@ -306,11 +307,11 @@ def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
     from test_graph_cache import ExecBackend
 
     engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=256))
-    engine.graphs = GraphCache(ExecBackend(), max_graphs=64, capture_after=2)
-    engine.ops.prefill_tokens = lambda n: -(-n // 64) * 64
-    engine.ops.prefill_buckets = lambda limit: list(range(64, limit + 64, 64))
+    engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=64, capture_after=2)
+    engine.runtime.ops.prefill_tokens = lambda n: -(-n // 64) * 64
+    engine.runtime.ops.prefill_buckets = lambda limit: list(range(64, limit + 64, 64))
     free = engine.info().free_blocks
-    assert engine.warm_up_prefill() == 5 * 5  # sizes 64 .. 320, each at 1, 2, 4, 8 and 16 sequences
+    assert warm_up_prefill(engine) == 5 * 5  # sizes 64 .. 320, each at 1, 2, 4, 8 and 16 sequences
     s = engine.info().graph_cache
     assert s.captures == s.graphs_held == 25 and engine.info().free_blocks == free
     ids = [engine.alloc_sequence(80, SamplingParams(), StoppingCriteria(max_new_tokens=2)).seq_id for _ in range(3)]
@@ -346,13 +347,12 @@ class _PrepareStandIn:
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
-    """CudaOps.decode_inputs / verify_inputs hand decode_prepare's outputs to the ForwardBatch and the
-    sampling rows field for field as TorchOps builds them (on CPU, decode_prepare stood in for)."""
+def test_kernel_slot_io_matches_the_reference_wiring(k):
+    """KernelSlotIO.decode_inputs / verify_inputs hand decode_prepare's outputs to the ForwardBatch and the
+    sampling rows field for field as SlotIO (torch ops) builds them (on CPU, decode_prepare stood in for)."""
     import torch
 
-    from engine.cuda.ops import CudaOps
-    from engine.ops.torch_ops import TorchOps
+    from engine.slot_io import KernelSlotIO, SlotIO
     from engine.state import SlotState
 
     S, MB, V, bs = 6, 4, 50, 4
@@ -367,15 +367,13 @@ def test_cuda_ops_step_inputs_match_torch_ops_wiring(k):
     state.seen.copy_(torch.rand(S, V, generator=g) < 0.2)
     state.repetition_penalty.copy_(torch.tensor([1.0, 1.3, 1.0, 0.8, 1.0, 1.0]))
     slots = torch.tensor([4, 1, 3])
-    ops = CudaOps.__new__(CudaOps)
-    ops.lib = _PrepareStandIn()
+    kernels, reference = KernelSlotIO(state, bs, _PrepareStandIn()), SlotIO(state, bs)
     if k:
         drafts = torch.randint(0, V, (3, k), generator=g)
-        got, want = ops.verify_inputs(state, slots, drafts, bs), TorchOps().verify_inputs(state, slots, drafts, bs)
+        got, want = kernels.verify_inputs(slots, drafts), reference.verify_inputs(slots, drafts)
     else:
         lens = (state.num_cached[slots] + 1).tolist()
-        got = ops.decode_inputs(state, slots, bs, lens, False)
-        want = TorchOps().decode_inputs(state, slots, bs, lens, False)
+        got, want = kernels.decode_inputs(slots, lens, False), reference.decode_inputs(slots, lens, False)
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
         assert torch.equal(getattr(got[0], name), getattr(want[0], name)), name
     for name in ("is_decode", "logits_all_rows", "seq_lens_host", "query_start_loc"):

@@ -20,10 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from engine import api
 from engine.engine import Engine
+from engine.warm_up import warm_up
 from engine.config import EngineConfig
-from engine.sampling import SamplingParams, StoppingCriteria
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
 from worker.leases import Leases
@@ -59,26 +58,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if metadata.get("authorization") == self._expected:
             return await continuation(details)
         return self._deny.get(details.method.rsplit("/", 1)[-1], self._deny_unary)
-
-
-def warm_up(engine: Engine) -> None:
-    """One real prefill and decode step: the device answered a real forward before we say SERVING.
-    Then a prefill at each padded prompt size the engine uses, and (with CUDA graphs) a decode step at
-    each batch width, so no request pays a size's first call or a width's graph capture."""
-    seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True))
-    try:
-        engine.prefill([api.PrefillItem(seq.seq_id, [0, 0])])
-        engine.decode([seq.seq_id])
-    finally:
-        engine.release([seq.seq_id])
-    t0 = time.perf_counter()
-    forwards = engine.warm_up_prefill()
-    if forwards:
-        log.info("warmed up %d prefill sizes in %.1fs", forwards, time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    widths = engine.warm_up_decode()
-    if widths:
-        log.info("captured the decode graphs of %d batch widths in %.1fs", widths, time.perf_counter() - t0)
 
 
 class Worker:

@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import env, sampling
-from engine.batch import ForwardBatch, decode_batch, prefill_work
+from engine.batch import prefill_work
 from engine.cuda.kernels import (
     SAMPLE_PART_STRIDE,
     TOPK_CHUNK,
@@ -39,11 +37,7 @@ from engine.cuda.kernels import (
     KernelLoadError,
 )
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionShape, TorchOps
-
-if TYPE_CHECKING:
-    from engine.outputs import StepOutputs
-    from engine.state import SlotState
+from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -116,53 +110,48 @@ class CudaOps(TorchOps):
         # they hold cache rows of this forward's sequences, so they never outlive it.
         self._prefill_work_key = self._sdpa_key = None
 
-    def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
-                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
-                      cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
-        if q_norm is not None or not self._skinny or not skinny_fits(h, qkv, shape.head_dim):
-            return super().norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
-                                         v_cache, slot_mapping, eps, normed)
-        q = torch.empty((h.shape[0], shape.num_heads, shape.head_dim), dtype=h.dtype, device=h.device)
-        self.lib.skinny_rope_kv(q, h, qkv, bias, norm, cos_sin, rope_index.long(), k_cache, v_cache,
-                                slot_mapping.long(), shape.num_heads, shape.num_kv_heads, eps)
+    def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
+                      normed: torch.Tensor | None = None) -> torch.Tensor:
+        spec = meta.spec
+        if layer.q_norm is not None or not self._skinny or not skinny_fits(h, layer.qkv, spec.head_dim):
+            return super().norm_qkv_rope(h, layer, meta, kv, normed)
+        q = torch.empty((h.shape[0], spec.num_heads, spec.head_dim), dtype=h.dtype, device=h.device)
+        self.lib.skinny_rope_kv(q, h, layer.qkv, layer.qkv_bias, layer.input_norm, meta.cos_sin,
+                                meta.rope_index.long(), kv.k, kv.v, meta.slot_mapping.long(), spec.num_heads,
+                                spec.num_kv_heads, spec.eps)
         return q
 
-    def decode_qkv_attention(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
-                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
-                             cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float,
-                             normed: torch.Tensor | None = None) -> torch.Tensor:
-        """Batches past the skinny kernels (cuBLAS QKV projection) whose attention grid fits on the GPU at
-        once: decode attention rotates q and the new k itself and writes the new k and v into the cache,
-        instead of a rope_cache_write launch before it (the same bits). 1B at batch 32 (H200, A/B in one
-        call, engine-bench-1b-*-rope-ab-20261201T2059): two steps in flight 1.310 -> 1.289 ms, device time
-        1.318 -> 1.304 ms. With a second wave of attention blocks each wave pays the fused part's latency:
-        1B at batch 64 went 1.544 -> 1.559 ms of device time, so those batches keep the separate launch.
-        Skinny batches already fuse RoPE and the KV write into their QKV kernel."""
-        B, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        if q_norm is None and self._skinny and skinny_fits(h, qkv, D):
-            # The skinny QKV kernel, and attention launched behind it with programmatic dependent launch:
-            # before waiting for it, attention reads everything that kernel did not write (it wrote the last
-            # B positions' cache rows at most: one per token of this forward).
-            q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache,
-                                   v_cache, slot_mapping, eps)
-            return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                         fresh=B)
+    def qkv_attention(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
+                      normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode forwards: skinny batches run the skinny QKV kernel (RoPE and the KV write fused in) with
+        decode attention launched behind it with programmatic dependent launch. Batches past the skinny
+        kernels (cuBLAS QKV projection) whose attention grid fits on the GPU at once: decode attention rotates
+        q and the new k itself and writes the new k and v into the cache, instead of a rope_cache_write launch
+        before it (the same bits); with a second wave of attention blocks each wave would pay the fused part's
+        latency, so those batches keep the separate launch. Prefill forwards: TorchOps' composition."""
+        if not meta.is_decode:
+            return super().qkv_attention(h, layer, meta, kv, normed)
+        spec = meta.spec
+        B, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        if layer.q_norm is None and self._skinny and skinny_fits(h, layer.qkv, D):
+            # Before waiting for the QKV kernel, attention reads everything that kernel did not write (it wrote
+            # the last B positions' cache rows at most: one per token of this forward).
+            q = self.norm_qkv_rope(h, layer, meta, kv, normed)
+            return self.decode_attention(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, spec.scale,
+                                         spec.sliding_window, fresh=B)
         # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
         # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
-        if q_norm is not None or self._rows_per_seq > 1 or not self.lib.decode_fits_one_wave(B, H, Hkv, D,
-                                                                                              self.max_seq_len):
-            return super().decode_qkv_attention(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index,
-                                                k_cache, v_cache, slot_mapping, block_tables, seq_lens, scale,
-                                                sliding_window, eps, normed)
-        out = torch.nn.functional.linear(self.rms_norm(h, norm, eps) if normed is None else normed, qkv, bias)
+        if layer.q_norm is not None or self._rows_per_seq > 1 or not self.lib.decode_fits_one_wave(
+                B, H, Hkv, D, self.max_seq_len):
+            return super().qkv_attention(h, layer, meta, kv, normed)
+        x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
+        out = torch.nn.functional.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
-        # Serialised behind the GEMM: with programmatic dependent launch and every older row read before the
-        # wait (fresh = 0) it measured the same (1B batch 32, two steps in flight, 1.242 vs 1.241-1.243 ms).
-        return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window,
-                                     rope=(k, v, cos_sin, rope_index.long(), slot_mapping.long()))
+        # Serialised behind the GEMM (programmatic dependent launch with every older row read before the wait
+        # measured the same).
+        return self.decode_attention(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, spec.scale,
+                                     spec.sliding_window,
+                                     rope=(k, v, meta.cos_sin, meta.rope_index.long(), meta.slot_mapping.long()))
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
@@ -345,60 +334,6 @@ class CudaOps(TorchOps):
         cand = torch.empty((rows, -(-vocab // TOPK_CHUNK), num_top), dtype=torch.int64, device=dev)
         self.lib.sample_topk(top_ids, top_logprobs, cand, parts, logits)  # torch.topk: 81 us for one 128k row
         return sampling.SampleOutput(tokens, logprobs, top_ids, top_logprobs)
-
-    def _prepare(self, state: SlotState, slots: torch.Tensor, block_size: int,
-                 drafts: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], sampling.SamplingTensors]:
-        """decode_prepare (kernels_cu/decode_step.cu) into fresh tensors: one row per slot, or k + 1 per
-        slot with drafts [B, k]. Returns ((input_ids, positions, slot_mapping, tables, seq_lens), rows)."""
-        R = slots.shape[0] * (1 if drafts is None else drafts.shape[1] + 1)
-        dev = slots.device
-
-        def empty(*shape, like: torch.Tensor) -> torch.Tensor:
-            return torch.empty(shape, dtype=like.dtype, device=dev)
-
-        input_ids, positions, slot_mapping = (torch.empty(R, dtype=torch.int64, device=dev) for _ in range(3))
-        seq_lens = torch.empty(R, dtype=torch.int32, device=dev)
-        tables = empty(R, state.block_table.shape[1], like=state.block_table)
-        rows = sampling.SamplingTensors(
-            empty(R, like=state.temperature), empty(R, like=state.top_k), empty(R, like=state.top_p),
-            empty(R, like=state.seed), empty(R, like=state.repetition_penalty),
-            empty(R, state.seen.shape[1], like=state.seen), torch.empty(R, dtype=torch.int64, device=dev))
-        self.lib.decode_prepare(slots, state.num_cached, state.last_token, state.block_table, state.temperature,
-                                state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen, block_size,
-                                input_ids, positions, slot_mapping, seq_lens, tables, rows.temperature, rows.top_k,
-                                rows.top_p, rows.seed, rows.repetition_penalty, rows.position, rows.seen, drafts=drafts)
-        return (input_ids, positions, slot_mapping, tables, seq_lens), rows
-
-    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
-                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """One kernel (kernels_cu/decode_step.cu) gathers what TorchOps.decode_inputs gathers with ~20."""
-        inputs, rows = self._prepare(state, slots, block_size)
-        return decode_batch(*inputs, seq_lens_host, need_scale_lens), rows
-
-    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
-                      outputs: StepOutputs, num_top: int) -> None:
-        self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
-                               outputs.slot_tokens, outputs.slot_logprobs)
-        if num_top:
-            n = slots.shape[0]
-            outputs.top_ids[:n, :num_top].copy_(out.top_ids)
-            outputs.top_logprobs[:n, :num_top].copy_(out.top_logprobs)
-
-    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
-                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """decode_prepare with k + 1 rows per slot: one kernel for TorchOps.verify_inputs' ~20."""
-        (input_ids, positions, slot_mapping, tables, seq_lens), rows = self._prepare(state, slots, block_size, drafts)
-        batch = ForwardBatch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, block_tables=tables,
-                             seq_lens=seq_lens, logits_indices=torch.arange(input_ids.shape[0], device=slots.device),
-                             is_decode=True, query_start_loc=[], seq_lens_host=[], logits_all_rows=True,
-                             rows_per_seq=drafts.shape[1] + 1)
-        return batch, rows
-
-    def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
-                      outputs, num_top: int) -> None:
-        self.lib.verify_commit(slots, drafts, out.token_ids, out.logprobs, state.num_cached, state.last_token,
-                               state.seen, outputs.accepted, outputs.tokens, outputs.logprobs)
-        outputs.write_top(out, out.token_ids.shape[0], num_top)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

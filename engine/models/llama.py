@@ -10,7 +10,7 @@ from engine.batch import ForwardBatch
 from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryTable
-from engine.ops.torch_ops import AttentionShape
+from engine.ops.torch_ops import AttentionMeta, AttentionSpec
 
 
 @dataclass
@@ -40,14 +40,18 @@ class LlamaModel:
         self.w = weights
         self.kv = kv
         self.ops = ops
+        self.kv_layers = [kv.layer(i) for i in range(cfg.num_layers)]  # views: made once, not per forward
         self.rotary = RotaryTable(cfg, max_positions, weights.embed.device)
-        self.scale = cfg.head_dim ** -0.5
-        self.shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.attention = AttentionSpec(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5,
+                                       cfg.rms_norm_eps, cfg.sliding_window)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
+        meta = AttentionMeta(self.attention, cos_sin, rope_index, batch.slot_mapping, batch.block_tables,
+                             batch.seq_lens, batch.is_decode, batch.query_start_loc, batch.seq_lens_host,
+                             batch.prefill_work)
         ops.begin_forward(batch.num_tokens, batch.is_decode, batch.rows_per_seq)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
         rows = None if batch.logits_all_rows else batch.logits_indices
@@ -56,18 +60,7 @@ class LlamaModel:
         normed = None
         layers = self.w.layers
         for i, layer in enumerate(layers):
-            if batch.is_decode:
-                attn = ops.decode_qkv_attention(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm,
-                                                layer.k_norm, self.shape, cos_sin, rope_index, self.kv.k[i],
-                                                self.kv.v[i], batch.slot_mapping, batch.block_tables, batch.seq_lens,
-                                                self.scale, cfg.sliding_window, eps, normed)
-            else:
-                q = ops.norm_qkv_rope(h, layer.input_norm, layer.qkv, layer.qkv_bias, layer.q_norm, layer.k_norm,
-                                      self.shape, cos_sin, rope_index, self.kv.k[i], self.kv.v[i],
-                                      batch.slot_mapping, eps, normed)
-                attn = ops.prefill_attention(q, self.kv.k[i], self.kv.v[i], batch.block_tables,
-                                             batch.query_start_loc, batch.seq_lens_host, self.scale,
-                                             cfg.sliding_window, batch.prefill_work)
+            attn = ops.qkv_attention(h, layer, meta, self.kv_layers[i], normed)
             normed = ops.linear_add(h, attn.reshape(batch.num_tokens, cfg.q_size), layer.o_proj, layer.post_norm, eps)
             # the next op's norm: the next layer's, or the final one when every row's logits are taken
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else (self.w.norm if rows is None else None)

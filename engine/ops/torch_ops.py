@@ -2,8 +2,8 @@
 against. The CUDA backend (engine/cuda/ops.py) implements the same methods with the same
 signatures; the model calls only these (GEMMs stay torch in both).
 
-The model calls the fused ops (norm_qkv_rope, decode_qkv_attention, linear_add, norm_gate_up,
-norm_logits), which compose the primitives below; a backend may override a fused op with a kernel
+The model calls the fused ops (qkv_attention, linear_add, norm_gate_up, norm_logits), which compose the
+primitives below; a backend may override a fused op with a kernel
 that fuses it (CudaOps does for small batches, and moves decode's RoPE into the attention kernel for
 larger ones), so the model has one forward for every backend and batch.
 
@@ -17,24 +17,48 @@ Layouts:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.batch import ForwardBatch, build_decode_batch
-
-if TYPE_CHECKING:
-    from engine.outputs import StepOutputs
-    from engine.state import SlotState
 
 
 @dataclass(frozen=True)
-class AttentionShape:
+class AttentionSpec:
+    """A model's attention, the same for every layer and forward."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    scale: float  # softmax scale of q . k
+    eps: float  # rms_norm epsilon of the norms fused into attention's input half (input norm, q/k norms)
+    sliding_window: int = 0  # keys a query sees, its own included; 0: all
+
+
+class LayerKV(NamedTuple):
+    """One layer's paged KV cache: k and v [num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+@dataclass
+class AttentionMeta:
+    """Where one forward's tokens sit, for attention: built once per forward (engine.models.llama) from its
+    ForwardBatch, and the same for every layer."""
+
+    spec: AttentionSpec
+    cos_sin: torch.Tensor  # [P, head_dim] fp32: cos then sin of each position's frequencies
+    rope_index: torch.Tensor  # [T] int64: each token's row of cos_sin
+    slot_mapping: torch.Tensor  # [T] int64: flat KV-cache index each token's k and v go to (negative: none)
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [B] int32: KV length of each query row's sequence after this forward
+    is_decode: bool  # one query row per sequence (decode, and verify's per-token rows): decode attention
+    query_start_loc: list[int]  # [B + 1] host: token offsets of the sequences (prefill)
+    seq_lens_host: list[int]  # [B] host copy of seq_lens (prefill)
+    prefill_work: torch.Tensor | None = None  # staged prefill work list (a forward replayed from a graph)
 
 
 class TorchOps:
@@ -57,33 +81,33 @@ class TorchOps:
         (the same choice for every op of the forward, from host-known values only). rows_per_seq: a
         verify forward's decode rows per sequence (ForwardBatch.rows_per_seq)."""
 
-    def norm_qkv_rope(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
-                      q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
-                      cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention's input half: rms_norm, the fused QKV projection (+ bias), per-head q/k norm
-        (Qwen3), RoPE on q and k, k and v written to the cache. Returns the rotated q [T, H, D].
-        normed: rms_norm(h, norm, eps) where the op that wrote h made it (linear_add), else None."""
-        T, H, Hkv, D = h.shape[0], shape.num_heads, shape.num_kv_heads, shape.head_dim
-        out = F.linear(self.rms_norm(h, norm, eps) if normed is None else normed, qkv, bias)
-        q, k, v = out.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
+                      normed: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention's input half: rms_norm, the fused QKV projection (+ bias), per-head q/k norm (Qwen3), RoPE
+        on q and k, k and v written to the cache. layer: the layer's LayerWeights (input_norm, qkv, qkv_bias,
+        q_norm, k_norm). Returns the rotated q [T, H, D]. normed: rms_norm(h, input_norm) where the op that
+        wrote h made it (linear_add), else None."""
+        spec = meta.spec
+        T, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
+        x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
+        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-        if q_norm is not None:
-            q, k = self.rms_norm(q, q_norm, eps), self.rms_norm(k, k_norm, eps)
-        return self.rope_cache_write(q, k, v, cos_sin, rope_index, k_cache, v_cache, slot_mapping)
+        if layer.q_norm is not None:
+            q, k = self.rms_norm(q, layer.q_norm, spec.eps), self.rms_norm(k, layer.k_norm, spec.eps)
+        return self.rope_cache_write(q, k, v, meta.cos_sin, meta.rope_index, kv.k, kv.v, meta.slot_mapping)
 
-    def decode_qkv_attention(self, h: torch.Tensor, norm: torch.Tensor, qkv: torch.Tensor, bias: torch.Tensor | None,
-                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, shape: AttentionShape,
-                             cos_sin: torch.Tensor, rope_index: torch.Tensor, k_cache: torch.Tensor,
-                             v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                             seq_lens: torch.Tensor, scale: float, sliding_window: int, eps: float,
-                             normed: torch.Tensor | None = None) -> torch.Tensor:
-        """A decode layer's attention half: norm_qkv_rope, then decode_attention over the cache it wrote
-        (one op, so that a backend can fuse the RoPE and the KV write into the attention kernel).
-        Returns [B, H, D]."""
-        q = self.norm_qkv_rope(h, norm, qkv, bias, q_norm, k_norm, shape, cos_sin, rope_index, k_cache, v_cache,
-                               slot_mapping, eps, normed)
-        return self.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window)
+    def qkv_attention(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
+                      normed: torch.Tensor | None = None) -> torch.Tensor:
+        """A layer's attention half before o_proj: norm_qkv_rope, then attention over the cache it wrote (decode
+        attention for decode rows, paged causal prefill attention otherwise). One op, so that a backend can
+        fuse the RoPE and the KV write into the attention kernel. Returns [T, H, D]."""
+        q = self.norm_qkv_rope(h, layer, meta, kv, normed)
+        spec = meta.spec
+        if meta.is_decode:
+            return self.decode_attention(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, spec.scale,
+                                         spec.sliding_window)
+        return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc, meta.seq_lens_host,
+                                      spec.scale, spec.sliding_window, meta.prefill_work)
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
@@ -200,80 +224,6 @@ class TorchOps:
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors,
                num_top: int = 0) -> sampling.SampleOutput:
         return sampling.sample(logits, st, num_top)
-
-    # ---------------------------------------------------------------------------------------------
-    # The decode step's slot state (engine/state.py): inputs gathered from the rows of its slots before
-    # the forward, results written back after sampling. Device ops only (captured into CUDA graphs).
-
-    def decode_inputs(self, state: SlotState, slots: torch.Tensor, block_size: int, seq_lens_host: list[int],
-                      need_scale_lens: bool) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """slots [B] int64 -> the step's ForwardBatch (each slot's last token at position
-        num_cached[slot]) and the sampling rows (its parameters, drawing position num_cached + 1)."""
-        batch = build_decode_batch(state.block_table, state.last_token, state.num_cached, slots, block_size,
-                                   seq_lens_host, need_scale_lens)
-        return batch, state.sampling_rows(slots, batch.positions + 1)
-
-    def decode_commit(self, state: SlotState, slots: torch.Tensor, out: sampling.SampleOutput,
-                      outputs: StepOutputs, num_top: int) -> None:
-        """Each slot moves one token on (num_cached + 1, last token = the sampled one, marked seen); the
-        token and its logprob go to the results kept per slot and position (outputs.slot_tokens /
-        slot_logprobs [S, R] at [slot, num_cached % R], num_cached before the step), the top-logprob
-        candidates to the step's static buffers."""
-        ring = outputs.rings
-        entries = (slots * ring + state.num_cached[slots] % ring).to(outputs.slot_tokens.device)
-        outputs.slot_tokens.view(-1)[entries] = out.token_ids.to(outputs.slot_tokens.device)
-        outputs.slot_logprobs.view(-1)[entries] = out.logprobs.to(outputs.slot_logprobs.device)
-        state.num_cached[slots] += 1
-        state.last_token[slots] = out.token_ids
-        state.mark_seen(slots, out.token_ids)
-        outputs.write_top(out, out.token_ids.shape[0], num_top)
-
-    def verify_inputs(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor,
-                      block_size: int) -> tuple[ForwardBatch, sampling.SamplingTensors]:
-        """A uniform Verify's forward and sampling rows: slots [B], drafts [B, k] -> row b (k + 1) + i is
-        slot b's last token (i = 0) or draft i - 1, at position num_cached + i (attention per token, like
-        decode); it draws the token at position num_cached + i + 1 with the slot's parameters and drafts
-        0 .. i - 1 counted as seen (the repetition penalty decode would have applied there)."""
-        B, k = drafts.shape
-        n, dev = k + 1, slots.device
-        start = state.num_cached[slots].long()
-        offsets = torch.arange(n, device=dev)
-        positions = (start[:, None] + offsets).reshape(-1)  # [B n]
-        seq_index = torch.arange(B, device=dev).repeat_interleave(n)
-        tables = state.block_table[slots][seq_index]
-        rows = torch.arange(B * n, device=dev)
-        block_ids = tables[rows, positions // block_size].long()
-        batch = ForwardBatch(
-            input_ids=torch.cat([state.last_token[slots][:, None], drafts], dim=1).reshape(-1), positions=positions,
-            slot_mapping=block_ids * block_size + positions % block_size, block_tables=tables,
-            seq_lens=(positions + 1).to(torch.int32), logits_indices=rows, is_decode=True,
-            query_start_loc=[], seq_lens_host=[], logits_all_rows=True, rows_per_seq=n)
-        st = state.sampling_rows(slots[seq_index], positions + 1)
-        # Row (b, i) marks drafts j < i as seen: the pairs (i, j) below the diagonal, for every b.
-        i, j = torch.tril_indices(n, k, -1, device=dev)
-        st.seen.index_put_(((torch.arange(B, device=dev)[:, None] * n + i).reshape(-1), drafts[:, j].reshape(-1)),
-                           state._true)
-        return batch, st
-
-    def verify_commit(self, state: SlotState, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
-                      outputs, num_top: int) -> None:
-        """The drafts are accepted while they equal the tokens their rows drew; each slot moves past the
-        accepted ones plus the token drawn after them (num_cached, last_token, seen), and the results go
-        to the Verify step's static buffers (outputs: engine.outputs.VerifyOutputs)."""
-        B, k = drafts.shape
-        n = k + 1
-        sampled = out.token_ids.view(B, n)
-        accepted = (sampled[:, :k] == drafts).long().cumprod(dim=1).sum(dim=1)  # [B]: the matching prefix
-        token = sampled.gather(1, accepted[:, None]).squeeze(1)
-        offsets = torch.arange(n, device=slots.device)
-        emitted = torch.where(offsets[None, :] <= accepted[:, None], sampled, token[:, None])  # then repeats
-        state.last_token[slots] = token
-        state.num_cached[slots] = (state.num_cached[slots].long() + 1 + accepted).to(torch.int32)
-        state.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
-        outputs.accepted[:B].copy_(accepted)
-        outputs.tokens[:B].copy_(token)
-        outputs.logprobs[:B, :n].copy_(out.logprobs.view(B, n))
-        outputs.write_top(out, B * n, num_top)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,3 +15,21 @@ def randn(*shape, dtype=torch.float32, scale=1.0) -> torch.Tensor:
 
 def nan(shape, dtype) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=dev())
+
+
+def attention_layer(norm, qkv, bias=None):
+    """The attention half of a LayerWeights (what the fused attention ops read of a layer)."""
+    from engine.models.llama import LayerWeights
+
+    return LayerWeights(input_norm=norm, qkv=qkv, qkv_bias=bias, q_norm=None, k_norm=None, o_proj=None,
+                        post_norm=None, gate_up=None, down=None)
+
+
+def attention_meta(H, Hkv, D, cos_sin, positions, slot_mapping, block_tables=None, seq_lens=None, window=0,
+                   eps=1e-6, decode=True):
+    """AttentionMeta of a forward whose tokens sit at `positions` (their rows of cos_sin) and write their k and v
+    to slot_mapping; decode rows attend through block_tables / seq_lens."""
+    from engine.ops.torch_ops import AttentionMeta, AttentionSpec
+
+    spec = AttentionSpec(H, Hkv, D, D ** -0.5, eps, window)
+    return AttentionMeta(spec, cos_sin, positions, slot_mapping, block_tables, seq_lens, decode, [], [])

@@ -11,7 +11,8 @@ import torch
 
 from engine import sampling
 from engine.cuda.ops import CudaOps
-from engine.ops.torch_ops import AttentionShape
+from engine.models.llama import LayerWeights
+from engine.ops.torch_ops import AttentionMeta, AttentionSpec, LayerKV
 
 
 def decode_step_state(ops, dev, vocab: int) -> None:
@@ -74,8 +75,11 @@ def main() -> int:
             wq = torch.randn((H + 2 * Hkv) * D, hidden, device=dev).to(dt) * 0.05
             kc0 = torch.zeros(T + 16, 16, Hkv, D, device=dev, dtype=dt)
             slots_t = torch.arange(T, device=dev) * 3
-            qf = ops.norm_qkv_rope(hr, w, wq, None, None, None, AttentionShape(H, Hkv, D), torch.randn(512, D, device=dev),
-                                   torch.arange(T, device=dev), kc0, kc0.clone(), slots_t, 1e-6)
+            layer = LayerWeights(w, wq, None, None, None, None, None, None, None)
+            spec = AttentionSpec(H, Hkv, D, 0.125, 1e-6)
+            meta = AttentionMeta(spec, torch.randn(512, D, device=dev), torch.arange(T, device=dev), slots_t, None,
+                                 None, True, [], [])
+            qf = ops.norm_qkv_rope(hr, layer, meta, LayerKV(kc0, kc0.clone()))
             ops.linear_add(hr, qf.reshape(T, H * D), torch.randn(hidden, H * D, device=dev).to(dt) * 0.05)
             act = ops.norm_gate_up(hr, w, torch.randn(2 * inter, hidden, device=dev).to(dt) * 0.05, 1e-6)
             ops.linear_add(hr, act, torch.randn(hidden, inter, device=dev).to(dt) * 0.05)
@@ -83,10 +87,10 @@ def main() -> int:
             # A decode layer's attention half: RoPE and the K/V write fused into decode attention at T = 40
             tbl = (torch.arange(2 * T, device=dev, dtype=torch.int32) + 1).view(T, 2)
             kc1 = torch.zeros(2 * T + 1, 16, Hkv, D, device=dev, dtype=dt)
-            ops.decode_qkv_attention(hr, w, wq, None, None, None, AttentionShape(H, Hkv, D),
-                                     torch.randn(512, D, device=dev), torch.full((T,), 19, device=dev), kc1,
-                                     kc1.clone(), tbl[:, 1].long() * 16 + 3, tbl,
-                                     torch.full((T,), 20, dtype=torch.int32, device=dev), 0.125, 0, 1e-6)
+            meta = AttentionMeta(spec, torch.randn(512, D, device=dev), torch.full((T,), 19, device=dev),
+                                 tbl[:, 1].long() * 16 + 3, tbl, torch.full((T,), 20, dtype=torch.int32, device=dev),
+                                 True, [], [])
+            ops.qkv_attention(hr, layer, meta, LayerKV(kc1, kc1.clone()))
         ops.silu_and_mul(torch.randn(B, 2 * inter, device=dev).to(dt))
         qkv = torch.randn(B, (H + 2 * Hkv) * D, device=dev).to(dt)
         q, k, v = (qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D),

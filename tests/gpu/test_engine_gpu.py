@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.sampling import SamplingParams, StoppingCriteria
+from engine.warm_up import warm_up_decode
 
 pytestmark = pytest.mark.gpu
 GREEDY = StoppingCriteria(ignore_eos=True)
@@ -62,7 +63,7 @@ def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b, batch):
     ref_engine = gpu_engine(ckpt_1b, kernels="torch", num_kv_blocks=1024)
     ref = greedy_run(ref_engine, ps, 64)
     fast_engine = gpu_engine(ckpt_1b, num_kv_blocks=1024)
-    assert fast_engine.ops.name == "cuda"
+    assert fast_engine.runtime.ops.name == "cuda"
     got = greedy_run(fast_engine, ps, 64)
     for p, a, b in zip(ps, got, ref):
         if a == b:
@@ -144,23 +145,23 @@ def test_programmatic_dependent_launch_is_bit_identical_under_churn(ckpt_1b, mon
     eager, under churn."""
     from engine import env
     pdl = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
-    if not pdl.ops.lib.pdl:
-        pytest.skip(f"programmatic dependent launch needs sm_90 (this device: {pdl.ops.lib.compute_capability})")
-    kernels = pdl.ops.lib.kernels
+    if not pdl.runtime.ops.lib.pdl:
+        pytest.skip(f"programmatic dependent launch needs sm_90 (this device: {pdl.runtime.ops.lib.compute_capability})")
+    kernels = pdl.runtime.ops.lib.kernels
     assert all(kernels[name].pdl for name in ("skinny_silu_bf16_m8", "decode_attention_bf16_d64", "decode_prepare",
                                               "embedding_bf16", "sample_stats", "sample_finish", "decode_commit",
                                               "spec_accept_draw", "verify_commit"))
     assert not kernels["rms_norm_bf16"].pdl and not kernels["prefill_attention_bf16_d64"].pdl
     monkeypatch.setattr(env, "PDL", False)
     serial = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
-    assert not serial.ops.lib.pdl and not serial.ops.lib.kernels["skinny_silu_bf16_m8"].pdl
+    assert not serial.runtime.ops.lib.pdl and not serial.runtime.ops.lib.kernels["skinny_silu_bf16_m8"].pdl
     a, b = churn_workload(pdl, seed=4), churn_workload(serial, seed=4)
     assert a == b
-    assert pdl.graphs.stats.hits > 50
+    assert pdl.runtime.dispatch.graphs.stats.hits > 50
     assert verify_workload(pdl) == verify_workload(serial)
     monkeypatch.setattr(env, "PDL", True)
     eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
-    assert eager.ops.lib.pdl
+    assert eager.runtime.ops.lib.pdl
     assert churn_workload(eager, seed=4) == a
 
 
@@ -227,7 +228,7 @@ def prefill_rounds(engine: Engine, vocab: int) -> tuple[list, list, torch.Tensor
             [PrefillItem(ids[0], ps[0][len(ps[0]) // 2:])] + [PrefillItem(i, p) for i, p in zip(ids[1:], ps[1:])]).tokens]
         steps += [[t.token_id for t in engine.decode(ids).tokens] for _ in range(2)]
         engine.release(ids)
-    return firsts, steps, engine.kv.k[0].float().sum(dtype=torch.float64)
+    return firsts, steps, engine.runtime.kv.k[0].float().sum(dtype=torch.float64)
 
 
 def test_prefill_graphs_match_eager_prefill(ckpt_1b):
@@ -261,7 +262,7 @@ def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
     small = gpu_engine(ckpt_tiny, max_graphs=2, capture_after=1)
     eager = gpu_engine(ckpt_tiny, cuda_graphs=False)
     assert cycle(small) == cycle(eager)
-    s = small.graphs.stats
+    s = small.runtime.dispatch.graphs.stats
     assert s.graphs_held == 2 and s.evictions >= 90 and s.captures == s.evictions + 2
 
 
@@ -271,35 +272,35 @@ def test_warm_up_captures_each_decode_width_so_requests_do_not(ckpt_tiny):
     still captures its own."""
     engine = gpu_engine(ckpt_tiny, warm_up_widths=6, max_batch_size=8)
     free_blocks = engine.blocks.num_free_blocks
-    assert engine.warm_up_decode() == 6
-    assert all(("decode", "width", w, 0) in engine.graphs for w in range(1, 7))
-    assert ("decode", "width", 7, 0) not in engine.graphs
+    assert warm_up_decode(engine) == 6
+    assert all(("decode", "width", w, 0) in engine.runtime.dispatch.graphs for w in range(1, 7))
+    assert ("decode", "width", 7, 0) not in engine.runtime.dispatch.graphs
     assert not engine.sequences and engine.blocks.num_free_blocks == free_blocks
 
     def step(width: int) -> tuple[int, int]:
         ids = [engine.alloc_sequence(40, SamplingParams(), GREEDY).seq_id for _ in range(width)]
         engine.prefill([PrefillItem(i, [3, 4, i % 9]) for i in ids])
-        captures = engine.graphs.stats.captures
-        hits = engine.graphs.stats.hits
+        captures = engine.runtime.dispatch.graphs.stats.captures
+        hits = engine.runtime.dispatch.graphs.stats.hits
         engine.decode(ids)
         engine.release(ids)
-        return engine.graphs.stats.captures - captures, engine.graphs.stats.hits - hits
+        return engine.runtime.dispatch.graphs.stats.captures - captures, engine.runtime.dispatch.graphs.stats.hits - hits
 
     assert step(5) == (0, 1)
     assert step(7)[0] == 1
-    assert gpu_engine(ckpt_tiny, warm_up_widths=0).warm_up_decode() == 0
-    assert gpu_engine(ckpt_tiny, fallback_graphs=False).warm_up_decode() == 0
-    assert gpu_engine(ckpt_tiny, capture_after=1).warm_up_decode() == 0
+    assert warm_up_decode(gpu_engine(ckpt_tiny, warm_up_widths=0)) == 0
+    assert warm_up_decode(gpu_engine(ckpt_tiny, fallback_graphs=False)) == 0
+    assert warm_up_decode(gpu_engine(ckpt_tiny, capture_after=1)) == 0
 
 
 def test_warming_every_width_costs_the_graph_pool_about_what_the_widest_does(ckpt_1b):
     """Widths captured widest first reuse the pool's blocks: 64 widths at the 1b shape leave a pool
     within 1.25x of the one the width-64 graph alone leaves."""
     alone = gpu_engine(ckpt_1b, num_kv_blocks=1024)
-    assert alone.warm_up_decode([64]) == 1
+    assert warm_up_decode(alone, [64]) == 1
     every = gpu_engine(ckpt_1b, num_kv_blocks=1024, warm_up_widths=64)
-    assert every.warm_up_decode() == 64
-    one, all_ = alone.graphs.backend.pool_bytes(), every.graphs.backend.pool_bytes()
+    assert warm_up_decode(every) == 64
+    one, all_ = alone.runtime.dispatch.graphs.backend.pool_bytes(), every.runtime.dispatch.graphs.backend.pool_bytes()
     assert all_ <= 1.25 * one, (all_, one)
 
 
@@ -322,11 +323,11 @@ def test_graph_pool_does_not_grow_over_10000_steps_of_churn(ckpt_tiny):
     for i in range(1000):
         step(i)
     torch.cuda.synchronize()
-    reserved_early, pool_early = torch.cuda.memory_reserved(), engine.graphs.stats.pool_bytes
+    reserved_early, pool_early = torch.cuda.memory_reserved(), engine.runtime.dispatch.graphs.stats.pool_bytes
     for i in range(1000, 10000):
         step(i)
     torch.cuda.synchronize()
-    s = engine.graphs.stats
+    s = engine.runtime.dispatch.graphs.stats
     print(f"10k churn steps: {s}; reserved {reserved_early} -> {torch.cuda.memory_reserved()}; "
           f"graph pool {pool_early} -> {s.pool_bytes} bytes")
     assert torch.cuda.memory_reserved() <= reserved_early
@@ -339,10 +340,10 @@ def test_capture_out_of_memory_falls_back_to_eager(ckpt_tiny, caplog):
 
     def oom(step):
         raise torch.OutOfMemoryError("CUDA out of memory (injected during capture)")
-    engine.graphs.backend.capture = oom
+    engine.runtime.dispatch.graphs.backend.capture = oom
     with caplog.at_level(logging.WARNING):
         assert greedy_run(engine, [[1, 2, 3]], 10) == greedy_run(eager, [[1, 2, 3]], 10)
-    assert engine.graphs.stats.capture_failures >= 1 and engine.graphs.stats.captures == 0
+    assert engine.runtime.dispatch.graphs.stats.capture_failures >= 1 and engine.runtime.dispatch.graphs.stats.captures == 0
     assert any("capture failed" in r.getMessage() for r in caplog.records)
 
 
@@ -354,7 +355,7 @@ def test_an_invalidated_capture_is_cleaned_up_and_captures_go_on(ckpt_tiny):
     from engine.cuda.graphs import CaptureFailed, TorchGraphBackend
 
     engine = gpu_engine(ckpt_tiny, capture_after=1)
-    backend = engine.graphs.backend
+    backend = engine.runtime.dispatch.graphs.backend
     assert isinstance(backend, TorchGraphBackend)
     dev = engine.device
     x = torch.zeros(1024, device=dev)
@@ -487,7 +488,7 @@ def test_sampled_verify_emits_what_decode_draws_on_gpu(ckpt_tiny):
     res = engine.verify([VerifyItem(sid, drafts)]).results[0]
     got += [t.token_id for t in res.tokens]
     assert res.num_accepted == 2 and got == ref[:len(got)]
-    assert engine.graphs.stats.hits > 0
+    assert engine.runtime.dispatch.graphs.stats.hits > 0
     engine.release([sid])
 
 
@@ -512,7 +513,7 @@ def test_verify_logprobs_and_alternatives_are_decodes_on_gpu(ckpt_tiny):
         res = engine.verify([VerifyItem(sid, [t.token_id for t in ref[len(got):len(got) + 4]])]).results[0]
         assert res.num_accepted == 4
         got += res.tokens
-    assert engine.graphs.stats.hits > 0
+    assert engine.runtime.dispatch.graphs.stats.hits > 0
     for g, r in zip(got, ref):
         assert g.token_id == r.token_id and g.logprob == pytest.approx(r.logprob, abs=2e-2)
         assert len(g.top_logprobs) == 3 and g.top_logprobs[0][0] == g.token_id

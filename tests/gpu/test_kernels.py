@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.ops.torch_ops import TorchOps
-from gpu.helpers import dev, nan, randn
+from engine.ops.torch_ops import LayerKV, TorchOps
+from engine.slot_io import KernelSlotIO, SlotIO
+from gpu.helpers import attention_layer, attention_meta, dev, nan, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -711,7 +712,7 @@ def clone_state(state):
 @pytest.mark.parametrize("V", [4096, 17, 128256])
 @pytest.mark.parametrize("B,k", [(1, 1), (1, 4), (3, 4), (8, 7)])
 def test_verify_inputs_match_torch_ops(ops, gen, B, k, V):
-    """CudaOps.verify_inputs (decode_prepare with k + 1 rows per slot) against TorchOps.verify_inputs on the
+    """KernelSlotIO.verify_inputs (decode_prepare with k + 1 rows per slot) against SlotIO.verify_inputs on the
     same state, every field bit for bit; drafts repeat tokens and hit the seen row's piece boundaries."""
     S, MB, bs = STEP_SLOTS, STEP_MAX_BLOCKS, 16
     state = verify_state(S, MB, V, bs)
@@ -721,8 +722,8 @@ def test_verify_inputs_match_torch_ops(ops, gen, B, k, V):
     if k >= 3:
         drafts[:, 2] = drafts[:, 0]  # a repeated draft token
         drafts[0, 1] = V - 1
-    fb, rows = ops.verify_inputs(state, slots, drafts, bs)
-    ref_fb, ref_rows = TorchOps().verify_inputs(state, slots, drafts, bs)
+    fb, rows = KernelSlotIO(state, bs, ops.lib).verify_inputs(slots, drafts)
+    ref_fb, ref_rows = SlotIO(state, bs).verify_inputs(slots, drafts)
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "logits_indices"):
         got, want = getattr(fb, name), getattr(ref_fb, name)
         assert got.dtype == want.dtype and torch.equal(got, want), f"ForwardBatch.{name} differs"
@@ -736,7 +737,7 @@ def test_verify_inputs_match_torch_ops(ops, gen, B, k, V):
 
 @pytest.mark.parametrize("B,k", [(1, 1), (1, 4), (5, 4), (8, 7)])
 def test_verify_commit_matches_torch_ops(ops, gen, B, k):
-    """CudaOps.verify_commit (one kernel) against TorchOps.verify_commit: accepted counts from all-accepted
+    """KernelSlotIO.verify_commit (one kernel) against SlotIO.verify_commit: accepted counts from all-accepted
     to none, the slot state and the step's output buffers."""
     from engine.outputs import VerifyOutputs
     S, MB, V, bs, n = STEP_SLOTS, STEP_MAX_BLOCKS, 1000, 16, k + 1
@@ -752,8 +753,8 @@ def test_verify_commit_matches_torch_ops(ops, gen, B, k):
     out = sampling.SampleOutput(sampled.reshape(-1), -5 * torch.rand(B * n, device=dev()), None, None)
     mine, ref = clone_state(state), clone_state(state)
     res_mine, res_ref = (VerifyOutputs(16, 8, 0, dev()) for _ in range(2))
-    ops.verify_commit(mine, slots, drafts, out, res_mine, 0)
-    TorchOps().verify_commit(ref, slots, drafts, out, res_ref, 0)
+    KernelSlotIO(mine, bs, ops.lib).verify_commit(slots, drafts, out, res_mine, 0)
+    SlotIO(ref, bs).verify_commit(slots, drafts, out, res_ref, 0)
     for name in ("num_cached", "last_token", "seen"):
         assert torch.equal(getattr(mine, name), getattr(ref, name)), f"state.{name} differs"
     assert torch.equal(res_mine.accepted[:B], res_ref.accepted[:B])
@@ -811,10 +812,9 @@ def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B", [8, 40])  # the skinny kernels (B <= SKINNY_TOKENS), and cuBLAS with the kernels
 def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype, B):
-    """One decoder layer through the fused ops (embedding -> decode_qkv_attention -> linear_add ->
+    """One decoder layer through the fused ops (embedding -> qkv_attention -> linear_add ->
     norm_gate_up -> linear_add -> norm_logits) and sample, captured once and replayed while every
     sequence grows; each step equals the eager ops bit for bit."""
-    from engine.ops.torch_ops import AttentionShape
     H, Hkv, D, bs, vocab, inter = 16, 4, 128, 16, 1024, 1536
     hidden = H * D
     steps, start_len = 40, 60
@@ -830,7 +830,7 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
     lm_head = (0.05 * randn(vocab, hidden)).to(dtype)
     cos_sin = rope_table(start_len + steps + 8, D)
     st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(B)], vocab)
-    shape = AttentionShape(H, Hkv, D)
+    layer = attention_layer(norms[0], w_qkv)
 
     # Static inputs, updated in place before each replay.
     ids = torch.randint(0, vocab, (B,), device=dev())
@@ -841,8 +841,8 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
         slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
         ops.begin_forward(B, decode=True)
         h = ops.embedding(ids, embed)
-        a = ops.decode_qkv_attention(h, norms[0], w_qkv, None, None, None, shape, cos_sin, positions, k_cache,
-                                     v_cache, slot_mapping, table, seq_lens, D ** -0.5, 0, 1e-6)
+        meta = attention_meta(H, Hkv, D, cos_sin, positions, slot_mapping, table, seq_lens)
+        a = ops.qkv_attention(h, layer, meta, LayerKV(k_cache, v_cache))
         ops.linear_add(h, a.view(B, hidden), w_o)
         ops.linear_add(h, ops.norm_gate_up(h, norms[1], w_gate_up, 1e-6), w_down)
         logits = ops.norm_logits(h, None, norms[2], lm_head, 1e-6)
@@ -873,12 +873,11 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
                                                    (20, 8, 2, 80, 48, False), (16, 4, 2, 16, 0, False)])
 def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention(ops, gen, dtype, B, H, Hkv, D,
                                                                                   window, bias):
-    """Past the skinny kernels, decode_qkv_attention rotates q and the new k inside decode attention and
+    """Past the skinny kernels, qkv_attention rotates q and the new k inside decode attention and
     writes the new k and v into the cache there: the attention output and both caches equal the
     unfused ops (norm_qkv_rope's rope_cache_write, then decode_attention) bit for bit. Covers split
     merges (long contexts), one split, head chunks (G > 16), a sliding window, a QKV bias and padding
     rows (slot -1: no cache write)."""
-    from engine.ops.torch_ops import AttentionShape
     rng = random.Random(gen)
     hidden, bs = 512, 16
     seq_lens = [rng.choice([1, 2, 63, 64, 65, 300, 1500]) for _ in range(B)]
@@ -891,17 +890,17 @@ def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention
     h, norm = randn(B, hidden, dtype=dtype), (1 + 0.1 * randn(hidden)).to(dtype)
     w_qkv = (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype)
     b_qkv = (0.1 * randn((H + 2 * Hkv) * D)).to(dtype) if bias else None
-    shape = AttentionShape(H, Hkv, D)
+    layer = attention_layer(norm, w_qkv, b_qkv)
+    meta = attention_meta(H, Hkv, D, cos_sin, positions, slots, table, lens, window)
     assert ops.lib.decode_fits_one_wave(B, H, Hkv, D, ops.max_seq_len), "this case must take the fused path"
     results = []
     for fused in (False, True):
         kc, vc = k_cache.clone(), v_cache.clone()
         ops.begin_forward(B, decode=True)
         if fused:
-            out = ops.decode_qkv_attention(h, norm, w_qkv, b_qkv, None, None, shape, cos_sin, positions, kc, vc,
-                                           slots, table, lens, D ** -0.5, window, 1e-6)
+            out = ops.qkv_attention(h, layer, meta, LayerKV(kc, vc))
         else:
-            q = ops.norm_qkv_rope(h, norm, w_qkv, b_qkv, None, None, shape, cos_sin, positions, kc, vc, slots, 1e-6)
+            q = ops.norm_qkv_rope(h, layer, meta, LayerKV(kc, vc))
             out = ops.decode_attention(q, kc, vc, table, lens, D ** -0.5, window)
         results.append((out, kc, vc))
     for name, a, b in zip(("attention", "k_cache", "v_cache"), *results):
@@ -913,9 +912,8 @@ def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention
 def test_verify_rows_past_the_skinny_kernels_see_the_rows_before_them(ops, gen, S, n):
     """A verify forward of more rows than the skinny kernels take (S sequences x n rows, each row a decode
     row of its own): row i of a sequence attends to the tokens its rows 0 .. i - 1 write into the cache in
-    the same forward. decode_qkv_attention (rope_cache_write first, not the RoPE fused into attention,
+    the same forward. qkv_attention (rope_cache_write first, not the RoPE fused into attention,
     which writes each row's own token only) against the torch reference on fp32 copies of the same inputs."""
-    from engine.ops.torch_ops import AttentionShape
     rng = random.Random(gen)
     H, Hkv, D, bs, hidden, dtype = 16, 4, 64, 16, 512, torch.bfloat16
     starts = [rng.choice([1, 17, 63, 200]) for _ in range(S)]
@@ -929,13 +927,11 @@ def test_verify_rows_past_the_skinny_kernels_see_the_rows_before_them(ops, gen, 
     cos_sin = rope_table(512, D)
     h, norm = randn(T, hidden, dtype=dtype), (1 + 0.1 * randn(hidden)).to(dtype)
     w_qkv = (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype)
-    shape = AttentionShape(H, Hkv, D)
+    meta = attention_meta(H, Hkv, D, cos_sin, positions, slots, tables, lens)
     kc_ref, vc_ref = k_cache.float(), v_cache.float()
     ops.begin_forward(T, decode=True, rows_per_seq=n)
-    out = ops.decode_qkv_attention(h, norm, w_qkv, None, None, None, shape, cos_sin, positions, k_cache, v_cache,
-                                   slots, tables, lens, D ** -0.5, 0, 1e-6)
-    ref = TORCH.decode_qkv_attention(h.float(), norm.float(), w_qkv.float(), None, None, None, shape, cos_sin,
-                                     positions, kc_ref, vc_ref, slots, tables, lens, D ** -0.5, 0, 1e-6)
+    out = ops.qkv_attention(h, attention_layer(norm, w_qkv), meta, LayerKV(k_cache, v_cache))
+    ref = TORCH.qkv_attention(h.float(), attention_layer(norm.float(), w_qkv.float()), meta, LayerKV(kc_ref, vc_ref))
     check("verify rows attention", out, ref, BF16_TOL)
     check("verify rows k written", k_cache.view(-1, Hkv, D)[slots], kc_ref.view(-1, Hkv, D)[slots], BF16_TOL)
 
@@ -947,10 +943,8 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
     against TorchOps' composition in fp32 from the same inputs: relative error <= 1e-2 on q, the cache
     rows written, the residual stream after each add, the MLP activation and the logits."""
     from engine.cuda.ops import SKINNY_TOKENS
-    from engine.ops.torch_ops import AttentionShape
     H, Hkv, D, bs, vocab, inter = 16, 4, 64, 16, 2048, 1408
     hidden, eps = 1024, 1e-5
-    shape = AttentionShape(H, Hkv, D)
     num_blocks = -(-T // bs) + 2
     k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
     k_ref = torch.zeros((num_blocks, bs, Hkv, D), device=dev())
@@ -968,10 +962,9 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
     r = h.float()
     ops.begin_forward(T, decode=True)
     f32 = [t.float() for t in (*norms, w_qkv, bias, w_o, w_gate_up, w_down, lm_head)]
-    q = ops.norm_qkv_rope(h, norms[0], w_qkv, bias, None, None, shape, cos_sin, positions, k_cache, v_cache,
-                          slot_mapping, eps)
-    q_ref = TORCH.norm_qkv_rope(r, f32[0], f32[3], f32[4], None, None, shape, cos_sin, positions, k_ref, v_ref,
-                                slot_mapping, eps)
+    meta = attention_meta(H, Hkv, D, cos_sin, positions, slot_mapping, eps=eps)
+    q = ops.norm_qkv_rope(h, attention_layer(norms[0], w_qkv, bias), meta, LayerKV(k_cache, v_cache))
+    q_ref = TORCH.norm_qkv_rope(r, attention_layer(f32[0], f32[3], f32[4]), meta, LayerKV(k_ref, v_ref))
     check("fused qkv_rope q", q, q_ref, BF16_TOL)
     k_rows, v_rows = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
     check("fused qkv_rope k", k_rows[slot_mapping], k_ref.view(-1, Hkv, D)[slot_mapping], BF16_TOL)

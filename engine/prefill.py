@@ -1,0 +1,150 @@
+"""Prefill: appends prompt tokens to sequences and computes their KV in chunked, bucketed forwards.
+
+A call's prompts (whole, or a chunk each with `partial`) run in forwards of at most max_prefill_tokens
+tokens over several sequences each; each forward is padded to a bucketed token count (ops.prefill_tokens),
+so GEMMs see a few shapes, and a small one (PREFILL_GRAPH_TOKENS tokens over PREFILL_GRAPH_SEQS sequence
+rows at most) replays the CUDA graph of its padded shape from static staging buffers. Every sequence whose
+prompt completes samples its first new token from its last prompt token's logits.
+
+Owns: the staging buffers of graphed prefill forwards and the logits buffer they write. The caller has
+finished every decode step in flight."""
+from __future__ import annotations
+
+import torch
+
+from engine import api
+from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
+from engine.errors import FailedPrecondition, InvalidArgument
+from engine.runtime import Runtime
+from engine.sequence import Sequence, SequenceTable
+from engine.tokens import commit_tokens
+
+# Prefill forwards of at most this many (padded) tokens over at most PREFILL_GRAPH_SEQS sequences replay CUDA
+# graphs: a short prompt's forward is bound by its ~200-300 launches; from ~1k tokens on at 1B the device time
+# hides them.
+PREFILL_GRAPH_TOKENS = 1024
+PREFILL_GRAPH_SEQS = 16
+
+
+class Prefiller:
+    def __init__(self, rt: Runtime, sequences: SequenceTable, num_top):
+        """num_top(seqs): how many top-logprob candidates a step over seqs computes (DecodePipeline.num_top)."""
+        self.rt = rt
+        self.sequences = sequences
+        self.num_top = num_top
+        config = rt.config
+        self.staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
+                                      min(PREFILL_GRAPH_SEQS, config.max_batch_size), rt.device)
+        # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
+        self._logits = torch.empty((self.staging.max_seqs, rt.vocab_size), dtype=torch.float32, device=rt.device)
+
+    def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
+        """Every item extends a sequence whose prompt is not complete, within its reservation."""
+        for seq, it in zip(seqs, items):
+            if seq.prompt_done:
+                raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is already complete")
+            self.sequences.check_tokens(it.token_ids, f"sequence {seq.seq_id} token_ids")
+            total = seq.seq_len + len(it.token_ids)
+            if total == 0:
+                raise InvalidArgument(f"sequence {seq.seq_id}: the prompt is empty")
+            if total >= seq.capacity:
+                raise InvalidArgument(f"sequence {seq.seq_id}: a prompt of {total} tokens leaves no room for a new "
+                                      f"token in max_total_tokens={seq.capacity}")
+
+    def prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> api.StepResult:
+        """Runs checked items (check()); returns the first new token of each item whose prompt completes, in
+        item order."""
+        with self.rt.dispatch.on_device() as timer:
+            for seq in seqs:
+                if not seq.token_ids:  # its first chunk: the slot's device row starts here
+                    self.rt.state.assign(seq.slot, seq.block_ids, seq.sampling)
+            sampled = self._run(seqs, items)
+        tokens = [sampled[it.seq_id] for it in items if not it.partial]
+        return api.StepResult(tokens, timer.elapsed_ns())
+
+    def _run(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
+        for seq, it in zip(seqs, items):
+            seq.token_ids.extend(it.token_ids)
+            if not it.partial and seq.num_cached == seq.seq_len:
+                seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
+        completes = {seq.seq_id: not it.partial for seq, it in zip(seqs, items)}
+        config = self.rt.config
+        sampled: dict[int, api.TokenResult] = {}
+        while True:  # forwards of at most max_prefill_tokens tokens, several sequences each
+            queue = [s for s in seqs if not s.prompt_done and s.seq_len > s.num_cached]
+            if not queue:
+                break
+            budget, chunk = config.max_prefill_tokens, []
+            for seq in queue[:config.max_batch_size]:
+                n = min(seq.seq_len - seq.num_cached, budget)
+                if n == 0:
+                    break
+                budget -= n
+                chunk.append((seq, n, completes[seq.seq_id] and seq.num_cached + n == seq.seq_len))
+            sampled.update(self._forward(chunk))
+        return sampled
+
+    def _forward(self, chunk: list[tuple[Sequence, int, bool]]) -> dict[int, api.TokenResult]:
+        """One forward over chunk = [(sequence, tokens to compute, whether its prompt completes)]; samples the
+        first new token of each completing sequence. The forward is padded to a bucketed token count
+        (ops.prefill_tokens); a small one replays the CUDA graph of its padded shape."""
+        rt = self.rt
+        state, staging = rt.state, self.staging
+        num_tokens = rt.ops.prefill_tokens(sum(n for _, n, _ in chunk))
+        slots, starts = [s.slot for s, _, _ in chunk], [s.num_cached for s, _, _ in chunk]
+        tokens = [s.token_ids[s.num_cached:s.num_cached + n] for s, n, _ in chunk]
+        logits_rows = [[n - 1] if last else [] for _, n, last in chunk]
+        graphed = rt.dispatch.graphs is not None and num_tokens <= staging.max_tokens and len(chunk) <= staging.max_seqs
+        if graphed:
+            num_seqs = 1 << (len(chunk) - 1).bit_length()  # sequence rows, padded to a power of two
+            token_slots, input_ids, make_batch = build_staged_prefill_batch(
+                staging, state.block_table, [s.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
+                rt.block_size, num_tokens, num_seqs)
+        else:
+            batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
+                                       rt.device, rt.dynamic_rope, num_padded=num_tokens)
+            token_slots, input_ids = batch.token_slots, batch.input_ids[:batch.token_slots.shape[0]]
+        # The prompt counts for repetition penalty (real tokens only: pads come after them).
+        state.mark_seen(token_slots, input_ids)
+        to_sample = [seq for seq, _, last in chunk if last]
+        if to_sample:  # uploaded before the forward is queued: a blocking copy would wait for all of it
+            sample_slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
+                                                   device=rt.device)
+        if graphed:
+            logits_out = self._logits
+            # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,
+            # loads the kernels and lets cuBLAS pick its own, which must not happen in a capture.
+            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs),
+                                  lambda: logits_out[:num_seqs].copy_(rt.model.forward(make_batch())), capture_after=2)
+            logits = logits_out[:len(to_sample)]
+        else:
+            logits = rt.model.forward(batch)
+        for seq, n, _ in chunk:
+            seq.num_cached += n
+        if not to_sample:
+            return {}
+        num_top = self.num_top(to_sample)
+        out = rt.ops.sample(logits, state.sampling_rows(sample_slots, positions), num_top)
+        for seq in to_sample:
+            seq.prompt_len = seq.seq_len
+        state.num_cached[sample_slots] = positions.to(torch.int32)
+        state.last_token[sample_slots] = out.token_ids
+        state.mark_seen(sample_slots, out.token_ids)
+        rt.outputs.write(out, num_top)
+        host = rt.outputs.read(len(to_sample), num_top, rt.dispatch.streams)
+        return {r.seq_id: r for r in commit_tokens(to_sample, *host, rt.eos_token_ids)}
+
+    def buckets(self, limit: int) -> list[tuple[int, list[int], bool]]:
+        """The forwards warm-up runs for prompts of up to `limit` tokens: (padded size, sequence lengths,
+        whether it replays a graph, so runs twice to be captured) for each padded token count the backend
+        runs prompts at, and with CUDA graphs each padded sequence count (1, 2, 4 .. PREFILL_GRAPH_SEQS)."""
+        staging, forwards = self.staging, []
+        for size in self.rt.ops.prefill_buckets(limit):
+            n = min(size, limit)
+            graphed = self.rt.dispatch.graphs is not None and size <= staging.max_tokens
+            rows = [1]
+            while graphed and rows[-1] * 2 <= min(staging.max_seqs, n):
+                rows.append(rows[-1] * 2)
+            for num_seqs in rows:
+                forwards.append((size, [n // num_seqs + (i < n % num_seqs) for i in range(num_seqs)], graphed))
+        return forwards

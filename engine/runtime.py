@@ -1,0 +1,144 @@
+"""Runtime: the parts every kind of step uses, built once when the engine starts.
+
+The model and its weights, the paged KV cache, the per-slot device state, the op backend, where steps run
+(StepDispatch: the compute stream, step timers, CUDA graphs) and where decode and prefill steps leave their
+results for the host (StepOutputs). Prefill, decode and verify (engine/prefill.py, decode.py, verify.py)
+each own their step's logic and its own buffers; they share these parts through one Runtime."""
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.default_model import default_model_dir
+from engine.device import select_device, select_dtype
+from engine.cuda.dispatch import StepDispatch
+from engine.errors import ConfigError
+from engine.kv_cache import KVCache
+from engine.loader import load_weights, weight_bytes
+from engine.models.llama import LlamaModel, ModelWeights
+from engine.ops.torch_ops import TorchOps
+from engine.outputs import StepOutputs
+from engine.state import SlotState
+
+log = logging.getLogger(__name__)
+CPU_KV_BUDGET_BYTES = 256 << 20  # what a kv_cache_memory fraction is a fraction of, on CPU
+
+
+@dataclass
+class Runtime:
+    config: EngineConfig
+    model_path: pathlib.Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_seq_len: int
+    weights: ModelWeights
+    kv: KVCache
+    state: SlotState
+    ops: TorchOps  # TorchOps, or CudaOps (a subclass) on a GPU
+    model: LlamaModel
+    dispatch: StepDispatch
+    outputs: StepOutputs
+    eos_token_ids: frozenset[int]
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def dynamic_rope(self) -> bool:
+        """Dynamic NTK RoPE: every token's rotation depends on its sequence's length (no CUDA graphs)."""
+        return self.model_config.rope.rope_type == "dynamic"
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    @classmethod
+    def create(cls, config: EngineConfig) -> "Runtime":
+        """Loads the checkpoint onto the device, sizes and allocates the KV cache, and starts the op backend.
+        Raises ConfigError naming what cannot run."""
+        model_path = pathlib.Path(config.model) if config.model else default_model_dir()
+        mc = ModelConfig.from_dir(model_path)
+        device = select_device(config)
+        dtype = select_dtype(config, mc, device)
+        max_seq_len = config.max_seq_len or mc.max_position_embeddings
+        t0 = time.perf_counter()
+        weights = load_weights(model_path, mc, dtype, device)
+        kv = _allocate_kv(config, mc, dtype, device)
+        max_blocks = -(-max_seq_len // config.block_size)
+        state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device)
+        ops, streams = _backend(config, device, max_seq_len)
+        graphs = None
+        if streams is not None and config.cuda_graphs and mc.rope.rope_type != "dynamic":
+            from engine.cuda.graphs import GraphCache, TorchGraphBackend
+
+            graphs = GraphCache(TorchGraphBackend(streams), config.max_graphs, config.capture_after)
+        dispatch = StepDispatch(device, streams, graphs, config.max_batch_size, config.max_steps_in_flight,
+                                config.fallback_graphs)
+        model = LlamaModel(mc, weights, kv, ops, max_seq_len + 1)
+        outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, config.max_slots, device,
+                              config.max_steps_in_flight)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # all set-up writes (default stream) land before any step
+        log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
+                 "(%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6, device,
+                 dtype, time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
+        return cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
+                   outputs, frozenset(mc.eos_token_ids))
+
+    def close(self) -> None:
+        self.dispatch.close(self.outputs)
+
+
+def _backend(config: EngineConfig, device: torch.device, max_seq_len: int):
+    """(ops, streams): the kernels on the engine's own streams on a GPU, the torch reference ops on CPU (or
+    on a GPU with kernels=torch: eager, default stream)."""
+    if device.type != "cuda" or config.kernels == "torch":
+        return TorchOps(), None
+    from engine.cuda.ops import CudaOps
+    from engine.cuda.streams import EngineStreams
+
+    ops = CudaOps.create(device, max_seq_len)
+    streams = EngineStreams(device, timers=1 + config.max_steps_in_flight)
+    torch.cuda.synchronize(device)  # weights and KV written on the default stream are ready
+    return ops, streams
+
+
+def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVCache:
+    num_blocks = _num_kv_blocks(config, mc, dtype, device)
+    try:
+        return KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        need = num_blocks * KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
+                                                    dtype)
+        raise ConfigError(f"the KV cache ({num_blocks} blocks, {need / 2**30:.2f} GiB) does not fit in {device} "
+                          f"memory after the weights; lower --num-kv-blocks or --kv-cache-memory "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+
+
+def _num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    if config.kv_cache_memory > 1:
+        budget = config.kv_cache_memory * (1 << 30)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = config.kv_cache_memory * free
+    else:
+        budget = config.kv_cache_memory * CPU_KV_BUDGET_BYTES
+    num_blocks = int(budget // per_block)
+    if num_blocks < 2:
+        raise ConfigError(f"the KV cache budget ({budget / 1e6:.1f} MB) holds fewer than 2 blocks of {per_block} "
+                          f"bytes; raise --kv-cache-memory or lower --block-size")
+    return num_blocks
