@@ -29,7 +29,10 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from engine.api import PrefillItem, VerifyItem  # noqa: E402
 from engine.checkpoint import write_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine, PendingStep  # noqa: E402
+from engine import decode as decode_module  # noqa: E402
+from engine import verify as verify_module  # noqa: E402
+from engine.decode import PendingStep  # noqa: E402
+from engine.engine import Engine  # noqa: E402
 from engine.sampling import SamplingParams, StoppingCriteria  # noqa: E402
 
 GREEDY = StoppingCriteria(ignore_eos=True)
@@ -144,11 +147,11 @@ def profile_replay_host(path, steps: int = 400) -> None:
     vocab = engine.model_config.vocab_size
     spent: collections.Counter = collections.Counter()
 
-    timed(spent, engine, "_launch", "launch: _launch")
+    timed(spent, engine.decoder, "_launch", "launch: DecodePipeline._launch")
     timed(spent, engine.runtime.dispatch.graphs, "run", "launch: graph run (replay)")
-    timed(spent, engine.runtime.outputs, "copy_to_host", "launch: copy_to_host")
-    timed(spent, engine, "_commit", "finish: _commit")
-    timed(spent, engine.runtime.outputs, "host_values", "finish: host_values")
+    timed(spent, engine.runtime.outputs, "copy_top_to_host", "launch: copy_top_to_host")
+    timed(spent, decode_module, "commit_tokens", "finish: commit_tokens")
+    timed(spent, engine.runtime.outputs, "step_values", "finish: step_values")
     wait_device = PendingStep.wait_device
 
     def timed_wait(step) -> None:
@@ -197,9 +200,10 @@ def profile_verify_host(path, calls: int = 300) -> None:
     vocab = engine.model_config.vocab_size
     spent: collections.Counter = collections.Counter()
 
-    for obj, name in ((engine, "_check_ids"), (engine, "_finish_in_flight"), (engine, "_verify_uniform"),
-                      (engine, "_run_step"), (engine.runtime.dispatch.graphs, "run"), (engine.verifier.outputs, "write_drafts"),
-                      (engine.verifier.outputs, "read"), (engine, "_token_result")):
+    for obj, name in ((engine.sequences, "check_ids"), (engine.decoder, "finish_all"), (engine.verifier, "_uniform"),
+                      (engine.runtime.dispatch, "run_slots"), (engine.runtime.dispatch.graphs, "run"),
+                      (engine.verifier.outputs, "write_drafts"), (engine.verifier.outputs, "read"),
+                      (verify_module, "token_result")):
         timed(spent, obj, name, f"{type(obj).__name__}.{name}")
     seq = engine.alloc_sequence(128 + 8 * calls, SamplingParams(), GREEDY).seq_id
     engine.prefill([PrefillItem(seq, torch.randint(0, vocab, (128,)).tolist())])

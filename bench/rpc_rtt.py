@@ -10,7 +10,7 @@ Over a socket (each server its own process):
                            threads and cores have gone idle meanwhile and must wake), so this is
                            the floor to hold a Decode's overhead against
   worker_health            the worker's health Check (no engine call)
-  worker_info              Info: one engine call, no step
+  worker_info              Info: engine counters, no step
   decode_b1 / decode_b32   Decode of 1 and of 32 sequences in one call, as a router sends it;
                            `overhead` is each call's wall time minus its forward_ns (what the router's
                            RPC overhead per step counts), `forward` the forward_ns
@@ -20,9 +20,11 @@ Over a socket (each server its own process):
 In-process (no socket), the parts the worker adds:
   engine_b1 / engine_b32   Engine.decode wall time minus its forward_ns: the engine's own host time
                            outside forward_ns, which the router's overhead also counts
-  engine_call              a no-op engine call through the worker's EngineRunner: what it adds per call
+  engine_call_inline       a no-op engine call through the worker's EngineRunner, run on its event loop
+  engine_call_thread       the same run on the engine thread (Prefill, Verify): a hop each way
   response_b32             a 32-token step result -> DecodeResponse -> bytes
-  metrics_b32              the Prometheus observations of one 32-sequence Decode call
+  metrics_b32              what one 32-sequence Decode call records for the metrics (on the call's path)
+  metrics_b32_applied      the same, and its Prometheus observations (made at scrape time)
 
 The worker runs with one torch thread (OMP_NUM_THREADS=1 unless set): on a small CPU box torch's
 intra-op threads spin after each op and take the cores that gRPC's threads need.
@@ -233,12 +235,9 @@ def measure_parts(model: str, calls: int) -> dict:
     from engine.sampling import SamplingParams, StoppingCriteria
     from worker import convert
     from worker.metrics import Metrics
-    from worker.runner import EngineRunner
-
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     out = {}
-    runner = EngineRunner(lambda: Engine(EngineConfig(model=model, max_seq_len=4096, max_slots=64)))
-    engine = runner.engine
+    engine = Engine(EngineConfig(model=model, max_seq_len=4096, max_slots=64))
     for batch in (1, 32):
         stopping = StoppingCriteria(max_new_tokens=calls + 20, ignore_eos=True)
         ids = [engine.alloc_sequence(calls + 32, SamplingParams(), stopping).seq_id for _ in range(batch)]
@@ -251,34 +250,39 @@ def measure_parts(model: str, calls: int) -> dict:
                 host.append(1e6 * (time.perf_counter() - t0) - result.forward_ns / 1e3)
         engine.release(ids)
         out[f"engine_b{batch}"] = p50_p99(host)
-
-    out["engine_call"] = p50_p99(_engine_call_us(runner, 10 * calls))
-    runner.shutdown()
+    out.update(asyncio.run(_runner_calls(engine, 10 * calls)))
 
     tokens = [api.TokenResult(i, 100 + i, -0.5, [], api.FinishReason.NONE, 50) for i in range(32)]
     result = api.StepResult(tokens, 1000)
     out["response_b32"] = p50_p99(timed(lambda: convert.decode_response(result).SerializeToString(), 10 * calls))
     metrics = Metrics()
+    now = time.monotonic_ns()
 
-    def observe():
-        with metrics.rpc("Decode"):
-            metrics.observe_step("decode", result)
-    out["metrics_b32"] = p50_p99(timed(observe, 10 * calls))
+    def record():  # what a Decode call records (the observations are made at scrape time)
+        metrics.record_call("Decode", grpc.StatusCode.OK, time.perf_counter())
+        metrics.observe_step("decode", result)
+        metrics.observe_decode_stages([now, now + 1, now + 2, now + 3, now + 4])
+    out["metrics_b32"] = p50_p99(timed(record, 10 * calls))
+    out["metrics_b32_applied"] = p50_p99(timed(lambda: (record(), metrics.apply_pending()), 10 * calls))
     return out
 
 
-def _engine_call_us(runner, n: int) -> list[float]:
-    """A no-op through the runner, called the way the servicer calls it."""
-    if asyncio.iscoroutinefunction(runner.call):  # an asyncio runner: measured from an event loop
-        async def run():
-            out = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                await runner.call(lambda engine: None)
-                out.append(1e6 * (time.perf_counter() - t0))
-            return out
-        return asyncio.run(run())
-    return timed(lambda: runner.call(lambda engine: None), n)
+async def _runner_calls(engine, n: int) -> dict:
+    """No-op calls through the worker's EngineRunner, from its event loop: a short call (inline on the loop) and
+    a long one (on the engine thread: one hop each way). Closes the engine."""
+    from worker.runner import EngineRunner
+
+    runner = EngineRunner(engine, concurrent.futures.ThreadPoolExecutor(1))
+    out = {}
+    for name, call in (("engine_call_inline", runner.run), ("engine_call_thread", runner.call)):
+        us = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await call(lambda engine: None)
+            us.append(1e6 * (time.perf_counter() - t0))
+        out[name] = p50_p99(us)
+    await runner.shutdown()
+    return out
 
 
 def main() -> None:

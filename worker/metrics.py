@@ -2,8 +2,11 @@
 
 Each Worker has its own registry, so several workers can live in one process (tests).
 
-Observations are per call and per step, not per token: a step's tokens share one time stamp, so
-the inter-token gaps of a step are observed as one weighted observation per distinct gap."""
+Off the per-call path: a call appends one record (a tuple with its time stamps) to a queue and returns; the
+records become observations when /metrics is scraped (on the HTTP server's thread), or on the event loop
+once RECORDS_BEFORE_APPLY of them wait (without a scraper, so the queue stays bounded). Observations are
+per call and per step, not per token: a step's tokens share one time stamp, so the inter-token gaps of a
+step are observed as one weighted observation per distinct gap."""
 from __future__ import annotations
 
 import bisect
@@ -11,7 +14,6 @@ import collections
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -28,11 +30,16 @@ LATENCY_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 STAGE_BUCKETS = (0.000025, 0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2)
 DECODE_STAGES = ("queued", "device", "reply")  # see Metrics.observe_decode_stages
+RECORDS_BEFORE_APPLY = 4096  # records kept waiting for a scrape before the recording thread applies them
 
 
-@dataclass
-class _Call:
-    code: grpc.StatusCode = grpc.StatusCode.OK
+class StreamCall:
+    """A streaming RPC's status code, set by its handler (Metrics.rpc)."""
+
+    __slots__ = ("code",)
+
+    def __init__(self):
+        self.code = grpc.StatusCode.OK
 
 
 class WeightedHistogram:
@@ -106,6 +113,7 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
+        r.register(_Applier(self))  # first: the waiting records become observations before any metric is read
         self.calls = Counter("metrale_rpc", "RPCs by method and status code", ["method", "code"], registry=r)
         self.latency = Histogram("metrale_rpc_seconds", "RPC latency by method", ["method"],
                                  buckets=LATENCY_BUCKETS, registry=r)
@@ -132,6 +140,8 @@ class Metrics:
         self._children: dict[tuple, object] = {}  # labelled children, looked up once
         self._last_token: dict[int, float] = {}
         self._stream_start: dict[int, float] = {}
+        self._records: collections.deque = collections.deque()  # (what, *values), appended by the calls
+        self._apply_lock = threading.Lock()
         self._http = None
 
     def _child(self, metric, *labels):
@@ -152,9 +162,23 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
+    # ------------------------------------------------------------------ recording (per call: one append)
+
+    def _record(self, *record) -> None:
+        records = self._records
+        records.append(record)
+        if len(records) > RECORDS_BEFORE_APPLY:
+            self.apply_pending()
+
+    def record_call(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        """A finished RPC: its method, status code and time.perf_counter() at its start."""
+        self._record(self._call, method, code.name, time.perf_counter() - started)
+
     @contextlib.contextmanager
     def rpc(self, method: str):
-        call, t0 = _Call(), time.perf_counter()
+        """`with metrics.rpc(name) as call:` around a streaming RPC's handler; call.code is its status code
+        (CANCELLED when the handler is interrupted with the code still OK)."""
+        call, started = StreamCall(), time.perf_counter()
         try:
             yield call
         except BaseException:
@@ -162,14 +186,54 @@ class Metrics:
                 call.code = grpc.StatusCode.CANCELLED
             raise
         finally:
-            self._child(self.calls, method, call.code.name).inc()
-            self._child(self.latency, method).observe(time.perf_counter() - t0)
+            self.record_call(method, call.code, started)
+
+    def observe_step(self, kind: str, result: api.StepResult, started: float | None = None) -> None:
+        """A step's batch, forward time and tokens; a prefill's `started` (perf_counter) times its first tokens."""
+        self._record(self._step, kind, result, started, time.perf_counter())
+
+    def stream_step(self, code: grpc.StatusCode) -> None:
+        self._record(self._stream_step, code.name)
+
+    def observe_decode_stages(self, times: list[int]) -> None:
+        """times: a Decode's CLOCK_MONOTONIC ns at the handler, launch, answer begun, result ready and response
+        built (the x-step-times stamps)."""
+        self._record(self._decode_stages, times)
+
+    def observe_verify(self, result: api.VerifyStepResult) -> None:
+        self._record(self._verify, result, time.perf_counter())
+
+    def start_stream(self, seq_id: int, started: float) -> None:
+        self._record(self._start_stream, seq_id, started)
+
+    def observe_stream_token(self, seq_id: int, token: api.TokenResult) -> None:
+        self._record(self._stream_token, seq_id, token, time.perf_counter())
+
+    def end_stream(self, seq_id: int) -> None:
+        self._record(self._end_stream, seq_id)
+
+    def forget(self, seq_ids: list[int]) -> None:
+        self._record(self._forget, list(seq_ids))
+
+    # ------------------------------------------------------------------ applying (at scrape time)
+
+    def apply_pending(self) -> None:
+        """Turns the waiting records into observations, in the order they were made (any thread)."""
+        records = self._records
+        with self._apply_lock:
+            while records:
+                apply, *values = records.popleft()
+                apply(*values)
+
+    def _call(self, method: str, code: str, seconds: float) -> None:
+        self._child(self.calls, method, code).inc()
+        self._child(self.latency, method).observe(seconds)
 
     def _tokens(self, tokens: list[api.TokenResult], now: float, first: bool) -> None:
         """Inter-token gaps (none for a sequence's first token), grouped by the previous token's time."""
         last_token = self._last_token
         ids = [t.seq_id for t in tokens]
-        if not first:  # (run on every step, so counted in C: Counter over map)
+        if not first:
             unique = dict.fromkeys(ids)
             previous = collections.Counter(map(last_token.get, unique))
             previous.pop(None, None)
@@ -183,45 +247,52 @@ class Metrics:
                 last_token.pop(t.seq_id, None)
         self.tokens.inc(len(tokens))
 
-    def observe_step(self, kind: str, result: api.StepResult, started: float | None = None) -> None:
-        now = time.perf_counter()
+    def _step(self, kind: str, result: api.StepResult, started: float | None, now: float) -> None:
         self._child(self.batch, kind).observe(len(result.tokens))
         self._child(self.forward, kind).observe(result.forward_ns / 1e9)
         if kind == "prefill" and started is not None and result.tokens:
             self.ttft.observe(now - started, len(result.tokens))
         self._tokens(result.tokens, now, first=kind == "prefill")
 
-    def stream_step(self, code: grpc.StatusCode) -> None:
-        self._child(self.stream_steps, code.name).inc()
+    def _stream_step(self, code: str) -> None:
+        self._child(self.stream_steps, code).inc()
 
-    def observe_decode_stages(self, times: list[int]) -> None:
-        """times: a Decode's CLOCK_MONOTONIC ns at the handler, launch, answer begun, result ready and
-        response built (the x-step-times stamps)."""
+    def _decode_stages(self, times: list[int]) -> None:
         handler, launched, _, result, response = times
         queued, device, reply = self._stage_children
         queued.observe((launched - handler) / 1e9)
         device.observe((result - launched) / 1e9)
         reply.observe((response - result) / 1e9)
 
-    def observe_verify(self, result: api.VerifyStepResult) -> None:
+    def _verify(self, result: api.VerifyStepResult, now: float) -> None:
         self._child(self.batch, "verify").observe(len(result.results))
         self._child(self.forward, "verify").observe(result.forward_ns / 1e9)
-        self._tokens([t for r in result.results for t in r.tokens], time.perf_counter(), first=False)
+        self._tokens([t for r in result.results for t in r.tokens], now, first=False)
 
-    def start_stream(self, seq_id: int, started: float) -> None:
+    def _start_stream(self, seq_id: int, started: float) -> None:
         self._stream_start[seq_id] = started
 
-    def observe_stream_token(self, seq_id: int, token: api.TokenResult) -> None:
-        now = time.perf_counter()
+    def _stream_token(self, seq_id: int, token: api.TokenResult, now: float) -> None:
         started = self._stream_start.pop(seq_id, None)
         if started is not None:
             self.ttft.observe(now - started)
         self._tokens([token], now, first=started is not None)
 
-    def end_stream(self, seq_id: int) -> None:
+    def _end_stream(self, seq_id: int) -> None:
         self._stream_start.pop(seq_id, None)
         self._last_token.pop(seq_id, None)
 
-    def forget(self, seq_ids: list[int]) -> None:
+    def _forget(self, seq_ids: list[int]) -> None:
         for i in seq_ids:
             self._last_token.pop(i, None)
+
+
+class _Applier:
+    """Registered first in a Metrics registry: applies the waiting records when the registry is collected."""
+
+    def __init__(self, metrics: Metrics):
+        self._metrics = metrics
+
+    def collect(self):
+        self._metrics.apply_pending()
+        return []

@@ -1,36 +1,56 @@
-"""EngineRunner: the one thread that owns the engine.
+"""EngineRunner: owns the engine for the gRPC layer, on the server's event loop.
 
-RPC handlers hand it closures (`await runner.call(fn)`); it runs them one at a time, in arrival order.
-A Decode is a launch (`await runner.step(fn)`, fn returning Engine.decode_launch's step): the runner
-answers it once the engine finished the step, and meanwhile takes the next calls, so a router that
-keeps several Decodes in flight has the next step queued on the device while the host commits, replies
-to and receives the steps around it. While no call waits and a step is queued behind the oldest, the
-runner waits for the oldest itself; with one step in flight it sleeps on its queue (a Decode that comes
-is launched at once) and a helper thread waits for that step's device work and wakes it.
+Every engine call goes through one FIFO queue, and exactly one runs at a time:
+- a decode step (`await runner.step(fn)` or `runner.submit_step(fn)`, fn returning Engine.decode_launch's
+  step) is launched on the event loop's own thread, with no hop to another thread. The runner finishes
+  (commits) each step as soon as its device work has ended, whether or not its caller still waits, and
+  answers its future; meanwhile it takes the next calls, so a router that keeps several Decodes in flight
+  has the next step queued on the device while the host commits, replies to and receives the steps around
+  it. Up to config.max_steps_in_flight steps are queued; a step beyond that waits (the loop stays free) for
+  the oldest one's device work, which a helper thread watches and reports to the loop;
+- a short call (`await runner.run(fn)`: alloc, release, a stream's stop) runs inline on the loop;
+- a long call (`await runner.call(fn)`: prefill, verify, warm-up, anything that may take a while) runs on
+  the engine thread while the loop keeps answering health checks and queueing calls behind it.
+A call cancelled before it starts (its deadline passed, the client went away) is skipped entirely; one that
+has started runs to its end (its result is dropped).
 
-Between calls it also runs the worker's own decode steps for Generate streams, batching every
-streaming sequence into one Decode, so concurrent Generate calls share steps.
-
-A call is either run fully or not at all: one cancelled before it starts is skipped, and one that has
-started runs to the end (its result is dropped)."""
+The runner also decodes the Generate streams itself, batching every streaming sequence into one step, so
+concurrent Generate calls share steps."""
 from __future__ import annotations
 
 import asyncio
 import collections
 import concurrent.futures
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import api
-from engine.engine import Engine, PendingStep
-
-_WAKE = object()  # put on the work queue when a step's device work has ended
+from engine.engine import Engine
+from engine.decode import PendingStep
 
 log = logging.getLogger(__name__)
+
+_STEP, _INLINE, _THREAD = "step", "inline", "thread"
+
+
+@dataclass
+class _Work:
+    kind: str  # _STEP, _INLINE or _THREAD
+    fn: Callable
+    args: tuple
+    future: asyncio.Future
+    times: list | None = None  # a step's CLOCK_MONOTONIC stamps (see step())
+
+
+@dataclass
+class _Launched:
+    future: asyncio.Future
+    step: PendingStep
+    started: float  # monotonic time of its launch
+    times: list | None
 
 
 @dataclass
@@ -38,232 +58,293 @@ class _Stream:
     """A Generate stream's sequence, decoded by the runner itself."""
 
     seq_id: int
-    loop: asyncio.AbstractEventLoop
     out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
 
 
 class EngineRunner:
-    def __init__(self, make_engine: Callable[[], Engine]):
-        self._work: queue.Queue = queue.Queue()
+    def __init__(self, engine: Engine, thread: concurrent.futures.ThreadPoolExecutor):
+        """Use EngineRunner.start(): it builds the engine on the engine thread."""
+        self.engine = engine
+        self._thread = thread
+        self._loop = asyncio.get_running_loop()
+        self._queue: collections.deque[_Work] = collections.deque()
+        self._in_flight: collections.deque[_Launched] = collections.deque()  # launched, oldest first
+        self._busy_since: float | None = None  # monotonic start of the call running on the engine thread
         self._streams: dict[int, _Stream] = {}
-        # Launched steps, oldest first: (future, step, monotonic start of its launch, its times list or None).
-        self._in_flight: collections.deque[tuple[concurrent.futures.Future, PendingStep, float, list | None]] = \
-            collections.deque()
-        self._waiter = _DeviceWaiter(self._work)
-        self._stopping = False
-        self.step_started: float | None = None  # monotonic start of the call now running, None when idle
-        self.steps = 0
-        ready: concurrent.futures.Future = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._main, args=(make_engine, ready), name="engine", daemon=True)
-        self._thread.start()
+        self._stream_task: asyncio.Task | None = None
+        self._waiter = _DeviceWaiter(self._loop, self._pump)
+        self._closed = False
+        self.steps = 0  # engine calls run (steps, short and long calls)
+        engine.runtime.dispatch.bind_thread()  # driver calls (graph replays) from the loop's thread need the context
+
+    @classmethod
+    async def start(cls, make_engine: Callable[[], Engine]) -> "EngineRunner":
+        """Builds the engine on a new engine thread (the event loop keeps serving meanwhile)."""
+        thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         try:
-            self.engine: Engine = ready.result()
+            engine = await asyncio.get_running_loop().run_in_executor(thread, make_engine)
         except BaseException:
-            self._waiter.stop()
+            thread.shutdown(wait=False)
             raise
+        return cls(engine, thread)
 
-    # ------------------------------------------------------------------ event-loop side
-
-    async def call(self, fn: Callable[..., Any], *args) -> Any:
-        """Runs fn(engine, *args) on the engine thread and returns its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args, False, None))
-        return await asyncio.wrap_future(fut)
+    # ------------------------------------------------------------------ calls
 
     async def step(self, fn: Callable[..., PendingStep], *args, times: list | None = None) -> api.StepResult:
-        """Runs fn(engine, *args), which launches a decode step, on the engine thread, and returns the
-        step's result once the engine has finished it (other calls run in between). With a `times`
-        list, the engine thread appends time.monotonic_ns() when the step was launched, when its
-        answer began (Engine.finish called) and when the result was ready."""
+        """Launches a decode step (fn(engine, *args) returns Engine.decode_launch's step) and returns its result
+        once the runner has finished it. With a `times` list, appends time.monotonic_ns() when the step was
+        launched, when its answer began and when its result was ready."""
         return await self.submit_step(fn, *args, times=times)
 
     def submit_step(self, fn: Callable[..., PendingStep], *args, times: list | None = None) -> asyncio.Future:
-        """step() without awaiting it: the step is queued for the engine thread now, so steps submitted
-        one after another launch in that order; the returned future (of the running event loop) is the
-        step's result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._work.put((fut, fn, args, True, times))
-        return asyncio.wrap_future(fut)
+        """step() without awaiting it: steps submitted one after another launch in that order (call it on the
+        event loop)."""
+        return self._submit(_STEP, fn, args, times)
+
+    async def run(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(engine, *args) on the event loop, in its turn: for short calls only (it holds the loop)."""
+        return await self._submit(_INLINE, fn, args)
+
+    async def call(self, fn: Callable[..., Any], *args) -> Any:
+        """fn(engine, *args) on the engine thread, in its turn (the loop keeps serving meanwhile)."""
+        return await self._submit(_THREAD, fn, args)
+
+    def _submit(self, kind: str, fn: Callable, args: tuple, times: list | None = None) -> asyncio.Future:
+        future = self._loop.create_future()
+        if self._closed:
+            future.set_exception(RuntimeError("the engine runner has shut down"))
+            return future
+        self._queue.append(_Work(kind, fn, args, future, times))
+        if self._busy_since is None:
+            self._pump()
+        return future
 
     @property
     def busy_since(self) -> float | None:
-        """Monotonic start of the call running now, else of the oldest step in flight; None when idle."""
-        started = self.step_started
-        if started is None and self._in_flight:
-            started = self._in_flight[0][2]
-        return started
+        """Monotonic start of the call running on the engine thread, else the launch of the oldest step in
+        flight; None when idle (the step watchdog)."""
+        if self._busy_since is not None:
+            return self._busy_since
+        return self._in_flight[0].started if self._in_flight else None
+
+    # ------------------------------------------------------------------ Generate streams
 
     async def start_stream(self, prompt: list[int],
                            alloc: Callable[[Engine], api.AllocResult]) -> tuple[int, asyncio.Queue]:
-        """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end;
-        returns its id and the queue its tokens arrive on (None marks the end, an exception a failure).
-        On failure nothing is left allocated."""
-        loop = asyncio.get_running_loop()
+        """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
+        its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
+        nothing is left allocated."""
         out: asyncio.Queue = asyncio.Queue()
 
-        def begin(engine: Engine) -> int:
+        def begin(engine: Engine) -> api.TokenResult:
             seq_id = alloc(engine).seq_id
             try:
-                first = engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
+                return engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
             except BaseException:
                 engine.release([seq_id])
                 raise
-            loop.call_soon_threadsafe(out.put_nowait, first)
-            if first.finish_reason:
-                engine.release([seq_id])
-                loop.call_soon_threadsafe(out.put_nowait, None)
-            else:
-                self._streams[seq_id] = _Stream(seq_id, loop, out)
-            return seq_id
 
-        return await self.call(begin), out
+        first = await self.call(begin)
+        out.put_nowait(first)
+        if first.finish_reason:
+            await self.run(lambda engine: engine.release([first.seq_id]))
+            out.put_nowait(None)
+        else:
+            self._streams[first.seq_id] = _Stream(first.seq_id, out)
+            if self._stream_task is None or self._stream_task.done():
+                self._stream_task = self._loop.create_task(self._decode_streams())
+        return first.seq_id, out
 
     async def stop_stream(self, seq_id: int) -> None:
         """Ends a stream early (client gone): its sequence is released."""
-        def stop(engine: Engine) -> None:
-            if self._streams.pop(seq_id, None) is not None:
-                engine.release([seq_id])
-        await self.call(stop)
-
-    def shutdown(self) -> None:
-        self._stopping = True
-        self._work.put(None)
-        self._thread.join(timeout=30)
-        self._waiter.stop()
+        if self._streams.pop(seq_id, None) is not None:
+            await self.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
 
     @property
     def num_streams(self) -> int:
         return len(self._streams)
 
-    # ------------------------------------------------------------------ engine thread
-
-    def _main(self, make_engine: Callable[[], Engine], ready: concurrent.futures.Future) -> None:
-        try:
-            engine = make_engine()
-        except BaseException as e:  # start-up failure: reported to the constructor's caller
-            ready.set_exception(e)
-            return
-        ready.set_result(engine)
-        while not self._stopping:
-            # Run every call waiting now (in order), answer the steps that have finished, then one decode
-            # step of the Generate streams; with no stream, sleep until a call comes or a step ends.
-            if len(self._in_flight) > 1 and self._work.empty() and not self._streams:
-                # A step is queued on the device behind the oldest: waiting for the oldest here leaves
-                # the device busy, and answers it without the waiter thread's hop.
-                self._answer_steps(engine, wait_for=1)
-                continue
-            if self._in_flight and not self._streams:
-                self._waiter.watch(self._in_flight[0][1])
-            pending = max(1, self._work.qsize()) if not self._streams else self._work.qsize()
-            for _ in range(pending):
-                item = self._work.get()
-                if item is None:
-                    self._stopping = True
-                    break
-                if item is not _WAKE:
-                    self._run(engine, *item)
-            self._answer_steps(engine)
-            if self._streams and not self._stopping:
-                self._stream_step(engine)
-                self._answer_steps(engine)
-        self._answer_steps(engine, wait_for=len(self._in_flight))
-        for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.out.put_nowait, None)
-        engine.close()
-
-    def _run(self, engine: Engine, fut: concurrent.futures.Future, fn: Callable, args: tuple, step: bool,
-             times: list | None) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return  # cancelled before it started: skipped entirely
-        self.step_started = time.monotonic()
-        try:
-            result = fn(engine, *args)
-        except BaseException as e:
-            self._answer_steps(engine)  # steps the call finished first answer first
-            fut.set_exception(e)
-        else:
-            if step:
-                if times is not None:
-                    times.append(time.monotonic_ns())
-                self._in_flight.append((fut, result, self.step_started, times))
-            self._answer_steps(engine)  # steps the call finished (a launch may finish the oldest) answer now
-            if not step:
-                fut.set_result(result)
-        finally:
-            self.step_started = None
-            self.steps += 1
-
-    def _answer_steps(self, engine: Engine, wait_for: int = 0) -> None:
-        """Answers the launched steps that are done or whose device work has ended, oldest first; the
-        oldest `wait_for` of them are waited for."""
-        while self._in_flight:
-            fut, step, _, times = self._in_flight[0]
-            if wait_for <= 0 and not engine.step_ready(step):
-                return
-            wait_for -= 1
-            self._in_flight.popleft()
+    async def _decode_streams(self) -> None:
+        """One decode step at a time over every Generate stream; a finished stream's sequence is released."""
+        engine = self.engine
+        while self._streams and not self._closed:
+            streams = list(self._streams.values())[:engine.config.max_batch_size]
+            ids = [s.seq_id for s in streams]
             try:
-                if times is not None:
-                    times.append(time.monotonic_ns())
-                result = engine.finish(step)
-                if times is not None:
-                    times.append(time.monotonic_ns())
-                fut.set_result(result)
-            except BaseException as e:
-                fut.set_exception(e)
+                result = await self.step(lambda e: e.decode_launch(ids))
+            except Exception as e:  # noqa: BLE001 - every stream of the step fails, the worker goes on
+                log.exception("decode step of %d Generate streams failed", len(streams))
+                for s in streams:
+                    if self._streams.pop(s.seq_id, None) is not None:
+                        s.out.put_nowait(e)
+                await self.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
+                continue
+            finished = []
+            for s, tok in zip(streams, result.tokens):
+                if self._streams.get(s.seq_id) is not s:
+                    continue  # stopped while the step ran (stop_stream released it)
+                s.out.put_nowait(tok)
+                if tok.finish_reason:
+                    del self._streams[s.seq_id]
+                    s.out.put_nowait(None)
+                    finished.append(s.seq_id)
+            if finished:
+                await self.run(lambda e: e.release([i for i in finished if i in e.sequences]))
 
-    def _stream_step(self, engine: Engine) -> None:
-        """One decode step over every Generate stream; finished ones are released."""
-        streams = list(self._streams.values())[:engine.config.max_batch_size]
-        self.step_started = time.monotonic()
-        try:
-            result = engine.decode([s.seq_id for s in streams])
-        except BaseException as e:
-            log.exception("decode step of %d Generate streams failed", len(streams))
-            for s in streams:
-                self._streams.pop(s.seq_id, None)
-                s.loop.call_soon_threadsafe(s.out.put_nowait, e)
-            engine.release([s.seq_id for s in streams if s.seq_id in engine.sequences])
+    # ------------------------------------------------------------------ the queue
+
+    def _pump(self) -> None:
+        """Runs on the loop whenever something changed (a call came, a call on the engine thread ended, a
+        step's device work ended): answers the finished steps, then starts queued calls in order until one
+        must wait (the engine thread is busy, or the steps in flight are at their limit)."""
+        if self._busy_since is not None:
             return
-        finally:
-            self.step_started = None
-            self.steps += 1
-        for s, tok in zip(streams, result.tokens):
-            s.loop.call_soon_threadsafe(s.out.put_nowait, tok)
-            if tok.finish_reason:
-                del self._streams[s.seq_id]
-                engine.release([s.seq_id])
-                s.loop.call_soon_threadsafe(s.out.put_nowait, None)
+        engine = self.engine
+        self._answer_steps()
+        while self._queue:
+            work = self._queue[0]
+            if work.future.done():  # cancelled before it started: skipped entirely
+                self._queue.popleft()
+                continue
+            if work.kind == _STEP and engine.num_in_flight >= engine.config.max_steps_in_flight:
+                self._waiter.watch(self._in_flight[0].step if self._in_flight else None)
+                return
+            self._queue.popleft()
+            if work.kind == _THREAD:
+                self._start_thread_call(work)
+                return
+            self._run_inline(work)
+            self._answer_steps()
+        if self._in_flight:
+            self._waiter.watch(self._in_flight[0].step)
+
+    def _run_inline(self, work: _Work) -> None:
+        self.steps += 1
+        started = time.monotonic()
+        try:
+            result = work.fn(self.engine, *work.args)
+        except BaseException as e:  # noqa: BLE001 - answered to its caller
+            self._answer_steps()  # steps the call finished first answer first
+            work.future.set_exception(e)
+            return
+        if work.kind == _STEP:
+            if work.times is not None:
+                work.times.append(time.monotonic_ns())
+            self._in_flight.append(_Launched(work.future, result, started, work.times))
+        else:
+            work.future.set_result(result)
+
+    def _start_thread_call(self, work: _Work) -> None:
+        self.steps += 1
+        self._busy_since = time.monotonic()
+        done = self._thread.submit(work.fn, self.engine, *work.args)
+
+        def finished(_: concurrent.futures.Future) -> None:
+            self._loop.call_soon_threadsafe(self._thread_call_done, work, done)
+
+        done.add_done_callback(finished)
+
+    def _thread_call_done(self, work: _Work, done: concurrent.futures.Future) -> None:
+        self._busy_since = None
+        self._answer_steps()  # steps the call finished (prefill and verify finish every step first)
+        if not work.future.done():
+            if done.exception() is not None:
+                work.future.set_exception(done.exception())
+            else:
+                work.future.set_result(done.result())
+        self._pump()
+
+    def _answer_steps(self) -> None:
+        """Finishes the launched steps whose device work has ended, oldest first, and answers them."""
+        engine = self.engine
+        while self._in_flight:
+            launched = self._in_flight[0]
+            if not engine.step_ready(launched.step):
+                return
+            self._in_flight.popleft()
+            times = launched.times
+            if times is not None:
+                times.append(time.monotonic_ns())
+            try:
+                result = engine.finish(launched.step)
+            except BaseException as e:  # noqa: BLE001 - refused (EngineError) or broken: answered to its caller
+                if not launched.future.done():
+                    launched.future.set_exception(e)
+                continue
+            if times is not None:
+                times.append(time.monotonic_ns())
+            if not launched.future.done():
+                launched.future.set_result(result)
+
+    # ------------------------------------------------------------------ shutdown
+
+    async def shutdown(self) -> None:
+        """Finishes the steps in flight, ends the Generate streams, closes the engine on its thread."""
+        self._closed = True
+        while self._busy_since is not None:
+            await asyncio.sleep(0.01)
+        for work in self._queue:
+            if not work.future.done():
+                work.future.set_exception(RuntimeError("the worker is shutting down"))
+        self._queue.clear()
+        while self._in_flight:
+            self._in_flight[0].step.wait_device()
+            self._answer_steps()
+        for stream in self._streams.values():
+            stream.out.put_nowait(None)
+        self._streams.clear()
+        if self._stream_task is not None:
+            self._stream_task.cancel()
+        self._waiter.stop()
+        await self._loop.run_in_executor(self._thread, self.engine.close)
+        self._thread.shutdown(wait=True)
 
 
 class _DeviceWaiter:
-    """A helper thread that waits (the GIL released) for the device work of a step the runner watches,
-    on an event of that launch alone (PendingStep.wait_device), then wakes the runner through its work
-    queue. A stale wake-up is harmless: the runner only looks at which steps are ready."""
+    """A helper thread that waits (the GIL released) for the device work of the step the runner watches, on an
+    event of that launch alone (PendingStep.wait_device), then runs `wake` on the event loop. A stale wake-up
+    is harmless: the runner only looks at which steps are ready."""
 
-    def __init__(self, work: queue.Queue):
-        self._work = work
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None]):
+        self._loop, self._wake = loop, wake
+        self._jobs: collections.deque = collections.deque()
+        self._ready = threading.Condition()
         self._watched = None
+        self._stopped = False
         self._thread = threading.Thread(target=self._main, name="engine-waiter", daemon=True)
         self._thread.start()
 
-    def watch(self, step: PendingStep) -> None:
-        """Wakes the runner when step's current device work ends (once per launch of it)."""
+    def watch(self, step: PendingStep | None) -> None:
+        """Wakes the loop when step's current device work ends (once per launch of it)."""
+        if step is None or step.done:
+            return
         launch = step.done_event if step.done_event is not None else step.timer  # one object per launch
-        if step.done or launch is self._watched:
+        if launch is self._watched:
             return
         self._watched = launch
-        self._jobs.put(step)
+        with self._ready:
+            self._jobs.append(step)
+            self._ready.notify()
 
     def stop(self) -> None:
-        self._jobs.put(None)
+        with self._ready:
+            self._stopped = True
+            self._ready.notify()
         self._thread.join(timeout=5)
 
     def _main(self) -> None:
-        while (step := self._jobs.get()) is not None:
+        while True:
+            with self._ready:
+                while not self._jobs and not self._stopped:
+                    self._ready.wait()
+                if self._stopped:
+                    return
+                step = self._jobs.popleft()
             try:
                 step.wait_device()
             except Exception:  # noqa: BLE001 - the engine reports device errors when it finishes the step
                 log.debug("waiting for a step's device work failed", exc_info=True)
-            self._work.put(_WAKE)
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed
+                return

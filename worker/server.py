@@ -118,7 +118,7 @@ class Worker:
 
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
         t0 = time.perf_counter()
-        self.runner = await asyncio.to_thread(EngineRunner, lambda: Engine(self.engine_config))
+        self.runner = await EngineRunner.start(lambda: Engine(self.engine_config))
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
         self.servicer.runner = self.runner
@@ -151,7 +151,7 @@ class Worker:
                         engine.release(ids)
                     self.leases.remove(self.leases.expired())
                     return ids
-                ids = await self.runner.call(release_idle)
+                ids = await self.runner.run(release_idle)
                 if ids:
                     log.warning("released %d sequences idle for over %.0fs: %s", len(ids),
                                 self.config.sequence_idle_timeout_s, ids[:16])
@@ -187,7 +187,7 @@ class Worker:
         if self.health_server is not None:
             await self.health_server.stop(0)
         if self.runner is not None:
-            await asyncio.to_thread(self.runner.shutdown)
+            await self.runner.shutdown()
         self.metrics.close()
         self._stopped.set()
 

@@ -52,24 +52,29 @@ def client_of(context: grpc.aio.ServicerContext) -> str:
 
 def rpc(method):
     """Maps EngineError to its status code and any other exception to INTERNAL (logged with the
-    request id); counts the call in the metrics."""
+    request id); records the call for the metrics (one append)."""
     name = method.__name__
+    OK, CANCELLED, INTERNAL = grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL
 
     @functools.wraps(method)
     async def wrapper(self: "ModelWorkerServicer", request, context: grpc.aio.ServicerContext):
-        with self.metrics.rpc(name) as call:
-            try:
-                if self.runner is None:
-                    raise Unavailable("the model is still loading; retry shortly")
-                return await method(self, request, context)
-            except EngineError as e:
-                call.code = status_of(e)
-                await context.abort(call.code, str(e))
-            except Exception:
-                call.code = grpc.StatusCode.INTERNAL
-                rid = request_id_of(context)
-                log.exception("%s failed (request id %s)", name, rid)
-                await context.abort(call.code, f"internal error in {name} (request id {rid}); see the worker log")
+        started, code = time.perf_counter(), CANCELLED  # CANCELLED unless the call ends below
+        try:
+            if self.runner is None:
+                raise Unavailable("the model is still loading; retry shortly")
+            response = await method(self, request, context)
+            code = OK
+            return response
+        except EngineError as e:
+            code = status_of(e)
+            await context.abort(code, str(e))
+        except Exception:
+            code = INTERNAL
+            rid = request_id_of(context)
+            log.exception("%s failed (request id %s)", name, rid)
+            await context.abort(code, f"internal error in {name} (request id {rid}); see the worker log")
+        finally:
+            self.metrics.record_call(name, code, started)
     return wrapper
 
 
@@ -97,7 +102,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
             self.leases.add(result.seq_id, client)
             return result
 
-        return convert.alloc_response(await self.runner.call(alloc))
+        return convert.alloc_response(await self.runner.run(alloc))
 
     @rpc
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
@@ -208,13 +213,13 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
             self.leases.remove(ids)
             return released
 
-        released = await self.runner.call(release)
+        released = await self.runner.run(release)
         self.metrics.forget(ids)
         return pb.ReleaseResponse(released=released)
 
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return convert.info_response(await self.runner.call(Engine.info))
+        return convert.info_response(self.runner.engine.info())  # counters only: no turn in the queue
 
     async def Generate(self, request: pb.GenerateRequest, context):
         """Server-streaming: the runner decodes this sequence itself, batched with other streams."""

@@ -53,6 +53,11 @@ class StepDispatch:
         stream (GPU), or run at once (CPU)."""
         return self.streams.compute_context() if self.streams is not None else contextlib.nullcontext()
 
+    def bind_thread(self) -> None:
+        """Lets the calling thread run steps (a GPU needs its context current there; nothing on CPU)."""
+        if self.streams is not None:
+            self.streams.bind_thread()
+
     def mark(self):
         """A DeviceMark of the work queued so far (any thread may wait on it), or None where the work ran at
         once (CPU)."""

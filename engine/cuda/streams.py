@@ -89,7 +89,19 @@ class EngineStreams:
                                   for _ in range(2)) for _ in range(timers)]
             self._marks = [_check("cuEventCreate", driver.cuEventCreate(no_timing)) for _ in range(MARKS)]
         self._next_mark = 0
+        self._context = None  # the primary context, retained by bind_thread
         self._closed = False
+
+    def bind_thread(self) -> None:
+        """Makes the device's primary context (torch's) current on the calling thread: driver calls that take
+        no context of their own (a graph launch, an event record) fail on a thread that has none. For a
+        thread other than the one that created the streams, before it runs any step."""
+        driver = _driver()
+        torch.cuda.set_device(self.device)
+        if self._context is None:
+            device = _check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))
+            self._context = _check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
+        _check("cuCtxSetCurrent", driver.cuCtxSetCurrent(self._context))
 
     @property
     def compute_handle(self):
@@ -181,3 +193,7 @@ class EngineStreams:
             _check("cuEventDestroy", driver.cuEventDestroy(event))
         for stream in (self._compute_handle, self._copy_handle):
             _check("cuStreamDestroy", driver.cuStreamDestroy(stream))
+        if self._context is not None:
+            _check("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease(
+                _check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))))
+            self._context = None
