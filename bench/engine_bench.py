@@ -310,9 +310,9 @@ def use_kernels(kernel_dir: pathlib.Path, build_dir: pathlib.Path) -> None:
     """Engines created after this load their CUDA kernels from kernel_dir's sources and build_dir's fatbins."""
     import functools
 
-    from engine.cuda import kernels as cuda_kernels
+    from engine.cuda import library
     from engine.cuda import ops as cuda_ops
-    cuda_ops.KernelLibrary = functools.partial(cuda_kernels.KernelLibrary, build_dir=build_dir, kernel_dir=kernel_dir)
+    cuda_ops.KernelLibrary = functools.partial(library.KernelLibrary, build_dir=build_dir, kernel_dir=kernel_dir)
 
 
 def guarded(results: dict, name: str, fn, *args, **kwargs):

@@ -32,7 +32,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.stream_probe import load_probe_module  # noqa: E402
-from engine.cuda.kernels import Kernel, KernelLibrary, _check, _driver  # noqa: E402
+from engine.cuda.driver import Kernel, check, cuda_driver  # noqa: E402
+from engine.cuda.library import KernelLibrary  # noqa: E402
+from engine.cuda.wrappers import skinny_linear  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -110,12 +112,12 @@ def main() -> None:
     ap.add_argument("--window-blocks", type=int, nargs="+", default=[256, 64, 8],
                     help="window grids (blocks of 128 threads and 57.6 KB of shared memory, 3 an SM at most)")
     args = ap.parse_args()
-    drv = _driver()
+    drv = cuda_driver()
     lib = KernelLibrary(0, pdl=not args.no_pdl)
     mod = load_probe_module(SOURCE)
-    func = _check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, b"window"))
+    func = check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, b"window"))
     smem = 57600  # decode attention's at head_dim 64 (3 stages): 3 blocks an SM
-    _check("cuFuncSetAttribute", drv.cuFuncSetAttribute(
+    check("cuFuncSetAttribute", drv.cuFuncSetAttribute(
         func, drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem))
     window = Kernel("window", func, "plpplii" + "p", pdl=True)
 
@@ -151,10 +153,10 @@ def main() -> None:
                     window((blocks, 1, 1), (128, 1, 1), smem, lib.stream(), wo.data_ptr(), o_bytes,
                            wgu.data_ptr(), up, g_bytes // 2, MODES[mode], int(spin_us * 1000), sink.data_ptr())
                     lib.skinny_wide_tiles = lib.num_sms if o_warps == 16 else 0
-                    lib.skinny_residual(h, attn, wo)
+                    skinny_linear.residual(lib, h, attn, wo)
                     lib.skinny_wide_tiles = lib.num_sms
-                    lib.skinny_silu(act, h, wgu, nw, 1e-5)
-                    lib.skinny_residual(h, act, wd)
+                    skinny_linear.silu(lib, act, h, wgu, nw, 1e-5)
+                    skinny_linear.residual(lib, h, act, wd)
         times = []
         with torch.cuda.stream(stream):  # replay() launches on the current stream
             for _ in range(args.replays):

@@ -19,7 +19,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.cuda.kernels import _check, _driver  # noqa: E402
+from engine.cuda.driver import check, cuda_driver  # noqa: E402
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -161,14 +161,14 @@ def load_probe_module(source: str):
         src.write_text(source)
         cubin = pathlib.Path(tmp) / "probe.cubin"
         subprocess.run(["nvcc", "-cubin", "-O3", "-std=c++17", "-arch=sm_90", "-o", str(cubin), str(src)], check=True)
-        return _check("cuModuleLoadData", _driver().cuModuleLoadData(cubin.read_bytes()))
+        return check("cuModuleLoadData", cuda_driver().cuModuleLoadData(cubin.read_bytes()))
 
 
 def main() -> None:
-    drv = _driver()
+    drv = cuda_driver()
     torch.cuda.init()
     torch.empty(1, device="cuda")
-    ctx = _check("cuCtxGetCurrent", drv.cuCtxGetCurrent())
+    ctx = check("cuCtxGetCurrent", drv.cuCtxGetCurrent())
     assert ctx
     dev = torch.cuda.current_device()
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -186,8 +186,8 @@ def main() -> None:
         for _ in range(8):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            _check("cuLaunchKernel", drv.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
-                                                        ctypes.addressof(ptrs), 0))
+            check("cuLaunchKernel", drv.cuLaunchKernel(func, grid, 1, 1, block, 1, 1, smem, stream,
+                                                       ctypes.addressof(ptrs), 0))
             e.record()
             e.synchronize()
             times.append(s.elapsed_time(e) * 1e-3)
@@ -195,9 +195,9 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name(dev)}: {sms} SMs, 1 GiB read once per launch, median of 6 (TB/s)")
     for name, (stage, stages) in RINGS.items():
-        func = _check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, name.encode()))
+        func = check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, name.encode()))
         smem = stage * stages
-        _check("cuFuncSetAttribute", drv.cuFuncSetAttribute(func, smem_attr, smem))
+        check("cuFuncSetAttribute", drv.cuFuncSetAttribute(func, smem_attr, smem))
         for per_sm in (1, 2):
             if per_sm * (smem + 1024) > 228 * 1024:
                 continue
@@ -208,7 +208,7 @@ def main() -> None:
             tbps *= grid * per / total
             print(f"  {name:24s} ring {smem // 1024:4d} KB  {per_sm} block/SM  {tbps:6.2f}")
     for name in ("regs_u4", "regs_u8"):
-        func = _check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, name.encode()))
+        func = check("cuModuleGetFunction", drv.cuModuleGetFunction(mod, name.encode()))
         for per_sm in (2, 4, 8):
             tbps = timed(func, sms * per_sm, 256, 0, [buf.data_ptr(), total // 16, sink.data_ptr()])
             print(f"  {name:24s} {per_sm} x 256 threads/SM          {tbps:6.2f}")

@@ -61,17 +61,17 @@ def build_traced() -> None:
 
 def attach(lib, capacity: int) -> torch.Tensor:
     """A trace buffer on the device, its address written into every loaded module's metrale_trace."""
-    from engine.cuda.kernels import _check, _driver
-    driver = _driver()
+    from engine.cuda.driver import check, cuda_driver
+    driver = cuda_driver()
     buf = torch.zeros(HEADER + capacity * RECORD.itemsize, dtype=torch.uint8, device=lib.device)
     buf[4:8] = torch.tensor([capacity], dtype=torch.int32).view(torch.uint8).to(lib.device)
     addr = buf.data_ptr()
-    for name, mod in lib._modules.items():
+    for name, mod in lib.modules.items():
         err, dptr, _ = driver.cuModuleGetGlobal(mod, b"metrale_trace")
         if err != driver.CUresult.CUDA_SUCCESS:
             raise SystemExit(f"module {name} has no metrale_trace: not a traced build ({lib.origin[name]})")
-        _check("cuMemsetD32", driver.cuMemsetD32(dptr, addr & 0xFFFFFFFF, 1))
-        _check("cuMemsetD32", driver.cuMemsetD32(int(dptr) + 4, addr >> 32, 1))
+        check("cuMemsetD32", driver.cuMemsetD32(dptr, addr & 0xFFFFFFFF, 1))
+        check("cuMemsetD32", driver.cuMemsetD32(int(dptr) + 4, addr >> 32, 1))
     torch.cuda.synchronize(lib.device)
     return buf
 

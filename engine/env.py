@@ -9,5 +9,5 @@ CACHE_DIR = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.hom
 LOG_LEVEL = os.environ.get("METRALE_LOG_LEVEL", "INFO")
 # CUDA toolkit roots searched for nvcc when it is not on PATH (the standard CUDA variables).
 CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r)
-# Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/kernels.py).
+# Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/library.py).
 PDL = os.environ.get("METRALE_PDL", "1") != "0"

@@ -15,6 +15,7 @@ import torch
 
 from engine import sampling
 from engine.batch import ForwardBatch, build_decode_batch, decode_batch
+from engine.cuda.wrappers import decode_step
 from engine.state import SlotState
 
 if TYPE_CHECKING:
@@ -131,11 +132,11 @@ class KernelSlotIO(SlotIO):
             empty(R, like=state.temperature), empty(R, like=state.top_k), empty(R, like=state.top_p),
             empty(R, like=state.seed), empty(R, like=state.repetition_penalty),
             empty(R, state.seen.shape[1], like=state.seen), torch.empty(R, dtype=torch.int64, device=dev))
-        self.lib.decode_prepare(slots, state.num_cached, state.last_token, state.block_table, state.temperature,
-                                state.top_k, state.top_p, state.seed, state.repetition_penalty, state.seen,
-                                self.block_size, input_ids, positions, slot_mapping, seq_lens, tables,
-                                rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.repetition_penalty,
-                                rows.position, rows.seen, drafts=drafts)
+        decode_step.prepare(self.lib, slots, state.num_cached, state.last_token, state.block_table,
+                            state.temperature, state.top_k, state.top_p, state.seed, state.repetition_penalty,
+                            state.seen, self.block_size, input_ids, positions, slot_mapping, seq_lens, tables,
+                            rows.temperature, rows.top_k, rows.top_p, rows.seed, rows.repetition_penalty,
+                            rows.position, rows.seen, drafts=drafts)
         return (input_ids, positions, slot_mapping, tables, seq_lens), rows
 
     def decode_inputs(self, slots: torch.Tensor, seq_lens_host: list[int],
@@ -146,8 +147,8 @@ class KernelSlotIO(SlotIO):
     def decode_commit(self, slots: torch.Tensor, out: sampling.SampleOutput, outputs: StepOutputs,
                       num_top: int) -> None:
         state = self.state
-        self.lib.decode_commit(slots, out.token_ids, out.logprobs, state.num_cached, state.last_token, state.seen,
-                               outputs.slot_tokens, outputs.slot_logprobs)
+        decode_step.commit(self.lib, slots, out.token_ids, out.logprobs, state.num_cached, state.last_token,
+                           state.seen, outputs.slot_tokens, outputs.slot_logprobs)
         if num_top:
             n = slots.shape[0]
             outputs.top_ids[:n, :num_top].copy_(out.top_ids)
@@ -165,6 +166,6 @@ class KernelSlotIO(SlotIO):
     def verify_commit(self, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
                       outputs: VerifyOutputs, num_top: int) -> None:
         state = self.state
-        self.lib.verify_commit(slots, drafts, out.token_ids, out.logprobs, state.num_cached, state.last_token,
-                               state.seen, outputs.accepted, outputs.tokens, outputs.logprobs)
+        decode_step.verify_commit(self.lib, slots, drafts, out.token_ids, out.logprobs, state.num_cached,
+                                  state.last_token, state.seen, outputs.accepted, outputs.tokens, outputs.logprobs)
         outputs.write_top(out, out.token_ids.shape[0], num_top)

@@ -1,7 +1,7 @@
 // Shared device helpers for every kernels_cu/*.cu file.
 //
 // No system or CUDA headers: NVRTC compiles these files at run time without a CUDA include path
-// (engine/cuda/kernels.py hands it the *.cuh files as named headers), so dtype conversions are
+// (engine/cuda/build.py hands it the *.cuh files as named headers), so dtype conversions are
 // inline PTX and the vector types are our own.
 //
 // Activation dtypes: `Bf16` and `Fp16` are tag types with static conversion helpers. Storage is

@@ -42,7 +42,7 @@
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
 //   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3
-//   (engine/cuda/kernels.py computes the same and raises the function's limit at load). A deeper pipeline (6 stages at D = 64, every tile of a
+//   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at load). A deeper pipeline (6 stages at D = 64, every tile of a
 //   1B batch-32 sequence in flight at once) was faster with the keys in L2 (batch 32, context 256: 9.57 ->
 //   8.36 us) and slower from DRAM (ncu: 12.3 -> 20.0 us; the 1B batch-32 step 1.243 -> 1.380 ms): dropped.
 //   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);

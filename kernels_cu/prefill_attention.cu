@@ -22,7 +22,7 @@
 //
 // Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
 //   grid (num_work, H), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes
-//   (engine/cuda/kernels.py computes the same and raises the function's limit at load).
+//   (engine/cuda/wrappers/prefill_attention.py computes the same; the library raises the function's limit at load).
 //   block_size a power of two (bs_log2); scale_log2 = scale * log2(e); q, out, caches 16-byte aligned.
 #include "common.cuh"
 

@@ -9,7 +9,8 @@ import struct
 import pytest
 
 from engine.cuda import build
-from engine.cuda.kernels import MODULES, Kernel, expected_symbols
+from engine.cuda.driver import Kernel
+from engine.cuda.library import MODULES, expected_symbols
 
 pytestmark = pytest.mark.skipif(build.find_nvcc() is None, reason="nvcc not found: kernels_cu/ cannot be compiled here")
 
@@ -86,8 +87,8 @@ def test_launch_attributes_for_clusters_and_programmatic_dependent_launch(monkey
     """Kernel.__call__ picks cuLaunchKernel for a plain launch and cuLaunchKernelEx with the cluster and/or
     programmatic-serialization attributes otherwise (a per-call pdl=False drops the latter); the configs are
     made once per kind and carry each launch's grid, block, shared memory and stream."""
-    from engine.cuda import kernels
-    real = kernels._driver()
+    from engine.cuda import driver
+    real = driver.cuda_driver()
     calls = []
 
     class Recorder:
@@ -109,7 +110,7 @@ def test_launch_attributes_for_clusters_and_programmatic_dependent_launch(monkey
                                  config.sharedMemBytes, int(config.hStream)), attrs, id(config)))
             return (real.CUresult.CUDA_SUCCESS,)
 
-    monkeypatch.setattr(kernels, "_driver", lambda: Recorder())
+    monkeypatch.setattr(driver, "cuda_driver", lambda: Recorder())
     plain = Kernel("plain", None, "i")
     plain((2, 1, 1), (32, 1, 1), 0, 0, 7)
     plain((8, 1, 1), (32, 1, 1), 0, 0, 7, cluster=4)

@@ -5,9 +5,9 @@ before it (kernels_cu/common.cuh): the skinny kernels their epilogue's operands,
 parameters, decode attention its tables. That is safe only if the launch just before does not write them,
 which depends on the order in which engine/cuda/ops.py and the model issue the launches: a race that the GPU
 tests would catch only by chance. Here CudaOps runs a decode step (decode_prepare, the forward, the sampling
-chain, decode_commit) on the CPU with a KernelLibrary stand-in that records every launch and its operands by
-name (bound to the real methods' signatures), and every pair of consecutive launches is checked against the
-kernels' launch contracts below.
+chain, decode_commit) on the CPU with every launch wrapper of engine/cuda/wrappers/ replaced by a recorder of the
+launch and its operands by name (bound to the real wrapper's signature), and every pair of consecutive launches
+is checked against the kernels' launch contracts below.
 """
 from __future__ import annotations
 
@@ -17,8 +17,20 @@ import pytest
 import torch
 
 from engine.config import ModelConfig
-from engine.cuda.kernels import KernelLibrary, _overlaps
+from engine.cuda.checks import overlaps
 from engine.cuda.ops import CudaOps
+from engine.cuda.wrappers import (
+    decode_attention,
+    decode_step,
+    embedding,
+    prefill_attention,
+    rms_norm,
+    rope_cache_write,
+    sampling,
+    silu_and_mul,
+    skinny_linear,
+    spec_accept,
+)
 from engine.kv_cache import KVCache
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
@@ -28,44 +40,54 @@ from engine.state import SlotState
 
 from conftest import TINY_CONFIGS
 
-# What each kernel writes, and what it reads before its wait (the launch contracts in kernels_cu/*.cu), by the
-# KernelLibrary methods' parameter names.
+# What each kernel writes, and what it reads before its wait (the launch contracts in kernels_cu/*.cu), by
+# "wrapper module.function" (engine/cuda/wrappers/) and the wrapper's parameter names.
 WRITES = {
-    "decode_prepare": {"input_ids", "positions", "slot_mapping", "seq_lens", "tables", "row_temperature", "row_top_k",
-                       "row_top_p", "row_seed", "row_penalty", "row_position", "row_seen"},
-    "embedding": {"out"},
-    "skinny_rope_kv": {"q_out", "k_cache", "v_cache"},
-    "rope_cache_write": {"q_out", "k_cache", "v_cache"},
-    "decode_attention": {"out", "part_o", "part_lse", "counters"},
-    "skinny_residual": {"residual"},
-    "skinny_silu": {"out"},
-    "skinny_store": {"out"},
-    "residual_norm": {"h", "out"},
-    "rms_norm": {"out"},
-    "silu_and_mul": {"out"},
-    "sample_stats": {"parts"},
-    "sample_select": {"thresholds"},
-    "sample_draw": {"parts"},
-    "sample_finish": {"tokens", "logprobs"},
-    "decode_commit": {"num_cached", "last_token", "seen", "out_tokens", "out_logprobs"},
+    "decode_step.prepare": {"input_ids", "positions", "slot_mapping", "seq_lens", "tables", "row_temperature",
+                            "row_top_k", "row_top_p", "row_seed", "row_penalty", "row_position", "row_seen"},
+    "embedding.launch": {"out"},
+    "skinny_linear.rope_kv": {"q_out", "k_cache", "v_cache"},
+    "rope_cache_write.launch": {"q_out", "k_cache", "v_cache"},
+    "decode_attention.launch": {"out", "part_o", "part_lse", "counters"},
+    "skinny_linear.residual": {"residual"},
+    "skinny_linear.silu": {"out"},
+    "skinny_linear.store": {"out"},
+    "rms_norm.residual_norm": {"h", "out"},
+    "rms_norm.launch": {"out"},
+    "silu_and_mul.launch": {"out"},
+    "sampling.stats": {"parts"},
+    "sampling.select": {"thresholds"},
+    "sampling.draw": {"parts"},
+    "sampling.finish": {"tokens", "logprobs"},
+    "decode_step.commit": {"num_cached", "last_token", "seen", "out_tokens", "out_logprobs"},
 }
 ROW_PARAMS = {"temperature", "top_k", "top_p", "seed", "penalty", "position"}
 BEFORE_WAIT = {
-    "skinny_residual": {"residual"},
-    "skinny_rope_kv": {"bias", "cos_sin", "rope_index", "slot_mapping"},
-    "skinny_store": {"bias"},
-    "sample_stats": ROW_PARAMS,
-    "sample_select": ROW_PARAMS,
-    "sample_draw": ROW_PARAMS,
-    "sample_finish": {"temperature"},
+    "skinny_linear.residual": {"residual"},
+    "skinny_linear.rope_kv": {"bias", "cos_sin", "rope_index", "slot_mapping"},
+    "skinny_linear.store": {"bias"},
+    "sampling.stats": ROW_PARAMS,
+    "sampling.select": ROW_PARAMS,
+    "sampling.draw": ROW_PARAMS,
+    "sampling.finish": {"temperature"},
     # with fresh >= 0 (its older cache rows: a row-level promise, fresh = the forward's tokens, not checked here)
-    "decode_attention": {"block_tables", "seq_lens"},
+    "decode_attention.launch": {"block_tables", "seq_lens"},
+}
+WRAPPERS = (decode_attention, decode_step, embedding, prefill_attention, rms_norm, rope_cache_write, sampling,
+            silu_and_mul, skinny_linear, spec_accept)
+# The wrappers' grid-sizing helpers (they take the library but launch nothing), answered as a GPU would.
+SIZING = {
+    (decode_attention, "key_splits"): lambda lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len: 4,
+    (decode_attention, "fits_one_wave"): lambda lib, *args: True,
+    (decode_attention, "cluster_size"): lambda lib, num_splits: min(num_splits, lib.decode_cluster),
+    (sampling, "vocab_splits"): lambda lib, rows, vocab: 2,
+    (sampling, "topk_fits"): lambda lib, vocab, k: True,
 }
 
 
 class RecordingLib:
-    """KernelLibrary's launch methods, recorded (name, {operand name: tensor}) instead of run; its sizing
-    helpers answer as a GPU would."""
+    """Stands in for the KernelLibrary (the device numbers the wrappers read) and keeps the launches that
+    record_launches records."""
 
     device = torch.device("cpu")
     decode_cluster = 8
@@ -74,34 +96,37 @@ class RecordingLib:
     def __init__(self):
         self.launches: list[tuple[str, dict]] = []
 
-    def __getattr__(self, name: str):
-        real = getattr(KernelLibrary, name)
-        sig = inspect.signature(real)
 
-        def launch(*args, **kwargs):
-            bound = sig.bind(None, *args, **kwargs)
-            tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
-            if name == "decode_attention" and kwargs.get("rope"):
-                k, v, cos_sin, rope_index, slot_mapping = kwargs["rope"]
-                tensors.update(k_new=k, v_new=v, cos_sin=cos_sin, rope_index=rope_index, slot_mapping=slot_mapping)
-            if name == "decode_attention" and kwargs.get("fresh", -1) < 0:
-                name_ = "decode_attention (fresh < 0)"  # reads nothing before its wait
-            else:
-                name_ = name
-            self.launches.append((name_, tensors))
-        return launch
+def recorder(name: str, real):
+    """A stand-in for the launch wrapper `real` that records (name, {operand name: tensor}) in lib.launches."""
+    sig = inspect.signature(real)
 
-    def decode_num_splits(self, batch, num_heads, num_kv_heads, head_dim, max_seq_len) -> int:
-        return 4
+    def launch(lib, *args, **kwargs):
+        bound = sig.bind(lib, *args, **kwargs)
+        tensors = {k: v for k, v in bound.arguments.items() if isinstance(v, torch.Tensor)}
+        if name == "decode_attention.launch" and kwargs.get("rope"):
+            k, v, cos_sin, rope_index, slot_mapping = kwargs["rope"]
+            tensors.update(k_new=k, v_new=v, cos_sin=cos_sin, rope_index=rope_index, slot_mapping=slot_mapping)
+        if name == "decode_attention.launch" and kwargs.get("fresh", -1) < 0:
+            name_ = "decode_attention.launch (fresh < 0)"  # reads nothing before its wait
+        else:
+            name_ = name
+        lib.launches.append((name_, tensors))
+    return launch
 
-    def decode_fits_one_wave(self, *args) -> bool:
-        return True
 
-    def vocab_splits(self, rows: int, vocab: int) -> int:
-        return 2
-
-    def topk_fits(self, vocab: int, k: int) -> bool:
-        return True
+def record_launches(monkeypatch) -> None:
+    """Replaces every launch wrapper (a public function of WRAPPERS taking the library first, other than the
+    SIZING helpers) with its recorder, and the SIZING helpers with their answers."""
+    for (module, name), answer in SIZING.items():
+        monkeypatch.setattr(module, name, answer)
+    for module in WRAPPERS:
+        prefix = module.__name__.rsplit(".", 1)[1]
+        for name, fn in list(vars(module).items()):
+            if (name.startswith("_") or not inspect.isfunction(fn) or fn.__module__ != module.__name__
+                    or (module, name) in SIZING or next(iter(inspect.signature(fn).parameters), None) != "lib"):
+                continue
+            monkeypatch.setattr(module, name, recorder(f"{prefix}.{name}", fn))
 
 
 def violations(launches: list[tuple[str, dict]]) -> list[str]:
@@ -110,20 +135,22 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
     for (a, ta), (b, tb) in zip(launches, launches[1:]):
         for r in BEFORE_WAIT.get(b, ()):
             for w in WRITES.get(a, ()):
-                if r in tb and w in ta and _overlaps(tb[r], ta[w]):
+                if r in tb and w in ta and overlaps(tb[r], ta[w]):
                     found.append(f"{b}.{r} is read before its wait and written by {a}.{w}, the launch just before")
     return found
 
 
-def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
-    """The launches of one decode step of batch_size sequences through CudaOps, as DecodePipeline._step_into_outputs
-    issues them: decode_prepare, the model's forward, the sampling chain, decode_commit."""
+def decode_launches(model_dir, batch_size: int, monkeypatch) -> list[tuple[str, dict]]:
+    """The launches of one decode step of batch_size sequences through CudaOps and KernelSlotIO, as
+    DecodePipeline._step_into_outputs issues them: decode_prepare, the model's forward, the sampling chain,
+    decode_commit."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
     weights = load_weights(model_dir, cfg, dt, dev)
     block_size, blocks_per_seq = 16, 4
     B, S = batch_size, batch_size + 2
     kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+    record_launches(monkeypatch)
     lib = RecordingLib()
     ops = CudaOps(lib, max_seq_len=block_size * blocks_per_seq)
     model = LlamaModel(cfg, weights, kv, ops, block_size * blocks_per_seq + 1)
@@ -140,28 +167,31 @@ def decode_launches(model_dir, batch_size: int) -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size):
-    launches = decode_launches(checkpoints[name], batch_size)
+def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, monkeypatch):
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch)
     names = [n for n, _ in launches]
-    assert names[:2] == ["decode_prepare", "embedding"] and "sample_finish" in names and names[-1] == "decode_commit"
+    assert names[:2] == ["decode_step.prepare", "embedding.launch"]
+    assert "sampling.finish" in names and names[-1] == "decode_step.commit"
     if batch_size <= 8 and "qwen3" not in name:  # the skinny forwards (q/k norm takes the composed QKV path)
-        assert {"skinny_rope_kv", "skinny_residual", "skinny_silu", "skinny_store"} <= set(names)
+        assert {"skinny_linear.rope_kv", "skinny_linear.residual", "skinny_linear.silu",
+                "skinny_linear.store"} <= set(names)
     assert violations(launches) == []
 
 
-def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints):
+def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints, monkeypatch):
     """A kernel that wrote the residual right before o_proj's skinny_residual (e.g. a norm launched between
     attention and o) must be flagged; so must one that rewrote the row parameters before sample_stats."""
-    launches = decode_launches(checkpoints["llama-gqa"], 1)
-    i = next(k for k, (n, _) in enumerate(launches) if n == "skinny_residual")
+    launches = decode_launches(checkpoints["llama-gqa"], 1, monkeypatch)
+    i = next(k for k, (n, _) in enumerate(launches) if n == "skinny_linear.residual")
     h = launches[i][1]["residual"]
-    bad = launches[:i] + [("rms_norm", {"out": h})] + launches[i:]
-    assert any("skinny_residual.residual" in v for v in violations(bad))
-    j = next(k for k, (n, _) in enumerate(launches) if n == "sample_stats")
-    bad = launches[:j] + [("decode_prepare", launches[0][1])] + launches[j:]
-    assert any("sample_stats.temperature" in v for v in violations(bad))
+    bad = launches[:i] + [("rms_norm.launch", {"out": h})] + launches[i:]
+    assert any("skinny_linear.residual.residual" in v for v in violations(bad))
+    j = next(k for k, (n, _) in enumerate(launches) if n == "sampling.stats")
+    bad = launches[:j] + [("decode_step.prepare", launches[0][1])] + launches[j:]
+    assert any("sampling.stats.temperature" in v for v in violations(bad))
     # the first QKV right after decode_prepare (no embedding launch between them) reads its slot_mapping and
     # positions before its wait, which decode_prepare writes
-    assert launches[1][0] == "embedding" and launches[2][0] == "skinny_rope_kv"
+    assert launches[1][0] == "embedding.launch" and launches[2][0] == "skinny_linear.rope_kv"
     bad = [launches[0]] + launches[2:]
-    assert any("skinny_rope_kv.slot_mapping" in v and "decode_prepare.slot_mapping" in v for v in violations(bad))
+    assert any("skinny_linear.rope_kv.slot_mapping" in v and "decode_step.prepare.slot_mapping" in v
+               for v in violations(bad))

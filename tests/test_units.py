@@ -211,30 +211,33 @@ def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
 
 @pytest.mark.parametrize("cluster", [1, 8])
 def test_decode_attention_grid_rules(cluster):
-    """Decode attention's grid (engine/cuda/kernels.py; arithmetic on device properties only, so it runs
-    on CPU with an H200's numbers): splits keep every block resident at once, are a multiple of the
-    cluster size when they exceed it, and the launch's cluster divides them; decode_fits_one_wave says
+    """Decode attention's grid (engine/cuda/wrappers/decode_attention.py; arithmetic on device properties
+    only, so it runs on CPU with an H200's numbers): splits keep every block resident at once, are a multiple
+    of the cluster size when they exceed it, and the launch's cluster divides them; fits_one_wave says
     whether the whole grid is resident."""
-    from engine.cuda.kernels import KernelLibrary
+    from engine.cuda.library import KernelLibrary
+    from engine.cuda.wrappers import decode_attention
     lib = KernelLibrary.__new__(KernelLibrary)  # no device: only the grid rules are under test
     lib.num_sms, lib.decode_blocks_per_sm, lib.decode_cluster = 132, {64: 3, 128: 2}, cluster
     for batch in (1, 2, 3, 8, 17, 32, 49, 50, 64, 128, 256):
         for heads, kv_heads, head_dim in ((32, 8, 64), (32, 8, 128), (32, 1, 128), (8, 8, 64)):
             for max_len in (64, 300, 2048, 131072):
-                splits = lib.decode_num_splits(batch, heads, kv_heads, head_dim, max_len)
+                splits = decode_attention.key_splits(lib, batch, heads, kv_heads, head_dim, max_len)
                 blocks = batch * kv_heads * -(-(heads // kv_heads) // 16)
                 assert 1 <= splits <= max(1, -(-max_len // 64))
                 if splits > 1:
                     assert blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms
-                c = lib.decode_cluster_size(splits)
+                c = decode_attention.cluster_size(lib, splits)
                 assert 1 <= c <= cluster and splits % c == 0
                 assert (splits <= cluster) or splits % cluster == 0
-                assert lib.decode_fits_one_wave(batch, heads, kv_heads, head_dim, max_len) == (
+                assert decode_attention.fits_one_wave(lib, batch, heads, kv_heads, head_dim, max_len) == (
                     blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms)
-    assert lib.decode_num_splits(1, 32, 8, 64, 2048) == 32  # 1B at batch 1: four clusters of eight
+    assert decode_attention.key_splits(lib, 1, 32, 8, 64, 2048) == 32  # 1B at batch 1: four clusters of eight
     lib.decode_max_splits = 4  # the experiments' cap (engine_bench --decode-splits): one cluster of four
-    assert lib.decode_num_splits(1, 32, 8, 64, 2048) == 4 and lib.decode_cluster_size(4) == min(4, cluster)
-    assert lib.decode_fits_one_wave(49, 32, 8, 64, 2048) and not lib.decode_fits_one_wave(50, 32, 8, 64, 2048)
+    assert decode_attention.key_splits(lib, 1, 32, 8, 64, 2048) == 4
+    assert decode_attention.cluster_size(lib, 4) == min(4, cluster)
+    assert decode_attention.fits_one_wave(lib, 49, 32, 8, 64, 2048)
+    assert not decode_attention.fits_one_wave(lib, 50, 32, 8, 64, 2048)
 
 
 def test_prefill_buckets_are_few_and_tight():
@@ -319,39 +322,38 @@ def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
     assert engine.info().graph_cache.hits == s.hits + 1 and engine.info().graph_cache.captures == 25
 
 
-class _PrepareStandIn:
-    """Stands in for KernelLibrary.decode_prepare on CPU tensors (the kernel's contract, kernels_cu/
-    decode_step.cu, written in torch), so CudaOps' wiring around it runs without a GPU. The kernel itself
-    is tested against TorchOps on the GPU (tests/gpu/test_kernels.py)."""
-
-    def decode_prepare(self, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
-                       seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
-                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen, drafts=None):
-        import torch
-        k = 0 if drafts is None else drafts.shape[1]
-        for b, s in enumerate(slots.tolist()):
-            for i in range(k + 1):
-                r, p = b * (k + 1) + i, int(num_cached[s]) + i
-                input_ids[r] = last_token[s] if i == 0 else drafts[b, i - 1]
-                positions[r], seq_lens[r], row_position[r] = p, p + 1, p + 1
-                slot_mapping[r] = int(block_table[s, p // block_size]) * block_size + p % block_size
-                tables[r] = block_table[s]
-                row_temperature[r], row_top_k[r], row_top_p[r] = temperature[s], top_k[s], top_p[s]
-                row_seed[r], row_penalty[r] = seed[s], penalty[s]
-                if penalty[s] == 1:
-                    continue  # the kernel copies seen rows of penalised rows only
-                row_seen[r] = seen[s]
-                if i:
-                    row_seen[r, drafts[b, :i]] = True
-        assert input_ids.dtype == torch.int64 and seq_lens.dtype == torch.int32
+def _prepare_stand_in(lib, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
+                      seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
+                      row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen, drafts=None):
+    """Stands in for decode_step.prepare (engine/cuda/wrappers/decode_step.py) on CPU tensors (the kernel's
+    contract, kernels_cu/decode_step.cu, written in torch), so CudaOps' wiring around it runs without a GPU.
+    The kernel itself is tested against TorchOps on the GPU (tests/gpu/test_kernels.py)."""
+    import torch
+    k = 0 if drafts is None else drafts.shape[1]
+    for b, s in enumerate(slots.tolist()):
+        for i in range(k + 1):
+            r, p = b * (k + 1) + i, int(num_cached[s]) + i
+            input_ids[r] = last_token[s] if i == 0 else drafts[b, i - 1]
+            positions[r], seq_lens[r], row_position[r] = p, p + 1, p + 1
+            slot_mapping[r] = int(block_table[s, p // block_size]) * block_size + p % block_size
+            tables[r] = block_table[s]
+            row_temperature[r], row_top_k[r], row_top_p[r] = temperature[s], top_k[s], top_p[s]
+            row_seed[r], row_penalty[r] = seed[s], penalty[s]
+            if penalty[s] == 1:
+                continue  # the kernel copies seen rows of penalised rows only
+            row_seen[r] = seen[s]
+            if i:
+                row_seen[r, drafts[b, :i]] = True
+    assert input_ids.dtype == torch.int64 and seq_lens.dtype == torch.int32
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_kernel_slot_io_matches_the_reference_wiring(k):
+def test_kernel_slot_io_matches_the_reference_wiring(k, monkeypatch):
     """KernelSlotIO.decode_inputs / verify_inputs hand decode_prepare's outputs to the ForwardBatch and the
     sampling rows field for field as SlotIO (torch ops) builds them (on CPU, decode_prepare stood in for)."""
     import torch
 
+    from engine.cuda.wrappers import decode_step
     from engine.slot_io import KernelSlotIO, SlotIO
     from engine.state import SlotState
 
@@ -367,7 +369,8 @@ def test_kernel_slot_io_matches_the_reference_wiring(k):
     state.seen.copy_(torch.rand(S, V, generator=g) < 0.2)
     state.repetition_penalty.copy_(torch.tensor([1.0, 1.3, 1.0, 0.8, 1.0, 1.0]))
     slots = torch.tensor([4, 1, 3])
-    kernels, reference = KernelSlotIO(state, bs, _PrepareStandIn()), SlotIO(state, bs)
+    monkeypatch.setattr(decode_step, "prepare", _prepare_stand_in)
+    kernels, reference = KernelSlotIO(state, bs, None), SlotIO(state, bs)
     if k:
         drafts = torch.randint(0, V, (3, k), generator=g)
         got, want = kernels.verify_inputs(slots, drafts), reference.verify_inputs(slots, drafts)

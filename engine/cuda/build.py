@@ -4,14 +4,15 @@ compute_90 PTX) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
 A fatbin is rebuilt only when its stamp (a hash of the source, the shared *.cuh headers and the
 nvcc command line) changed. Files compile in parallel. A source may ask for extra nvcc flags on a
 line `// nvcc-flags: ...` (the attention kernels use --use_fast_math; the sampling kernels must not).
-At run time engine/cuda/kernels.py loads these fatbins, and compiles with NVRTC where none exists,
-none is current or none matches the device.
+At run time engine/cuda/library.py loads these fatbins; where none exists, none is current or none
+matches the device, it compiles the source with NVRTC (nvrtc_compile, below) and caches the cubin.
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
 import hashlib
+import logging
 import os
 import pathlib
 import re
@@ -21,6 +22,9 @@ import subprocess
 import sys
 
 from engine import env
+from engine.cuda.driver import CudaError, KernelLoadError
+
+logger = logging.getLogger(__name__)
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO_ROOT / "kernels_cu"
@@ -138,6 +142,57 @@ def build_all(out_dir: pathlib.Path = BUILD_DIR, kernel_dir: pathlib.Path = KERN
     if errors:
         raise BuildError("\n\n".join(errors))
     return [fatbin_path(src, out_dir) for src in srcs]
+
+
+# ---------------------------------------------------------------------------------------------
+# NVRTC: one source compiled for the device at start-up, where no fatbin serves it (engine/cuda/library.py).
+
+def nvrtc_compile(src: pathlib.Path, arch: int, cache_dir: pathlib.Path) -> tuple[bytes, bool]:
+    """Cubin of one kernels_cu source for sm_<arch> (e.g. 90): from the cache, or compiled by NVRTC and
+    cached. Returns (cubin, was_cached)."""
+    try:
+        from cuda.bindings import nvrtc
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as e:  # noqa: BLE001 - the library itself is missing
+        raise KernelLoadError(f"NVRTC is not available ({e}); install the nvidia-cuda-nvrtc wheel "
+                              f"(pip install 'cuda-toolkit[nvrtc]') or build the fatbins with "
+                              f"`python -m engine.cuda.build`") from e
+    text = src.read_text()
+    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", *extra_flags(text)]
+    key = source_hash(src, (" ".join(opts), f"nvrtc-{major}.{minor}"))[:24]
+    path = cache_dir / f"{src.stem}-{key}-sm{arch}.cubin"
+    if path.is_file():
+        return path.read_bytes(), True
+    hdrs = headers(src.parent)
+    err, prog = nvrtc.nvrtcCreateProgram(text.encode(), src.name.encode(), len(hdrs),
+                                         [h.read_bytes() for h in hdrs], [h.name.encode() for h in hdrs])
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CudaError(f"nvrtcCreateProgram({src.name})", err)
+    try:
+        err, = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            buf = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, buf)
+            raise KernelLoadError(f"NVRTC failed to compile {src.name} for sm_{arch} ({err.name}):\n"
+                                  f"{buf.decode(errors='replace').strip()}")
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaError(f"nvrtcGetCUBINSize({src.name})", err)
+        cubin = b" " * size
+        err, = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CudaError(f"nvrtcGetCUBIN({src.name})", err)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+    except OSError as e:
+        logger.warning("cannot cache the NVRTC cubin at %s: %s", path, e)
+    return cubin, False
 
 
 # ---------------------------------------------------------------------------------------------

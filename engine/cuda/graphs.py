@@ -245,10 +245,10 @@ class TorchGraphBackend:
     def __init__(self, streams):
         import torch
 
-        from engine.cuda.kernels import _check, _driver
+        from engine.cuda.driver import check, cuda_driver
 
         self.torch = torch
-        self._check, self._drv = _check, _driver()
+        self._check, self._drv = check, cuda_driver()
         self.streams = streams
         self.device_index = streams.device.index if streams.device.index is not None else torch.cuda.current_device()
         self.pool = torch.cuda.graph_pool_handle()

@@ -28,14 +28,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine import env, sampling
 from engine.batch import prefill_work
-from engine.cuda.kernels import (
-    SAMPLE_PART_STRIDE,
-    TOPK_CHUNK,
-    CudaError,
-    KernelArgError,
-    KernelLibrary,
-    KernelLoadError,
+from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
+from engine.cuda.library import KernelLibrary
+from engine.cuda.wrappers import (
+    decode_attention,
+    embedding,
+    prefill_attention,
+    rms_norm,
+    rope_cache_write,
+    silu_and_mul,
+    skinny_linear,
+    spec_accept,
 )
+from engine.cuda.wrappers import sampling as sample_kernels
+from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
 
@@ -116,9 +122,9 @@ class CudaOps(TorchOps):
         if layer.q_norm is not None or not self._skinny or not skinny_fits(h, layer.qkv, spec.head_dim):
             return super().norm_qkv_rope(h, layer, meta, kv, normed)
         q = torch.empty((h.shape[0], spec.num_heads, spec.head_dim), dtype=h.dtype, device=h.device)
-        self.lib.skinny_rope_kv(q, h, layer.qkv, layer.qkv_bias, layer.input_norm, meta.cos_sin,
-                                meta.rope_index.long(), kv.k, kv.v, meta.slot_mapping.long(), spec.num_heads,
-                                spec.num_kv_heads, spec.eps)
+        skinny_linear.rope_kv(self.lib, q, h, layer.qkv, layer.qkv_bias, layer.input_norm, meta.cos_sin,
+                              meta.rope_index.long(), kv.k, kv.v, meta.slot_mapping.long(), spec.num_heads,
+                              spec.num_kv_heads, spec.eps)
         return q
 
     def qkv_attention(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
@@ -141,8 +147,8 @@ class CudaOps(TorchOps):
                                          spec.sliding_window, fresh=B)
         # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
         # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
-        if layer.q_norm is not None or self._rows_per_seq > 1 or not self.lib.decode_fits_one_wave(
-                B, H, Hkv, D, self.max_seq_len):
+        if layer.q_norm is not None or self._rows_per_seq > 1 or not decode_attention.fits_one_wave(
+                self.lib, B, H, Hkv, D, self.max_seq_len):
             return super().qkv_attention(h, layer, meta, kv, normed)
         x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
         out = torch.nn.functional.linear(x, layer.qkv, layer.qkv_bias)
@@ -164,7 +170,7 @@ class CudaOps(TorchOps):
         bench/results/split-k-residual-norm-20261202-nvidia-h200.md). gate_up stays on cuBLAS (slower split).
         Otherwise TorchOps' addmm_."""
         if self._skinny and skinny_fits(h, weight, weight.shape[0]):
-            self.lib.skinny_residual(h, x.contiguous(), weight)
+            skinny_linear.residual(self.lib, h, x.contiguous(), weight)
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
@@ -176,7 +182,7 @@ class CudaOps(TorchOps):
         parts = torch.bmm(x.view(M, S, K // S).transpose(0, 1), weight.view(N, S, K // S).permute(1, 2, 0),
                           out_dtype=torch.float32)
         normed = None if norm is None else torch.empty_like(h)
-        self.lib.residual_norm(h, normed, parts, norm, eps)
+        rms_norm.residual_norm(self.lib, h, normed, parts, norm, eps)
         return normed
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
@@ -184,7 +190,7 @@ class CudaOps(TorchOps):
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
-        self.lib.skinny_silu(out, h, gate_up, norm, eps)
+        skinny_linear.silu(self.lib, out, h, gate_up, norm, eps)
         return out
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
@@ -193,7 +199,7 @@ class CudaOps(TorchOps):
         if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
             return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
-        self.lib.skinny_store(out, x, lm_head, None, norm, eps)
+        skinny_linear.store(self.lib, out, x, lm_head, None, norm, eps)
         return out
 
     # ---------------------------------------------------------------------------------------------
@@ -201,40 +207,41 @@ class CudaOps(TorchOps):
 
     def embedding(self, input_ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty((input_ids.shape[0], weight.shape[1]), dtype=weight.dtype, device=weight.device)
-        self.lib.embedding(out, input_ids, weight)
+        embedding.launch(self.lib, out, input_ids, weight)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        self.lib.rms_norm(out, x, weight, eps)
+        rms_norm.launch(self.lib, out, x, weight, eps)
         return out
 
     def rope_cache_write(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                          rope_index: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> torch.Tensor:
         q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self.lib.rope_cache_write(q_out, q, k, v, cos_sin, rope_index.long(), k_cache, v_cache, slot_mapping.long())
+        rope_cache_write.launch(self.lib, q_out, q, k, v, cos_sin, rope_index.long(), k_cache, v_cache,
+                                slot_mapping.long())
         return q_out
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                          sliding_window: int = 0, rope: tuple[torch.Tensor, ...] | None = None,
                          fresh: int | None = None) -> torch.Tensor:
-        """rope: the fused RoPE and KV write of decode_qkv_attention (KernelLibrary.decode_attention).
-        fresh: launched right behind the kernel that produced q (decode_qkv_attention's QKV projection),
+        """rope: the fused RoPE and KV write of qkv_attention (engine/cuda/wrappers/decode_attention.py).
+        fresh: launched right behind the kernel that produced q (qkv_attention's QKV projection),
         with programmatic dependent launch; that kernel wrote no cache row of a position < seq_len - fresh,
         so the older rows (and the tables) are read before the wait. None: serialised, nothing read early."""
         batch, num_heads, head_dim = q.shape
-        splits = self.lib.decode_num_splits(batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
+        splits = decode_attention.key_splits(self.lib, batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
         part_o = part_lse = None
         if splits > 1:
             part_o = torch.empty((batch, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
             part_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
         int_lens = seq_lens.dtype == torch.int32  # else converted by a launch right before (not to be read early)
-        self.lib.decode_attention(out, part_o, part_lse, self._split_counters, q, k_cache, v_cache, block_tables,
-                                  seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope,
-                                  pdl=fresh is not None, fresh=fresh if fresh is not None and int_lens else -1)
+        decode_attention.launch(self.lib, out, part_o, part_lse, self._split_counters, q, k_cache, v_cache,
+                                block_tables, seq_lens.to(torch.int32), scale, sliding_window, splits, rope=rope,
+                                pdl=fresh is not None, fresh=fresh if fresh is not None and int_lens else -1)
         return out
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -248,8 +255,8 @@ class CudaOps(TorchOps):
         bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
-                                       sliding_window)
+            prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
+                                     sliding_window)
             return out
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
@@ -266,8 +273,8 @@ class CudaOps(TorchOps):
         work_t = self._prefill_work
         if work_t is None:
             return out
-        self.lib.prefill_attention(out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
-                                   sliding_window)
+        prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
+                                 sliding_window)
         return out
 
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -305,7 +312,7 @@ class CudaOps(TorchOps):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
-        self.lib.silu_and_mul(out, x.contiguous())
+        silu_and_mul.launch(self.lib, out, x.contiguous())
         return out
 
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors, num_top: int = 0) -> sampling.SampleOutput:
@@ -314,25 +321,25 @@ class CudaOps(TorchOps):
         dev = logits.device
         args = (logits, st.seen.contiguous(), st.temperature.float(), st.top_k.long(), st.top_p.float(),
                 st.seed.long(), st.repetition_penalty.float(), st.position.long())
-        splits = self.lib.vocab_splits(rows, vocab)
+        splits = sample_kernels.vocab_splits(self.lib, rows, vocab)
         parts = torch.empty((rows, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
         thresholds = torch.empty(rows, dtype=torch.int32, device=dev)
         tokens = torch.empty(rows, dtype=torch.int64, device=dev)
         logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
         if rows:
-            self.lib.sample_stats(parts, *args)
-            self.lib.sample_select(thresholds, parts, *args)
-            self.lib.sample_draw(parts, thresholds, *args)
-            self.lib.sample_finish(tokens, logprobs, parts, logits, args[2])
+            sample_kernels.stats(self.lib, parts, *args)
+            sample_kernels.select(self.lib, thresholds, parts, *args)
+            sample_kernels.draw(self.lib, parts, thresholds, *args)
+            sample_kernels.finish(self.lib, tokens, logprobs, parts, logits, args[2])
         if not num_top:
             return sampling.SampleOutput(tokens, logprobs, None, None)
-        if not rows or not self.lib.topk_fits(vocab, num_top):
+        if not rows or not sample_kernels.topk_fits(self.lib, vocab, num_top):
             top = torch.topk(torch.log_softmax(logits, dim=-1), num_top, dim=-1)
             return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
         top_ids = torch.empty((rows, num_top), dtype=torch.int64, device=dev)
         top_logprobs = torch.empty((rows, num_top), dtype=torch.float32, device=dev)
         cand = torch.empty((rows, -(-vocab // TOPK_CHUNK), num_top), dtype=torch.int64, device=dev)
-        self.lib.sample_topk(top_ids, top_logprobs, cand, parts, logits)  # torch.topk: 81 us for one 128k row
+        sample_kernels.topk(self.lib, top_ids, top_logprobs, cand, parts, logits)  # torch.topk: 81 us for one 128k row
         return sampling.SampleOutput(tokens, logprobs, top_ids, top_logprobs)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
@@ -342,15 +349,15 @@ class CudaOps(TorchOps):
         the token drawn after them [B] int64), on the device, with no host sync."""
         batch, k1, vocab = target_logp.shape
         dev = target_logp.device
-        splits = self.lib.vocab_splits(batch, vocab)
+        splits = sample_kernels.vocab_splits(self.lib, batch, vocab)
         parts = torch.empty((batch, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
         num_accepted = torch.empty(batch, dtype=torch.int64, device=dev)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
         if draft_probs is not None:
             draft_probs = draft_probs.float().contiguous()
-        self.lib.spec_accept_draw(parts, target_logp.float().contiguous(), draft_ids.long().contiguous(),
-                                  draft_probs, seed.long().contiguous(), position.long().contiguous())
-        self.lib.spec_accept_finish(num_accepted, tokens, parts, k1 - 1)
+        spec_accept.draw(self.lib, parts, target_logp.float().contiguous(), draft_ids.long().contiguous(),
+                         draft_probs, seed.long().contiguous(), position.long().contiguous())
+        spec_accept.finish(self.lib, num_accepted, tokens, parts, k1 - 1)
         return num_accepted, tokens
 
 

@@ -21,7 +21,7 @@ import contextlib
 
 import torch
 
-from engine.cuda.kernels import CudaError, _check, _driver
+from engine.cuda.driver import CudaError, check, cuda_driver
 
 # Events in the mark ring. A mark's event is recorded again MARKS marks later; the engine looks at a
 # mark only while its step is in flight (at most 4) or, for a retired graph, to see that its last
@@ -39,8 +39,8 @@ class Timing:
     def elapsed_ns(self) -> int:
         """Blocks until the end event has completed, then returns the elapsed nanoseconds."""
         if self._ns is None:
-            _check("cuEventSynchronize", _driver().cuEventSynchronize(self._end))
-            ms = _check("cuEventElapsedTime", _driver().cuEventElapsedTime(self._start, self._end))
+            check("cuEventSynchronize", cuda_driver().cuEventSynchronize(self._end))
+            ms = check("cuEventElapsedTime", cuda_driver().cuEventElapsedTime(self._start, self._end))
             self._ns = int(round(ms * 1e6))
         return self._ns
 
@@ -56,7 +56,7 @@ class DeviceMark:
 
     def query(self) -> bool:
         """Whether the device has passed this point (never blocks)."""
-        driver = _driver()
+        driver = cuda_driver()
         err, = driver.cuEventQuery(self._event)
         if err == driver.CUresult.CUDA_SUCCESS:
             return True
@@ -66,28 +66,28 @@ class DeviceMark:
 
     def synchronize(self) -> None:
         """Blocks until the device has passed this point."""
-        _check("cuEventSynchronize", _driver().cuEventSynchronize(self._event))
+        check("cuEventSynchronize", cuda_driver().cuEventSynchronize(self._event))
 
 
 class EngineStreams:
     def __init__(self, device: torch.device, timers: int = 1):
         """timers: how many pieces of timed work may be in flight at once (`timed(i)`, i < timers)."""
-        driver = _driver()
+        driver = cuda_driver()
         self.device = device
         torch.cuda.init()
         with torch.cuda.device(device):
             torch.empty(1, device=device)  # torch's primary context is current on this thread
             flags = driver.CUstream_flags.CU_STREAM_NON_BLOCKING
-            self._compute_handle = _check("cuStreamCreate", driver.cuStreamCreate(flags))
-            self._copy_handle = _check("cuStreamCreate", driver.cuStreamCreate(flags))
+            self._compute_handle = check("cuStreamCreate", driver.cuStreamCreate(flags))
+            self._copy_handle = check("cuStreamCreate", driver.cuStreamCreate(flags))
             self.compute = torch.cuda.ExternalStream(int(self._compute_handle), device=device)
             self.copy = torch.cuda.ExternalStream(int(self._copy_handle), device=device)
             no_timing = driver.CUevent_flags.CU_EVENT_DISABLE_TIMING
-            self._copy_done = _check("cuEventCreate", driver.cuEventCreate(no_timing))
-            self._compute_mark = _check("cuEventCreate", driver.cuEventCreate(no_timing))
-            self._timers = [tuple(_check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
+            self._copy_done = check("cuEventCreate", driver.cuEventCreate(no_timing))
+            self._compute_mark = check("cuEventCreate", driver.cuEventCreate(no_timing))
+            self._timers = [tuple(check("cuEventCreate", driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DEFAULT))
                                   for _ in range(2)) for _ in range(timers)]
-            self._marks = [_check("cuEventCreate", driver.cuEventCreate(no_timing)) for _ in range(MARKS)]
+            self._marks = [check("cuEventCreate", driver.cuEventCreate(no_timing)) for _ in range(MARKS)]
         self._next_mark = 0
         self._context = None  # the primary context, retained by bind_thread
         self._closed = False
@@ -96,12 +96,12 @@ class EngineStreams:
         """Makes the device's primary context (torch's) current on the calling thread: driver calls that take
         no context of their own (a graph launch, an event record) fail on a thread that has none. For a
         thread other than the one that created the streams, before it runs any step."""
-        driver = _driver()
+        driver = cuda_driver()
         torch.cuda.set_device(self.device)
         if self._context is None:
-            device = _check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))
-            self._context = _check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
-        _check("cuCtxSetCurrent", driver.cuCtxSetCurrent(self._context))
+            device = check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))
+            self._context = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
+        check("cuCtxSetCurrent", driver.cuCtxSetCurrent(self._context))
 
     @property
     def compute_handle(self):
@@ -124,40 +124,40 @@ class EngineStreams:
                 or dst.numel() != src.numel():
             raise ValueError(f"stage(): dst must be a contiguous device tensor of src's dtype and size, got "
                              f"{dst.dtype} {tuple(dst.shape)} <- {src.dtype} {tuple(src.shape)}")
-        driver = _driver()
+        driver = cuda_driver()
         # The copy must not overtake compute work that still reads dst's previous contents.
-        _check("cuEventRecord", driver.cuEventRecord(self._compute_mark, self._compute_handle))
-        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._copy_handle, self._compute_mark, 0))
+        check("cuEventRecord", driver.cuEventRecord(self._compute_mark, self._compute_handle))
+        check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._copy_handle, self._compute_mark, 0))
         # A driver copy, not torch's copy_: torch's pinned-memory allocator would record events on the
         # copy stream, which outlive it after close(). wait_staged() is what guards the pinned source.
-        _check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(dst.data_ptr(), src.data_ptr(),
-                                                             src.numel() * src.element_size(), self._copy_handle))
-        _check("cuEventRecord", driver.cuEventRecord(self._copy_done, self._copy_handle))
-        _check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._compute_handle, self._copy_done, 0))
+        check("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync(dst.data_ptr(), src.data_ptr(),
+                                                            src.numel() * src.element_size(), self._copy_handle))
+        check("cuEventRecord", driver.cuEventRecord(self._copy_done, self._copy_handle))
+        check("cuStreamWaitEvent", driver.cuStreamWaitEvent(self._compute_handle, self._copy_done, 0))
 
     def wait_staged(self) -> None:
         """Blocks the host until the last staged copy has finished (its pinned source is free again)."""
-        _check("cuEventSynchronize", _driver().cuEventSynchronize(self._copy_done))
+        check("cuEventSynchronize", cuda_driver().cuEventSynchronize(self._copy_done))
 
     @contextlib.contextmanager
     def timed(self, timer: int = 0):
         """`with streams.timed() as t: ...` then `t.elapsed_ns()`: device time of the work enqueued on the
         compute stream inside the block. Timer `timer` (of `timers`) times one piece of work at a
         time: its events are recorded again by its next use."""
-        driver = _driver()
+        driver = cuda_driver()
         start, end = self._timers[timer]
-        _check("cuEventRecord", driver.cuEventRecord(start, self._compute_handle))
+        check("cuEventRecord", driver.cuEventRecord(start, self._compute_handle))
         timing = Timing(start, end)
         try:
             yield timing
         finally:
-            _check("cuEventRecord", driver.cuEventRecord(end, self._compute_handle))
+            check("cuEventRecord", driver.cuEventRecord(end, self._compute_handle))
 
     def mark(self) -> DeviceMark:
         """Marks the work queued on the compute stream so far (see DeviceMark)."""
         event = self._marks[self._next_mark]
         self._next_mark = (self._next_mark + 1) % MARKS
-        _check("cuEventRecord", _driver().cuEventRecord(event, self._compute_handle))
+        check("cuEventRecord", cuda_driver().cuEventRecord(event, self._compute_handle))
         return DeviceMark(event)
 
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
@@ -174,12 +174,12 @@ class EngineStreams:
     def _copy(self, call: str, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> None:
         if nbytes > min(dst.numel() * dst.element_size(), src.numel() * src.element_size()):
             raise ValueError(f"{call}: {nbytes} bytes do not fit {tuple(src.shape)} -> {tuple(dst.shape)}")
-        _check(call, getattr(_driver(), call)(dst.data_ptr(), src.data_ptr(), nbytes, self._compute_handle))
+        check(call, getattr(cuda_driver(), call)(dst.data_ptr(), src.data_ptr(), nbytes, self._compute_handle))
 
     def synchronize(self) -> None:
-        driver = _driver()
-        _check("cuStreamSynchronize", driver.cuStreamSynchronize(self._compute_handle))
-        _check("cuStreamSynchronize", driver.cuStreamSynchronize(self._copy_handle))
+        driver = cuda_driver()
+        check("cuStreamSynchronize", driver.cuStreamSynchronize(self._compute_handle))
+        check("cuStreamSynchronize", driver.cuStreamSynchronize(self._copy_handle))
 
     def close(self) -> None:
         """Waits for both streams, then destroys the events and the streams. Call it after the tensors
@@ -187,13 +187,13 @@ class EngineStreams:
         if self._closed:
             return
         self._closed = True
-        driver = _driver()
+        driver = cuda_driver()
         self.synchronize()
         for event in (self._copy_done, self._compute_mark, *(e for pair in self._timers for e in pair), *self._marks):
-            _check("cuEventDestroy", driver.cuEventDestroy(event))
+            check("cuEventDestroy", driver.cuEventDestroy(event))
         for stream in (self._compute_handle, self._copy_handle):
-            _check("cuStreamDestroy", driver.cuStreamDestroy(stream))
+            check("cuStreamDestroy", driver.cuStreamDestroy(stream))
         if self._context is not None:
-            _check("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease(
-                _check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))))
+            check("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease(
+                check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))))
             self._context = None

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.cuda.kernels import KernelLibrary
+from engine.cuda.library import KernelLibrary
 from engine.cuda.ops import CudaOps
+from engine.cuda.wrappers import decode_attention, rms_norm, skinny_linear
+from engine.cuda.wrappers import sampling as sample_kernels
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
 
@@ -95,16 +97,16 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
     cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
-             "skinny_store": rotating(lambda w: lib.skinny_store(out, x, w), weights)}
+             "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
     if ep == "f32":
         logits = torch.empty(M, N, device=dev)
-        fused = rotating(lambda w: lib.skinny_store(logits, x, w, norm_weight=nw), weights)
+        fused = rotating(lambda w: skinny_linear.store(lib, logits, x, w, norm_weight=nw), weights)
     elif ep == "silu":
         act = torch.empty(M, N // 2, device=dev, dtype=dt)
-        fused = rotating(lambda w: lib.skinny_silu(act, x, w, nw), weights)
+        fused = rotating(lambda w: skinny_linear.silu(lib, act, x, w, nw), weights)
     elif ep == "residual":
         res = torch.zeros(M, N, device=dev, dtype=dt)
-        fused = rotating(lambda w: lib.skinny_residual(res, x, w), weights)
+        fused = rotating(lambda w: skinny_linear.residual(lib, res, x, w), weights)
     else:
         H, Hkv = SKINNY_HEADS, SKINNY_KV_HEADS
         D = N // (H + 2 * Hkv)
@@ -114,7 +116,7 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         cs = torch.randn(8192, D, device=dev)
         pos = torch.arange(M, dtype=torch.int64, device=dev) + 100
         slots = torch.arange(M, dtype=torch.int64, device=dev)
-        fused = rotating(lambda w: lib.skinny_rope_kv(q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
+        fused = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
     cases[f"skinny_{ep}"] = fused
     wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
@@ -151,9 +153,9 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
 
 def norm_layout_rows(lib, dev, dt) -> list[tuple]:
     """rms_norm at prompt-sized inputs under several (threads per row, rows per block) layouts: the
-    shipped one (KernelLibrary._norm_layout) first."""
+    shipped one (engine/cuda/wrappers/rms_norm.py, norm_layout) first."""
     rows = []
-    shipped = lib._norm_layout
+    shipped = rms_norm.norm_layout
     for tokens, hidden in ((4096, 4096), (4096, 2048), (2048, 4096), (32, 4096)):
         x = torch.randn(tokens, hidden, device=dev).to(dt)
         w = torch.ones(hidden, device=dev, dtype=dt)
@@ -162,11 +164,11 @@ def norm_layout_rows(lib, dev, dt) -> list[tuple]:
         layouts = [shipped(hidden, tokens)] + [(t, 1) for t in (64, 128, 256, 512)
                                                if vecs <= 4 * t and (t, 1) != shipped(hidden, tokens)]
         for tpr, rpb in layouts:
-            lib._norm_layout = lambda D, rows, tpr=tpr, rpb=rpb: (tpr, rpb)
-            d_us = device_us(lambda: lib.rms_norm(out, x, w, 1e-5))
+            rms_norm.norm_layout = lambda D, rows, tpr=tpr, rpb=rpb: (tpr, rpb)
+            d_us = device_us(lambda: rms_norm.launch(lib, out, x, w, 1e-5))
             rows.append((tokens, f"rms_norm {hidden} tpr={tpr} rpb={rpb}", d_us, 0.0,
                          f"{2 * x.numel() * 2 / d_us / 1e3:8.0f} GB/s"))
-        lib._norm_layout = shipped
+        rms_norm.norm_layout = shipped
     return rows
 
 
@@ -192,7 +194,7 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     lib, rows = ops.lib, []
     cos_sin = torch.randn(8192, D, device=dev)
     for batch in (32, 64):
-        shipped = lib.decode_num_splits(batch, H, HKV, D, 2048)
+        shipped = decode_attention.key_splits(lib, batch, H, HKV, D, 2048)
         for ctx in (128, 256, 512):
             kc, vc, table, seq_lens, pos, slots = decode_cache(batch, ctx, dev, dt)
             qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
@@ -205,8 +207,8 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
                 po = torch.empty(batch, H, splits, D, device=dev)
                 pl = torch.empty(batch, H, splits, device=dev)
                 for rope in (None, (k, v, cos_sin, pos, slots)):
-                    fn = (lambda po=po, pl=pl, splits=splits, rope=rope: lib.decode_attention(
-                        out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                    fn = (lambda po=po, pl=pl, splits=splits, rope=rope: decode_attention.launch(
+                        lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
                         rope=rope))
                     d_us = device_us(fn)
                     name = f"attention ctx{ctx} splits={splits}{'*' if splits == shipped else ''}" + (
@@ -220,7 +222,7 @@ def sample_rows(lib, dev) -> list[tuple]:
     rows = []
     for batch in (1, 8, 32):
         logits = torch.randn(batch, VOCAB, device=dev) * 3
-        splits = lib.vocab_splits(batch, VOCAB)
+        splits = sample_kernels.vocab_splits(lib, batch, VOCAB)
         parts = torch.empty((batch, splits, 8), dtype=torch.float32, device=dev)
         th = torch.empty(batch, dtype=torch.int32, device=dev)
         tokens = torch.empty(batch, dtype=torch.int64, device=dev)
@@ -230,12 +232,12 @@ def sample_rows(lib, dev) -> list[tuple]:
             args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
 
             def four(args=args):
-                lib.sample_stats(parts, *args)
-                lib.sample_select(th, parts, *args)
-                lib.sample_draw(parts, th, *args)
-                lib.sample_finish(tokens, lps, parts, logits, args[2])
+                sample_kernels.stats(lib, parts, *args)
+                sample_kernels.select(lib, th, parts, *args)
+                sample_kernels.draw(lib, parts, th, *args)
+                sample_kernels.finish(lib, tokens, lps, parts, logits, args[2])
 
-            stats_us = device_us(lambda args=args: lib.sample_stats(parts, *args))
+            stats_us = device_us(lambda args=args: sample_kernels.stats(lib, parts, *args))
             nbytes = batch * VOCAB * 5
             rows.append((batch, f"sample_stats {kind}", stats_us, f"{nbytes / stats_us / 1e3:8.0f} GB/s, {splits} splits"))
             rows.append((batch, f"sample (4 kernels) {kind}", device_us(four), ""))
@@ -248,7 +250,7 @@ def ncu_targets(ops, dev, dt) -> None:
     RoPE, twice each (ncu flushes the caches before each: the keys come from DRAM, as in a decode step)."""
     lib = ops.lib
     logits = torch.randn(32, VOCAB, device=dev) * 3
-    splits = lib.vocab_splits(32, VOCAB)
+    splits = sample_kernels.vocab_splits(lib, 32, VOCAB)
     parts = torch.empty((32, splits, 8), dtype=torch.float32, device=dev)
     st = sampling_rows(32, "greedy")
     kc, vc, table, seq_lens, pos, slots = decode_cache(32, 256, dev, dt)
@@ -258,14 +260,14 @@ def ncu_targets(ops, dev, dt) -> None:
     v = qkv[:, (H + HKV) * D:].view(32, HKV, D)
     out = torch.empty(32, H, D, device=dev, dtype=dt)
     cos_sin = torch.randn(8192, D, device=dev)
-    splits = lib.decode_num_splits(32, H, HKV, D, 2048)
+    splits = decode_attention.key_splits(lib, 32, H, HKV, D, 2048)
     po, pl = torch.empty(32, H, splits, D, device=dev), torch.empty(32, H, splits, device=dev)
     for _ in range(2):
-        lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
-                         st.repetition_penalty, st.position)
+        sample_kernels.stats(lib, parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+                             st.repetition_penalty, st.position)
     for _ in range(2):
-        lib.decode_attention(out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
-                             rope=(k, v, cos_sin, pos, slots))
+        decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                                rope=(k, v, cos_sin, pos, slots))
     torch.cuda.synchronize()
 
 
@@ -289,19 +291,20 @@ def main() -> int:
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
         return 0
     if "--topk" in sys.argv:  # the top-logprob candidates of a step (CudaOps.sample's num_top > 0 part)
-        from engine.cuda.kernels import SAMPLE_PART_STRIDE, TOPK_CHUNK
+        from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
         for batch in (1, 8, 32, 128):
             logits = torch.randn(batch, VOCAB, device=dev) * 3
             st = sampling_rows(batch, "greedy")
-            parts = torch.empty((batch, ops.lib.vocab_splits(batch, VOCAB), SAMPLE_PART_STRIDE), device=dev)
-            ops.lib.sample_stats(parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+            splits = sample_kernels.vocab_splits(ops.lib, batch, VOCAB)
+            parts = torch.empty((batch, splits, SAMPLE_PART_STRIDE), device=dev)
+            sample_kernels.stats(ops.lib, parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
                                  st.repetition_penalty, st.position)
             for k in (1, 2, 5, 8, 20):
                 d_us = device_us(lambda k=k, x=logits: torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1))
                 ids = torch.empty((batch, k), dtype=torch.int64, device=dev)
                 lps = torch.empty((batch, k), dtype=torch.float32, device=dev)
                 cand = torch.empty((batch, -(-VOCAB // TOPK_CHUNK), k), dtype=torch.int64, device=dev)
-                k_us = device_us(lambda i=ids, lp=lps, c=cand: ops.lib.sample_topk(i, lp, c, parts, logits))
+                k_us = device_us(lambda i=ids, lp=lps, c=cand: sample_kernels.topk(ops.lib, i, lp, c, parts, logits))
                 print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
                 print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
         return 0

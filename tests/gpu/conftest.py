@@ -17,7 +17,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="module")
 def lib():
     """The kernel library on the current device (one per test module)."""
-    from engine.cuda.kernels import KernelLibrary
+    from engine.cuda.library import KernelLibrary
     return KernelLibrary(torch.device("cuda", torch.cuda.current_device()))
 
 

@@ -11,6 +11,7 @@ import torch
 
 from engine import sampling
 from engine.cuda.ops import CudaOps
+from engine.cuda.wrappers import decode_step
 from engine.models.llama import LayerWeights
 from engine.ops.torch_ops import AttentionMeta, AttentionSpec, LayerKV
 
@@ -34,20 +35,20 @@ def decode_step_state(ops, dev, vocab: int) -> None:
                     row_seed=torch.empty(B, dtype=i64, device=dev), row_penalty=torch.empty(B, device=dev),
                     row_position=torch.empty(B, dtype=i64, device=dev),
                     row_seen=torch.empty(B, V, dtype=torch.bool, device=dev))
-        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows)
-        ops.lib.decode_commit(slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
-                              state["num_cached"], state["last_token"], state["seen"],
-                              torch.empty(S, 2, dtype=i64, pin_memory=True), torch.empty(S, 2, dtype=f32, pin_memory=True))
+        decode_step.prepare(ops.lib, slots_t, **state, block_size=bs, **rows)
+        decode_step.commit(ops.lib, slots_t, torch.randint(0, V, (B,), device=dev), torch.randn(B, device=dev),
+                           state["num_cached"], state["last_token"], state["seen"],
+                           torch.empty(S, 2, dtype=i64, pin_memory=True), torch.empty(S, 2, dtype=f32, pin_memory=True))
         # A uniform Verify of k = 3 drafts: prepare with k + 1 rows per slot (strided drafts), then commit.
         k = 3
         drafts = torch.randint(0, V, (B, k + 2), device=dev)[:, :k]
         rows_v = {name: (t.new_empty((B * (k + 1),) + tuple(t.shape[1:]))) for name, t in rows.items()}
         state["num_cached"].clamp_(max=(MB - 1) * bs)  # room for the drafts in the block table
-        ops.lib.decode_prepare(slots_t, **state, block_size=bs, **rows_v, drafts=drafts)
-        ops.lib.verify_commit(slots_t, drafts, torch.randint(0, V, (B * (k + 1),), device=dev),
-                              torch.randn(B * (k + 1), device=dev), state["num_cached"], state["last_token"],
-                              state["seen"], torch.empty(8, dtype=i64, device=dev), torch.empty(8, dtype=i64, device=dev),
-                              torch.empty(8, k + 2, dtype=f32, device=dev))
+        decode_step.prepare(ops.lib, slots_t, **state, block_size=bs, **rows_v, drafts=drafts)
+        decode_step.verify_commit(ops.lib, slots_t, drafts, torch.randint(0, V, (B * (k + 1),), device=dev),
+                                  torch.randn(B * (k + 1), device=dev), state["num_cached"], state["last_token"],
+                                  state["seen"], torch.empty(8, dtype=i64, device=dev),
+                                  torch.empty(8, dtype=i64, device=dev), torch.empty(8, k + 2, dtype=f32, device=dev))
 
 
 def main() -> int:

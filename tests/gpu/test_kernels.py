@@ -17,6 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
+from engine.cuda.wrappers import (
+    decode_attention,
+    decode_step,
+    embedding,
+    prefill_attention,
+    rms_norm,
+    rope_cache_write,
+    silu_and_mul,
+    spec_accept,
+)
+from engine.cuda.wrappers import sampling as sample_kernels
 from engine.ops.torch_ops import LayerKV, TorchOps
 from engine.slot_io import KernelSlotIO, SlotIO
 from gpu.helpers import attention_layer, attention_meta, dev, nan, randn
@@ -64,33 +75,33 @@ def check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
 # Library
 
 def test_library_resolves_every_kernel(lib):
-    from engine.cuda.kernels import expected_symbols
+    from engine.cuda.library import expected_symbols
     names = [n for names in expected_symbols().values() for n in names]
     assert sorted(lib.kernels) == sorted(names)
     print("kernel origins:", lib.origin)
 
 
 def test_bad_arguments_are_refused_before_launch(lib):
-    from engine.cuda.kernels import KernelArgError
+    from engine.cuda.driver import KernelArgError
     x = randn(4, 64, dtype=torch.bfloat16)
     with pytest.raises(KernelArgError, match="dtype"):
-        lib.rms_norm(nan((4, 64), torch.bfloat16), x, randn(64, dtype=torch.float16), 1e-6)
+        rms_norm.launch(lib, nan((4, 64), torch.bfloat16), x, randn(64, dtype=torch.float16), 1e-6)
     with pytest.raises(KernelArgError, match="contiguous"):
-        lib.silu_and_mul(nan((64, 4), torch.bfloat16).t(), randn(4, 128, dtype=torch.bfloat16))
+        silu_and_mul.launch(lib, nan((64, 4), torch.bfloat16).t(), randn(4, 128, dtype=torch.bfloat16))
     with pytest.raises(KernelArgError, match="float32"):
-        lib.rms_norm(nan((4, 64), torch.float32), x.float(), randn(64), 1e-6)
+        rms_norm.launch(lib, nan((4, 64), torch.float32), x.float(), randn(64), 1e-6)
 
 
 def test_nvrtc_fallback_loads_every_kernel(lib, gen, tmp_path):
     """No fatbins: every module is compiled by NVRTC for the device, cached, and computes the same."""
-    from engine.cuda.kernels import KernelLibrary
+    from engine.cuda.library import KernelLibrary
     nv = KernelLibrary(lib.device, build_dir=tmp_path / "no-fatbins", cache_dir=tmp_path / "cache")
     assert set(nv.origin.values()) == {"nvrtc"}, nv.origin
     assert len(list((tmp_path / "cache").glob("*.cubin"))) == len(nv.origin)
     x, w = randn(5, 2048, dtype=torch.bfloat16), randn(2048, dtype=torch.bfloat16)
     a, b = nan((5, 2048), torch.bfloat16), nan((5, 2048), torch.bfloat16)
-    lib.rms_norm(a, x, w, 1e-6)
-    nv.rms_norm(b, x, w, 1e-6)
+    rms_norm.launch(lib, a, x, w, 1e-6)
+    rms_norm.launch(nv, b, x, w, 1e-6)
     assert torch.equal(a, b)
     again = KernelLibrary(lib.device, build_dir=tmp_path / "no-fatbins", cache_dir=tmp_path / "cache")
     assert set(again.origin.values()) == {"nvrtc-cache"}, again.origin
@@ -109,7 +120,7 @@ def test_engine_streams_stage_and_time(lib, gen):
         streams.stage(dst, src)
         with streams.timed() as t:
             doubled = dst * 2  # ordered after the staged copy by the event
-            lib.rms_norm(out, x, weight, 1e-6)
+            rms_norm.launch(lib, out, x, weight, 1e-6)
     streams.wait_staged()
     assert t.elapsed_ns() > 0
     streams.synchronize()
@@ -129,7 +140,7 @@ def test_embedding(lib, gen, dtype, tokens, vocab, hidden):
     weight = randn(vocab, hidden, dtype=dtype)
     ids = torch.randint(0, vocab, (tokens,), device=dev())
     out = nan((tokens, hidden), dtype)
-    lib.embedding(out, ids, weight)
+    embedding.launch(lib, out, ids, weight)
     assert torch.equal(out, F.embedding(ids, weight))
 
 
@@ -139,7 +150,7 @@ def test_embedding(lib, gen, dtype, tokens, vocab, hidden):
 def test_rms_norm(lib, gen, dtype, rows, D):
     x, w = randn(rows, D, dtype=dtype, scale=3.0), (1 + 0.1 * randn(D)).to(dtype)
     out = nan((rows, D), dtype)
-    lib.rms_norm(out, x, w, 1e-5)
+    rms_norm.launch(lib, out, x, w, 1e-5)
     check("rms_norm", out, TORCH.rms_norm(x.float(), w.float(), 1e-5), BF16_TOL)
     # Same roundings as the torch op on the same dtype: far closer than the dtype's resolution.
     check("rms_norm_vs_same_dtype", out, TORCH.rms_norm(x, w, 1e-5), 2e-3)
@@ -151,7 +162,7 @@ def test_rms_norm(lib, gen, dtype, rows, D):
 def test_residual_norm(lib, gen, dtype, S, rows, D):
     """The end of a split-K linear layer: h = h + the partials summed in order (fp32, one rounding), bit for
     bit as the same sums in torch; the norm after it as rms_norm of the new h."""
-    from engine.cuda.kernels import KernelArgError
+    from engine.cuda.driver import KernelArgError
     h, parts = randn(rows, D, dtype=dtype, scale=2.0), randn(S, rows, D, scale=2.0)
     w = (1 + 0.1 * randn(D)).to(dtype)
     acc = parts[0].clone()
@@ -160,16 +171,16 @@ def test_residual_norm(lib, gen, dtype, S, rows, D):
     h_ref = (acc + h.float()).to(dtype)
     out = nan((rows, D), dtype)
     h2 = h.clone()
-    lib.residual_norm(h2, None, parts, None, 1e-5)  # the add alone
+    rms_norm.residual_norm(lib, h2, None, parts, None, 1e-5)  # the add alone
     assert torch.equal(h2, h_ref)
-    lib.residual_norm(h, out, parts, w, 1e-5)
+    rms_norm.residual_norm(lib, h, out, parts, w, 1e-5)
     assert torch.equal(h, h_ref)
     check("residual_norm's norm", out, TORCH.rms_norm(h_ref.float(), w.float(), 1e-5), BF16_TOL)
     check("residual_norm's norm vs same dtype", out, TORCH.rms_norm(h_ref, w, 1e-5), 2e-3)
     with pytest.raises(KernelArgError):
-        lib.residual_norm(h, out, parts[:, :-1] if rows > 1 else parts[:, :, :-8], w, 1e-5)
+        rms_norm.residual_norm(lib, h, out, parts[:, :-1] if rows > 1 else parts[:, :, :-8], w, 1e-5)
     with pytest.raises(KernelArgError):
-        lib.residual_norm(h, None, parts, w, 1e-5)
+        rms_norm.residual_norm(lib, h, None, parts, w, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,7 +192,7 @@ def test_rms_norm_per_head_on_qkv_views(lib, gen, dtype, T, H, Hkv, D):
     w = (1 + 0.1 * randn(D)).to(dtype)
     for x in (q, k):
         out = nan(tuple(x.shape), dtype)
-        lib.rms_norm(out, x, w, 1e-6)
+        rms_norm.launch(lib, out, x, w, 1e-6)
         check("rms_norm_per_head", out, TORCH.rms_norm(x.float(), w.float(), 1e-6), BF16_TOL)
 
 
@@ -190,7 +201,7 @@ def test_rms_norm_per_head_on_qkv_views(lib, gen, dtype, T, H, Hkv, D):
 def test_silu_and_mul(lib, gen, dtype, T, I):
     x = randn(T, 2 * I, dtype=dtype, scale=2.0)
     out = nan((T, I), dtype)
-    lib.silu_and_mul(out, x)
+    silu_and_mul.launch(lib, out, x)
     check("silu_and_mul", out, F.silu(x[:, :I].float()) * x[:, I:].float(), BF16_TOL)
 
 
@@ -215,7 +226,7 @@ def test_rope_cache_write(lib, gen, dtype, T, H, Hkv, D, bs):
     slots = torch.randperm(num_blocks * bs, device=dev())[:T]
     k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
     q_out = nan((T, H, D), dtype)
-    lib.rope_cache_write(q_out, q, k, v, cos_sin, rope_index, k_cache, v_cache, slots)
+    rope_cache_write.launch(lib, q_out, q, k, v, cos_sin, rope_index, k_cache, v_cache, slots)
 
     k_ref = torch.zeros((num_blocks, bs, Hkv, D), device=dev())
     v_ref = torch.zeros_like(k_ref)
@@ -284,15 +295,15 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
     scale = D ** -0.5
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
     counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
-    for splits in sorted({lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN), 1, 7, 16}):
+    for splits in sorted({decode_attention.key_splits(lib, B, H, Hkv, D, MAX_SEQ_LEN), 1, 7, 16}):
         # clusters (sm_90): the splits of a sequence whose keys fit in one cluster merge in shared memory
-        for cluster in sorted({1, lib.decode_cluster_size(splits)}):
+        for cluster in sorted({1, decode_attention.cluster_size(lib, splits)}):
             outs = []
             for _ in range(2):
                 out = nan((B, H, D), dtype)
                 part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-                lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, scale,
-                                     window, splits, cluster)
+                decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, scale,
+                                        window, splits, cluster)
                 check(f"decode_attention ({splits} splits, clusters of {cluster})", out, ref, BF16_TOL)
                 outs.append(out)
             assert torch.equal(outs[0], outs[1]), "the merge of the splits must not depend on block timing"
@@ -315,15 +326,15 @@ def test_decode_attention_merges_short_contexts_inside_the_cluster(lib):
     for cluster, partials_written in ((lib.decode_cluster, False), (1, True)):
         out = nan((B, H, D), torch.bfloat16)
         part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-        lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, D ** -0.5, 0,
-                             splits, cluster)
+        decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, D ** -0.5, 0,
+                                splits, cluster)
         check(f"decode_attention (clusters of {cluster})", out, ref, BF16_TOL)
         assert bool((~part_lse.isnan()).any()) == partials_written
         assert not counters.any()
 
 
 def test_decode_attention_refuses_clusters_that_do_not_divide_the_splits(lib):
-    from engine.cuda.kernels import KernelArgError
+    from engine.cuda.driver import KernelArgError
     if lib.decode_cluster <= 1:
         pytest.skip("thread-block clusters need sm_90")
     k_cache, v_cache, table = paged_cache([5], 8, 64, 16, torch.bfloat16)
@@ -332,14 +343,14 @@ def test_decode_attention_refuses_clusters_that_do_not_divide_the_splits(lib):
     counters = torch.zeros(32, dtype=torch.int32, device=dev())
     part_o, part_lse = nan((1, 32, 12, 64), torch.float32), nan((1, 32, 12), torch.float32)
     with pytest.raises(KernelArgError, match="clusters of 8 for 12 splits"):
-        lib.decode_attention(out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, 0.125, 0, 12, 8)
+        decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, 0.125, 0, 12, 8)
 
 
 @pytest.mark.parametrize("B,H,Hkv,D", [(1, 32, 8, 64), (8, 32, 8, 64), (32, 32, 8, 64), (32, 32, 8, 128),
                                        (128, 32, 8, 64), (1, 8, 8, 128)])
 def test_decode_splits_fit_in_one_wave(lib, B, H, Hkv, D):
     """Split blocks never spill into a second wave; a sequence gets at most one split per 64-key tile."""
-    splits = lib.decode_num_splits(B, H, Hkv, D, MAX_SEQ_LEN)
+    splits = decode_attention.key_splits(lib, B, H, Hkv, D, MAX_SEQ_LEN)
     blocks = B * Hkv * -(-(H // Hkv) // 16)
     per_sm = lib.decode_blocks_per_sm[D]
     assert per_sm >= 1
@@ -378,7 +389,7 @@ def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
     scale = D ** -0.5
     work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
     out = nan((qsl[-1], H, D), dtype)
-    lib.prefill_attention(out, q, k_cache, v_cache, table, work, scale, window)
+    prefill_attention.launch(lib, out, q, k_cache, v_cache, table, work, scale, window)
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens, scale, window)
     check("prefill_attention", out, ref, BF16_TOL)
 
@@ -420,16 +431,16 @@ def sampling_tensors(kinds: list[str], vocab: int, seen_fraction: float = 0.05) 
 def run_sample(lib, logits: torch.Tensor, st: sampling.SamplingTensors):
     """The four sampling kernels with poisoned outputs; returns (tokens, logprobs, thresholds)."""
     rows, vocab = logits.shape
-    splits = lib.vocab_splits(rows, vocab)
+    splits = sample_kernels.vocab_splits(lib, rows, vocab)
     parts = nan((rows, splits, 8), torch.float32)
     thresholds = torch.full((rows,), -1, dtype=torch.int32, device=dev())
     tokens = torch.full((rows,), -1, dtype=torch.int64, device=dev())
     logprobs = nan((rows,), torch.float32)
     args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
-    lib.sample_stats(parts, *args)
-    lib.sample_select(thresholds, parts, *args)
-    lib.sample_draw(parts, thresholds, *args)
-    lib.sample_finish(tokens, logprobs, parts, logits, st.temperature)
+    sample_kernels.stats(lib, parts, *args)
+    sample_kernels.select(lib, thresholds, parts, *args)
+    sample_kernels.draw(lib, parts, thresholds, *args)
+    sample_kernels.finish(lib, tokens, logprobs, parts, logits, st.temperature)
     return tokens, logprobs, thresholds
 
 
@@ -561,12 +572,12 @@ def test_spec_accept_matches_reference(lib, gen, B, K, vocab, with_probs, greedy
         noise = torch.randint(0, vocab, (B, K), device=dev())
         draft_ids = torch.where(torch.rand(B, K, device=dev()) < 0.8, from_target, noise)
 
-    splits = lib.vocab_splits(B, vocab)
+    splits = sample_kernels.vocab_splits(lib, B, vocab)
     parts = nan((B, splits, 8), torch.float32)
     num_accepted = torch.full((B,), -1, dtype=torch.int64, device=dev())
     tokens = torch.full((B,), -1, dtype=torch.int64, device=dev())
-    lib.spec_accept_draw(parts, target, draft_ids, draft_probs, st.seed.view(B, K + 1), st.position.view(B, K + 1))
-    lib.spec_accept_finish(num_accepted, tokens, parts, K)
+    spec_accept.draw(lib, parts, target, draft_ids, draft_probs, st.seed.view(B, K + 1), st.position.view(B, K + 1))
+    spec_accept.finish(lib, num_accepted, tokens, parts, K)
 
     for b in range(B):
         r = slice(b * (K + 1), (b + 1) * (K + 1))
@@ -634,7 +645,7 @@ def test_decode_prepare_matches_torch(lib, gen, B, V, bs):
     st = slot_state(S, MB, V, bs)
     slots = torch.randperm(S, device=dev())[:B]
     out = prepare_outputs(B, MB, V)
-    lib.decode_prepare(slots, **st, block_size=bs, **out)
+    decode_step.prepare(lib, slots, **st, block_size=bs, **out)
 
     pos = st["num_cached"][slots].long()
     ref = dict(
@@ -674,7 +685,7 @@ def test_decode_commit_matches_torch(lib, gen, B, R, host):
     ref_last[slots] = tokens
     ref_seen[slots, tokens] = True
     entry = (slots.cpu(), (num_cached[slots] % R).cpu())
-    lib.decode_commit(slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs)
+    decode_step.commit(lib, slots, tokens, logprobs, num_cached, last_token, seen, out_tokens, out_logprobs)
     torch.cuda.synchronize()
 
     assert torch.equal(num_cached, ref_cached)
@@ -764,45 +775,46 @@ def test_verify_commit_matches_torch_ops(ops, gen, B, k):
 
 
 def test_decode_step_bad_arguments_are_refused_before_launch(lib, gen):
-    from engine.cuda.kernels import KernelArgError
+    from engine.cuda.driver import KernelArgError
     S, MB, V, B, bs = 8, 4, 64, 3, 16
     st = slot_state(S, MB, V, bs)
     out = prepare_outputs(B, MB, V)
     slots = torch.arange(B, device=dev())
-    lib.decode_prepare(slots, **st, block_size=bs, **out)  # the valid call launches
+    decode_step.prepare(lib, slots, **st, block_size=bs, **out)  # the valid call launches
     with pytest.raises(KernelArgError, match="slots.*dtype"):
-        lib.decode_prepare(slots.int(), **st, block_size=bs, **out)
+        decode_step.prepare(lib, slots.int(), **st, block_size=bs, **out)
     with pytest.raises(KernelArgError, match="input_ids"):
-        lib.decode_prepare(slots[:2], **st, block_size=bs, **out)  # outputs sized for 3 rows
+        decode_step.prepare(lib, slots[:2], **st, block_size=bs, **out)  # outputs sized for 3 rows
     with pytest.raises(KernelArgError, match="row_seen"):
-        lib.decode_prepare(slots, **st, block_size=bs, **{**out, "row_seen": out["row_seen"][:, :V - 1].contiguous()})
+        decode_step.prepare(lib, slots, **st, block_size=bs,
+                            **{**out, "row_seen": out["row_seen"][:, :V - 1].contiguous()})
     with pytest.raises(KernelArgError, match="seen"):
-        lib.decode_prepare(slots, **{**st, "seen": st["seen"][:S - 1]}, block_size=bs, **out)
+        decode_step.prepare(lib, slots, **{**st, "seen": st["seen"][:S - 1]}, block_size=bs, **out)
     with pytest.raises(KernelArgError, match="block_table.*contiguous"):
-        lib.decode_prepare(slots, **{**st, "block_table": st["block_table"].t().contiguous().t()}, block_size=bs,
-                           **out)
+        decode_step.prepare(lib, slots, **{**st, "block_table": st["block_table"].t().contiguous().t()}, block_size=bs,
+                            **out)
     with pytest.raises(KernelArgError, match="block_size"):
-        lib.decode_prepare(slots, **st, block_size=0, **out)
+        decode_step.prepare(lib, slots, **st, block_size=0, **out)
 
     tokens = torch.zeros(B, dtype=torch.int64, device=dev())
     logprobs = torch.zeros(B, dtype=torch.float32, device=dev())
     out_tokens = torch.zeros(S, 2, dtype=torch.int64, device=dev())
     out_logprobs = torch.zeros(S, 2, dtype=torch.float32, device=dev())
     commit = (st["num_cached"], st["last_token"], st["seen"])
-    lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs)  # the valid call launches
+    decode_step.commit(lib, slots, tokens, logprobs, *commit, out_tokens, out_logprobs)  # the valid call launches
     with pytest.raises(KernelArgError, match="slots.*dtype"):
-        lib.decode_commit(slots.int(), tokens, logprobs, *commit, out_tokens, out_logprobs)
+        decode_step.commit(lib, slots.int(), tokens, logprobs, *commit, out_tokens, out_logprobs)
     with pytest.raises(KernelArgError, match="tokens"):
-        lib.decode_commit(slots[:2], tokens, logprobs, *commit, out_tokens, out_logprobs)
+        decode_step.commit(lib, slots[:2], tokens, logprobs, *commit, out_tokens, out_logprobs)
     with pytest.raises(KernelArgError, match="seen.*dtype"):
-        lib.decode_commit(slots, tokens, logprobs, st["num_cached"], st["last_token"], st["seen"].to(torch.uint8),
-                          out_tokens, out_logprobs)
+        decode_step.commit(lib, slots, tokens, logprobs, st["num_cached"], st["last_token"], st["seen"].to(torch.uint8),
+                           out_tokens, out_logprobs)
     with pytest.raises(KernelArgError, match="out_logprobs"):
-        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:S - 1])
+        decode_step.commit(lib, slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:S - 1])
     with pytest.raises(KernelArgError, match="out_logprobs"):
-        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:, :1].contiguous())
+        decode_step.commit(lib, slots, tokens, logprobs, *commit, out_tokens, out_logprobs[:, :1].contiguous())
     with pytest.raises(KernelArgError, match="out_tokens.*not pinned"):
-        lib.decode_commit(slots, tokens, logprobs, *commit, out_tokens.cpu(), out_logprobs)
+        decode_step.commit(lib, slots, tokens, logprobs, *commit, out_tokens.cpu(), out_logprobs)
     torch.cuda.synchronize()
 
 
@@ -892,7 +904,7 @@ def test_decode_attention_with_fused_rope_equals_rope_cache_write_then_attention
     b_qkv = (0.1 * randn((H + 2 * Hkv) * D)).to(dtype) if bias else None
     layer = attention_layer(norm, w_qkv, b_qkv)
     meta = attention_meta(H, Hkv, D, cos_sin, positions, slots, table, lens, window)
-    assert ops.lib.decode_fits_one_wave(B, H, Hkv, D, ops.max_seq_len), "this case must take the fused path"
+    assert decode_attention.fits_one_wave(ops.lib, B, H, Hkv, D, ops.max_seq_len), "this case must take the fused path"
     results = []
     for fused in (False, True):
         kc, vc = k_cache.clone(), v_cache.clone()

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.cuda.wrappers import silu_and_mul, skinny_linear
 from engine.ops.torch_ops import TorchOps
 from gpu.helpers import dev, nan, randn
 
@@ -83,7 +84,7 @@ STORE_SHAPES = [(3072, 2048), (2048, 2048), (2048, 8192), (4096, 14336),
 def test_skinny_store(lib, gen, dtype, M, N, K):
     x, w = randn(M, K, dtype=dtype), weight(N, K, dtype)
     out = nan((M, N), dtype)
-    lib.skinny_store(out, x, w)
+    skinny_linear.store(lib, out, x, w)
     check("skinny_store", out, reference(x, w))
 
 
@@ -98,11 +99,11 @@ def test_skinny_store_norm_and_bias(lib, gen, dtype, M, with_bias, with_norm):
     bias = randn(N, dtype=dtype) if with_bias else None
     norm = {"norm_weight": nw, "eps": EPS} if with_norm else {}
     out = nan((M, N), dtype)
-    lib.skinny_store(out, x, w, bias=bias, **norm)
+    skinny_linear.store(lib, out, x, w, bias=bias, **norm)
     check("skinny_store_norm_bias", out, reference(x, w, bias, nw if with_norm else None))
     # fp32 out: the same accumulators, unrounded; rounding them gives the bf16/fp16 output exactly.
     out32 = nan((M, N), torch.float32)
-    lib.skinny_store(out32, x, w, bias=bias, **norm)
+    skinny_linear.store(lib, out32, x, w, bias=bias, **norm)
     check("skinny_f32_norm_bias", out32, reference(x, w, bias, nw if with_norm else None))
     assert torch.equal(out32.to(dtype), out)
 
@@ -115,7 +116,7 @@ def test_skinny_f32_logits(lib, gen, dtype, N, K, M):
     x, nw = norm_inputs(M, K, dtype)
     w = weight(N, K, dtype)
     out = nan((M, N), torch.float32)
-    lib.skinny_store(out, x, w, norm_weight=nw, eps=EPS)
+    skinny_linear.store(lib, out, x, w, norm_weight=nw, eps=EPS)
     check("skinny_f32", out, reference(x, w, nw=nw))
     # Against exactly what the kernel computes (T(norm_w * x) on the tensor cores, then the fp32 result
     # times rsqrt(mean(x^2) + eps)): only the fp32 summation order differs.
@@ -130,8 +131,8 @@ def test_skinny_store_is_deterministic(lib, gen, dtype):
     x, nw = norm_inputs(M, K, dtype)
     w = weight(N, K, dtype)
     a, b = nan((M, N), dtype), nan((M, N), dtype)
-    lib.skinny_store(a, x, w, norm_weight=nw, eps=EPS)
-    lib.skinny_store(b, x, w, norm_weight=nw, eps=EPS)
+    skinny_linear.store(lib, a, x, w, norm_weight=nw, eps=EPS)
+    skinny_linear.store(lib, b, x, w, norm_weight=nw, eps=EPS)
     assert torch.equal(a, b)
 
 
@@ -146,13 +147,13 @@ def test_skinny_silu(lib, gen, dtype, M, I, K, with_norm):
     w = weight(2 * I, K, dtype)
     norm = {"norm_weight": nw, "eps": EPS} if with_norm else {}
     out = nan((M, I), dtype)
-    lib.skinny_silu(out, x, w, **norm)
+    skinny_linear.silu(lib, out, x, w, **norm)
     check("skinny_silu", out, TORCH.silu_and_mul(reference(x, w, nw=nw if with_norm else None)))
     # The unfused path from the same accumulators: skinny_store then silu_and_mul (same roundings).
     gate_up = nan((M, 2 * I), dtype)
-    lib.skinny_store(gate_up, x, w, **norm)
+    skinny_linear.store(lib, gate_up, x, w, **norm)
     unfused = nan((M, I), dtype)
-    lib.silu_and_mul(unfused, gate_up)
+    silu_and_mul.launch(lib, unfused, gate_up)
     assert torch.equal(out, unfused)
 
 
@@ -163,7 +164,7 @@ def test_skinny_silu_8b(lib, gen, dtype, M):
     x, nw = norm_inputs(M, K, dtype)
     w = weight(2 * I, K, dtype)
     out = nan((M, I), dtype)
-    lib.skinny_silu(out, x, w, norm_weight=nw, eps=EPS)
+    skinny_linear.silu(lib, out, x, w, norm_weight=nw, eps=EPS)
     check("skinny_silu", out, TORCH.silu_and_mul(reference(x, w, nw=nw)))
 
 
@@ -177,11 +178,11 @@ def test_skinny_residual(lib, gen, dtype, M, N, K):
     x, w = randn(M, K, dtype=dtype), weight(N, K, dtype)
     start = randn(M, N, dtype=dtype, scale=4.0)
     residual = start.clone()
-    lib.skinny_residual(residual, x, w)
+    skinny_linear.residual(lib, residual, x, w)
     check("skinny_residual", residual, start.float() + reference(x, w))
     # One rounding of (residual + fp32 accumulators), the accumulators of the f32 kernel.
     acc = nan((M, N), torch.float32)
-    lib.skinny_store(acc, x, w)
+    skinny_linear.store(lib, acc, x, w)
     assert torch.equal(residual, (start.float() + acc).to(dtype))
 
 
@@ -194,7 +195,7 @@ def test_skinny_residual_is_deterministic(lib, gen, dtype, M):
     outs = []
     for _ in range(3):
         residual = start.clone()
-        lib.skinny_residual(residual, x, w)
+        skinny_linear.residual(lib, residual, x, w)
         outs.append(residual)
     for residual in outs[1:]:
         assert torch.equal(residual, outs[0])
@@ -231,7 +232,7 @@ def test_skinny_rope_kv(lib, gen, dtype, M, H, Hkv, D, K, with_bias, with_norm):
     valid = slots >= 0
     k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
     q_out = nan((M, H, D), dtype)
-    lib.skinny_rope_kv(q_out, x, w, bias, *norm_args, cos_sin, rope_index, k_cache, v_cache, slots, H, Hkv, EPS)
+    skinny_linear.rope_kv(lib, q_out, x, w, bias, *norm_args, cos_sin, rope_index, k_cache, v_cache, slots, H, Hkv, EPS)
 
     # fp32 oracle; the skipped tokens write to a scratch block of the reference caches instead.
     qkv = reference(x, w, bias, nw if with_norm else None)
@@ -256,7 +257,7 @@ def test_skinny_rope_kv(lib, gen, dtype, M, H, Hkv, D, K, with_bias, with_norm):
     # place in the tensor-core tile differs), then the torch op on the rounded qkv (rope_cache_write.cu's
     # numerics equal torch's eager ops exactly).
     qkv_t = nan((M, N), dtype)
-    lib.skinny_store(qkv_t, x, w, bias, *norm_args, eps=EPS)
+    skinny_linear.store(lib, qkv_t, x, w, bias, *norm_args, eps=EPS)
     qt, kt, vt = (qkv_t[:, :H * D].view(M, H, D), qkv_t[:, H * D:(H + Hkv) * D].view(M, Hkv, D),
                   qkv_t[:, (H + Hkv) * D:].view(M, Hkv, D))
     k_same = torch.zeros((ref_blocks, bs, Hkv, D), dtype=dtype, device=dev())
@@ -286,8 +287,8 @@ def test_residual_then_norm_store_replay_in_a_cuda_graph(lib, gen, dtype, M):
 
     def forward():
         residual.copy_(start)
-        lib.skinny_residual(residual, a, w_o)
-        lib.skinny_store(out, residual, w_next, norm_weight=nw, eps=EPS)
+        skinny_linear.residual(lib, residual, a, w_o)
+        skinny_linear.store(lib, out, residual, w_next, norm_weight=nw, eps=EPS)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -317,45 +318,45 @@ def test_residual_then_norm_store_replay_in_a_cuda_graph(lib, gen, dtype, M):
 # Argument checks
 
 def test_skinny_wrappers_refuse_bad_arguments(lib):
-    from engine.cuda.kernels import KernelArgError
+    from engine.cuda.driver import KernelArgError
     bf, M, N, K = torch.bfloat16, 4, 64, 128
     x, w = randn(M, K, dtype=bf), randn(N, K, dtype=bf)
     out = nan((M, N), bf)
     with pytest.raises(KernelArgError, match="dtype"):
-        lib.skinny_store(out, x, w.half())
+        skinny_linear.store(lib, out, x, w.half())
     with pytest.raises(KernelArgError, match="at most 32"):
-        lib.skinny_store(nan((33, N), bf), randn(33, K, dtype=bf), w)
+        skinny_linear.store(lib, nan((33, N), bf), randn(33, K, dtype=bf), w)
     with pytest.raises(KernelArgError, match="multiple of 32"):
-        lib.skinny_store(out, randn(M, 48, dtype=bf), randn(N, 48, dtype=bf))
+        skinny_linear.store(lib, out, randn(M, 48, dtype=bf), randn(N, 48, dtype=bf))
     with pytest.raises(KernelArgError, match="16-row tiles"):
-        lib.skinny_store(nan((M, 40), bf), x, randn(40, K, dtype=bf))
+        skinny_linear.store(lib, nan((M, 40), bf), x, randn(40, K, dtype=bf))
     with pytest.raises(KernelArgError, match="does not match"):
-        lib.skinny_store(out, x, randn(N, 2 * K, dtype=bf))
+        skinny_linear.store(lib, out, x, randn(N, 2 * K, dtype=bf))
     with pytest.raises(KernelArgError, match="shape"):
-        lib.skinny_store(nan((M, N + 16), bf), x, w)
+        skinny_linear.store(lib, nan((M, N + 16), bf), x, w)
     with pytest.raises(KernelArgError, match="contiguous"):
-        lib.skinny_store(out, randn(K, M, dtype=bf).t(), w)
+        skinny_linear.store(lib, out, randn(K, M, dtype=bf).t(), w)
     with pytest.raises(KernelArgError, match="norm_weight"):
-        lib.skinny_store(out, x, w, norm_weight=randn(K + 8, dtype=bf))
+        skinny_linear.store(lib, out, x, w, norm_weight=randn(K + 8, dtype=bf))
     with pytest.raises(KernelArgError, match="overlap"):
-        lib.skinny_store(x, x, randn(K, K, dtype=bf))
+        skinny_linear.store(lib, x, x, randn(K, K, dtype=bf))
     with pytest.raises(KernelArgError, match="dtype"):
-        lib.skinny_silu(nan((M, N // 2), torch.float32), x, w)
+        skinny_linear.silu(lib, nan((M, N // 2), torch.float32), x, w)
     with pytest.raises(KernelArgError, match="16-row tiles"):
-        lib.skinny_silu(nan((M, 12), bf), x, randn(24, K, dtype=bf))
+        skinny_linear.silu(lib, nan((M, 12), bf), x, randn(24, K, dtype=bf))
     with pytest.raises(KernelArgError, match="shape"):
-        lib.skinny_residual(randn(M, N + 16, dtype=bf), x, w)
+        skinny_linear.residual(lib, randn(M, N + 16, dtype=bf), x, w)
     with pytest.raises(KernelArgError, match="overlap"):
-        lib.skinny_residual(x, x, randn(K, K, dtype=bf))
+        skinny_linear.residual(lib, x, x, randn(K, K, dtype=bf))
     # rope_kv: head_dim 8 (not a multiple of 16), and a weight that is not (H + 2 Hkv) heads.
     H, Hkv, D = 2, 1, 8
     caches = nan((4, 16, Hkv, D), bf), nan((4, 16, Hkv, D), bf)
     idx = torch.zeros(M, dtype=torch.int64, device=dev())
     with pytest.raises(KernelArgError, match="16-row tiles"):
-        lib.skinny_rope_kv(nan((M, H, D), bf), x, randn((H + 2 * Hkv) * D, K, dtype=bf), None, None,
-                           rope_table(16, D), idx, *caches, idx, H, Hkv)
+        skinny_linear.rope_kv(lib, nan((M, H, D), bf), x, randn((H + 2 * Hkv) * D, K, dtype=bf), None, None,
+                              rope_table(16, D), idx, *caches, idx, H, Hkv)
     with pytest.raises(KernelArgError, match="not"):
-        lib.skinny_rope_kv(nan((M, H, 16), bf), x, randn(82, K, dtype=bf), None, None,
-                           rope_table(16, 16), idx, *caches, idx, H, Hkv)
+        skinny_linear.rope_kv(lib, nan((M, H, 16), bf), x, randn(82, K, dtype=bf), None, None,
+                              rope_table(16, 16), idx, *caches, idx, H, Hkv)
     # M == 0 launches nothing.
-    lib.skinny_store(nan((0, N), bf), randn(0, K, dtype=bf), w)
+    skinny_linear.store(lib, nan((0, N), bf), randn(0, K, dtype=bf), w)

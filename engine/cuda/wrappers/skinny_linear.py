@@ -1,0 +1,150 @@
+"""Skinny linear layers for decode (kernels_cu/skinny_linear.cu): y = x @ weight^T for 1..32 tokens, reading
+the weight once, with the neighbouring elementwise ops fused. With norm_weight (the NORM prologue), x is the
+raw residual stream and the result is that of rms_norm(x, norm_weight, eps). One kernel per epilogue x dtype
+x token bucket x block width."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cuda.checks import dtype_suffix, expect_shape, overlaps, rope_operands, tensor_arg
+from engine.cuda.driver import KernelArgError
+
+if TYPE_CHECKING:
+    from engine.cuda.library import KernelLibrary
+
+
+SKINNY_MAX_M = 32
+SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-tiles of 8 tokens
+SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
+SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
+SKINNY_K_ALIGN = 32  # K elements per warp step
+SKINNY_EPILOGUE_ARGS = {
+    "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
+    "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
+    "silu": "pppp" + "iii" + "f",       # out, x, w, norm_w, M, I, K, eps
+    "residual": "ppp" + "iii",          # residual, x, w, M, N, K
+    "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
+                                          # slot_mapping, M, H, Hkv, D, K, eps
+}
+
+
+def m_bucket(num_tokens: int) -> int:
+    """The token bucket (kernel suffix _m8 / _m16 / _m32) of a skinny launch: the smallest that holds M."""
+    for bucket in SKINNY_M_BUCKETS:
+        if num_tokens <= bucket:
+            return bucket
+    raise KernelArgError(f"skinny linear: {num_tokens} tokens; the kernels take at most {SKINNY_MAX_M}")
+
+
+def _inputs(what: str, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+            pair_span: int) -> tuple:
+    """Checks x [M, K], weight [N, K] and norm_weight [K]; pair_span = the distance the epilogue pairs
+    rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and pair_span % 16 == 0.
+    Returns (suffix, M, N, K, x, weight, norm_weight) with pointers (0 = absent)."""
+    sfx = dtype_suffix(x.dtype, f"{what} x")
+    xp = tensor_arg(x, f"{what} x", x.dtype, 2)
+    wp = tensor_arg(weight, f"{what} weight", x.dtype, 2)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise KernelArgError(f"{what}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)} "
+                             f"(expected [N, {K}])")
+    if K == 0 or K % SKINNY_K_ALIGN:
+        raise KernelArgError(f"{what}: K = {K} must be a positive multiple of {SKINNY_K_ALIGN}")
+    if N == 0 or pair_span <= 0 or pair_span % SKINNY_TILE or N % pair_span:
+        raise KernelArgError(f"{what}: N = {N} rows cannot be cut into 16-row tiles of row pairs {pair_span // 2} "
+                             f"apart (need N % {pair_span} == 0 and {pair_span} % 16 == 0)")
+    if M > SKINNY_MAX_M:
+        raise KernelArgError(f"{what}: {M} tokens; the skinny kernels take at most {SKINNY_MAX_M} (use a GEMM)")
+    nw = 0
+    if norm_weight is not None:
+        nw = tensor_arg(norm_weight, f"{what} norm_weight", x.dtype, 1)
+        expect_shape(norm_weight, f"{what} norm_weight", (K,))
+    return sfx, M, N, K, xp, wp, nw
+
+
+def _output(out: torch.Tensor, what: str, dtype, shape: tuple, x: torch.Tensor, weight: torch.Tensor) -> int:
+    ptr = tensor_arg(out, what, dtype, len(shape), align=False)
+    expect_shape(out, what, shape)
+    if out.numel() and (overlaps(out, x) or overlaps(out, weight)):
+        raise KernelArgError(f"{what}: must not overlap x or the weight (other blocks still read them)")
+    return ptr
+
+
+def _bias(bias: torch.Tensor | None, what: str, dtype: torch.dtype, N: int) -> int:
+    if bias is None:
+        return 0
+    ptr = tensor_arg(bias, f"{what} bias", dtype, 1, align=False)
+    expect_shape(bias, f"{what} bias", (N,))
+    return ptr
+
+
+def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> None:
+    """One block per 16-row tile. A grid of at most lib.skinny_wide_tiles tiles (default: one per SM) gets
+    16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
+    tiles = N // SKINNY_TILE
+    wide = tiles <= lib.skinny_wide_tiles
+    lib.kernels[f"skinny_{ep}_{sfx}_m{m_bucket(M)}{'_w16' if wide else ''}"](
+        (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, lib.stream(), *args)
+
+
+def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+          bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+    """out [M, N] = x' @ weight^T (+ bias), x' = rms_norm(x, norm_weight, eps) or x; out in x's dtype, or
+    fp32 (logits: no rounding)."""
+    N = weight.shape[0] if weight.dim() == 2 else 0
+    sfx, M, N, K, xp, wp, nw = _inputs("skinny_store", x, weight, norm_weight, N)
+    ep = "f32" if out.dtype == torch.float32 else "store"
+    o = _output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, weight)
+    bp = _bias(bias, "skinny_store", x.dtype, N)
+    if M == 0:
+        return
+    _launch(lib, ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
+
+
+def silu(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+    """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T)."""
+    N = weight.shape[0] if weight.dim() == 2 else 0
+    sfx, M, N, K, xp, wp, nw = _inputs("skinny_silu", x, weight, norm_weight, N)
+    I = N // 2
+    o = _output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
+    if M == 0:
+        return
+    _launch(lib, "silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
+
+
+def residual(lib: KernelLibrary, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
+    N = weight.shape[0] if weight.dim() == 2 else 0
+    sfx, M, N, K, xp, wp, _ = _inputs("skinny_residual", x, weight, None, N)
+    rp = _output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
+    if M == 0:
+        return
+    _launch(lib, "residual", sfx, M, N, rp, xp, wp, M, N, K)
+
+
+def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
+            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+            num_kv_heads: int, eps: float = 1e-6) -> None:
+    """The fused QKV projection: qkv = x' @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)]
+    and x' = rms_norm(x, norm_weight, eps) or x; q and k rotated (rotate-half) by cos_sin[rope_index];
+    q -> q_out [M, H, D]; k and v -> the caches at slot_mapping (a negative slot skips the token's cache
+    write)."""
+    H, Hkv = int(num_heads), int(num_kv_heads)
+    N = weight.shape[0] if weight.dim() == 2 else 0
+    if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
+        raise KernelArgError(f"skinny_rope_kv: weight {tuple(weight.shape)} is not [(H + 2 Hkv) D, K] for "
+                             f"H = {H}, Hkv = {Hkv}")
+    D = N // (H + 2 * Hkv)
+    sfx, M, N, K, xp, wp, nw = _inputs("skinny_rope_kv", x, weight, norm_weight, D)
+    qo = _output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, weight)
+    bp = _bias(bias, "skinny_rope_kv", x.dtype, N)
+    cs, ri, sm, kc, vc = rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M, Hkv, D,
+                                       x.dtype)
+    if M == 0:
+        return
+    _launch(lib, "rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
