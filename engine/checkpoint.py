@@ -6,14 +6,18 @@ loads them as the correctness oracle."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import shutil
+import tempfile
 import zlib
 
 import torch
 from safetensors.torch import save_file
 
-from engine.loader import EMBED, LAYER_PREFIX, LAYER_TENSORS, LM_HEAD, NORM, optional_fields
+from engine.loader import LM_HEAD, tensor_shapes
 from engine.config import ModelConfig
+from engine.errors import ConfigError
 
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM"}
@@ -34,6 +38,11 @@ SHAPES: dict[str, dict] = {
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
                rope_theta=500000.0, tie_word_embeddings=False),
 }
+# What write_checkpoint(replace=True) removes from out_dir: the files it writes, and staging folders a
+# killed run left (STAGING_PREFIX). Other files (a README, tokenizer files) stay.
+STAGING_PREFIX = ".make-model-"
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
+                    STAGING_PREFIX + "*")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,24 +84,8 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
     norms' weights all shape the output; embeddings have std 1 and lm_head
     3/sqrt(hidden), for peaked next-token distributions
     (few near-ties, so greedy comparisons are meaningful)."""
-    hidden, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
-    shapes = {
-        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (kv, hidden),
-        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
-        "self_attn.q_proj.bias": (cfg.q_size,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
-        "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
-        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    absent = {n for f in optional_fields(cfg) for n in LAYER_TENSORS[f]}
-    names = {EMBED: (cfg.vocab_size, hidden), NORM: (hidden,)}
-    if not cfg.tie_word_embeddings:
-        names[LM_HEAD] = (cfg.vocab_size, hidden)
-    for i in range(cfg.num_layers):
-        for n, shape in shapes.items():
-            if n not in absent:
-                names[LAYER_PREFIX.format(i=i) + n] = shape
+    hidden = cfg.hidden_size
+    names = tensor_shapes(cfg)
     out = {}
     for name, shape in names.items():
         gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
@@ -111,15 +104,47 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
 
 def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: str = "tiny", seed: int = 0,
                      dtype: str | None = None, device: str = "cpu", max_shard_bytes: int = 4 << 30,
-                     **overrides) -> pathlib.Path:
-    """Writes config.json and model.safetensors (or shards plus an index) to out_dir."""
+                     replace: bool = False, **overrides) -> pathlib.Path:
+    """Writes config.json and model.safetensors (or shards plus an index) to out_dir.
+
+    A non-empty out_dir is refused (ConfigError) unless `replace`, which removes its checkpoint files
+    (CHECKPOINT_FILES) and keeps every other file. The files are written to a staging folder inside
+    out_dir and moved in once all are written (config.json last), so out_dir never holds a partial
+    checkpoint or a mix of two."""
     out = pathlib.Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise ConfigError(f"{out} is not empty: writing into it would mix two checkpoints; choose a new or empty "
+                          f"directory, or pass --force to replace its checkpoint files")
     raw = make_config(arch, shape, **overrides)
     if dtype:
         raw["torch_dtype"] = dtype
     cfg = ModelConfig.from_dict(raw)
     tensors = random_weights(cfg, seed, TORCH_DTYPES[raw["torch_dtype"]], device)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        staging = pathlib.Path(tempfile.mkdtemp(dir=out, prefix=STAGING_PREFIX))
+    except OSError as e:
+        raise ConfigError(f"cannot create {out}: {e.strerror or e}") from e
+    try:
+        _write_files(staging, raw, tensors, max_shard_bytes)
+        for pattern in CHECKPOINT_FILES:
+            for old in out.glob(pattern):
+                if not old.is_dir():
+                    old.unlink()
+                elif old.name.startswith(STAGING_PREFIX) and old != staging:
+                    shutil.rmtree(old)  # a staging folder a killed make-model left
+        for f in sorted(staging.iterdir(), key=lambda f: f.name == "config.json"):
+            os.replace(f, out / f.name)
+    except OSError as e:
+        raise ConfigError(f"cannot write the checkpoint to {out}: {e.strerror or e}") from e
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_files(out: pathlib.Path, raw: dict, tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> None:
     shards, current, size = [], {}, 0
     for name, t in tensors.items():
         if current and size + t.nbytes > max_shard_bytes:
@@ -143,4 +168,3 @@ def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: st
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     (out / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": raw["bos_token_id"], "eos_token_id": raw["eos_token_id"]}, indent=2))
-    return out

@@ -74,6 +74,9 @@ class EngineConfig:
         for name in ("max_seq_len", "num_kv_blocks", "max_top_logprobs"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.num_kv_blocks == 1:
+            raise ConfigError("num_kv_blocks must be 0 (sized from kv_cache_memory) or >= 2 (block 0 is scratch), "
+                              "got 1")
         if self.kv_cache_memory <= 0:
             raise ConfigError(f"kv_cache_memory must be > 0, got {self.kv_cache_memory}")
         if self.device not in DEVICES:
@@ -125,6 +128,12 @@ class ModelConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self):
+        for name, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
+                          ("intermediate_size", "intermediate_size"), ("num_layers", "num_hidden_layers"),
+                          ("num_heads", "num_attention_heads"), ("num_kv_heads", "num_key_value_heads"),
+                          ("head_dim", "head_dim")):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key} must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
                               f"num_key_value_heads ({self.num_kv_heads})")
@@ -141,24 +150,38 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
+        """Parses path/config.json; every problem is a ConfigError naming the file."""
         cfg_path = pathlib.Path(path) / "config.json"
+        if not pathlib.Path(path).is_dir():
+            what = "is not a directory" if pathlib.Path(path).exists() else "does not exist"
+            raise ConfigError(f"model directory {path} {what} (--model: a directory holding config.json and "
+                              f"*.safetensors)")
         if not cfg_path.is_file():
             raise ConfigError(f"{cfg_path} not found: a model directory holds config.json and *.safetensors")
         try:
             raw = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
+        except OSError as e:
+            raise ConfigError(f"cannot read {cfg_path}: {e.strerror}") from e
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from e
-        return cls.from_dict(raw)
+        try:
+            return cls.from_dict(raw)
+        except ConfigError as e:
+            raise ConfigError(f"{cfg_path}: {e}") from e
 
     @classmethod
     def from_dict(cls, raw: dict) -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(raw).__name__}")
         archs = raw.get("architectures") or []
+        if not isinstance(archs, list):
+            archs = [archs]
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             arch = raw.get("model_type") if raw.get("model_type") in SUPPORTED_ARCHITECTURES.values() else None
         if arch is None:
-            raise ConfigError(f"unsupported architecture {archs or raw.get('model_type')}; supported: "
-                              f"{sorted(SUPPORTED_ARCHITECTURES)}")
+            raise ConfigError(f"unsupported architecture {archs or raw.get('model_type')!r} (config.json's "
+                              f"'architectures' / 'model_type'); supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         if raw.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {raw['hidden_act']!r} is not supported (only silu)")
         if raw.get("use_sliding_window"):
@@ -166,7 +189,7 @@ class ModelConfig:
         try:
             num_heads = int(raw["num_attention_heads"])
             hidden = int(raw["hidden_size"])
-            head_dim = int(raw.get("head_dim") or hidden // num_heads)
+            head_dim = int(raw.get("head_dim") or (hidden // num_heads if num_heads > 0 else 0))
             eos = raw.get("eos_token_id")
             eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
             sliding = int(raw.get("sliding_window") or 0) if arch == "mistral" else 0
@@ -192,6 +215,8 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from e
+        except (TypeError, ValueError) as e:  # a value of the wrong type ("64" parses; "abc" or null does not)
+            raise ConfigError(f"config.json has a value the engine cannot use ({type(e).__name__}: {e})") from e
 
 
 def _parse_rope(raw: dict) -> RopeConfig:

@@ -23,3 +23,8 @@ class FailedPrecondition(EngineError):
 
 class ResourceExhausted(EngineError):
     """No free slot or KV blocks, or a batch above the limit."""
+
+
+class LoadCancelled(Exception):
+    """A model load stopped by engine.loader.cancel_loading() (a signal during start-up); not an error
+    of the configuration."""

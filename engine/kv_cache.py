@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.errors import ResourceExhausted
+from engine.errors import ConfigError, ResourceExhausted
 from engine.ops.torch_ops import LayerKV
 
 
@@ -13,7 +13,8 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int):
         if num_blocks < 2:
-            raise ValueError(f"need at least 2 KV blocks, got {num_blocks}")
+            raise ConfigError(f"the KV cache needs at least 2 blocks (block 0 is scratch), got {num_blocks}; "
+                              f"raise --num-kv-blocks or --kv-cache-memory")
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, 0, -1))  # pop() hands out low ids first
 
@@ -34,7 +35,9 @@ class BlockAllocator:
 
     def allocate(self, n: int) -> list[int]:
         if not self.can_allocate(n):
-            raise ResourceExhausted(f"need {n} KV blocks, {len(self._free)} free")
+            raise ResourceExhausted(f"need {n} KV blocks, {len(self._free)} of {self.num_usable_blocks} free (release "
+                                    f"live sequences, or start the worker with a larger --kv-cache-memory or "
+                                    f"--num-kv-blocks)")
         return [self._free.pop() for _ in range(n)]
 
     def free(self, block_ids: list[int]) -> None:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import threading
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from engine.config import ModelConfig
-from engine.errors import ConfigError
+from engine.errors import ConfigError, LoadCancelled
 from engine.models.llama import LayerWeights, ModelWeights
 
 # Checkpoint tensor names, per LayerWeights field. A list is concatenated along dim 0 (fused).
@@ -37,77 +39,158 @@ def optional_fields(cfg: ModelConfig) -> set[str]:
     return absent
 
 
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config must hold, by checkpoint name, with its shape: layer by
+    layer, then the embedding, the final norm and lm_head (only when the embeddings are not tied)."""
+    hidden, inter, kv = cfg.hidden_size, cfg.intermediate_size, cfg.kv_size
+    per_layer = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.k_proj.weight": (kv, hidden),
+        "self_attn.v_proj.weight": (kv, hidden), "self_attn.o_proj.weight": (hidden, cfg.q_size),
+        "self_attn.q_proj.bias": (cfg.q_size,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    absent = {n for f in optional_fields(cfg) for n in LAYER_TENSORS[f]}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_layers):
+        for names in LAYER_TENSORS.values():
+            shapes.update({LAYER_PREFIX.format(i=i) + n: per_layer[n] for n in names if n not in absent})
+    shapes[EMBED] = (cfg.vocab_size, hidden)
+    shapes[NORM] = (hidden,)
+    if not cfg.tie_word_embeddings:
+        shapes[LM_HEAD] = (cfg.vocab_size, hidden)
+    return shapes
+
+
+# Set once by cancel_loading(); a load checks it before each tensor.
+_cancelled = threading.Event()
+
+
+def cancel_loading() -> None:
+    """Makes a weight load in progress on any thread, and any later one in this process, stop before its
+    next tensor with LoadCancelled: how a signal during start-up stops the load (the process then exits)."""
+    _cancelled.set()
+
+
 def checkpoint_files(path: pathlib.Path) -> list[pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted({path / f for f in weight_map.values()})
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise ConfigError(f"{index} is not a readable safetensors index ({type(e).__name__}: {e}); "
+                              f"copy the checkpoint again") from e
     else:
         files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no *.safetensors files in {path}")
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
-        raise ConfigError(f"checkpoint shards listed in the index are missing: {missing}")
+        raise ConfigError(f"checkpoint shards listed in {index} are missing: {missing}")
     return files
 
 
+def _unreadable(f: pathlib.Path, e: Exception) -> ConfigError:
+    if isinstance(e, OSError):
+        return ConfigError(f"cannot read {f}: {e.strerror or e}")
+    return ConfigError(f"{f} is not a readable safetensors file ({e}); truncated or corrupt (an interrupted "
+                       f"download or copy?): copy it again")
+
+
 class _Tensors:
-    """Name -> tensor across shards, read lazily (one tensor in host memory at a time)."""
+    """Name -> tensor across shards, read lazily (one tensor in host memory at a time). Opening a file
+    reads and checks its header: safetensors refuses a file shorter than its header says."""
 
     def __init__(self, files: list[pathlib.Path]):
         self._where: dict[str, pathlib.Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for name in st.keys():
-                    self._where[name] = f
         self._handles: dict[pathlib.Path, object] = {}
+        for f in files:
+            try:
+                handle = self._handles[f] = safe_open(str(f), framework="pt")
+                names = handle.keys()
+            except (SafetensorError, OSError) as e:
+                raise _unreadable(f, e) from e
+            for name in names:
+                self._where[name] = f
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
+    def file_of(self, name: str) -> pathlib.Path:
+        return self._where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
+
     def get(self, name: str) -> torch.Tensor:
+        if _cancelled.is_set():
+            raise LoadCancelled("the weight load was cancelled")
         if name not in self._where:
             raise ConfigError(f"checkpoint lacks tensor {name!r}")
         f = self._where[name]
-        if f not in self._handles:
-            self._handles[f] = safe_open(str(f), framework="pt")
-        return self._handles[f].get_tensor(name)
+        try:
+            return self._handles[f].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise _unreadable(f, e) from e
+
+
+def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
+    """Reads only the headers of the checkpoint in `path`: every tensor `cfg` needs is there with its
+    shape, and no file is truncated. A ConfigError names the file, or the directory and the tensor.
+    Returns the opened checkpoint, for load_weights."""
+    path = pathlib.Path(path)
+    files = checkpoint_files(path)
+    tensors = _Tensors(files)
+    where = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} shards)"
+    shapes = tensor_shapes(cfg)
+    missing = [name for name in shapes if name not in tensors]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise ConfigError(f"checkpoint {where} lacks tensor {missing[0]!r}{more} that its config.json "
+                          f"({cfg.architecture}, {cfg.num_layers} layers) asks for; a partial copy, or a "
+                          f"config.json of another model?")
+    for name, shape in shapes.items():
+        if tensors.shape(name) != shape:
+            raise ConfigError(f"{tensors.file_of(name)}: tensor {name!r} has shape {tensors.shape(name)}, "
+                              f"config.json implies {shape}")
+    return tensors
 
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device) -> ModelWeights:
-    path = pathlib.Path(path)
-    tensors = _Tensors(checkpoint_files(path))
+    """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
+    Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    tensors = check_checkpoint(path, cfg)
+    shapes = tensor_shapes(cfg)
+    element = torch.empty((), dtype=dtype).element_size()
+    total = sum(math.prod(s) for s in shapes.values()) * element
+    loaded = 0
 
-    def fetch(names: list[str], shape: tuple[int, ...]) -> torch.Tensor:
+    def fetch(names: list[str]) -> torch.Tensor:
+        nonlocal loaded
         parts = [tensors.get(n) for n in names]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if tuple(t.shape) != shape:
-            raise ConfigError(f"tensor {names} has shape {tuple(t.shape)}, expected {shape} from config.json")
-        return t.to(device=device, dtype=dtype).contiguous()
+        try:
+            t = t.to(device=device, dtype=dtype).contiguous()
+        except torch.OutOfMemoryError as e:
+            raise ConfigError(f"the weights ({total / 2**30:.2f} GiB as {dtype}) do not fit in {device} memory: "
+                              f"out of memory at {names[0]!r} after {loaded / 2**30:.2f} GiB") from e
+        loaded += t.nbytes
+        return t
 
-    hidden, inter, qkv_rows = cfg.hidden_size, cfg.intermediate_size, cfg.q_size + 2 * cfg.kv_size
-    shapes = {
-        "input_norm": (hidden,), "qkv": (qkv_rows, hidden), "qkv_bias": (qkv_rows,),
-        "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,), "o_proj": (hidden, cfg.q_size),
-        "post_norm": (hidden,), "gate_up": (2 * inter, hidden), "down": (hidden, inter),
-    }
     absent = optional_fields(cfg)
     layers = []
     for i in range(cfg.num_layers):
         prefix = LAYER_PREFIX.format(i=i)
-        fields = {name: None if name in absent else fetch([prefix + n for n in names], shapes[name])
+        fields = {name: None if name in absent else fetch([prefix + n for n in names])
                   for name, names in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
-    embed = fetch([EMBED], (cfg.vocab_size, hidden))
-    if cfg.tie_word_embeddings or LM_HEAD not in tensors:
-        if not cfg.tie_word_embeddings:
-            raise ConfigError(f"checkpoint lacks {LM_HEAD!r} and tie_word_embeddings is false")
-        lm_head = embed
-    else:
-        lm_head = fetch([LM_HEAD], (cfg.vocab_size, hidden))
-    return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM], (hidden,)), lm_head=lm_head)
+    embed = fetch([EMBED])
+    lm_head = embed if cfg.tie_word_embeddings else fetch([LM_HEAD])
+    return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM]), lm_head=lm_head)
 
 
 def weight_bytes(weights: ModelWeights) -> int:

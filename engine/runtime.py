@@ -121,9 +121,10 @@ def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, devi
     except (torch.OutOfMemoryError, RuntimeError) as e:
         need = num_blocks * KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
                                                     dtype)
-        raise ConfigError(f"the KV cache ({num_blocks} blocks, {need / 2**30:.2f} GiB) does not fit in {device} "
-                          f"memory after the weights; lower --num-kv-blocks or --kv-cache-memory "
-                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from e
+        raise ConfigError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens, {need / 2**30:.2f} GiB; "
+                          f"--num-kv-blocks {config.num_kv_blocks}, --kv-cache-memory {config.kv_cache_memory}) does "
+                          f"not fit in {device} memory after the weights; lower --num-kv-blocks or --kv-cache-memory "
+                          f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
 def _num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
@@ -139,6 +140,7 @@ def _num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, de
         budget = config.kv_cache_memory * CPU_KV_BUDGET_BYTES
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
-        raise ConfigError(f"the KV cache budget ({budget / 1e6:.1f} MB) holds fewer than 2 blocks of {per_block} "
-                          f"bytes; raise --kv-cache-memory or lower --block-size")
+        raise ConfigError(f"the KV cache budget ({budget / 1e6:.1f} MB from --kv-cache-memory "
+                          f"{config.kv_cache_memory}) holds fewer than 2 blocks of {per_block} bytes; raise "
+                          f"--kv-cache-memory, set --num-kv-blocks, or lower --block-size")
     return num_blocks

@@ -1,5 +1,11 @@
-"""Bad input gets a clear status code and message, changes nothing, leaks nothing; the server keeps serving."""
+"""Bad input gets a clear status code and message, changes nothing, leaks nothing; the server keeps serving.
+Start-up problems (in process here; through the command line in test_cli.py) are one ConfigError that
+names the flag, file or port."""
 from __future__ import annotations
+
+import asyncio
+import json
+import socket
 
 import grpc
 import pytest
@@ -91,7 +97,10 @@ def test_slots_and_blocks_exhaust_with_resource_exhausted(small):
     ids = [alloc(stub, 60) for _ in range(4)]  # 4 blocks each: 16 blocks, 4 slots
     expect(C.RESOURCE_EXHAUSTED, alloc, stub, 16, match="slots")
     stub.Release(pb.ReleaseRequest(sequence_ids=ids[:1]))
-    expect(C.RESOURCE_EXHAUSTED, alloc, stub, 128, match="blocks")
+    details = expect(C.RESOURCE_EXHAUSTED, alloc, stub, 128, match="blocks")
+    # 128 tokens are 8 blocks of 16; 3 live sequences hold 12 of the 16 usable blocks (17 less the scratch one).
+    for figure in ("128 tokens", "8 KV blocks", "16 tokens", "4 of 16", "--kv-cache-memory", "--num-kv-blocks"):
+        assert figure in details, (figure, details)
     ids[0] = alloc(stub, 60)
     stub.Release(pb.ReleaseRequest(sequence_ids=ids))
     assert state(small)[:3] == (16, 4, 0)
@@ -128,3 +137,79 @@ def test_unexpected_engine_exception_is_internal_and_server_keeps_serving(small,
     assert stub.Decode(pb.DecodeRequest(sequence_ids=[sid])).tokens[0].seq_len == 5
     stub.Release(pb.ReleaseRequest(sequence_ids=[sid]))
     assert state(small)[:3] == (16, 4, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Start-up errors, in process
+
+def test_the_block_allocator_names_the_figures_and_flags():
+    from engine.errors import ResourceExhausted
+    from engine.kv_cache import BlockAllocator
+    blocks = BlockAllocator(10)
+    blocks.allocate(7)
+    with pytest.raises(ResourceExhausted) as info:
+        blocks.allocate(3)
+    for figure in ("need 3", "2 of 9", "--kv-cache-memory", "--num-kv-blocks"):
+        assert figure in str(info.value), (figure, str(info.value))
+
+
+def test_a_kv_cache_that_does_not_fit_names_its_size_and_the_flags(tiny_model, monkeypatch):
+    import torch
+
+    import engine.runtime
+    from conftest import engine_config
+    from engine.engine import Engine
+    from engine.errors import ConfigError
+    from engine.kv_cache import KVCache
+
+    class NoRoom(KVCache):
+        def __init__(self, *args, **kwargs):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB\nmore detail")
+    monkeypatch.setattr(engine.runtime, "KVCache", NoRoom)
+    with pytest.raises(ConfigError) as info:
+        Engine(engine_config(tiny_model, num_kv_blocks=4096, block_size=32))
+    message = str(info.value)
+    for figure in ("4096 blocks", "32 tokens", "--num-kv-blocks 4096", "--kv-cache-memory", "Tried to allocate"):
+        assert figure in message, (figure, message)
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("change,names", [
+    (lambda raw: [raw], ["JSON object"]),
+    (lambda raw: {**raw, "num_key_value_heads": -2}, ["num_key_value_heads", "-2"]),
+    (lambda raw: {**raw, "num_attention_heads": 0, "head_dim": None}, ["num_attention_heads"]),
+    (lambda raw: {**raw, "vocab_size": None}, ["None"]),
+    (lambda raw: {**raw, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
+    (lambda raw: {k: v for k, v in raw.items() if k != "hidden_size"}, ["hidden_size"]),
+])
+def test_a_bad_config_json_is_a_config_error_naming_the_file(tmp_path, change, names):
+    from engine.checkpoint import make_config
+    from engine.config import ModelConfig
+    from engine.errors import ConfigError
+    (tmp_path / "config.json").write_text(json.dumps(change(make_config("llama", "tiny"))))
+    with pytest.raises(ConfigError) as info:
+        ModelConfig.from_dir(tmp_path)
+    for name in [str(tmp_path / "config.json"), *names]:
+        assert name in str(info.value), (name, str(info.value))
+
+
+def test_a_port_taken_after_the_check_is_still_a_config_error_and_leaves_nothing_running(tiny_model, monkeypatch):
+    """The race the pre-check cannot close: the port is taken between the check and gRPC's bind."""
+    from conftest import engine_config
+    from engine.errors import ConfigError
+    from worker import preflight
+    from worker.config import WorkerConfig
+    from worker.server import Worker
+
+    monkeypatch.setattr(preflight, "check_port", lambda *args: None)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        worker = Worker(WorkerConfig(host="127.0.0.1", port=0, health_port=port), engine_config(tiny_model))
+
+        async def start():
+            with pytest.raises(ConfigError, match=f"--health-port {port}"):
+                await worker.start()
+        asyncio.run(start())
+    assert worker._stopped.is_set() and worker.runner is None

@@ -262,7 +262,7 @@ def non_default_value(cls: type, f: dataclasses.Field):
     avoid = {f.default, CHART_DEFAULTS.get(camel(f.name), f.default)}
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"] if c not in avoid)
-    special = {"host": "127.0.0.1", "block_size": 32, "health_port": 8082}  # metrics_port gets 1
+    special = {"host": "127.0.0.1", "block_size": 32, "health_port": 8082, "num_kv_blocks": 64}  # metrics_port gets 1
     if f.name in special:
         return special[f.name]
     if kind is bool:

@@ -1,4 +1,7 @@
-"""metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`)."""
+"""metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`).
+
+Exit codes: 0 after a clean stop (SIGTERM/SIGINT, during start-up too); 2 for a start-up problem (a bad
+flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines."""
 from __future__ import annotations
 
 import argparse
@@ -26,26 +29,30 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="dtype on disk (default: float32 for tiny, bfloat16 otherwise)")
     make.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
+    make.add_argument("--force", action="store_true",
+                      help="write into a non-empty OUT_DIR: replaces its checkpoint files (config.json, "
+                           "generation_config.json, *.safetensors, the shard index); other files stay")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.command == "make-model":
-        out = write_checkpoint(args.out_dir, arch=args.arch, shape=args.shape, seed=args.seed, dtype=args.dtype,
-                               device=args.device)
-        print(out)
-        return 0
-    from worker.server import serve  # imports grpc and the generated stubs
-
     try:
+        if args.command == "make-model":
+            print(write_checkpoint(args.out_dir, arch=args.arch, shape=args.shape, seed=args.seed, dtype=args.dtype,
+                                   device=args.device, replace=args.force))
+            return 0
+        from worker.server import serve  # imports grpc and the generated stubs
+
         worker_config = config_from_args(WorkerConfig, args)
         engine_config = config_from_args(EngineConfig, args)
         asyncio.run(serve(worker_config, engine_config))
     except ConfigError as e:
-        print(f"metrale-worker: {e}", file=sys.stderr)
+        print(f"metrale-worker: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before serve's handlers are installed, or during make-model
+        return 130
     return 0
 
 

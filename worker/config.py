@@ -47,6 +47,11 @@ class WorkerConfig:
         for name in ("port", "metrics_port", "health_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ConfigError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        ports = [(name, getattr(self, name)) for name in ("port", "metrics_port", "health_port") if getattr(self, name)]
+        for i, (a, port) in enumerate(ports):
+            for b, other in ports[i + 1:]:
+                if port == other:
+                    raise ConfigError(f"{a} and {b} are both {port}: each needs a port of its own")
         if self.max_message_bytes < 1024:
             raise ConfigError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         for name in ("grace_period_s", "sequence_idle_timeout_s", "step_watchdog_s"):

@@ -1,7 +1,9 @@
 """The grpc.aio server: servicer, health, reflection, auth interceptor, TLS, graceful drain.
 
-Start-up: the port opens first with health NOT_SERVING (probes get an answer while the model loads),
-then the engine loads on its thread and runs one real step (warm-up), then health turns SERVING.
+Start-up: the token and TLS files, the ports and the checkpoint's headers are checked first (worker/
+preflight.py: one ConfigError, before anything loads); the port opens with health NOT_SERVING (probes
+get an answer while the model loads), then the engine loads on its thread and runs one real step
+(warm-up), then health turns SERVING. A signal during start-up stops the load (see serve).
 Drain (SIGTERM/SIGINT, or Worker.drain): health NOT_SERVING at once, AllocSequence and Generate get
 UNAVAILABLE, every other call keeps working so live sequences can finish, and the server stops
 once none is left or the grace period is over (open DecodeStreams end then, with OK)."""
@@ -10,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import pathlib
+import os
 import signal
 import sys
 import time
@@ -23,7 +25,10 @@ from grpc_reflection.v1alpha import reflection
 from engine.engine import Engine
 from engine.warm_up import warm_up
 from engine.config import EngineConfig
+from engine.errors import LoadCancelled
+from engine.loader import cancel_loading
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
+from worker import preflight
 from worker.config import WorkerConfig
 from worker.leases import Leases
 from worker.metrics import Metrics
@@ -34,6 +39,9 @@ log = logging.getLogger(__name__)
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+# After a signal during start-up: how long start-up may take to stop (the weight load checks between
+# tensors; kernel compilation and graph capture do not stop) before the process exits without waiting.
+START_STOP_GRACE_S = 5.0
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -79,36 +87,50 @@ class Worker:
         self._watchdog_tripped = False
 
     async def start(self) -> int:
-        """Opens the port, loads the engine, warms up, turns health SERVING. Returns the bound port."""
+        """Checks the token and TLS files, the ports and the checkpoint's headers (worker/preflight.py:
+        a ConfigError before anything loads), opens the ports, loads the engine, warms up, turns health
+        SERVING. Returns the bound port. On failure it stops what it started, then raises."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> int:
         cfg = self.config
+        token = preflight.read_token(cfg.auth_token_file) if cfg.auth_token_file else None
+        tls = preflight.read_tls(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file) \
+            if cfg.tls_cert_file else None
+        for flag, port in (("--port", cfg.port), ("--health-port", cfg.health_port),
+                           ("--metrics-port", cfg.metrics_port)):
+            preflight.check_port(cfg.host, port, flag)
+        preflight.check_model(self.engine_config.model)
+
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
                    ("grpc.so_reuseport", 0)]
-        interceptors = []
-        if cfg.auth_token_file:
-            token = pathlib.Path(cfg.auth_token_file).read_text().strip()
-            if not token:
-                raise ValueError(f"auth_token_file {cfg.auth_token_file} is empty")
-            interceptors.append(BearerTokenInterceptor(token))
+        interceptors = [BearerTokenInterceptor(token)] if token else []
         self.server = grpc.aio.server(options=options, interceptors=interceptors)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         await self._set_health(NOT_SERVING)
-        address = f"{cfg.host}:{cfg.port}"
-        if cfg.tls_cert_file:
-            ca = pathlib.Path(cfg.tls_client_ca_file).read_bytes() if cfg.tls_client_ca_file else None
-            creds = grpc.ssl_server_credentials(
-                [(pathlib.Path(cfg.tls_key_file).read_bytes(), pathlib.Path(cfg.tls_cert_file).read_bytes())],
-                root_certificates=ca, require_client_auth=ca is not None)
-            self.port = self.server.add_secure_port(address, creds)
+        if tls:
+            key, cert, ca = tls
+            creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                                require_client_auth=ca is not None)
+            self.port = _add_port(lambda a: self.server.add_secure_port(a, creds), cfg.host, cfg.port, "--port")
         else:
-            self.port = self.server.add_insecure_port(address)
-        if not self.port:
-            raise OSError(f"could not listen on {address}")
+            self.port = _add_port(self.server.add_insecure_port, cfg.host, cfg.port, "--port")
         if cfg.health_port:
             self.health_server = grpc.aio.server()
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
-            self.health_port = self.health_server.add_insecure_port(f"{cfg.host}:{cfg.health_port}")
+            self.health_port = _add_port(self.health_server.add_insecure_port, cfg.host, cfg.health_port,
+                                         "--health-port")
             await self.health_server.start()
+        if cfg.metrics_port:  # serves the RPC metrics at once; the engine's gauges appear once it loaded
+            try:
+                self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
+            except OSError as e:
+                raise preflight.port_error(cfg.host, cfg.metrics_port, "--metrics-port", e) from e
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
@@ -118,12 +140,11 @@ class Worker:
 
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
         t0 = time.perf_counter()
+        log.info("loading %s", self.engine_config.model or "the built-in default model")
         self.runner = await EngineRunner.start(lambda: Engine(self.engine_config))
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
         self.servicer.runner = self.runner
-        if cfg.metrics_port:
-            self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
         # reach: a full collection over it would pause every thread for tens of milliseconds.
@@ -195,15 +216,45 @@ class Worker:
         await self._stopped.wait()
 
 
+def _add_port(add, host: str, port: int, flag: str) -> int:
+    """add(address) -> bound port (a grpc server's add_*_port), its failure as a ConfigError naming flag."""
+    try:
+        bound = add(f"{host}:{port}")
+    except RuntimeError as e:  # recent grpcio raises where older versions returned 0
+        raise preflight.port_error(host, port, flag, e) from e
+    if not bound:
+        raise preflight.port_error(host, port, flag, OSError("bind failed"))
+    return bound
+
+
 async def serve(config: WorkerConfig, engine_config: EngineConfig) -> None:
-    """Runs a worker until SIGTERM/SIGINT, then drains it."""
+    """Runs a worker until SIGTERM/SIGINT, then drains it. A signal during start-up stops the model load
+    (engine.loader.cancel_loading) and returns without serving; where start-up does not stop within
+    START_STOP_GRACE_S (a step that cannot be interrupted: kernel compilation, graph capture), the process
+    exits at once, with code 0 like a clean stop: nothing was served, so nothing is lost."""
     worker = Worker(config, engine_config)
     loop = asyncio.get_running_loop()
-    drain_started = asyncio.Event()
+    stop_requested = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, drain_started.set)
-    await worker.start()
-    await drain_started.wait()
+        loop.add_signal_handler(sig, stop_requested.set)
+    starting = asyncio.create_task(worker.start())
+    signalled = asyncio.create_task(stop_requested.wait())
+    await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        log.info("signal received during start-up: stopping the load")
+        cancel_loading()
+        await asyncio.wait((starting,), timeout=START_STOP_GRACE_S)
+        if not starting.done():
+            log.warning("start-up did not stop within %.0fs of the signal: exiting now", START_STOP_GRACE_S)
+            logging.shutdown()
+            os._exit(0)
+    if starting.exception() is not None:
+        signalled.cancel()
+        if isinstance(starting.exception(), LoadCancelled):
+            log.info("stopped before serving")
+            return
+        starting.result()  # raises start-up's error (a ConfigError: one line and exit 2 in __main__)
+    await signalled
     log.info("signal received: draining")
     await worker.drain()
     log.info("stopped")
