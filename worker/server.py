@@ -1,4 +1,4 @@
-"""The grpc.aio server: servicer, health, reflection, auth interceptor, TLS, graceful drain.
+"""The grpc.aio server: servicer, the gateway service, health, reflection, auth interceptor, TLS, drain.
 
 Start-up: the port opens first with health NOT_SERVING (probes get an answer while the model loads),
 then the engine loads on its thread and runs one real step (warm-up), then health turns SERVING.
@@ -25,6 +25,9 @@ from engine.warm_up import warm_up
 from engine.config import EngineConfig
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker.config import WorkerConfig
+from worker.gateway import SERVICE_NAME as GATEWAY_SERVICE_NAME
+from worker.gateway import VllmEngineServicer
+from worker.gateway_pb import vpb_grpc
 from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
@@ -47,6 +50,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                                                                  "(metadata 'authorization: Bearer <token>')")
         # A refusal must have the arity of the method it answers: the streaming methods by name.
         self._deny = {"Generate": grpc.unary_stream_rpc_method_handler(deny),
+                      "GetTokenizer": grpc.unary_stream_rpc_method_handler(deny),
+                      "SubscribeKvEvents": grpc.unary_stream_rpc_method_handler(deny),
                       "DecodeStream": grpc.stream_stream_rpc_method_handler(deny),
                       "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(deny)}
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
@@ -69,6 +74,7 @@ class Worker:
         self.health = health_aio.HealthServicer()
         self.runner: EngineRunner | None = None
         self.servicer: ModelWorkerServicer | None = None
+        self.gateway: VllmEngineServicer | None = None
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.port = 0
@@ -112,8 +118,11 @@ class Worker:
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
+        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason)
+        vpb_grpc.add_VllmEngineServicer_to_server(self.gateway, self.server)
         if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+            reflection.enable_server_reflection((SERVICE_NAME, GATEWAY_SERVICE_NAME, HEALTH_SERVICE,
+                                                 reflection.SERVICE_NAME), self.server)
         await self.server.start()
 
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
@@ -122,6 +131,7 @@ class Worker:
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
         self.servicer.runner = self.runner
+        await self.gateway.attach(self.runner)
         if cfg.metrics_port:
             self.metrics_port = self.metrics.serve(cfg.metrics_port, cfg.host)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
@@ -136,8 +146,16 @@ class Worker:
         return self.port
 
     async def _set_health(self, status) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, GATEWAY_SERVICE_NAME):
             await self.health.set(service, status)
+
+    def _unhealthy_reason(self) -> str:
+        """Why the gateway service's HealthCheck says unhealthy once the model has loaded; "" if it is not."""
+        if self.servicer.draining:
+            return "the worker is draining (shutting down)"
+        if self._watchdog_tripped:
+            return f"an engine step has run for over {self.config.step_watchdog_s:g}s (step watchdog)"
+        return ""
 
     async def _housekeeping(self) -> None:
         """Once a second: release sequences idle past their lease; the step watchdog."""
@@ -172,7 +190,7 @@ class Worker:
         deadline = time.monotonic() + grace
         await self._set_health(NOT_SERVING)
         if self.servicer is not None:
-            self.servicer.draining = True
+            self.servicer.draining = self.gateway.draining = True
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
             while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
                 await asyncio.sleep(0.05)
