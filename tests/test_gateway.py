@@ -344,6 +344,43 @@ def test_bearer_token_guards_the_gateway_service(tiny_model, tmp_path):
         srv.stop()
 
 
+def test_unavailable_while_the_model_loads():
+    """Before the engine is attached every call fails UNAVAILABLE, HealthCheck too: smg 1.13 registers a
+    worker whose HealthCheck answers at all and reads its model info only then (it would be "unknown")."""
+    import asyncio
+    import threading
+
+    from worker.gateway import VllmEngineServicer
+    from worker.metrics import Metrics
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def serve() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        vpb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(Metrics(), lambda: ""), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(serve(), loop).result(30)
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for call in (lambda: stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10),
+                     lambda: stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10),
+                     lambda: stub.GetLoads(vpb.GetLoadsRequest(), timeout=10),
+                     lambda: list(stub.Generate(generate_request([5], max_tokens=2), timeout=10)),
+                     lambda: list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=10))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
 def test_health_check_false_while_draining(tiny_model):
     srv = start_server(tiny_model)
     try:

@@ -181,9 +181,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     # ------------------------------------------------------------------ health and reports
 
     async def HealthCheck(self, request, context) -> vpb.HealthCheckResponse:
-        """healthy=false (an answer, not an error: smg detects the service by it) while the model loads,
-        while the worker drains, and while the step watchdog sees a step running too long."""
-        reason = "the model is still loading" if self.runner is None else self.health_reason()
+        """healthy=false while the worker drains and while the step watchdog sees a step running too long:
+        smg takes the worker out of rotation until it is healthy again.
+
+        While the model loads the call fails with UNAVAILABLE instead: smg registers a worker as soon as
+        one of its services answers HealthCheck (healthy or not) and reads GetModelInfo once, at that
+        moment, so an answer before the model is loaded would register it as model "unknown" for good.
+        An error makes smg retry the detection, as it does for a vLLM whose port is not open yet."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        reason = self.health_reason()
         return vpb.HealthCheckResponse(healthy=not reason, message=reason or "serving")
 
     @unary
