@@ -381,6 +381,31 @@ def test_unavailable_while_the_model_loads():
         thread.join(10)
 
 
+def test_health_check_false_while_a_step_is_stuck(tiny_model):
+    import threading
+
+    srv = start_server(tiny_model, {"step_watchdog_s": 0.3})
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
+        stuck = threading.Thread(target=lambda: srv.engine_call(lambda e: time.sleep(2.0)))
+        stuck.start()
+        answers = []
+        deadline = time.monotonic() + 1.8
+        while time.monotonic() < deadline:
+            answers.append(stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10))
+            time.sleep(0.05)
+        stuck.join()
+        assert any(not a.healthy and "watchdog" in a.message for a in answers)
+        deadline = time.monotonic() + 5
+        while not (resp := stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10)).healthy \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resp.healthy and resp.message == "serving"
+    finally:
+        srv.stop()
+
+
 def test_health_check_false_while_draining(tiny_model):
     srv = start_server(tiny_model)
     try:
