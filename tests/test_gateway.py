@@ -408,6 +408,7 @@ def test_health_check_false_while_a_step_is_stuck(tiny_model):
 
 def test_health_check_false_while_draining(tiny_model):
     srv = start_server(tiny_model)
+    drain = None
     try:
         stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
         stream = stub.Generate(generate_request([5, 6], "held", True, temperature=0.0, max_tokens=400,
@@ -424,9 +425,13 @@ def test_health_check_false_while_draining(tiny_model):
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
         assert stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10).is_paused
         stream.cancel()
-        drain.result(30)
+        drain.result(30)  # the drain ends with the worker stopped
     finally:
-        srv.stop()
+        if drain is None or not drain.done():
+            srv.stop()
+        else:
+            srv.loop.call_soon_threadsafe(srv.loop.stop)
+            srv.thread.join(10)
 
 
 # ---------------------------------------------------------------------------------------------
