@@ -190,6 +190,9 @@ class EngineRunner:
                     finished.append(s.seq_id)
             if finished:
                 await self.run(lambda e: e.release([i for i in finished if i in e.sequences]))
+            # A step answered at once (a CPU step is done when launched) leaves every await above without
+            # a suspension: yield, so the streams' handlers send their tokens and other calls get served.
+            await asyncio.sleep(0)
 
     # ------------------------------------------------------------------ the queue
 

@@ -1,4 +1,4 @@
-"""The grpc.aio server: servicer, health, reflection, auth interceptor, TLS, graceful drain.
+"""The grpc.aio server: servicer, the gateway service, health, reflection, auth interceptor, TLS, drain.
 
 Start-up: the token and TLS files, the ports and the checkpoint's headers are checked first (worker/
 preflight.py: one ConfigError, before anything loads); the port opens with health NOT_SERVING (probes
@@ -30,6 +30,9 @@ from engine.loader import cancel_loading
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker import preflight
 from worker.config import WorkerConfig
+from worker.gateway import SERVICE_NAME as GATEWAY_SERVICE_NAME
+from worker.gateway import VllmEngineServicer
+from worker.gateway_pb import vpb_grpc
 from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
@@ -55,6 +58,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
                                                                  "(metadata 'authorization: Bearer <token>')")
         # A refusal must have the arity of the method it answers: the streaming methods by name.
         self._deny = {"Generate": grpc.unary_stream_rpc_method_handler(deny),
+                      "GetTokenizer": grpc.unary_stream_rpc_method_handler(deny),
+                      "SubscribeKvEvents": grpc.unary_stream_rpc_method_handler(deny),
                       "DecodeStream": grpc.stream_stream_rpc_method_handler(deny),
                       "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(deny)}
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
@@ -77,6 +82,7 @@ class Worker:
         self.health = health_aio.HealthServicer()
         self.runner: EngineRunner | None = None
         self.servicer: ModelWorkerServicer | None = None
+        self.gateway: VllmEngineServicer | None = None
         self.server: grpc.aio.Server | None = None
         self.health_server: grpc.aio.Server | None = None
         self.port = 0
@@ -134,8 +140,11 @@ class Worker:
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
+        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason)
+        vpb_grpc.add_VllmEngineServicer_to_server(self.gateway, self.server)
         if cfg.reflection:
-            reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), self.server)
+            reflection.enable_server_reflection((SERVICE_NAME, GATEWAY_SERVICE_NAME, HEALTH_SERVICE,
+                                                 reflection.SERVICE_NAME), self.server)
         await self.server.start()
 
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
@@ -145,6 +154,7 @@ class Worker:
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
         self.servicer.runner = self.runner
+        await self.gateway.attach(self.runner)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
         # reach: a full collection over it would pause every thread for tens of milliseconds.
@@ -157,8 +167,16 @@ class Worker:
         return self.port
 
     async def _set_health(self, status) -> None:
-        for service in ("", SERVICE_NAME):
+        for service in ("", SERVICE_NAME, GATEWAY_SERVICE_NAME):
             await self.health.set(service, status)
+
+    def _unhealthy_reason(self) -> str:
+        """Why the gateway service's HealthCheck says unhealthy once the model has loaded; "" if it is not."""
+        if self.servicer.draining:
+            return "the worker is draining (shutting down)"
+        if self._watchdog_tripped:
+            return f"an engine step has run for over {self.config.step_watchdog_s:g}s (step watchdog)"
+        return ""
 
     async def _housekeeping(self) -> None:
         """Once a second: release sequences idle past their lease; the step watchdog."""
@@ -193,7 +211,7 @@ class Worker:
         deadline = time.monotonic() + grace
         await self._set_health(NOT_SERVING)
         if self.servicer is not None:
-            self.servicer.draining = True
+            self.servicer.draining = self.gateway.draining = True
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
             while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
                 await asyncio.sleep(0.05)

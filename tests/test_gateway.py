@@ -1,0 +1,550 @@
+"""The gateway service (vllm.grpc.engine.VllmEngine) over real gRPC on a real socket, and the real Shepherd
+Model Gateway (smg, from the test extras) in front of the worker.
+
+The tiny random checkpoints have no tokenizer of their own: tests that need one write a word-level
+tokenizer whose vocabulary ("w3".."w511" plus three special tokens) is exactly the model's 512 ids."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import zipfile
+
+import grpc
+import pytest
+
+from conftest import random_prompts, start_server
+from engine.checkpoint import write_checkpoint
+from metrale.worker.v1 import worker_pb2 as pb
+from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
+
+VOCAB = 512
+SPECIAL = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the checkpoint's bos is 1 and eos is 2
+
+
+def write_word_tokenizer(directory: pathlib.Path) -> None:
+    """tokenizer.json (word level, whitespace split) and tokenizer_config.json with a chat template."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()  # joins the words with spaces
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
+    assert tok.get_vocab_size() == VOCAB
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": VOCAB,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                         "{% if add_generation_prompt %}w3 {% endif %}"}))
+
+
+def checkpoint_with_tokenizer(directory: pathlib.Path, seed: int = 11) -> pathlib.Path:
+    write_checkpoint(directory, arch="llama", shape="tiny", seed=seed)
+    write_word_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory) -> pathlib.Path:
+    return checkpoint_with_tokenizer(tmp_path_factory.mktemp("gateway") / "tiny-words")
+
+
+@pytest.fixture(scope="module")
+def tok_server(tok_model):
+    srv = start_server(tok_model)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture()
+def vllm(tok_server) -> vpb_grpc.VllmEngineStub:
+    return vpb_grpc.VllmEngineStub(grpc.insecure_channel(tok_server.address))
+
+
+def generate_request(prompt: list[int], rid: str = "", stream: bool = False, **sampling) -> vpb.GenerateRequest:
+    return vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=prompt), stream=stream,
+                               sampling_params=vpb.SamplingParams(**sampling))
+
+
+def model_worker_generate(srv, prompt: list[int], n: int, **sampling) -> list[pb.Token]:
+    """The same engine through ModelWorker's Generate: the reference for the gateway's tokens."""
+    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling),
+                             stopping=pb.StoppingCriteria(max_new_tokens=n, ignore_eos=True))
+    return [r.token for r in srv.stub().Generate(req, timeout=60)]
+
+
+def live_sequences(srv) -> int:
+    return srv.stub().Info(pb.InfoRequest()).live_sequences
+
+
+def wait_until_no_live_sequences(srv, timeout_s: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while (n := live_sequences(srv)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return n
+
+
+def test_stubs_import_under_our_protobuf():
+    code = ("import google.protobuf, grpc; "
+            "from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc, common_pb2; "
+            "print(google.protobuf.__version__)")
+    out = subprocess.run([sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split(".")[0]) >= 7
+
+
+def test_health_reflection_and_grpc_health(tok_server, vllm):
+    resp = vllm.HealthCheck(vpb.HealthCheckRequest(), timeout=10)
+    assert resp.healthy and resp.message == "serving"
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(tok_server.address))
+    status = health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(tok_server.address)).get_services()
+    assert "vllm.grpc.engine.VllmEngine" in services and "metrale.worker.v1.ModelWorker" in services
+
+
+def test_model_and_server_info(tok_server, tok_model, vllm):
+    info = tok_server.stub().Info(pb.InfoRequest())
+    m = vllm.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
+    assert m.served_model_name == "tiny-words" and m.model_path == str(tok_model.resolve())
+    assert m.tokenizer_path == str(tok_model.resolve())
+    assert m.is_generation and not m.supports_vision
+    assert (m.vocab_size, m.max_context_length, m.max_req_input_len) == (VOCAB, 512, 511)
+    assert list(m.eos_token_ids) == [2] and m.bos_token_id == 1
+    assert m.model_type == "llama" and list(m.architectures) == ["LlamaForCausalLM"]
+    s = vllm.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10)
+    assert s.block_size == info.block_size and s.max_num_seqs == min(info.max_slots, info.max_batch_size)
+    assert s.data_parallel_size == 1 and not s.is_paused and s.uptime_seconds > 0
+    assert s.model_dtype == f"torch.{info.dtype}" and s.kv_cache_dtype == info.dtype
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_greedy_generate_equals_model_worker(tok_server, vllm, stream):
+    prompts = random_prompts([7, 19], VOCAB, seed=3)
+    for i, prompt in enumerate(prompts):
+        n = 12
+        want = [t.token_id for t in model_worker_generate(tok_server, prompt, n, temperature=0.0)]
+        responses = list(vllm.Generate(generate_request(prompt, f"greedy-{stream}-{i}", stream, temperature=0.0,
+                                                        max_tokens=n, ignore_eos=True), timeout=60))
+        *chunks, last = responses
+        assert last.WhichOneof("response") == "complete"
+        done = last.complete
+        assert done.finish_reason == "length" and done.prompt_tokens == len(prompt)
+        if stream:
+            assert all(r.WhichOneof("response") == "chunk" for r in chunks)
+            assert [t for r in chunks for t in r.chunk.token_ids] == want
+            assert all(r.chunk.completion_tokens == 1 and r.chunk.prompt_tokens == len(prompt) for r in chunks)
+            assert list(done.output_ids) == want[-1:] and done.completion_tokens == 1  # repeats the last delta
+        else:
+            assert not chunks
+            assert list(done.output_ids) == want and done.completion_tokens == n
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def test_unset_temperature_samples_at_one(tok_server, vllm):
+    """vLLM's default: an unset temperature is 1.0, not greedy (same seed, same tokens as T=1 there)."""
+    prompt = random_prompts([9], VOCAB, seed=4)[0]
+    want = [t.token_id for t in model_worker_generate(tok_server, prompt, 16, temperature=1.0, seed=1234)]
+    greedy = [t.token_id for t in model_worker_generate(tok_server, prompt, 16, temperature=0.0)]
+    done = list(vllm.Generate(generate_request(prompt, "unset-t", seed=1234, max_tokens=16, ignore_eos=True)))[-1]
+    assert list(done.complete.output_ids) == want != greedy
+
+
+def test_logprobs_and_stop_token(tok_server, vllm):
+    prompt = random_prompts([11], VOCAB, seed=5)[0]
+    ref = model_worker_generate(tok_server, prompt, 8, temperature=0.0, top_logprobs=3)
+    done = list(vllm.Generate(generate_request(prompt, "lp", temperature=0.0, max_tokens=8, ignore_eos=True,
+                                               logprobs=3)))[-1].complete
+    lp = done.output_logprobs
+    assert list(lp.token_ids) == [t.token_id for t in ref]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref], abs=1e-5)
+    assert len(lp.top_logprobs) == 8
+    for top, t in zip(lp.top_logprobs, ref):
+        assert list(top.token_ids) == [a.token_id for a in t.top_logprobs]
+        assert top.values == pytest.approx([a.logprob for a in t.top_logprobs], abs=1e-5)
+    # logprobs=0: the sampled token's logprob only.
+    done = list(vllm.Generate(generate_request(prompt, "lp0", temperature=0.0, max_tokens=3, ignore_eos=True,
+                                               logprobs=0)))[-1].complete
+    assert len(done.output_logprobs.token_logprobs) == 3 and not done.output_logprobs.top_logprobs
+    # A stop token ends the sequence with "stop" and names the token; not asking for logprobs sends none.
+    stop = ref[4].token_id
+    first = [t.token_id for t in ref].index(stop)
+    done = list(vllm.Generate(generate_request(prompt, "stop", temperature=0.0, max_tokens=8, ignore_eos=True,
+                                               stop_token_ids=[stop])))[-1].complete
+    assert done.finish_reason == "stop" and done.matched_token_id == stop
+    assert list(done.output_ids) == [t.token_id for t in ref[:first + 1]]
+    assert not done.HasField("output_logprobs")
+
+
+def test_get_loads_while_requests_run(tok_server, vllm):
+    info = tok_server.stub().Info(pb.InfoRequest())
+    idle = vllm.GetLoads(vpb.GetLoadsRequest(), timeout=10)
+    assert idle.dp_rank_count == 1 and len(idle.loads) == 1
+    assert idle.loads[0].num_running_reqs == 0 and idle.loads[0].token_usage == 0.0
+    assert idle.loads[0].max_total_num_tokens == info.total_blocks * info.block_size
+    prompts = random_prompts([8, 8, 8], VOCAB, seed=6)
+    streams = [vllm.Generate(generate_request(p, f"load-{i}", True, temperature=0.0, max_tokens=480,
+                                              ignore_eos=True)) for i, p in enumerate(prompts)]
+    try:
+        for s in streams:
+            next(s)
+        load = vllm.GetLoads(vpb.GetLoadsRequest(), timeout=10).loads[0]
+        assert load.num_running_reqs == 3 and load.num_total_reqs == 3 and load.num_waiting_reqs == 0
+        blocks = 3 * -(-488 // info.block_size)  # each stream reserves prompt + max_tokens up front
+        assert load.num_used_tokens == blocks * info.block_size
+        assert load.token_usage == pytest.approx(blocks / info.total_blocks)
+        assert load.gen_throughput > 0 and load.max_running_requests == min(info.max_slots, info.max_batch_size)
+    finally:
+        for s in streams:
+            s.cancel()
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def test_abort_ends_the_stream_and_frees_the_sequence(tok_server, vllm):
+    prompt = random_prompts([6], VOCAB, seed=7)[0]
+    stream = vllm.Generate(generate_request(prompt, "abort-me", True, temperature=0.0, max_tokens=480,
+                                            ignore_eos=True), timeout=60)
+    assert next(stream).chunk.token_ids and next(stream).chunk.token_ids
+    with pytest.raises(grpc.RpcError) as e:  # a request id already running is refused
+        list(vllm.Generate(generate_request(prompt, "abort-me", max_tokens=2), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "abort-me" in e.value.details()
+    vllm.Abort(vpb.AbortRequest(request_ids=["abort-me", "never-seen"]), timeout=10)
+    rest = list(stream)
+    assert rest[-1].complete.finish_reason == "abort" and not rest[-1].complete.output_ids
+    assert len(rest) < 470  # it did not run to max_tokens
+    assert wait_until_no_live_sequences(tok_server) == 0
+    # A caller that goes away frees its sequence too.
+    stream = vllm.Generate(generate_request(prompt, "walk-away", True, temperature=0.0, max_tokens=480,
+                                            ignore_eos=True), timeout=60)
+    next(stream)
+    stream.cancel()
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+UNSUPPORTED = {
+    "min_p": dict(min_p=0.1), "frequency_penalty": dict(frequency_penalty=0.5),
+    "presence_penalty": dict(presence_penalty=-0.5), "stop": dict(stop=["w9"]), "n": dict(n=2),
+    "logit_bias": dict(logit_bias={5: 2.0}), "prompt_logprobs": dict(prompt_logprobs=1),
+    "min_tokens": dict(min_tokens=3), "json_schema": dict(json_schema="{}"), "regex": dict(regex="w.*"),
+    "logprobs": dict(logprobs=-1),
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNSUPPORTED))
+def test_unsupported_sampling_field_is_invalid_argument(vllm, field):
+    req = generate_request([5, 6, 7], f"bad-{field}", max_tokens=4, **UNSUPPORTED[field])
+    with pytest.raises(grpc.RpcError) as e:
+        list(vllm.Generate(req, timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"sampling_params.{field}" in e.value.details()
+
+
+def test_bad_requests_are_refused_and_the_worker_keeps_serving(tok_server, vllm):
+    cases = {
+        "context length is 512": generate_request(list(range(3, 13)), max_tokens=503),
+        "leaves no room": generate_request([5] * 512),
+        "text": vpb.GenerateRequest(text="w5 w6", sampling_params=vpb.SamplingParams(max_tokens=2)),
+        "mm_inputs": vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5]), mm_inputs=vpb.MultimodalInputs()),
+        "kv_transfer_params_json": vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5]),
+                                                       kv_transfer_params_json="{}"),
+        "data_parallel_rank": vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5]), data_parallel_rank=1),
+        "outside the vocabulary": generate_request([5, VOCAB], max_tokens=2),
+    }
+    for words, req in cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            list(vllm.Generate(req, timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, words
+        assert words in e.value.details(), e.value.details()
+    ok = list(vllm.Generate(generate_request([5, 6], max_tokens=3, temperature=0.0, ignore_eos=True, top_p=0.0,
+                                             repetition_penalty=0.0, truncate_prompt_tokens=1), timeout=10))
+    assert len(ok[-1].complete.output_ids) == 3 and ok[-1].complete.prompt_tokens == 1
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def test_unimplemented_rpcs_say_so(vllm):
+    for call, req in [(vllm.Embed, vpb.EmbedRequest()), (vllm.StartProfile, cpb.StartProfileRequest()),
+                      (vllm.StopProfile, cpb.StopProfileRequest())]:
+        with pytest.raises(grpc.RpcError) as e:
+            call(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not served by this worker" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10))
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "prefix cache" in e.value.details()
+    flushed = vllm.FlushCache(cpb.FlushCacheRequest(), timeout=10)
+    assert flushed.success and "no prefix cache" in flushed.message
+
+
+def fetch_tokenizer(stub) -> tuple[bytes, list[cpb.GetTokenizerChunk]]:
+    pieces = list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=30))
+    return b"".join(p.data for p in pieces), pieces
+
+
+def test_get_tokenizer_zip_and_sha256(vllm, tok_model):
+    data, pieces = fetch_tokenizer(vllm)
+    assert pieces[-1].sha256 == hashlib.sha256(data).hexdigest()
+    assert all(not p.sha256 for p in pieces[:-1])
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        names = set(zf.namelist())
+        assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= names
+        assert "model.safetensors" not in names
+        assert zf.read("tokenizer.json") == (tok_model / "tokenizer.json").read_bytes()
+    assert fetch_tokenizer(vllm)[0] == data  # served from memory, the same archive
+
+
+def test_tokenizer_chunks_are_64k_with_the_digest_on_the_last():
+    from worker.tokenizer_bundle import CHUNK_BYTES, chunks
+
+    data = bytes(range(256)) * 600  # 153600 bytes: two full chunks and a partial one
+    pieces = list(chunks(data, "digest"))
+    assert [len(p.data) for p in pieces] == [CHUNK_BYTES, CHUNK_BYTES, len(data) - 2 * CHUNK_BYTES]
+    assert [p.sha256 for p in pieces] == ["", "", "digest"] and b"".join(p.data for p in pieces) == data
+
+
+def test_get_tokenizer_without_tokenizer_files(server):
+    stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as e:
+        fetch_tokenizer(stub)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no tokenizer files" in e.value.details()
+    assert stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10).tokenizer_path == ""
+
+
+def test_bearer_token_guards_the_gateway_service(tiny_model, tmp_path):
+    """With auth_token_file every VllmEngine call needs the token, streaming ones refused as streams."""
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    srv = start_server(tiny_model, {"auth_token_file": str(token_file)})
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        for call in (lambda md: stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10, metadata=md),
+                     lambda md: list(stub.Generate(generate_request([5], max_tokens=2), timeout=10, metadata=md)),
+                     lambda md: list(stub.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10,
+                                                            metadata=md))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(())
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        authorized = (("authorization", "Bearer s3cret"),)
+        assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10, metadata=authorized).healthy
+        done = list(stub.Generate(generate_request([5], max_tokens=2, ignore_eos=True), timeout=10,
+                                  metadata=authorized))[-1]
+        assert len(done.complete.output_ids) == 2
+    finally:
+        srv.stop()
+
+
+def test_unavailable_while_the_model_loads():
+    """Before the engine is attached every call fails UNAVAILABLE, HealthCheck too: smg 1.13 registers a
+    worker whose HealthCheck answers at all and reads its model info only then (it would be "unknown")."""
+    import asyncio
+    import threading
+
+    from worker.gateway import VllmEngineServicer
+    from worker.metrics import Metrics
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def serve() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        vpb_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(Metrics(), lambda: ""), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(serve(), loop).result(30)
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        for call in (lambda: stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10),
+                     lambda: stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10),
+                     lambda: stub.GetLoads(vpb.GetLoadsRequest(), timeout=10),
+                     lambda: list(stub.Generate(generate_request([5], max_tokens=2), timeout=10)),
+                     lambda: list(stub.GetTokenizer(cpb.GetTokenizerRequest(), timeout=10))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in e.value.details()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_health_check_false_while_a_step_is_stuck(tiny_model):
+    import threading
+
+    srv = start_server(tiny_model, {"step_watchdog_s": 0.3})
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        assert stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10).healthy
+        stuck = threading.Thread(target=lambda: srv.engine_call(lambda e: time.sleep(2.0)))
+        stuck.start()
+        answers = []
+        deadline = time.monotonic() + 1.8
+        while time.monotonic() < deadline:
+            answers.append(stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10))
+            time.sleep(0.05)
+        stuck.join()
+        assert any(not a.healthy and "watchdog" in a.message for a in answers)
+        deadline = time.monotonic() + 5
+        while not (resp := stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10)).healthy \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert resp.healthy and resp.message == "serving"
+    finally:
+        srv.stop()
+
+
+def test_health_check_false_while_draining(tiny_model):
+    srv = start_server(tiny_model)
+    drain = None
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        stream = stub.Generate(generate_request([5, 6], "held", True, temperature=0.0, max_tokens=400,
+                                                ignore_eos=True), timeout=60)
+        next(stream)  # a live sequence keeps the drain waiting
+        import asyncio
+        drain = asyncio.run_coroutine_threadsafe(srv.worker.drain(grace_s=30), srv.loop)
+        deadline = time.monotonic() + 10
+        while (resp := stub.HealthCheck(vpb.HealthCheckRequest(), timeout=10)).healthy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not resp.healthy and "draining" in resp.message
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(generate_request([5], max_tokens=2), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        assert stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10).is_paused
+        stream.cancel()
+        drain.result(30)  # the drain ends with the worker stopped
+    finally:
+        if drain is None or not drain.done():
+            srv.stop()
+        else:
+            srv.loop.call_soon_threadsafe(srv.loop.stop)
+            srv.thread.join(10)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real gateway
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 30) -> tuple[int, dict | str]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read().decode()
+            return r.status, raw if body is not None and body.get("stream") else json.loads(raw)
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def smg_binary() -> str:
+    path = shutil.which("smg", path=str(pathlib.Path(sys.executable).parent)) or shutil.which("smg")
+    if path is None:
+        pytest.fail("smg is not installed; it is in the test extras: pip install -e '.[test]'")
+    return path
+
+
+def test_smg_routes_openai_requests_to_the_worker(tmp_path):
+    """smg 1.13 detects the worker's service by its HealthCheck, registers it (GetModelInfo, GetServerInfo),
+    fetches its tokenizer (GetTokenizer: the checkpoint directory is moved away after the worker loaded,
+    so smg has no local copy) and serves /v1/completions, streaming and not, with the worker's tokens."""
+    from tokenizers import Tokenizer
+
+    model = checkpoint_with_tokenizer(tmp_path / "smg-tiny", seed=12)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    srv = start_server(model)
+    proc = None
+    log_path = tmp_path / "smg.log"
+    try:
+        vllm = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        fetch_tokenizer(vllm)  # the worker keeps the archive in memory
+        model.rename(tmp_path / "moved-away")
+        text = " ".join(f"w{i}" for i in range(5, 13))
+        prompt = tokenizer.encode(text).ids
+        want = [t.token_id for t in model_worker_generate(srv, prompt, 8, temperature=0.0)]
+
+        port, metrics_port = free_port(), free_port()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [smg_binary(), "launch", "--worker-urls", f"grpc://127.0.0.1:{srv.port}", "--host", "127.0.0.1",
+                 "--port", str(port), "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+                 "--policy", "round_robin", "--log-level", "info"], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        deadline, models = time.monotonic() + 60, []
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status, body = http_json(f"{base}/v1/models", timeout=5)
+                models = [m["id"] for m in body["data"]] if status == 200 else []
+            except (OSError, ValueError):
+                models = []
+            if "smg-tiny" in models:
+                break
+            time.sleep(0.2)
+        assert "smg-tiny" in models, log_path.read_text()[-4000:]
+
+        request = {"model": "smg-tiny", "prompt": text, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        deadline = time.monotonic() + 60  # the tokenizer fetch finishes in the background after registration
+        while (reply := http_json(f"{base}/v1/completions", request))[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = reply
+        assert status == 200, (body, log_path.read_text()[-4000:])
+        assert body["usage"]["completion_tokens"] == 8 and body["usage"]["prompt_tokens"] == len(prompt)
+        expected_text = tokenizer.decode(want, skip_special_tokens=True)
+        assert body["choices"][0]["text"].split() == expected_text.split()
+        assert body["choices"][0]["finish_reason"] == "length"
+
+        status, sse = http_json(f"{base}/v1/completions", dict(request, stream=True))
+        assert status == 200
+        events = [json.loads(line[6:]) for line in sse.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]
+        streamed = "".join(c["text"] for e in events for c in e.get("choices", []))
+        assert streamed.split() == expected_text.split()
+
+        status, body = http_json(f"{base}/v1/completions", dict(request, min_p=0.2))
+        assert 400 <= status < 500 and "sampling_params.min_p" in body
+        fetched = srv.worker.metrics.registry.get_sample_value(
+            "metrale_rpc_total", {"method": "VllmEngine.GetTokenizer", "code": "OK"})
+        assert fetched == 2  # ours above, then smg's
+        assert wait_until_no_live_sequences(srv) == 0
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        srv.stop()
+
+
+def test_waiting_calls_and_throughput_in_the_load():
+    from worker.gateway_requests import THROUGHPUT_WINDOW_S, Requests
+
+    requests = Requests()
+    waiting, started = requests.add("a", 7), requests.add("b", 5)
+    started.seq_id = 3
+    requests.count_tokens(4)
+    requests.count_tokens(6)
+    load = requests.load()
+    assert (load.waiting, load.waiting_prompt_tokens) == (1, 7)
+    assert load.gen_throughput == pytest.approx(10 / THROUGHPUT_WINDOW_S)
+    requests.remove(waiting)
+    assert requests.load().waiting == 0 and requests.num_active == 1

@@ -1,0 +1,267 @@
+"""The gateway service: `vllm.grpc.engine.VllmEngine` of Shepherd Model Gateway (smg), on the worker's
+port beside ModelWorker and on the same engine.
+
+smg detects the worker by calling HealthCheck on each engine service it knows, registers it with
+GetModelInfo and GetServerInfo, fetches GetTokenizer when it has no tokenizer of its own, polls GetLoads
+for load-aware routing, and sends each OpenAI request as one Generate of token ids (Abort when its client
+goes away). A Generate is a stream of the EngineRunner (start_stream): concurrent calls share decode
+steps with each other and with ModelWorker's Generate streams.
+
+Like ModelWorkerServicer, this only translates: conversions are in worker/gateway_convert.py, engine
+errors map to status codes through worker/errors.py, anything else is INTERNAL (logged with the request
+id) and the worker keeps serving. RPCs a single-GPU text worker cannot honour answer UNIMPLEMENTED.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import pathlib
+import time
+import uuid
+from typing import Callable
+
+import grpc
+
+from engine.engine import Engine
+from engine.errors import EngineError, FailedPrecondition
+from worker import gateway_convert as convert
+from worker.errors import Unavailable, status_of
+from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
+from worker.gateway_requests import ABORTED, LiveRequest, Requests
+from worker.metrics import Metrics
+from worker.runner import EngineRunner
+from worker.tokenizer_bundle import TokenizerBundle, chunks
+
+log = logging.getLogger(__name__)
+__all__ = ["SERVICE_NAME", "VllmEngineServicer"]
+
+
+def unary(method):
+    """Counts the call in the metrics; maps EngineError to its status and anything else to INTERNAL."""
+    name = f"VllmEngine.{method.__name__}"
+
+    @functools.wraps(method)
+    async def wrapper(self: "VllmEngineServicer", request, context: grpc.aio.ServicerContext):
+        with self.metrics.rpc(name) as call:
+            try:
+                return await method(self, request, context)
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                log.exception("%s failed", name)
+                await context.abort(call.code, f"internal error in {name}; see the worker log")
+    return wrapper
+
+
+class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
+    """health_reason() says why the worker is not serving (draining, the step watchdog), "" when it is;
+    the Worker sets `runner` (attach) once the engine has loaded and `draining` when it drains."""
+
+    def __init__(self, metrics: Metrics, health_reason: Callable[[], str]):
+        self.metrics = metrics
+        self.health_reason = health_reason
+        self.runner: EngineRunner | None = None
+        self.facts: convert.ModelFacts | None = None
+        self.draining = False
+        self.requests = Requests()
+        self.tokenizer: TokenizerBundle | None = None
+        self._started = time.time()
+        self._background: set[asyncio.Task] = set()
+
+    async def attach(self, runner: EngineRunner) -> None:
+        """Called once the engine has loaded: the service starts answering."""
+        self.facts = await runner.call(convert.model_facts)
+        # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
+        self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
+        self.runner = runner
+
+    def _check_loaded(self) -> None:
+        if self.runner is None:
+            raise Unavailable("the model is still loading; retry shortly")
+
+    # ------------------------------------------------------------------ generation
+
+    async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        """One sequence, streamed (request.stream: a chunk per token, then a Complete repeating the last)
+        or answered once (a Complete with every token). Abort, or the caller going away, releases it."""
+        with self.metrics.rpc("VllmEngine.Generate") as call:
+            rid = request.request_id or uuid.uuid4().hex
+            try:
+                self._check_loaded()
+                if self.draining:
+                    raise Unavailable("the worker is draining (shutting down); send the request to another worker")
+                spec = convert.generate_spec(request, self.facts)
+                live = self.requests.add(rid, len(spec.prompt))
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            done = False
+            try:
+                started = time.perf_counter()
+                await self._start(live, spec)
+                self.metrics.start_stream(live.seq_id, started)
+                if live.aborted:  # Abort came while the sequence was starting
+                    await self._stop(live)
+                async for response in self._responses(live, spec, request.stream):
+                    yield response
+                done = True
+            except EngineError as e:
+                done = live.seq_id is None  # refused before it started: nothing to free
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                log.exception("Generate of request %s (sequence %s) failed", rid, live.seq_id)
+                await context.abort(call.code, f"internal error in Generate (request id {rid}); see the worker log")
+            finally:
+                self.requests.remove(live)
+                if live.seq_id is not None:
+                    self.metrics.end_stream(live.seq_id)
+                    if not done:  # the caller went away, or the stream failed: free the sequence
+                        self._in_background(self.runner.stop_stream(live.seq_id))
+
+    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec) -> None:
+        """Allocates and prefills the sequence (its first token is then on live.out). A caller that goes
+        away meanwhile leaves the start to finish on the engine thread; the sequence is stopped then."""
+        def alloc(engine: Engine):
+            return engine.alloc_sequence(spec.max_total_tokens, spec.sampling, spec.stopping, live.request_id)
+
+        start = asyncio.ensure_future(self.runner.start_stream(spec.prompt, alloc))
+        try:
+            live.seq_id, live.out = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            start.add_done_callback(self._stop_orphan)
+            raise
+
+    def _stop_orphan(self, start: asyncio.Future) -> None:
+        if not start.cancelled() and start.exception() is None:
+            self._in_background(self.runner.stop_stream(start.result()[0]))
+
+    def _in_background(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _responses(self, live: LiveRequest, spec: convert.GenerateSpec, stream: bool):
+        prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
+        tokens = []
+        while (item := await live.out.get()) is not None and item is not ABORTED:
+            if isinstance(item, BaseException):
+                raise item
+            self.metrics.observe_stream_token(live.seq_id, item)
+            self.requests.count_tokens(1)
+            tokens.append(item)
+            if stream:
+                yield convert.chunk([item], prompt_tokens, num_logprobs)
+        reason = convert.ABORT if item is ABORTED else convert.finish_reason(tokens)
+        last = tokens[-1:] if reason != convert.ABORT else []
+        yield convert.complete(last if stream else tokens, prompt_tokens, num_logprobs, reason)
+
+    async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
+        """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not
+        running (finished, or never seen) are ignored, as vLLM does."""
+        with self.metrics.rpc("VllmEngine.Abort"):
+            for rid in request.request_ids:
+                live = self.requests.get(rid)
+                if live is None or live.aborted:
+                    continue
+                live.aborted = True
+                if live.out is not None:  # started; one still starting stops itself once it has
+                    await self._stop(live)
+            return vpb.AbortResponse()
+
+    async def _stop(self, live: LiveRequest) -> None:
+        """Stops a started sequence; its call then ends with "abort" after the tokens already queued."""
+        await self.runner.stop_stream(live.seq_id)
+        live.out.put_nowait(ABORTED)
+
+    # ------------------------------------------------------------------ health and reports
+
+    async def HealthCheck(self, request, context) -> vpb.HealthCheckResponse:
+        """healthy=false while the worker drains and while the step watchdog sees a step running too long:
+        smg takes the worker out of rotation until it is healthy again.
+
+        While the model loads the call fails with UNAVAILABLE instead: smg registers a worker as soon as
+        one of its services answers HealthCheck (healthy or not) and reads GetModelInfo once, at that
+        moment, so an answer before the model is loaded would register it as model "unknown" for good.
+        An error makes smg retry the detection, as it does for a vLLM whose port is not open yet."""
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+        reason = self.health_reason()
+        return vpb.HealthCheckResponse(healthy=not reason, message=reason or "serving")
+
+    @unary
+    async def GetModelInfo(self, request, context) -> vpb.GetModelInfoResponse:
+        self._check_loaded()
+        tokenizer_path = str(self.tokenizer.directory) if self.tokenizer.available else ""
+        return convert.model_info(self.facts, tokenizer_path)
+
+    @unary
+    async def GetServerInfo(self, request, context) -> vpb.GetServerInfoResponse:
+        self._check_loaded()
+        return convert.server_info(self.facts, self.requests.num_active, self.draining,
+                                   self.requests.last_receive, time.time() - self._started)
+
+    @unary
+    async def GetLoads(self, request: vpb.GetLoadsRequest, context) -> vpb.GetLoadsResponse:
+        """Rank 0's load (the only rank): running and waiting requests, KV usage, throughput. The
+        request's dp_rank and include filters select nothing else here."""
+        self._check_loaded()
+        info = await self.runner.call(Engine.info)
+        # HOOK(prefix cache): cached prompt tokens and the hit rate go into GatewayLoad here.
+        return convert.loads(info, self.facts, self.requests.load())
+
+    async def GetTokenizer(self, request, context):
+        """The checkpoint's tokenizer files as a zip in 64 KiB chunks, the SHA-256 on the last;
+        FAILED_PRECONDITION when the checkpoint has none."""
+        with self.metrics.rpc("VllmEngine.GetTokenizer") as call:
+            try:
+                self._check_loaded()
+                if not self.tokenizer.available:
+                    raise FailedPrecondition(
+                        f"the checkpoint {self.facts.model_path} has no tokenizer files (tokenizer.json, "
+                        "tokenizer.model, vocab.json or *.tiktoken); give the gateway one (smg --tokenizer-path)")
+                data, sha256 = await self.tokenizer.archive()
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+            except Exception:
+                call.code = grpc.StatusCode.INTERNAL
+                log.exception("GetTokenizer failed")
+                await context.abort(call.code, "internal error in GetTokenizer; see the worker log")
+            for piece in chunks(data, sha256):
+                yield piece
+
+    # ------------------------------------------------------------------ not (yet) served
+
+    @unary
+    async def FlushCache(self, request: cpb.FlushCacheRequest, context) -> cpb.FlushCacheResponse:
+        # HOOK(prefix cache): drop the unreferenced cached blocks here.
+        self._check_loaded()
+        return cpb.FlushCacheResponse(success=True, message="this worker has no prefix cache yet: nothing is "
+                                                            "cached across requests, nothing was flushed")
+
+    async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context):
+        # HOOK(prefix cache): stream the stored/removed block hashes as KvEventBatch here.
+        with self.metrics.rpc("VllmEngine.SubscribeKvEvents") as call:
+            call.code = grpc.StatusCode.UNIMPLEMENTED
+            await context.abort(call.code, "KV cache events need the prefix cache, which this worker does not "
+                                           "have yet; route with a policy that does not read them")
+        yield  # (an async generator: the method is server-streaming)
+
+    async def Embed(self, request, context):
+        await self._unimplemented(context, "Embed", "this worker serves a generative model, not embeddings")
+
+    async def StartProfile(self, request, context):
+        await self._unimplemented(context, "StartProfile", "profile with bench/profile_step.py instead")
+
+    async def StopProfile(self, request, context):
+        await self._unimplemented(context, "StopProfile", "profile with bench/profile_step.py instead")
+
+    async def _unimplemented(self, context, name: str, why: str) -> None:
+        with self.metrics.rpc(f"VllmEngine.{name}") as call:
+            call.code = grpc.StatusCode.UNIMPLEMENTED
+            await context.abort(call.code, f"{name} is not served by this worker: {why}")

@@ -1,0 +1,255 @@
+"""vllm.grpc.engine messages <-> engine types, for the gateway service (worker/gateway.py).
+
+Field semantics follow vLLM's SamplingParams as smg's reference vLLM servicer maps them: an unset
+`temperature` is 1.0 (below 1e-5 is greedy), `top_p` and `repetition_penalty` of 0 are off, an unset
+`max_tokens` generates until the context is full. A field the engine cannot honour is refused with
+INVALID_ARGUMENT naming it, never ignored. Two fields are moot for a worker that returns token ids:
+`skip_special_tokens` and `spaces_between_special_tokens` shape detokenized text, which the gateway
+makes itself.
+
+Response shapes (what smg reads): a stream sends one GenerateStreamChunk per token (delta token ids,
+`completion_tokens` the delta's count, delta logprobs), then, when the sequence ends, a GenerateComplete
+that repeats the last delta with the finish reason; a non-streaming call sends one GenerateComplete with
+every output token. Finish reasons are vLLM's strings: "length", "stop" (EOS, or a stop token, then
+named in `matched_token_id`) and "abort".
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+from engine import api
+from engine.config import SUPPORTED_ARCHITECTURES
+from engine.errors import InvalidArgument
+from engine.sampling import SamplingParams, StoppingCriteria
+from engine.sequence import FinishReason
+from worker.gateway_pb import vpb
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
+UNSET_TEMPERATURE = 1.0  # vLLM's default when the request leaves temperature unset
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop"}
+ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the gateway reports and validates against: fixed once the engine has loaded."""
+
+    model_path: str  # absolute checkpoint directory; also where the tokenizer files are looked for
+    served_model_name: str  # the model id clients name (the checkpoint directory's name)
+    model_type: str  # llama | mistral | qwen2 | qwen3
+    architectures: tuple[str, ...]
+    vocab_size: int
+    max_seq_len: int  # tokens per sequence, prompt and output together
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    dtype: str  # weights and KV cache, e.g. "bfloat16"
+    block_size: int
+    max_running: int  # sequences decoded at once: min(max_slots, max_batch_size)
+    max_top_logprobs: int
+    kernel_backend: str
+    version: str
+
+
+def model_facts(engine) -> ModelFacts:
+    """Run on the engine thread (EngineRunner.call)."""
+    mc, info = engine.model_config, engine.info()
+    archs = tuple(name for name, arch in SUPPORTED_ARCHITECTURES.items() if arch == mc.architecture)[:1]
+    return ModelFacts(
+        model_path=str(engine.model_path.resolve()), served_model_name=info.model_id, model_type=mc.architecture,
+        architectures=archs, vocab_size=info.vocab_size, max_seq_len=info.max_seq_len,
+        eos_token_ids=tuple(info.eos_token_ids), bos_token_id=mc.bos_token_id or 0, dtype=info.dtype,
+        block_size=info.block_size, max_running=min(info.max_slots, info.max_batch_size),
+        max_top_logprobs=engine.config.max_top_logprobs, kernel_backend=info.kernel_backend, version=info.version)
+
+
+# ---------------------------------------------------------------------------------------------
+# GenerateRequest -> engine
+
+
+@dataclass(frozen=True)
+class GenerateSpec:
+    prompt: list[int]
+    sampling: SamplingParams
+    stopping: StoppingCriteria
+    max_total_tokens: int  # the KV reservation: prompt + max_tokens, or the whole context
+    num_logprobs: int | None  # None: no logprobs; 0: the sampled token's; n: and the top n
+
+
+def _refuse(field: str, why: str = "is not supported by this worker yet") -> InvalidArgument:
+    return InvalidArgument(f"{field} {why}")
+
+
+def _check_request(request: vpb.GenerateRequest) -> None:
+    """Request-level fields beyond the prompt and sampling: each one set is refused by name."""
+    if request.HasField("mm_inputs") or len(request.extra_mm_inputs) or request.HasField("media_refs"):
+        field = "mm_inputs" if request.HasField("mm_inputs") else \
+            "extra_mm_inputs" if len(request.extra_mm_inputs) else "media_refs"
+        raise _refuse(field, "is not supported: this worker serves a text-only model")
+    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
+        field = "kv_transfer_params" if request.HasField("kv_transfer_params") else "kv_transfer_params_json"
+        raise _refuse(field, "is not supported: this worker does no prefill/decode disaggregation")
+    if request.HasField("data_parallel_rank") and request.data_parallel_rank != 0:
+        raise _refuse("data_parallel_rank", f"must be 0 (this worker is one rank), got {request.data_parallel_rank}")
+
+
+def _check_sampling(p: vpb.SamplingParams, max_top_logprobs: int) -> None:
+    """Sampling fields the engine has no counterpart for yet: refused by name when set."""
+    unsupported = [("min_p", p.min_p != 0.0, p.min_p),
+                   ("frequency_penalty", p.frequency_penalty != 0.0, p.frequency_penalty),
+                   ("presence_penalty", p.presence_penalty != 0.0, p.presence_penalty),
+                   ("min_tokens", p.min_tokens != 0, p.min_tokens),
+                   ("stop", len(p.stop) > 0, list(p.stop)[:4]),
+                   ("n", p.n > 1, p.n),
+                   ("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs),
+                   ("logit_bias", len(p.logit_bias) > 0, dict(list(p.logit_bias.items())[:4]))]
+    for name, is_set, value in unsupported:
+        if is_set:
+            shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
+            raise _refuse(f"sampling_params.{name}", f"is not supported by this worker yet (got {shown})")
+    constraint = p.WhichOneof("constraint")
+    if constraint is not None:
+        raise _refuse(f"sampling_params.{constraint}",
+                      "(structured output) is not supported by this worker yet")
+    if p.HasField("logprobs") and not 0 <= p.logprobs <= max_top_logprobs:
+        raise _refuse("sampling_params.logprobs", f"must be in [0, {max_top_logprobs}] on this worker "
+                                                  f"(-1, all of the vocabulary, is not served), got {p.logprobs}")
+    if p.HasField("max_tokens") and p.max_tokens < 1:
+        raise _refuse("sampling_params.max_tokens", f"must be >= 1, got {p.max_tokens}")
+    if p.HasField("truncate_prompt_tokens") and not (p.truncate_prompt_tokens >= 1 or p.truncate_prompt_tokens == -1):
+        raise _refuse("sampling_params.truncate_prompt_tokens",
+                      f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
+
+
+def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSpec:
+    """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        raise _refuse("text", "input is not supported: this worker takes token ids (tokenized.input_ids); "
+                              "the gateway tokenizes")
+    if kind is None or not request.tokenized.input_ids:
+        raise InvalidArgument("tokenized.input_ids is empty: a prompt needs at least one token")
+    _check_request(request)
+    p = request.sampling_params
+    _check_sampling(p, facts.max_top_logprobs)
+
+    prompt = list(request.tokenized.input_ids)
+    if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
+        keep = facts.max_seq_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
+        prompt = prompt[-keep:]
+    context = facts.max_seq_len
+    if p.HasField("max_tokens"):
+        total = len(prompt) + p.max_tokens
+        if total > context:
+            raise InvalidArgument(f"the prompt ({len(prompt)} tokens) and max_tokens ({p.max_tokens}) need {total} "
+                                  f"tokens; this worker's context length is {context}")
+    elif len(prompt) >= context:
+        raise InvalidArgument(f"the prompt ({len(prompt)} tokens) leaves no room for a new token in this worker's "
+                              f"context length of {context}")
+    else:
+        total = context
+
+    temperature = p.temperature if p.HasField("temperature") else UNSET_TEMPERATURE
+    if 0.0 <= temperature < GREEDY_BELOW:
+        temperature = 0.0
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_k=p.top_k,
+        top_p=p.top_p if p.top_p else 1.0,
+        # int32 on the wire; the engine's seeds are 64-bit: a negative seed is taken modulo 2**64.
+        seed=p.seed % 2**64 if p.HasField("seed") else None,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
+        top_logprobs=p.logprobs if p.HasField("logprobs") else 0)
+    stopping = StoppingCriteria(max_new_tokens=p.max_tokens if p.HasField("max_tokens") else 0,
+                                stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos)
+    return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# engine -> GenerateResponse
+
+
+def output_logprobs(tokens: list[api.TokenResult], num_logprobs: int | None) -> vpb.OutputLogProbs | None:
+    """The sampled tokens' logprobs (the model's raw log-softmax, as vLLM reports by default) and, with
+    num_logprobs > 0, the top alternatives at each position; None when the request asked for none."""
+    if num_logprobs is None or not tokens:
+        return None
+    msg = vpb.OutputLogProbs(token_logprobs=[t.logprob for t in tokens], token_ids=[t.token_id for t in tokens])
+    if num_logprobs:
+        for t in tokens:
+            top = t.top_logprobs[:num_logprobs]
+            msg.top_logprobs.add(values=[lp for _, lp in top], token_ids=[i for i, _ in top])
+    return msg
+
+
+def chunk(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None,
+          cached_tokens: int = 0) -> vpb.GenerateResponse:
+    return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
+        token_ids=[t.token_id for t in tokens], prompt_tokens=prompt_tokens, completion_tokens=len(tokens),
+        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs)))
+
+
+def finish_reason(tokens: list[api.TokenResult]) -> str:
+    """vLLM's finish reason of a sequence whose last token is tokens[-1]; "abort" if it had not finished."""
+    return FINISH_REASONS.get(tokens[-1].finish_reason, ABORT) if tokens else ABORT
+
+
+def complete(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None, reason: str,
+             cached_tokens: int = 0) -> vpb.GenerateResponse:
+    """tokens: all output tokens (non-streaming) or the stream's last delta."""
+    msg = vpb.GenerateComplete(
+        output_ids=[t.token_id for t in tokens], finish_reason=reason, prompt_tokens=prompt_tokens,
+        completion_tokens=len(tokens), cached_tokens=cached_tokens,
+        output_logprobs=output_logprobs(tokens, num_logprobs))
+    if tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
+        msg.matched_token_id = tokens[-1].token_id
+    return vpb.GenerateResponse(complete=msg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model, server and load reports
+
+
+def model_info(f: ModelFacts, tokenizer_path: str) -> vpb.GetModelInfoResponse:
+    """tokenizer_path: the directory holding the tokenizer files, "" when the checkpoint has none (smg
+    then needs --tokenizer-path or --model-path of its own)."""
+    return vpb.GetModelInfoResponse(
+        model_path=f.model_path, is_generation=True, max_context_length=f.max_seq_len, vocab_size=f.vocab_size,
+        supports_vision=False, served_model_name=f.served_model_name, tokenizer_path=tokenizer_path,
+        model_type=f.model_type, architectures=list(f.architectures), eos_token_ids=list(f.eos_token_ids),
+        bos_token_id=f.bos_token_id, max_req_input_len=f.max_seq_len - 1)
+
+
+def server_info(f: ModelFacts, active_requests: int, paused: bool, last_receive: float,
+                uptime_s: float) -> vpb.GetServerInfoResponse:
+    return vpb.GetServerInfoResponse(
+        active_requests=active_requests, is_paused=paused, last_receive_timestamp=last_receive,
+        uptime_seconds=uptime_s, server_type="metrale-worker", data_parallel_size=1, kv_cache_dtype=f.dtype,
+        block_size=f.block_size, attention_backend=f.kernel_backend, model_dtype=f"torch.{f.dtype}",
+        max_num_seqs=f.max_running)
+
+
+@dataclass(frozen=True)
+class GatewayLoad:
+    """What the gateway itself knows of its requests (worker/gateway_requests.py)."""
+
+    waiting: int  # Generate calls admitted by the servicer whose sequence has not started
+    waiting_prompt_tokens: int  # their prompt tokens (none are cached: no prefix cache yet)
+    gen_throughput: float  # tokens per second streamed over the recent window
+    cache_hit_rate: float = 0.0  # HOOK(prefix cache): cached / prompt tokens of recent requests
+
+
+def loads(info: api.EngineInfo, f: ModelFacts, g: GatewayLoad) -> vpb.GetLoadsResponse:
+    """One SchedulerLoad (rank 0). Running counts every live sequence of the engine (Generate streams of
+    either service and ModelWorker sequences alike); KV usage is the share of blocks reserved."""
+    used_blocks = info.total_blocks - info.free_blocks
+    load = vpb.SchedulerLoad(
+        dp_rank=0, num_running_reqs=info.live_sequences, num_waiting_reqs=g.waiting,
+        num_total_reqs=info.live_sequences + g.waiting, num_used_tokens=used_blocks * info.block_size,
+        max_total_num_tokens=info.total_blocks * info.block_size,
+        token_usage=used_blocks / info.total_blocks if info.total_blocks else 0.0,
+        gen_throughput=g.gen_throughput, cache_hit_rate=g.cache_hit_rate,
+        utilization=1.0 - info.free_slots / info.max_slots if info.max_slots else 0.0,
+        max_running_requests=f.max_running, num_waiting_uncached_tokens=g.waiting_prompt_tokens)
+    return vpb.GetLoadsResponse(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                                version=info.version, dp_rank_count=1, loads=[load])
