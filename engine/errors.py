@@ -28,3 +28,7 @@ class ResourceExhausted(EngineError):
 class LoadCancelled(Exception):
     """A model load stopped by engine.loader.cancel_loading() (a signal during start-up); not an error
     of the configuration."""
+
+
+class OutOfRange(EngineError):
+    """A position outside what is kept: a KV-event cursor older than the log or beyond its end."""

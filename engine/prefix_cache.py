@@ -1,0 +1,354 @@
+"""The prefix cache: content-hashed KV blocks, reference counts, an LRU of evictable blocks, and a
+reservation count (BlockPool). KV events go to engine/kv_events.py.
+
+Block hash recipe (version 1). A router computes the same values for a prompt with `block_hashes`
+or by hand:
+
+    tokens  = every token id of the block as 4 bytes, unsigned little-endian (ids in [0, 2**32))
+    parent  = b"\\x00" for the first block of a sequence,
+              b"\\x01" + the parent block's hash as 8 bytes, signed little-endian (two's complement)
+    digest  = sha256(b"metrale-kv-block-v1\\x00" + len(extra) as 4 bytes unsigned little-endian
+                     + extra + parent + tokens)
+    hash    = the first 8 bytes of digest read as a signed big-endian integer (an int64)
+
+`extra` names whatever else changes a block's contents for the same tokens: the worker's KV dtype
+now, an adapter later (`extra_key`). Block i of a sequence holds tokens [i * block_size,
+(i + 1) * block_size) and chains on block i - 1, so a hash stands for the whole prefix up to the
+end of its block and only full blocks have one. int64 is the type of smg-grpc-proto's
+KvBlock.block_hash and KvBlocksStored.parent_block_hash (common.proto), so events carry it as is.
+
+The cache is keyed by these 64-bit values: two different prefixes that collide would share KV. For
+N cached blocks one lookup collides with probability about N / 2**64 (1e6 blocks: 5e-14), and a
+collision with a chosen victim prefix is a 64-bit second-preimage search.
+
+Pool contract (the engine is the only caller; not thread-safe):
+- Every usable block (1 .. num_blocks - 1; block 0 is the scratch block) is in exactly one state:
+  free (not cached, not referenced), evictable (cached, reference count 0, in the LRU), or referenced
+  (count >= 1, cached or not). free + evictable + referenced == num_usable_blocks.
+- A referenced block is never handed out by allocate nor evicted.
+- `reserved` counts blocks promised to sequences but not yet taken; free + evictable >= reserved
+  always, so a reservation can always be taken later, evicting cached blocks if needed.
+- Only registered (full, computed, hashed) blocks are ever shared, so a block written by a forward
+  is referenced by its writer alone; the engine keeps that true by writing only positions at or
+  past a sequence's computed length, which never lie in a registered block.
+"""
+from __future__ import annotations
+
+import array
+import collections
+import hashlib
+import struct
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from engine.errors import ResourceExhausted
+from engine.kv_events import (KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvEventBatch, KvEventLog,
+                              KvSnapshotChunk)
+
+HASH_DOMAIN = b"metrale-kv-block-v1\x00"
+
+
+def extra_key(**parts: str) -> bytes:
+    """The `extra` bytes for a worker: "name=value" pairs sorted by name, joined by ";", UTF-8, e.g.
+    extra_key(kv_dtype="bfloat16") == b"kv_dtype=bfloat16". No parts: b""."""
+    return ";".join(f"{k}={v}" for k, v in sorted(parts.items())).encode()
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<{len(token_ids)}I", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra: bytes = b"") -> int:
+    """The hash of one block (recipe in the module docstring); parent_hash None: the first block."""
+    h = hashlib.sha256(HASH_DOMAIN)
+    h.update(struct.pack("<I", len(extra)))
+    h.update(extra)
+    if parent_hash is None:
+        h.update(b"\x00")
+    else:
+        try:
+            h.update(b"\x01" + struct.pack("<q", parent_hash))
+        except struct.error:
+            raise ValueError(f"a parent hash is an int64, got {parent_hash}") from None
+    h.update(_pack_tokens(token_ids))
+    return int.from_bytes(h.digest()[:8], "big", signed=True)
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
+                 parent_hash: int | None = None) -> list[int]:
+    """The hashes of the full blocks of token_ids (a trailing partial block has none). parent_hash:
+    the hash of the block before token_ids[0], to continue a chain (token_ids must then start on a
+    block boundary of the sequence)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], extra)
+        out.append(parent_hash)
+    return out
+
+
+@dataclass
+class CacheStats:
+    """Counters since start. Queries and hits are counted per prompt by record_query."""
+    queries: int = 0          # prompts looked up
+    query_tokens: int = 0     # their tokens
+    hit_tokens: int = 0       # of those, tokens whose KV came from the cache
+    query_blocks: int = 0     # full blocks of those prompts
+    hit_blocks: int = 0       # blocks taken from the cache
+    stored_blocks: int = 0    # registrations (one stored event each)
+    duplicate_blocks: int = 0  # registrations of a hash already cached under another block (refused)
+    evicted_blocks: int = 0   # cached blocks dropped to make room for an allocation
+    flushed_blocks: int = 0   # cached blocks dropped by flush
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of queried prompt tokens served from the cache."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Cached:
+    block_id: int
+    parent_hash: int | None
+    token_ids: array.array  # 'I': compact; a cached block may outlive its sequence for long
+
+
+class BlockPool:
+    """KV block ids with reference counts, a content-hash index of full blocks, and an LRU of cached
+    blocks nobody references. A superset of the old BlockAllocator (can_allocate / allocate / free /
+    num_free_blocks / num_usable_blocks / num_used_blocks keep their meaning, with evictable blocks
+    counted as free)."""
+
+    def __init__(self, num_blocks: int, block_size: int, events: KvEventLog | None = None):
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 KV blocks, got {num_blocks}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.events = events if events is not None else KvEventLog()
+        self.stats = CacheStats()
+        self._free = list(range(num_blocks - 1, 0, -1))  # neither cached nor referenced; pop() gives low ids first
+        self._refs = [0] * num_blocks
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable, least recent first
+        self._cached: dict[int, _Cached] = {}  # hash -> its block, in registration order
+        self._hash_of: dict[int, int] = {}     # block id -> hash, for cached blocks
+        self._reserved = 0
+
+    # Counts --------------------------------------------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks a new reservation or allocation can take: free ones and evictable cached ones, less
+        those already reserved."""
+        return len(self._free) + len(self._lru) - self._reserved
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by sequences or reserved for them."""
+        return self.num_usable_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash, referenced or not."""
+        return len(self._cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._lru)
+
+    @property
+    def num_referenced_blocks(self) -> int:
+        return self.num_usable_blocks - len(self._free) - len(self._lru)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return self._reserved
+
+    def ref_count(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def block_hash(self, block_id: int) -> int | None:
+        """The hash a block is cached under, or None."""
+        return self._hash_of.get(block_id)
+
+    # Reservations and allocation -------------------------------------------------------------------
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def reserve(self, n: int) -> None:
+        """Promises n blocks to a caller that takes them later (allocate or acquire with
+        reserved=True) or gives them back (unreserve). Takes no block yet, so cached blocks stay
+        matchable until their memory is really needed."""
+        if not self.can_allocate(n):
+            raise ResourceExhausted(f"need {n} KV blocks, {self.num_free_blocks} free")
+        self._reserved += n
+
+    def unreserve(self, n: int) -> None:
+        if not 0 <= n <= self._reserved:
+            raise ValueError(f"unreserve({n}) with {self._reserved} blocks reserved")
+        self._reserved -= n
+
+    def allocate(self, n: int, reserved: bool = False) -> list[int]:
+        """n blocks, each referenced once by the caller: free blocks first, then the least recently
+        used cached ones (evicted: a removed event each). reserved: take them out of an earlier
+        reserve()."""
+        self._take(n, reserved, n)
+        out = []
+        for _ in range(n):
+            if self._free:
+                block = self._free.pop()
+            else:
+                block, _ = self._lru.popitem(last=False)
+                self._uncache(block)
+                self.stats.evicted_blocks += 1
+            self._refs[block] = 1
+            out.append(block)
+        return out
+
+    def _take(self, n: int, reserved: bool, need: int) -> None:
+        """Checks and books n blocks out of a reservation, or `need` of the unreserved free ones."""
+        if n < 0:
+            raise ValueError(f"cannot take {n} blocks")
+        if reserved:
+            if n > self._reserved:
+                raise ValueError(f"taking {n} reserved blocks, {self._reserved} reserved")
+            self._reserved -= n
+        elif need > self.num_free_blocks:
+            raise ResourceExhausted(f"need {need} KV blocks, {self.num_free_blocks} free")
+
+    # Sharing -------------------------------------------------------------------------------------
+
+    def match(self, hashes: Iterable[int]) -> list[int]:
+        """The blocks of the longest cached prefix of `hashes` (a chain, first block first). Takes no
+        reference: acquire them before anything else allocates."""
+        out = []
+        for h in hashes:
+            cached = self._cached.get(h)
+            if cached is None:
+                break
+            out.append(cached.block_id)
+        return out
+
+    def acquire(self, block_ids: list[int], reserved: bool = False) -> None:
+        """One more reference on each of block_ids, which must be cached (match's result); an
+        evictable one leaves the LRU. reserved: each block stands for one reserved block, which the
+        caller no longer needs fresh (a shared block gives that reservation back to the pool)."""
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"acquire: duplicate block ids in {block_ids}")
+        for b in block_ids:
+            if b not in self._hash_of:
+                raise ValueError(f"acquire: block {b} is not cached")
+        self._take(len(block_ids), reserved, sum(1 for b in block_ids if self._refs[b] == 0))
+        for b in block_ids:
+            if self._refs[b] == 0:
+                del self._lru[b]
+            self._refs[b] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """One reference fewer on each block. A block left unreferenced becomes evictable if cached
+        (block_ids in sequence order: the tail becomes the least recent, so a prefix outlives its
+        extensions) and free otherwise."""
+        for b in block_ids:
+            if not 0 < b < self.num_blocks or self._refs[b] == 0:
+                raise ValueError(f"release: block {b} is not referenced")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"release: duplicate block ids in {block_ids}")
+        for b in reversed(block_ids):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._lru[b] = None
+                else:
+                    self._free.append(b)
+
+    free = release  # the BlockAllocator name
+
+    def register(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
+        """Caches a full block its caller references and has written (call only once the forward
+        that wrote it has completed) under block_hash, and logs a stored event. Returns the block
+        cached under that hash: block_id, or another block that already held it, in which case
+        block_id stays uncached (the caller may switch to the returned block and release its own)."""
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"register: a block holds {self.block_size} tokens, got {len(token_ids)}")
+        if not 0 < block_id < self.num_blocks or self._refs[block_id] == 0:
+            raise ValueError(f"register: block {block_id} is not referenced")
+        if self._hash_of.get(block_id, block_hash) != block_hash:
+            raise ValueError(f"register: block {block_id} is already cached under {self._hash_of[block_id]}")
+        cached = self._cached.get(block_hash)
+        if cached is not None:
+            if cached.block_id != block_id:
+                self.stats.duplicate_blocks += 1
+            return cached.block_id
+        tokens = array.array("I", token_ids)
+        self._cached[block_hash] = _Cached(block_id, parent_hash, tokens)
+        self._hash_of[block_id] = block_hash
+        self.stats.stored_blocks += 1
+        self.events.stored(block_hash, parent_hash, tuple(tokens), self.block_size)
+        return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        block_hash = self._hash_of.pop(block_id)
+        del self._cached[block_hash]
+        self.events.removed(block_hash)
+
+    def flush(self) -> int:
+        """Drops every unreferenced cached block (referenced ones stay cached). Logs one cleared event
+        when nothing stays cached, removed events otherwise. Returns how many were dropped."""
+        dropped = list(self._lru)
+        self._lru.clear()
+        keep_events = len(self._cached) > len(dropped)
+        for b in dropped:
+            block_hash = self._hash_of.pop(b)
+            del self._cached[block_hash]
+            if keep_events:
+                self.events.removed(block_hash)
+        self._free.extend(reversed(dropped))
+        if not keep_events:
+            self.events.cleared()
+        self.stats.flushed_blocks += len(dropped)
+        return len(dropped)
+
+    def record_query(self, num_tokens: int, num_cached_tokens: int) -> None:
+        """Counts one prompt of num_tokens tokens, num_cached_tokens of which came from the cache
+        (once per prompt, when it completes)."""
+        if not 0 <= num_cached_tokens <= num_tokens:
+            raise ValueError(f"record_query: {num_cached_tokens} cached of {num_tokens} tokens")
+        s = self.stats
+        s.queries += 1
+        s.query_tokens += num_tokens
+        s.hit_tokens += num_cached_tokens
+        s.query_blocks += num_tokens // self.block_size
+        s.hit_blocks += num_cached_tokens // self.block_size
+
+    def snapshot(self) -> KvEventBatch:
+        """Every cached block as one batch for a subscriber that starts from the current state:
+        publishes what is pending first, then returns (not logged) a batch numbered with the log's
+        last sequence number holding a cleared event and one stored event per cached block, parents
+        before children (event_id 0, as smg's KvSnapshotChunk asks). Live batches continue at the
+        next number with no gap and no duplicate."""
+        self.events.publish()
+        events = [KvCacheEvent(0, KvCacheCleared())]
+        done: set[int] = set()
+        for h in self._cached:
+            chain = []
+            while h is not None and h in self._cached and h not in done:
+                done.add(h)
+                chain.append(h)
+                h = self._cached[h].parent_hash
+            for c in reversed(chain):
+                cached = self._cached[c]
+                block = KvBlock(c, tuple(cached.token_ids), self.block_size)
+                events.append(KvCacheEvent(0, KvBlocksStored((block,), cached.parent_hash)))
+        return KvEventBatch(self.events.last_sequence_number, time.time(), tuple(events),
+                            KvSnapshotChunk(index=0, count=1, blocks=len(self._cached)))
