@@ -215,9 +215,11 @@ class KvEventLog:
 
 
 async def follow(events: KvEventLog, start: int, max_batches: int = 64) -> AsyncIterator[KvEventBatch]:
-    """Every batch from number `start` on, as it is published, on the running event loop (the engine
-    may publish from this loop or from another thread). Raises OutOfRange as read() does, at once
-    or later when this reader falls behind the log. Never returns by itself: cancel it to stop."""
+    """Every batch from number `start` (>= 1) on, as it is published, on the running event loop (the
+    engine may publish from this loop or from another thread). Raises OutOfRange as read() does, at
+    once or later when this reader falls behind the log. Never returns by itself: close or cancel it.
+    A subscriber asking for 0 ("the current state") is sent BlockPool.snapshot() first (taken on the
+    engine's owner) and follows from its sequence_number + 1."""
     loop = asyncio.get_running_loop()
     wake = asyncio.Event()
 

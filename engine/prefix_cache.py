@@ -31,6 +31,21 @@ Pool contract (the engine is the only caller; not thread-safe):
 - Only registered (full, computed, hashed) blocks are ever shared, so a block written by a forward
   is referenced by its writer alone; the engine keeps that true by writing only positions at or
   past a sequence's computed length, which never lie in a registered block.
+
+Engine contract (tests/test_prefix_cache.py drives the pool this way under a fuzz):
+- AllocSequence reserves ceil(max_total_tokens / block_size) blocks and takes none.
+- Prefill, while the sequence has computed nothing of its own (its first chunk): match the hashes of
+  the full blocks of its known tokens, at most (known - 1) // block_size of them, so the last known
+  token is always computed into a block of its own (an empty final chunk recomputes it there), and
+  acquire them with reserved=True. Then take (allocate(reserved=True)) the blocks the chunk's tokens
+  need, and when the prompt completes the rest of the reservation: decode and Verify never allocate.
+- A forward writes only positions >= the sequence's computed length (num_cached). A block is
+  registered once every position in it is final and its forward has completed on the device: below
+  num_cached when the prompt is complete, below num_cached - 1 while it is not. So a shared or
+  registered block is never written, and Verify's rejected positions (>= num_cached) lie in none.
+- Release: release(block_ids) in sequence order, then unreserve what is left of the reservation.
+- Not for models whose K/V at a position depend on more than the tokens up to it (dynamic NTK rope
+  rescales by the current sequence length): caching must stay off for them.
 """
 from __future__ import annotations
 
@@ -336,7 +351,8 @@ class BlockPool:
         publishes what is pending first, then returns (not logged) a batch numbered with the log's
         last sequence number holding a cleared event and one stored event per cached block, parents
         before children (event_id 0, as smg's KvSnapshotChunk asks). Live batches continue at the
-        next number with no gap and no duplicate."""
+        next number with no gap and no duplicate. Number 0: nothing was ever logged, the cache is
+        empty and the batch need not be sent (0 is the proto's number for load-only batches)."""
         self.events.publish()
         events = [KvCacheEvent(0, KvCacheCleared())]
         done: set[int] = set()
