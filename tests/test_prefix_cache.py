@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -420,6 +421,46 @@ def test_follow_with_the_engine_on_the_same_loop_and_a_reader_that_falls_behind(
         with pytest.raises(OutOfRange):
             await follow(log, 1).__anext__()
     asyncio.run(main())
+
+
+def to_smg_pb(obj, cls):
+    """A field-for-field copy into smg-grpc-proto's message class: every dataclass field by its own
+    name (the `data` oneof by the event's kind), so a name that the proto lacks fails here."""
+    from google.protobuf import message_factory
+    kw = {}
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), f.name
+        if value is None:
+            continue
+        if name == "data":
+            name = obj.kind
+        field = cls.DESCRIPTOR.fields_by_name[name]
+        if field.message_type is not None:
+            sub = message_factory.GetMessageClass(field.message_type)
+            value = [to_smg_pb(v, sub) for v in value] if isinstance(value, tuple) else to_smg_pb(value, sub)
+        kw[name] = value
+    return cls(**kw)
+
+
+def test_events_copy_field_for_field_into_smg_common_proto():
+    common_pb2 = pytest.importorskip("smg_grpc_proto.generated.common_pb2")
+    pool = BlockPool(8, 2)
+    blocks = fill(pool, [1, 2, 3, 4])
+    pool.release(blocks)
+    pool.allocate(7)  # evicts both
+    pool.events.publish()
+    pool.flush()
+    pool.events.publish()
+    batches = pool.events.read(1) + [pool.snapshot()]
+    msgs = [to_smg_pb(b, common_pb2.KvEventBatch) for b in batches]
+    stored, removed = msgs[0].events
+    h = block_hashes([1, 2, 3, 4], 2)
+    assert stored.WhichOneof("data") == "stored" and not stored.stored.HasField("parent_block_hash")
+    assert [b.block_hash for b in stored.stored.blocks] == h and list(stored.stored.blocks[1].token_ids) == [3, 4]
+    assert stored.stored.blocks[0].block_size == 2 and stored.event_id == 1
+    assert removed.WhichOneof("data") == "removed" and list(removed.removed.block_hashes) == h[::-1]
+    assert msgs[1].events[0].WhichOneof("data") == "cleared" and msgs[1].sequence_number == 2
+    assert msgs[2].HasField("snapshot") and msgs[2].snapshot.count == 1 and msgs[2].sequence_number == 2
 
 
 # The fuzz: an engine-shaped client of the pool ------------------------------------------------------
