@@ -22,6 +22,7 @@ from engine.errors import OutOfRange, ResourceExhausted
 from engine.kv_cache import BlockAllocator
 from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventLog, follow
 from engine.prefix_cache import BlockPool, block_hashes, extra_key, hash_block
+from engine.sequence_blocks import SequenceBlocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -327,6 +328,49 @@ def test_snapshot_restates_the_cache_parents_first():
     assert replay([snap]) == cached_hashes(pool)
 
 
+# SequenceBlocks ------------------------------------------------------------------------------------
+
+def test_sequence_blocks_share_a_prefix_but_always_compute_the_last_prompt_token():
+    pool = BlockPool(20, 4)
+    first = SequenceBlocks(pool, 4)
+    prompt = list(range(100, 112))  # 3 full blocks
+    assert first.match(prompt) == 0
+    assert len(first.grow_all()) == 4 and first.num_reserved == 0
+    assert first.register(prompt + [7], 12) == 3 and first.num_registered == 3
+    # The same prompt again, exactly on a block boundary: 2 blocks shared, the third recomputed.
+    again = SequenceBlocks(pool, 4)
+    assert pool.num_free_blocks == 20 - 1 - 4 - 4
+    assert again.match(prompt) == 8 and again.block_ids == first.block_ids[:2]
+    assert pool.num_free_blocks == 20 - 1 - 4 - 2  # the shared blocks' reservation went back
+    new = again.grow(12)
+    assert len(new) == 1 and again.num_reserved == 1 and again.num_capacity_blocks == 4
+    assert again.register(prompt + [7], 12) == 0 and again.num_duplicates == 1  # cached under first's block
+    with pytest.raises(ValueError):
+        again.grow(17)
+    # A longer prompt with the same start shares all three blocks.
+    longer = SequenceBlocks(pool, 5)
+    assert longer.match(prompt + [1, 2]) == 12 and longer.match(prompt) == 0  # first chunk only
+    for s in (first, again, longer):
+        s.release()
+    assert pool.num_free_blocks == 19 and pool.num_reserved_blocks == 0 and pool.num_evictable_blocks == 3
+
+
+def test_sequence_blocks_without_caching_are_a_plain_allocation():
+    pool = BlockPool(10, 2)
+    seq = SequenceBlocks(pool, 3)
+    seq.grow_all()
+    seq.register([1, 2, 3, 4, 5], 5)
+    off = SequenceBlocks(pool, 3, caching=False)
+    assert off.match([1, 2, 3, 4, 5]) == 0 and off.block_ids == []
+    off.grow_all()
+    assert off.register([1, 2, 3, 4, 5], 5) == 0 and all(pool.block_hash(b) is None for b in off.block_ids)
+    with pytest.raises(ResourceExhausted):
+        SequenceBlocks(pool, 4)
+    off.release()
+    seq.release()
+    assert pool.num_free_blocks == 9 and pool.num_cached_blocks == 2
+
+
 # The event log -------------------------------------------------------------------------------------
 
 def publish_n(log: KvEventLog, n: int, start: int = 0) -> None:
@@ -470,26 +514,24 @@ PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12]
 
 
 class Seq:
-    def __init__(self, reserved: int):
-        self.capacity = reserved * BS  # tokens the reservation holds
-        self.reserved = reserved       # blocks still reserved, not yet taken
-        self.blocks: list[int] = []
+    """The engine's side of a sequence; its blocks are a SequenceBlocks, the helper under test."""
+
+    def __init__(self, blocks: SequenceBlocks):
+        self.blocks = blocks
+        self.capacity = blocks.num_reserved * BS  # tokens the reservation holds
         self.tokens: list[int] = []
-        self.hashes: list[int] = []    # of its full blocks, as far as computed
-        self.num_cached = 0            # tokens whose KV is written (positions < num_cached are final)
-        self.num_shared = 0            # leading blocks taken from the cache
-        self.num_registered = 0        # leading blocks registered (or found cached under another block)
+        self.num_cached = 0              # tokens whose KV is written (positions < num_cached are final)
         self.prompt_done = False
         self.duplicates: set[int] = set()  # indices of registered blocks kept as uncached copies
 
 
 class PrefixCacheMachine(RuleBasedStateMachine):
-    """Drives the pool the way engine/prefix_cache.py's docstring asks the engine to: reserve at
-    alloc; match (capped so that the last known token is computed), acquire and allocate lazily at
-    prefill, the rest of the reservation when the prompt completes; register blocks only when every
-    position in them is final; decode and verify write only at positions >= num_cached (verify leaves
-    rejected drafts' garbage there). A model of every block's written contents checks that no write
-    lands in a shared or cached block, and that shared and registered blocks hold their tokens."""
+    """Drives a BlockPool through SequenceBlocks the way engine/prefix_cache.py's engine contract
+    says: reserve at alloc; match the first chunk (capped so that the last known token is computed),
+    take blocks as the prompt needs them and the rest of the reservation when it completes; write
+    only at positions >= num_cached (Verify leaves rejected drafts' garbage there); register only
+    final positions. A model of every block's written contents checks that no write lands in a
+    shared or cached block, and that shared and registered blocks hold their tokens."""
 
     def __init__(self):
         super().__init__()
@@ -508,70 +550,55 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # The engine's paths --------------------------------------------------------------------------
 
     def write(self, seq: Seq, pos: int, token: int) -> None:
-        b = seq.blocks[pos // BS]
+        b = seq.blocks.block_ids[pos // BS]
         assert self.pool.ref_count(b) == 1 and self.pool.block_hash(b) is None, "a write into a shared block"
         self.content[b][pos % BS] = token
 
-    def take_private(self, seq: Seq, n: int) -> None:
-        got = self.pool.allocate(n, reserved=True)
-        seq.reserved -= n
-        for b in got:
-            assert self.refs()[b] == 0 and b != 0, "a block handed out twice"
-        seq.blocks += got
+    def taken(self, refs: collections.Counter, new: list[int]) -> None:
+        assert all(refs[b] == 0 and b != 0 for b in new), "a block handed out twice"
 
-    def register_final(self, seq: Seq, swap: bool) -> None:
+    def register(self, seq: Seq) -> None:
         # Final positions: every one below num_cached, except, while the prompt is incomplete, the last
         # known token (an empty final chunk recomputes it).
-        final = seq.num_cached if seq.prompt_done else seq.num_cached - 1
-        full = max(final, 0) // BS
-        if len(seq.hashes) < full:
-            seq.hashes += block_hashes(seq.tokens[len(seq.hashes) * BS:full * BS], BS,
-                                       parent_hash=seq.hashes[-1] if seq.hashes else None)
-        for i in range(seq.num_registered, full):
-            b, tokens = seq.blocks[i], seq.tokens[i * BS:(i + 1) * BS]
-            assert self.content[b] == tokens, "a block registered before its contents were final"
-            canonical = self.pool.register(b, seq.hashes[i], seq.hashes[i - 1] if i else None, tokens)
-            if canonical == b:
-                self.frozen[b] = tuple(tokens)
-            elif swap and (self.pool.ref_count(canonical) or self.pool.can_allocate(1)):
-                assert self.content[canonical] == tokens  # use the cached copy, give ours back
-                self.pool.acquire([canonical])
-                self.pool.release([b])
-                seq.blocks[i] = canonical
+        blocks = seq.blocks
+        num_final = seq.num_cached if seq.prompt_done else seq.num_cached - 1
+        first, stop = blocks.num_registered, min(max(num_final, 0) // BS, len(blocks.block_ids))
+        for i in range(first, stop):
+            assert self.content[blocks.block_ids[i]] == seq.tokens[i * BS:(i + 1) * BS], \
+                "a block registered before its contents were final"
+        blocks.register(seq.tokens, num_final)
+        assert blocks.num_registered == max(first, stop)
+        for i in range(first, stop):
+            b = blocks.block_ids[i]
+            if self.pool.block_hash(b) is None:
+                seq.duplicates.add(i)  # its hash was cached under another block: ours stays uncached
             else:
-                seq.duplicates.add(i)  # keeps its own uncached copy
-            seq.num_registered = i + 1
+                assert self.pool.block_hash(b) == blocks.hashes[i]
+                self.frozen[b] = tuple(seq.tokens[i * BS:(i + 1) * BS])
 
-    def prefill(self, seq: Seq, chunk: list[int], partial: bool, swap: bool) -> None:
+    def prefill(self, seq: Seq, chunk: list[int], partial: bool) -> None:
+        blocks = seq.blocks
         seq.tokens += chunk
         known = len(seq.tokens)
-        if seq.num_cached == seq.num_shared * BS:  # nothing computed privately yet: match
-            cap = (known - 1) // BS
-            hashes = block_hashes(seq.tokens[:cap * BS], BS)
-            got = self.pool.match(hashes[seq.num_shared:])
-            for j, b in enumerate(got):
-                i = seq.num_shared + j
+        refs = self.refs()
+        if not blocks.block_ids:  # the first chunk: share the cached prefix
+            seq.num_cached = blocks.match(seq.tokens)
+            assert seq.num_cached == blocks.num_shared * BS < known
+            for i, b in enumerate(blocks.block_ids):
                 assert self.content[b] == seq.tokens[i * BS:(i + 1) * BS], "a match with other contents"
-            self.pool.acquire(got, reserved=True)
-            seq.reserved -= len(got)
-            seq.blocks += got
-            seq.num_shared += len(got)
-            seq.num_registered = seq.num_shared
-            seq.hashes = hashes[:seq.num_shared]
-            seq.num_cached = seq.num_shared * BS
         if not partial and seq.num_cached == known:
             seq.num_cached -= 1  # an empty final chunk recomputes the last prompt token
-        self.take_private(seq, seq.reserved if not partial else -(-known // BS) - len(seq.blocks))
+        self.taken(refs, blocks.grow(known) if partial else blocks.grow_all())
         for pos in range(seq.num_cached, known):
             self.write(seq, pos, seq.tokens[pos])
         seq.num_cached = known
         if not partial:
             seq.prompt_done = True
-            self.pool.record_query(known, seq.num_shared * BS)
+            self.pool.record_query(known, blocks.num_shared * BS)
             seq.tokens.append(len(seq.tokens) % 5)  # the sampled token: the next step's input
-        self.register_final(seq, swap)
+        self.register(seq)
 
-    def verify(self, seq: Seq, drafts: list[int], accepted: int, bonus: int, swap: bool) -> None:
+    def verify(self, seq: Seq, drafts: list[int], accepted: int, bonus: int) -> None:
         rows = [seq.tokens[-1]] + drafts
         for i, tok in enumerate(rows):
             self.write(seq, seq.num_cached + i, tok)
@@ -579,10 +606,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         # rejected rows is dead and is overwritten by later steps.
         seq.tokens += (drafts[:accepted] + [bonus])[:seq.capacity - len(seq.tokens)]
         seq.num_cached = len(seq.tokens) - 1
-        self.register_final(seq, swap)
+        self.register(seq)
 
     def refs(self) -> collections.Counter:
-        return collections.Counter(b for s in self.seqs.values() for b in s.blocks)
+        return collections.Counter(b for s in self.seqs.values() for b in s.blocks.block_ids)
 
     # Rules ---------------------------------------------------------------------------------------
 
@@ -590,45 +617,47 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @rule(n=st.integers(1, 9))
     def alloc(self, n):
         if self.pool.can_allocate(n):
-            self.pool.reserve(n)
-            self.seqs[self.next_id] = Seq(n)
+            self.seqs[self.next_id] = Seq(SequenceBlocks(self.pool, n))
             self.next_id += 1
         else:
             with pytest.raises(ResourceExhausted):
-                self.pool.reserve(n)
+                SequenceBlocks(self.pool, n)
         self.publish()
 
     # Rules take plain arguments rather than st.data(): Hypothesis chose rules drawing from st.data()
     # about ten times less often than the others. `pick` chooses among the candidate sequences.
     @precondition(lambda self: any(not s.prompt_done for s in self.seqs.values()))
     @rule(pick=st.integers(0, 63), kind=st.sampled_from(["history", "prefix", "fresh"]), which=st.integers(0, 63),
-          suffix=st.lists(st.integers(0, 1), max_size=12), partial=st.booleans(), swap=st.booleans())
-    def prefill_chunk(self, pick, kind, which, suffix, partial, swap):
+          suffix=st.lists(st.integers(0, 1), max_size=12), partial=st.booleans())
+    def prefill_chunk(self, pick, kind, which, suffix, partial):
         seq = self.pick([s for s in self.seqs.values() if not s.prompt_done], pick)
         room = seq.capacity - 1 - len(seq.tokens)  # the prompt leaves room for one new token
         # A first chunk often starts with a shared prefix, or resends an earlier sequence's whole
         # history (a multi-turn chat: prompt and generated tokens), so prompts end on and inside
         # cached blocks, and some are cached entirely.
+        # A later chunk is often empty: how a router ends a prompt sent in partial chunks.
         prefix = []
         if not seq.tokens and kind == "history" and self.histories:
             prefix = list(self.pick(self.histories, which))
         elif not seq.tokens and kind == "prefix":
             prefix = self.pick(PREFIXES, which)
+        elif seq.tokens and kind == "prefix":
+            suffix = []
         chunk = (prefix + suffix)[:room]
         if not seq.tokens and not chunk:
             chunk = [1]
         if partial and len(seq.tokens) + len(chunk) >= seq.capacity - 1:
             partial = False
-        self.prefill(seq, chunk, partial, swap)
+        self.prefill(seq, chunk, partial)
         self.publish()
 
     @precondition(lambda self: any(s.prompt_done and len(s.tokens) < s.capacity for s in self.seqs.values()))
     @rule(pick=st.integers(0, 63), drafts=st.lists(st.integers(0, 1), max_size=3), accepted=st.integers(0, 3),
-          bonus=st.integers(0, 1), swap=st.booleans())
-    def decode_or_verify(self, pick, drafts, accepted, bonus, swap):
+          bonus=st.integers(0, 1))
+    def decode_or_verify(self, pick, drafts, accepted, bonus):
         seq = self.pick([s for s in self.seqs.values() if s.prompt_done and len(s.tokens) < s.capacity], pick)
         drafts = drafts[:seq.capacity - len(seq.tokens)]  # no drafts: a decode step
-        self.verify(seq, drafts, min(accepted, len(drafts)), bonus, swap)
+        self.verify(seq, drafts, min(accepted, len(drafts)), bonus)
         self.publish()
 
     @precondition(lambda self: self.seqs)
@@ -638,8 +667,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         seq = self.seqs.pop(sid)
         if seq.prompt_done:
             self.histories.append(tuple(seq.tokens))
-        self.pool.release(seq.blocks)
-        self.pool.unreserve(seq.reserved)
+        seq.blocks.release()
         self.publish()
 
     @staticmethod
@@ -708,7 +736,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert pool.num_evictable_blocks == len(evictable)
         free = len(unreferenced) - len(evictable)
         assert free + len(evictable) + pool.num_referenced_blocks == NUM_BLOCKS - 1
-        reserved = sum(s.reserved for s in self.seqs.values())
+        reserved = sum(s.blocks.num_reserved for s in self.seqs.values())
         assert pool.num_reserved_blocks == reserved and pool.num_free_blocks == len(unreferenced) - reserved >= 0
 
     @invariant()
@@ -717,8 +745,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             if self.pool.block_hash(b) is not None:
                 assert tuple(self.content[b]) == self.frozen[b], "a cached block was written"
         for s in self.seqs.values():
-            for i, b in enumerate(s.blocks[:s.num_registered]):
-                expect = None if i in s.duplicates else s.hashes[i]
+            for i, b in enumerate(s.blocks.block_ids[:s.blocks.num_registered]):
+                expect = None if i in s.duplicates else s.blocks.hashes[i]
                 assert self.pool.block_hash(b) == expect, "a referenced block evicted"
 
     @invariant()
@@ -728,10 +756,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def registered_blocks_hold_their_tokens(self):
         for s in self.seqs.values():
-            for i in range(s.num_registered):
-                assert self.content[s.blocks[i]] == s.tokens[i * BS:(i + 1) * BS]
+            hashes = s.blocks.hashes
+            assert hashes == block_hashes(s.tokens[:len(hashes) * BS], BS)
+            for i in range(s.blocks.num_registered):
+                assert self.content[s.blocks.block_ids[i]] == s.tokens[i * BS:(i + 1) * BS]
 
 
-PrefixCacheMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=100, deadline=None,
+PrefixCacheMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None,
                                                 suppress_health_check=[HealthCheck.too_slow])
 test_prefix_cache_fuzz = PrefixCacheMachine.TestCase

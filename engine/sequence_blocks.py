@@ -1,0 +1,116 @@
+"""SequenceBlocks: one sequence's KV blocks in a BlockPool (engine/prefix_cache.py): its reservation,
+the cached blocks it shares, the blocks it owns, and the hashes of its full blocks.
+
+block_ids[i] holds positions [i * block_size, (i + 1) * block_size). The first num_shared blocks
+came from the cache and are only read; every later block is the sequence's own until it is
+registered. The life of a sequence (the engine contract of engine/prefix_cache.py):
+
+    blocks = SequenceBlocks(pool, ceil(max_total_tokens / block_size), extra)   # AllocSequence
+    num_cached = blocks.match(prompt_so_far)        # first Prefill chunk only: shared prefix tokens
+    new = blocks.grow(len(prompt_so_far))            # or blocks.grow_all() once the prompt is complete
+    ... block-table row entries [len(block_ids) - len(new):] = new; the forward writes positions
+        >= num_cached ...
+    blocks.register(token_ids, num_final)            # after the forward completed
+    blocks.release()                                 # Release
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from engine.prefix_cache import BlockPool, block_hashes
+
+
+class SequenceBlocks:
+    def __init__(self, pool: BlockPool, num_blocks: int, extra: bytes = b"", caching: bool = True):
+        """Reserves num_blocks blocks (ResourceExhausted when the pool cannot promise them) and takes
+        none yet. caching False: never matches nor registers (a plain allocator)."""
+        pool.reserve(num_blocks)
+        self.pool = pool
+        self.extra = extra
+        self.caching = caching
+        self.block_ids: list[int] = []
+        self.num_reserved = num_blocks  # blocks promised, not taken yet
+        self.hashes: list[int] = []     # of the leading full blocks whose tokens have been hashed
+        self.num_shared = 0             # leading blocks taken from the cache
+        self.num_registered = 0         # leading blocks registered, shared, or found cached elsewhere
+        self.num_duplicates = 0         # own blocks whose hash was cached under another block
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_capacity_blocks(self) -> int:
+        return len(self.block_ids) + self.num_reserved
+
+    def match(self, token_ids: Sequence[int]) -> int:
+        """Shares the cached blocks that begin token_ids (the prompt tokens known so far) and returns how
+        many tokens they hold: the sequence's computed length from now on. Matches only before the
+        sequence took any block (its first Prefill chunk), and at most (len(token_ids) - 1) //
+        block_size blocks, so that the last known token is computed into a block of the sequence's
+        own (an empty final chunk recomputes it there)."""
+        if not self.caching or self.block_ids or not token_ids:
+            return 0
+        bs = self.block_size
+        self.hashes = block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs, self.extra)
+        shared = self.pool.match(self.hashes)
+        self.pool.acquire(shared, reserved=True)  # each stands for a reserved block: the pool gets it back
+        self.num_reserved -= len(shared)
+        self.block_ids += shared
+        self.num_shared = self.num_registered = len(shared)
+        return len(shared) * bs
+
+    def grow(self, num_tokens: int) -> list[int]:
+        """Takes blocks from the reservation until every position < num_tokens has one; returns the new
+        block ids (to be written into the sequence's block-table row after the old ones)."""
+        need = -(-num_tokens // self.block_size) - len(self.block_ids)
+        if need > self.num_reserved:
+            raise ValueError(f"{num_tokens} tokens need {need} more blocks; {self.num_reserved} are reserved")
+        return self._take(max(need, 0))
+
+    def grow_all(self) -> list[int]:
+        """Takes the rest of the reservation (when the prompt completes: decode and Verify never
+        allocate); returns the new block ids."""
+        return self._take(self.num_reserved)
+
+    def _take(self, n: int) -> list[int]:
+        new = self.pool.allocate(n, reserved=True)
+        self.num_reserved -= n
+        self.block_ids += new
+        return new
+
+    def register(self, token_ids: Sequence[int], num_final: int) -> int:
+        """Registers the blocks wholly below position num_final: every position there holds its final
+        K/V, and the forwards that wrote them have completed. num_final is the computed length once
+        the prompt is complete, and one less while it is not (an empty final chunk recomputes the
+        last prompt token). Positions at or past it may still be written (Verify's rejected drafts).
+        A block whose hash is cached under another block stays the sequence's own, uncached copy.
+        Returns how many blocks were newly registered."""
+        if not self.caching:
+            return 0
+        bs = self.block_size
+        full = min(max(num_final, 0) // bs, len(self.block_ids))
+        if full <= self.num_registered:
+            return 0
+        if len(self.hashes) < full:
+            start = len(self.hashes) * bs
+            self.hashes += block_hashes(token_ids[start:full * bs], bs, self.extra,
+                                        self.hashes[-1] if self.hashes else None)
+        stored = 0
+        for i in range(self.num_registered, full):
+            parent = self.hashes[i - 1] if i else None
+            if self.pool.register(self.block_ids[i], self.hashes[i], parent, token_ids[i * bs:(i + 1) * bs]) \
+                    == self.block_ids[i]:
+                stored += 1
+            else:
+                self.num_duplicates += 1
+        self.num_registered = full
+        return stored
+
+    def release(self) -> None:
+        """Gives every block and the rest of the reservation back (once the sequence's last step has
+        finished on the device). Cached blocks stay cached, evictable, the tail first."""
+        self.pool.release(self.block_ids)
+        self.pool.unreserve(self.num_reserved)
+        self.block_ids = []
+        self.num_reserved = 0
