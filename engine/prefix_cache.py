@@ -1,5 +1,6 @@
 """The prefix cache: content-hashed KV blocks, reference counts, an LRU of evictable blocks, and a
-reservation count (BlockPool). KV events go to engine/kv_events.py.
+reservation count (BlockPool). KV events go to engine/kv_events.py; one sequence's blocks are a
+SequenceBlocks (engine/sequence_blocks.py), which follows the engine contract below.
 
 Block hash recipe (version 1). A router computes the same values for a prompt with `block_hashes`
 or by hand:
@@ -32,7 +33,7 @@ Pool contract (the engine is the only caller; not thread-safe):
   is referenced by its writer alone; the engine keeps that true by writing only positions at or
   past a sequence's computed length, which never lie in a registered block.
 
-Engine contract (tests/test_prefix_cache.py drives the pool this way under a fuzz):
+Engine contract (SequenceBlocks implements it; tests/test_prefix_cache.py fuzzes it):
 - AllocSequence reserves ceil(max_total_tokens / block_size) blocks and takes none.
 - Prefill, while the sequence has computed nothing of its own (its first chunk): match the hashes of
   the full blocks of its known tokens, at most (known - 1) // block_size of them, so the last known
