@@ -58,7 +58,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from engine.errors import ResourceExhausted
+from engine.errors import ConfigError, ResourceExhausted
 from engine.kv_events import (KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvEventBatch, KvEventLog,
                               KvSnapshotChunk)
 
@@ -142,7 +142,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, events: KvEventLog | None = None):
         if num_blocks < 2:
-            raise ValueError(f"need at least 2 KV blocks, got {num_blocks}")
+            raise ConfigError(f"the KV cache needs at least 2 blocks (block 0 is scratch), got {num_blocks}; "
+                              f"raise --num-kv-blocks or --kv-cache-memory")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
@@ -207,7 +208,7 @@ class BlockPool:
         reserved=True) or gives them back (unreserve). Takes no block yet, so cached blocks stay
         matchable until their memory is really needed."""
         if not self.can_allocate(n):
-            raise ResourceExhausted(f"need {n} KV blocks, {self.num_free_blocks} free")
+            raise self._exhausted(n)
         self._reserved += n
 
     def unreserve(self, n: int) -> None:
@@ -241,7 +242,12 @@ class BlockPool:
                 raise ValueError(f"taking {n} reserved blocks, {self._reserved} reserved")
             self._reserved -= n
         elif need > self.num_free_blocks:
-            raise ResourceExhausted(f"need {need} KV blocks, {self.num_free_blocks} free")
+            raise self._exhausted(need)
+
+    def _exhausted(self, n: int) -> ResourceExhausted:
+        return ResourceExhausted(f"need {n} KV blocks, {self.num_free_blocks} of {self.num_usable_blocks} free "
+                                 f"(release live sequences, or start the worker with a larger --kv-cache-memory "
+                                 f"or --num-kv-blocks)")
 
     # Sharing -------------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.errors import OutOfRange, ResourceExhausted
+from engine.errors import ConfigError, OutOfRange, ResourceExhausted
 from engine.kv_cache import BlockAllocator
 from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventLog, follow
 from engine.prefix_cache import BlockPool, block_hashes, extra_key, hash_block
@@ -132,6 +132,8 @@ def test_pool_keeps_the_block_allocator_contract(make):
     alloc.free(a)
     assert alloc.num_free_blocks == 4 and alloc.num_used_blocks == 5
     assert sorted(alloc.allocate(4)) == sorted(a)
+    with pytest.raises(ConfigError):
+        make(1)  # block 0 is scratch: one block holds nothing
 
 
 def test_match_acquire_release_share_cached_blocks():
