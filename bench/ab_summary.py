@@ -17,6 +17,8 @@ FIGURES = [  # (label, engine key, field)
     ("b1 device ms", "decode_b1", "device_ms"),
     ("b8 ms", "decode_b8", "step_ms"),
     ("b8 device ms", "decode_b8", "device_ms"),
+    ("b32 ms", "decode_b32", "step_ms"),
+    ("b32 device ms", "decode_b32", "device_ms"),
     ("queued b32 ms", "decode_queued_b32", "step_ms"),
     ("verify4 / b1", "verify4_b1", "ratio"),
 ]

@@ -114,7 +114,7 @@ def test_graph_replay_is_bit_identical_to_eager_under_churn(ckpt_1b):
     eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
     a, b = churn_workload(graphs), churn_workload(eager)
     assert a == b
-    s = graphs.graphs.stats
+    s = graphs.runtime.dispatch.graphs.stats
     print(f"churn: {s}")
     assert s.hits > 50 and s.captures > 5
 
@@ -391,7 +391,7 @@ def test_an_invalidated_capture_under_churn_degrades_one_step_not_the_process(ck
     goes on capturing and replaying graphs, and every token equals the eager engine's."""
     graphs = gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=1, max_graphs=256)
     eager = gpu_engine(ckpt_1b, num_kv_blocks=1024, cuda_graphs=False)
-    backend, capture = graphs.graphs.backend, graphs.graphs.backend.capture
+    backend, capture = graphs.runtime.dispatch.graphs.backend, graphs.runtime.dispatch.graphs.backend.capture
     broken = []
 
     def capture_breaking_the_first(step):
@@ -407,9 +407,9 @@ def test_an_invalidated_capture_under_churn_degrades_one_step_not_the_process(ck
     backend.capture = capture_breaking_the_first
     a, b = churn_workload(graphs), churn_workload(eager)
     assert a == b
-    s = graphs.graphs.stats
+    s = graphs.runtime.dispatch.graphs.stats
     print(f"churn with one invalidated capture: {s}")
-    assert broken and s.capture_failures == 1 and not graphs.graphs.capture_disabled
+    assert broken and s.capture_failures == 1 and not graphs.runtime.dispatch.graphs.capture_disabled
     assert s.hits > 50 and s.captures > 5
 
 
