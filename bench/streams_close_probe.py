@@ -1,13 +1,17 @@
 """Probe (not a test): does freeing a pinned host tensor that torch copied into on EngineStreams'
 compute stream crash once the streams are closed? Prints each step; a crash shows as a signal exit.
 
-    python tests/gpu/streams_close_probe.py [release-first]"""
+    python bench/streams_close_probe.py [release-first]"""
 import gc
+import pathlib
 import sys
 
-import torch
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from engine.cuda.streams import EngineStreams
+import torch  # noqa: E402
+
+from engine.cuda.streams import EngineStreams  # noqa: E402
 
 dev = torch.device("cuda", 0)
 streams = EngineStreams(dev)

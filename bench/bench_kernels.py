@@ -1,5 +1,5 @@
 """Times each kernel of kernels_cu/ at typical decode shapes (Llama-3.2-1B: hidden 2048, 32 heads, 8 KV
-heads, head_dim 64, intermediate 8192, vocab 128256). Run on a GPU: `python tests/gpu/bench_kernels.py`.
+heads, head_dim 64, intermediate 8192, vocab 128256). Run on a GPU: `python bench/bench_kernels.py`.
 
 device us: median over 5 replays of a CUDA graph holding 20 back-to-back calls, per call (no launch
 gaps). host us: wall time per eager call (Python wrapper + cuLaunchKernel), 200 calls, synchronised
@@ -20,12 +20,15 @@ import statistics
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from engine import sampling
-from engine.cuda.kernels import KernelLibrary
-from engine.cuda.ops import CudaOps
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import sampling  # noqa: E402
+from engine.cuda.kernels import KernelLibrary  # noqa: E402
+from engine.cuda.ops import CudaOps  # noqa: E402
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
 

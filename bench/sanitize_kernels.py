@@ -1,17 +1,21 @@
 """Runs every kernel once on small shapes, for compute-sanitizer:
 
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/sanitize_kernels.py
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python bench/sanitize_kernels.py
 
 (no caching allocator, so an access past a tensor's end leaves its own allocation and is reported)."""
 from __future__ import annotations
 
+import pathlib
 import sys
 
-import torch
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-from engine import sampling
-from engine.cuda.ops import CudaOps
-from engine.ops.torch_ops import AttentionShape
+import torch  # noqa: E402
+
+from engine import sampling  # noqa: E402
+from engine.cuda.ops import CudaOps  # noqa: E402
+from engine.ops.torch_ops import AttentionShape  # noqa: E402
 
 
 def decode_step_state(ops, dev, vocab: int) -> None:
