@@ -9,13 +9,23 @@
 # and a C++ compiler) installs the package, generates the gRPC stubs and compiles the kernels to
 # fatbins; `runtime` (CUDA runtime image: libraries only, no compiler) gets the virtualenv and the
 # source tree with the compiled artefacts, and runs as uid 10001.
+#
+# The versions below are the ones the README's and bench/RESULTS.md's figures were measured with on the
+# H200 (torch 2.11 + CUDA 13.0, cuda-bindings 13.3, grpcio 1.84, protobuf 7.36); override with --build-arg.
+# WITH_TRANSFORMERS=1 adds transformers (the benchmarks' comparison and the tests' oracle; the worker does
+# not import it).
 ARG CUDA_VERSION=13.0.1
 ARG UBUNTU_VERSION=ubuntu24.04
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU_VERSION} AS build
-# torch comes from the PyTorch index of the matching CUDA major version.
+# torch comes from the PyTorch index of the matching CUDA version.
+ARG TORCH_VERSION=2.11.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
-ARG TORCH_SPEC=torch
+ARG CUDA_PYTHON_VERSION=13.3.1
+ARG GRPCIO_VERSION=1.84.0
+ARG PROTOBUF_VERSION=7.36.2
+ARG TRANSFORMERS_VERSION=5.17.0
+ARG WITH_TRANSFORMERS=0
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -28,11 +38,17 @@ ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /app
 
 # Dependencies first, in a layer that survives source edits.
+# The pins are constraints: pyproject.toml's dependencies stay the list of what is installed.
 COPY pyproject.toml ./
-RUN pip install --index-url "$TORCH_INDEX_URL" "$TORCH_SPEC" \
+RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}" \
+ && printf '%s\n' "torch==${TORCH_VERSION}" "cuda-python==${CUDA_PYTHON_VERSION}" \
+        "cuda-bindings==${CUDA_PYTHON_VERSION}" "grpcio==${GRPCIO_VERSION}" \
+        "grpcio-reflection==${GRPCIO_VERSION}" "grpcio-health-checking==${GRPCIO_VERSION}" \
+        "protobuf==${PROTOBUF_VERSION}" > /tmp/constraints.txt \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt "setuptools>=69" "grpcio-tools==1.84.0"
+ && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt "setuptools>=69" "grpcio-tools==1.84.0" \
+ && if [ "$WITH_TRANSFORMERS" = 1 ]; then pip install -c /tmp/constraints.txt "transformers==${TRANSFORMERS_VERSION}"; fi
 
 COPY . .
 # Editable install: the package runs from /app, beside kernels_cu/ and its compiled fatbins.

@@ -1,4 +1,4 @@
-"""Summarises the engine_bench JSONs of an A/B call (bench/gpu_session.sh abtrees / abengine1b): one line per
+"""Summarises the engine_bench JSONs of an A/B call (bench/gpu_session.sh ab): one line per
 tree (the folder a JSON sits in: the base trees' subfolders, "new" for the top one), each figure listed per
 process in run order, then its median.
 

@@ -110,7 +110,7 @@ def graph_stats(engine: Engine) -> tuple[int, int]:
 def batch_layout(engine: Engine, ids: list[int]) -> dict:
     """Where a batch lives: its slots, its KV block ids (range, and the fraction of a sequence's consecutive
     blocks that are adjacent ids) and the graphs captured so far. The same tree replays a batch-32 step up
-    to 55 us faster or slower depending on the runs before it (docs/decode-step-budget.md item 6)."""
+    to 55 us faster or slower depending on the runs before it (docs/decode-step-budget.md, "Open questions")."""
     seqs = [engine.sequences[i] for i in ids]
     blocks = [b for s in seqs for b in s.block_ids]
     pairs = [(a, b) for s in seqs for a, b in zip(s.block_ids, s.block_ids[1:])]
@@ -318,7 +318,7 @@ def use_kernels(kernel_dir: pathlib.Path, build_dir: pathlib.Path) -> None:
 def guarded(results: dict, name: str, fn, *args, **kwargs):
     # As the worker does once it has started: what is alive now (torch, the models) leaves the collector's
     # reach, so no full collection over it (tens of ms) lands inside a timed phase. (It is not what moves the
-    # queued batch-32 figure between processes: docs/decode-step-budget.md item 6.)
+    # queued batch-32 figure between processes: docs/decode-step-budget.md, "Open questions".)
     gc.collect()
     gc.freeze()
     try:

@@ -10,7 +10,7 @@ into L2? A stand-in layer, replayed as a CUDA graph with programmatic dependent 
 The skinny kernels are launched with programmatic dependent launch (as the engine does; --no-pdl: without).
 Each variant prints the median layer time of 40 replays and checks the hidden state equals the reference's
 (an empty window; with 8-warp o blocks, the first such run: they sum K in another order).
-Results: bench/results/pre-wait-operands-20261203-nvidia-h200.md.
+Results: docs/decode-step-budget.md, "Measured and dropped" (L2 prefetch of the next kernels' weights).
 
 Prefetch mechanisms: pf_last / pf_norm (prefetch.global.L2::evict_last / ::evict_normal, one per 128-byte line),
 ld_last (a 16-byte ld.global.nc with an L2 evict_last cache policy and a 256-byte L2 fetch per 256 bytes, folded into a sink), bulk

@@ -3,8 +3,8 @@ five layouts in turn: the first slots and KV blocks; high slot rows over low blo
 the first slots); low slots over high blocks (20 long sequences hold the first 2560 blocks); both high; the first
 slots again. Each layout is timed queued (bench/engine_bench.py's engine_decode_queued: two steps in flight) and
 one step at a time (engine_decode, with its device time), and prints one JSON line.
-docs/decode-step-budget.md item 6 (the queued batch-32 step reads 1.216-1.226 ms in some processes and 1.270-1.277
-in others, with the same one-at-a-time device time).
+docs/decode-step-budget.md, "Open questions" (the queued batch-32 step reads 1.216-1.226 ms in some processes and
+1.270-1.277 in others, with the same one-at-a-time device time; not the layout, this script found).
 
     python bench/queued_layout.py [--shape 1b] [--batch 32] [--steps 200]      (GPU; --shape tiny runs on CPU)"""
 from __future__ import annotations

@@ -5,9 +5,8 @@ replayed in one CUDA graph, so the weights come from DRAM as in the step; the fi
 
     python bench/split_k_gemm.py [--tokens 16 32 64] [--splits 2 4 8] [--all-shapes]
 
-H200, 2026-12-02 12:25 (bench/results/split-k-gemm-20261202T1225-nvidia-h200.log), 32 tokens: o 6.40 us
-(addmm_) vs 5.50 (S = 4), down 14.24 vs 12.05; gate_up was slower split (19.3 vs 21.0-25.1 us in the first
-form of this script, bench/results/split-k-residual-norm-20261202-nvidia-h200.md), so it keeps cuBLAS."""
+On the H200 at 32 tokens: o 6.40 us (addmm_) vs 5.50 (S = 4), down 14.24 vs 12.05; gate_up is slower split
+(19.3 vs 21.0-25.1 us), so it keeps cuBLAS (bench/RESULTS.md, kernel benchmarks)."""
 from __future__ import annotations
 
 import argparse

@@ -1,0 +1,400 @@
+"""Times each kernel of kernels_cu/ at typical decode shapes (Llama-3.2-1B: hidden 2048, 32 heads, 8 KV
+heads, head_dim 64, intermediate 8192, vocab 128256). Run on a GPU: `python bench/bench_kernels.py`.
+
+device us: median over 5 replays of a CUDA graph holding 20 back-to-back calls, per call (no launch
+gaps). host us: wall time per eager call (Python wrapper + cuLaunchKernel), 200 calls, synchronised
+at the end. Decode attention also shows the KV bytes it reads over its device time.
+
+The skinny linear kernels (kernels_cu/skinny_linear.cu) are timed at the decode GEMM shapes of
+Llama-3.2-1B and Llama-3.1-8B for 1, 5, 8, 16 and 32 tokens, next to torch's F.linear (cuBLAS) at the same
+shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
+and the plain skinny_store, and the fused kernel again at the block width the wrapper did not pick
+(w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
+enough weight copies (>= 256 MiB) that no call finds its weight in L2.
+"""
+from __future__ import annotations
+
+import itertools
+import pathlib
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from engine import sampling  # noqa: E402
+from engine.cuda.library import KernelLibrary  # noqa: E402
+from engine.cuda.ops import CudaOps  # noqa: E402
+from engine.cuda.wrappers import decode_attention, rms_norm, skinny_linear  # noqa: E402
+from engine.cuda.wrappers import sampling as sample_kernels  # noqa: E402
+
+HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
+
+
+def device_us(fn, calls: int = 20, reps: int = 5) -> float:
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def host_us(fn, calls: int = 200) -> float:
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / calls
+
+
+def sampling_rows(n: int, kind: str) -> sampling.SamplingTensors:
+    dev = "cuda"
+    temp = {"greedy": 0.0, "temperature": 0.8, "top_k_top_p": 0.8}[kind]
+    return sampling.SamplingTensors(
+        temperature=torch.full((n,), temp, device=dev), top_k=torch.full((n,), 50 if kind == "top_k_top_p" else 0,
+                                                                          dtype=torch.int64, device=dev),
+        top_p=torch.full((n,), 0.9 if kind == "top_k_top_p" else 1.0, device=dev),
+        seed=torch.arange(n, dtype=torch.int64, device=dev) * 7919 + 1,
+        repetition_penalty=torch.full((n,), 1.1, device=dev), seen=torch.rand(n, VOCAB, device=dev) < 0.001,
+        position=torch.arange(n, dtype=torch.int64, device=dev) + 100)
+
+
+# (label, N, K, fused epilogue); rope_kv shapes are 32 query heads and 8 KV heads.
+SKINNY_SHAPES = [
+    ("1B qkv", 3072, 2048, "rope_kv"), ("1B o", 2048, 2048, "residual"), ("1B gate_up", 16384, 2048, "silu"),
+    ("1B down", 2048, 8192, "residual"), ("1B lm_head", 128256, 2048, "f32"),
+    ("8B qkv", 6144, 4096, "rope_kv"), ("8B o", 4096, 4096, "residual"), ("8B gate_up", 28672, 4096, "silu"),
+    ("8B down", 4096, 14336, "residual"), ("8B lm_head", 128256, 4096, "f32"),
+]
+SKINNY_HEADS, SKINNY_KV_HEADS = 32, 8
+ROTATE_BYTES = 256 << 20  # weight bytes cycled through per timed graph: more than any L2
+
+
+def rotating(fn, weights: list[torch.Tensor]):
+    """A call of fn(weight) on the next weight copy each time (captured 20 times: 20 different weights)."""
+    ring = itertools.cycle(weights)
+    return lambda: fn(next(ring))
+
+
+def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[torch.Tensor]) -> dict:
+    """{name: fn} for one shape and token count: torch's F.linear, skinny_store, and the fused epilogue."""
+    x = torch.randn(M, K, device=dev, dtype=dt)
+    nw = torch.ones(K, device=dev, dtype=dt)
+    out = torch.empty(M, N, device=dev, dtype=dt)
+    cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
+             "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
+    if ep == "f32":
+        logits = torch.empty(M, N, device=dev)
+        fused = rotating(lambda w: skinny_linear.store(lib, logits, x, w, norm_weight=nw), weights)
+    elif ep == "silu":
+        act = torch.empty(M, N // 2, device=dev, dtype=dt)
+        fused = rotating(lambda w: skinny_linear.silu(lib, act, x, w, nw), weights)
+    elif ep == "residual":
+        res = torch.zeros(M, N, device=dev, dtype=dt)
+        fused = rotating(lambda w: skinny_linear.residual(lib, res, x, w), weights)
+    else:
+        H, Hkv = SKINNY_HEADS, SKINNY_KV_HEADS
+        D = N // (H + 2 * Hkv)
+        q_out = torch.empty(M, H, D, device=dev, dtype=dt)
+        kc = torch.zeros(M // BS + 1, BS, Hkv, D, device=dev, dtype=dt)
+        vc = torch.zeros_like(kc)
+        cs = torch.randn(8192, D, device=dev)
+        pos = torch.arange(M, dtype=torch.int64, device=dev) + 100
+        slots = torch.arange(M, dtype=torch.int64, device=dev)
+        fused = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
+                         weights)
+    cases[f"skinny_{ep}"] = fused
+    wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
+    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
+    return cases
+
+
+def forced_width(lib, fn, wide_tiles: int):
+    """fn, launching its skinny kernels with lib.skinny_wide_tiles = wide_tiles (0: always 8-warp blocks,
+    huge: always 16)."""
+    def run():
+        shipped, lib.skinny_wide_tiles = lib.skinny_wide_tiles, wide_tiles
+        try:
+            fn()
+        finally:
+            lib.skinny_wide_tiles = shipped
+    return run
+
+
+def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Verify of 4 drafts at batch 1
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        nbytes = N * K * 2
+        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
+        weights = [torch.randn(N, K, device=dev, dtype=dt) for _ in range(copies)]
+        for M in tokens:
+            for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
+                d_us = device_us(fn)
+                rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def norm_layout_rows(lib, dev, dt) -> list[tuple]:
+    """rms_norm at prompt-sized inputs under several (threads per row, rows per block) layouts: the
+    shipped one (engine/cuda/wrappers/rms_norm.py, norm_layout) first."""
+    rows = []
+    shipped = rms_norm.norm_layout
+    for tokens, hidden in ((4096, 4096), (4096, 2048), (2048, 4096), (32, 4096)):
+        x = torch.randn(tokens, hidden, device=dev).to(dt)
+        w = torch.ones(hidden, device=dev, dtype=dt)
+        out = torch.empty_like(x)
+        vecs = hidden // 8
+        layouts = [shipped(hidden, tokens)] + [(t, 1) for t in (64, 128, 256, 512)
+                                               if vecs <= 4 * t and (t, 1) != shipped(hidden, tokens)]
+        for tpr, rpb in layouts:
+            rms_norm.norm_layout = lambda D, rows, tpr=tpr, rpb=rpb: (tpr, rpb)
+            d_us = device_us(lambda: rms_norm.launch(lib, out, x, w, 1e-5))
+            rows.append((tokens, f"rms_norm {hidden} tpr={tpr} rpb={rpb}", d_us, 0.0,
+                         f"{2 * x.numel() * 2 / d_us / 1e3:8.0f} GB/s"))
+        rms_norm.norm_layout = shipped
+    return rows
+
+
+def decode_cache(batch: int, ctx: int, dev, dt) -> tuple:
+    """Random K/V caches holding `ctx` keys of each of `batch` sequences (1B shape) and the decode operands
+    for a new token at position ctx - 1: (k_cache, v_cache, block_tables, seq_lens, positions, slots)."""
+    blocks = -(-(ctx + 1) // BS)
+    num_blocks = batch * blocks + 1
+    k_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+    v_cache = torch.randn(num_blocks, BS, HKV, D, device=dev).to(dt)
+    table = (torch.arange(batch * blocks, device=dev, dtype=torch.int32) + 1).view(batch, blocks)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    pos = torch.full((batch,), ctx - 1, dtype=torch.int64, device=dev)
+    slots = table[:, (ctx - 1) // BS].long() * BS + (ctx - 1) % BS
+    return k_cache, v_cache, table, seq_lens, pos, slots
+
+
+def attention_split_rows(ops, dev, dt) -> list[tuple]:
+    """Decode attention at the 1B shape for batches 32 and 64 and several contexts, with the launch's key
+    splits forced to 1, 2, 4 and 8 (clusters of all of them: the DSMEM merge), unfused and with the fused
+    RoPE + KV write. The shipped rule's choice (decode_num_splits at max_seq_len 2048) is marked *. The
+    caches are the same on every call, so the keys come from L2: `--ncu` shows the kernel reading DRAM."""
+    lib, rows = ops.lib, []
+    cos_sin = torch.randn(8192, D, device=dev)
+    for batch in (32, 64):
+        shipped = decode_attention.key_splits(lib, batch, H, HKV, D, 2048)
+        for ctx in (128, 256, 512):
+            kc, vc, table, seq_lens, pos, slots = decode_cache(batch, ctx, dev, dt)
+            qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
+            q = qkv[:, :H * D].view(batch, H, D)
+            k = qkv[:, H * D:(H + HKV) * D].view(batch, HKV, D)
+            v = qkv[:, (H + HKV) * D:].view(batch, HKV, D)
+            out = torch.empty(batch, H, D, device=dev, dtype=dt)
+            kv_bytes = batch * ctx * HKV * D * 2 * 2
+            for splits in (1, 2, 4, 8):
+                po = torch.empty(batch, H, splits, D, device=dev)
+                pl = torch.empty(batch, H, splits, device=dev)
+                for rope in (None, (k, v, cos_sin, pos, slots)):
+                    fn = (lambda po=po, pl=pl, splits=splits, rope=rope: decode_attention.launch(
+                        lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                        rope=rope))
+                    d_us = device_us(fn)
+                    name = f"attention ctx{ctx} splits={splits}{'*' if splits == shipped else ''}" + (
+                        " +rope" if rope else "")
+                    rows.append((batch, name, d_us, 0.0, f"{kv_bytes / d_us / 1e3:8.0f} GB/s KV"))
+    return rows
+
+
+def sample_rows(lib, dev) -> list[tuple]:
+    """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
+    rows = []
+    for batch in (1, 8, 32):
+        logits = torch.randn(batch, VOCAB, device=dev) * 3
+        splits = sample_kernels.vocab_splits(lib, batch, VOCAB)
+        parts = torch.empty((batch, splits, 8), dtype=torch.float32, device=dev)
+        th = torch.empty(batch, dtype=torch.int32, device=dev)
+        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
+        lps = torch.empty(batch, dtype=torch.float32, device=dev)
+        for kind in ("greedy", "temperature"):
+            st = sampling_rows(batch, kind)
+            args = (logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed, st.repetition_penalty, st.position)
+
+            def four(args=args):
+                sample_kernels.stats(lib, parts, *args)
+                sample_kernels.select(lib, th, parts, *args)
+                sample_kernels.draw(lib, parts, th, *args)
+                sample_kernels.finish(lib, tokens, lps, parts, logits, args[2])
+
+            stats_us = device_us(lambda args=args: sample_kernels.stats(lib, parts, *args))
+            nbytes = batch * VOCAB * 5
+            rows.append((batch, f"sample_stats {kind}", stats_us, f"{nbytes / stats_us / 1e3:8.0f} GB/s, {splits} splits"))
+            rows.append((batch, f"sample (4 kernels) {kind}", device_us(four), ""))
+    return rows
+
+
+def ncu_targets(ops, dev, dt) -> None:
+    """Eager launches for Nsight Compute (`ncu --kernel-name regex:...`; bench/gpu_session.sh stage ncu):
+    sample_stats at batch 32 (greedy), and decode attention at 1B batch 32, context 256, with the fused
+    RoPE, twice each (ncu flushes the caches before each: the keys come from DRAM, as in a decode step)."""
+    lib = ops.lib
+    logits = torch.randn(32, VOCAB, device=dev) * 3
+    splits = sample_kernels.vocab_splits(lib, 32, VOCAB)
+    parts = torch.empty((32, splits, 8), dtype=torch.float32, device=dev)
+    st = sampling_rows(32, "greedy")
+    kc, vc, table, seq_lens, pos, slots = decode_cache(32, 256, dev, dt)
+    qkv = torch.randn(32, (H + 2 * HKV) * D, device=dev).to(dt)
+    q = qkv[:, :H * D].view(32, H, D)
+    k = qkv[:, H * D:(H + HKV) * D].view(32, HKV, D)
+    v = qkv[:, (H + HKV) * D:].view(32, HKV, D)
+    out = torch.empty(32, H, D, device=dev, dtype=dt)
+    cos_sin = torch.randn(8192, D, device=dev)
+    splits = decode_attention.key_splits(lib, 32, H, HKV, D, 2048)
+    po, pl = torch.empty(32, H, splits, D, device=dev), torch.empty(32, H, splits, device=dev)
+    for _ in range(2):
+        sample_kernels.stats(lib, parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+                             st.repetition_penalty, st.position)
+    for _ in range(2):
+        decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
+                                rope=(k, v, cos_sin, pos, slots))
+    torch.cuda.synchronize()
+
+
+def main() -> int:
+    """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
+    rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
+    --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
+    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
+    --tokens 1,8 with --skinny: only those token counts;
+    --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
+    (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ops = CudaOps.create(dev, max_seq_len=8192)
+    dt = torch.bfloat16
+    print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--ncu" in sys.argv:
+        ncu_targets(ops, dev, dt)
+        return 0
+    if "--attention" in sys.argv:
+        for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}")
+        return 0
+    if "--topk" in sys.argv:  # the top-logprob candidates of a step (CudaOps.sample's num_top > 0 part)
+        from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
+        for batch in (1, 8, 32, 128):
+            logits = torch.randn(batch, VOCAB, device=dev) * 3
+            st = sampling_rows(batch, "greedy")
+            splits = sample_kernels.vocab_splits(ops.lib, batch, VOCAB)
+            parts = torch.empty((batch, splits, SAMPLE_PART_STRIDE), device=dev)
+            sample_kernels.stats(ops.lib, parts, logits, st.seen, st.temperature, st.top_k, st.top_p, st.seed,
+                                 st.repetition_penalty, st.position)
+            for k in (1, 2, 5, 8, 20):
+                d_us = device_us(lambda k=k, x=logits: torch.topk(torch.log_softmax(x, dim=-1), k, dim=-1))
+                ids = torch.empty((batch, k), dtype=torch.int64, device=dev)
+                lps = torch.empty((batch, k), dtype=torch.float32, device=dev)
+                cand = torch.empty((batch, -(-VOCAB // TOPK_CHUNK), k), dtype=torch.int64, device=dev)
+                k_us = device_us(lambda i=ids, lp=lps, c=cand: sample_kernels.topk(ops.lib, i, lp, c, parts, logits))
+                print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
+                print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
+        return 0
+    if "--norm" in sys.argv:
+        for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
+        return 0
+    if "--sample" in sys.argv:  # the sampling kernels alone (sample_stats, then the four) at decode batches
+        libs = [("", ops.lib)]
+        if "--variant" in sys.argv:
+            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
+            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
+                                                                        kernel_dir=pathlib.Path(src), pdl=True)))
+        for tag, lib in libs:
+            for batch, name, d_us, extra in sample_rows(lib, dev):
+                print(f"{batch:>5}  {tag + name:<40} {d_us:>10.2f}  {extra}")
+        return 0
+    if "--skinny" in sys.argv:
+        only = {}
+        if "--tokens" in sys.argv:
+            only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
+        libs = [("", ops.lib)]
+        if "--variant" in sys.argv:
+            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
+            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
+                                                                        kernel_dir=pathlib.Path(src))))
+        for tag, lib in libs:
+            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt, **only):
+                print(f"{batch:>5}  {tag + name:<34} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
+        return 0
+    rows = []
+    embed = torch.randn(VOCAB, HIDDEN, device=dev).to(dt)
+    w = torch.ones(HIDDEN, device=dev, dtype=dt)
+    cos_sin = torch.randn(8192, D, device=dev)
+    for batch in (1, 32):
+        ids = torch.randint(0, VOCAB, (batch,), device=dev)
+        x = torch.randn(batch, HIDDEN, device=dev).to(dt)
+        qkv = torch.randn(batch, (H + 2 * HKV) * D, device=dev).to(dt)
+        q = qkv[:, :H * D].view(batch, H, D)
+        k = qkv[:, H * D:(H + HKV) * D].view(batch, HKV, D)
+        v = qkv[:, (H + HKV) * D:].view(batch, HKV, D)
+        gate_up = torch.randn(batch, 2 * INTER, device=dev).to(dt)
+        logits = torch.randn(batch, VOCAB, device=dev) * 3
+        cases = [
+            ("embedding", lambda: ops.embedding(ids, embed), None),
+            ("rms_norm", lambda: ops.rms_norm(x, w, 1e-5), None),
+            ("silu_and_mul", lambda: ops.silu_and_mul(gate_up), None),
+        ]
+        for ctx in (128, 2048):
+            k_cache, v_cache, table, seq_lens, pos, slots = decode_cache(batch, ctx, dev, dt)
+            kv_bytes = batch * ctx * HKV * D * 2 * 2
+            cases.append((f"rope_cache_write ctx{ctx}", lambda q=q, k=k, v=v, pos=pos, kc=k_cache, vc=v_cache, s=slots:
+                          ops.rope_cache_write(q, k, v, cos_sin, pos, kc, vc, s), None))
+            cases.append((f"decode_attention ctx{ctx}",
+                          lambda q=q, kc=k_cache, vc=v_cache, t=table, sl=seq_lens:
+                          ops.decode_attention(q, kc, vc, t, sl, D ** -0.5), kv_bytes))
+        for kind in ("greedy", "temperature", "top_k_top_p"):
+            st = sampling_rows(batch, kind)
+            cases.append((f"sample {kind}", lambda st=st, lg=logits: ops.sample(lg, st), None))
+        for name, fn, nbytes in cases:
+            dev_us = device_us(fn)
+            extra = f"{nbytes / dev_us / 1e3:8.0f} GB/s" if nbytes else ""
+            rows.append((batch, name, dev_us, host_us(fn), extra))
+
+    # Speculative acceptance (batch 1, 4 drafts) and a 2048-token prefill.
+    target = torch.log_softmax(torch.randn(1, 5, VOCAB, device=dev) * 3, dim=-1)
+    drafts = torch.randint(0, VOCAB, (1, 4), device=dev)
+    seed = torch.full((1, 5), 3, dtype=torch.int64, device=dev)
+    posn = torch.arange(5, dtype=torch.int64, device=dev)[None]
+    fn = lambda: ops.accept_drafts(target, drafts, None, seed, posn)  # noqa: E731
+    rows.append((1, "accept_drafts k=4", device_us(fn), host_us(fn), ""))
+    T = 2048
+    kc = torch.randn(T // BS + 1, BS, HKV, D, device=dev).to(dt)
+    vc = torch.randn(T // BS + 1, BS, HKV, D, device=dev).to(dt)
+    table = (torch.arange(T // BS, device=dev, dtype=torch.int32) + 1)[None]
+    qp = torch.randn(T, H, D, device=dev).to(dt)
+    fn = lambda: ops.prefill_attention(qp, kc, vc, table, [0, T], [T], D ** -0.5)  # noqa: E731
+    t_us = host_us(fn, 20)
+    flops = 4 * T * T / 2 * H * D
+    rows.append((1, f"prefill_attention 1x{T}", t_us, t_us, f"{flops / t_us / 1e6:8.1f} TFLOP/s"))
+    rows += skinny_rows(ops.lib, dev, dt)
+
+    print(f"{'batch':>5}  {'kernel':<28} {'device us':>10} {'host us':>9}  note")
+    for batch, name, d_us, h_us, extra in rows:
+        print(f"{batch:>5}  {name:<28} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
