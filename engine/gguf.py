@@ -186,7 +186,8 @@ def model_config(meta: _Metadata, reader) -> dict:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": eog[0] if len(eog) == 1 else (eog or None),
         "torch_dtype": "float32",  # set by _tensor_plan from what is stored
-        "gguf_source": {"file": meta.src.name, "architecture": arch, "name": meta.get("general.name")},
+        "gguf_source": {"file": meta.src.name, "architecture": arch, "name": meta.get("general.name"),
+                        "converter_version": CONVERTER_VERSION},
     }
     if model_type in ("qwen2", "qwen3"):
         config.update(use_sliding_window=False, sliding_window=None)
