@@ -156,7 +156,8 @@ def model_config(meta: _Metadata, reader) -> dict:
     hidden = int(meta.require(f"{arch}.embedding_length"))
     heads = _uniform(meta, f"{arch}.attention.head_count")
     kv_heads = _uniform(meta, f"{arch}.attention.head_count_kv", default=heads)
-    head_dim = int(meta.get(f"{arch}.attention.key_length") or hidden // heads)
+    head_dim = int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                   or hidden // heads)
     value_dim = meta.get(f"{arch}.attention.value_length")
     if value_dim is not None and int(value_dim) != head_dim:
         raise ConfigError(f"{meta.src}: key and value head sizes differ ({head_dim} vs {value_dim}): not supported")
@@ -248,11 +249,11 @@ def _llama3_scaling(tensor, config: dict, src: pathlib.Path) -> dict:
         orig = a * (high - 1)
     else:  # no interior points: Llama 3's own values fit any such step
         high, orig = 4.0, 8192.0
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": round(high, 4),
-               "original_max_position_embeddings": int(round(orig))}
-    low_wl, high_wl = scaling["original_max_position_embeddings"] / 1.0, scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
-    s = (scaling["original_max_position_embeddings"] / wavelen - 1.0) / (scaling["high_freq_factor"] - 1.0)
-    expect = np.where(wavelen < high_wl, 1.0, np.where(wavelen > low_wl, factor, 1 / ((1 - s) / factor + s)))
+    high, orig = round(float(high), 4), int(round(orig))
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+               "original_max_position_embeddings": orig}
+    s = (orig / wavelen - 1.0) / (high - 1.0)
+    expect = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig, factor, 1 / ((1 - s) / factor + s)))
     if not np.allclose(expect, freqs_factor, rtol=1e-3):
         raise ConfigError(f"{src}: rope_freqs does not match llama3 rope scaling: not supported")
     return scaling
