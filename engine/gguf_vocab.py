@@ -130,8 +130,11 @@ def _sentencepiece(meta, tokens: list[str]):
 
     scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = meta.get("tokenizer.ggml.merges")
-    merges = [tuple(m.split(" ", 1)) for m in merges] if merges else _merges_from_scores(vocab, dict(zip(tokens, scores)))
+    listed = meta.get("tokenizer.ggml.merges")
+    if listed:
+        merges = [tuple(m.split(" ", 1)) for m in listed]
+    else:
+        merges = _merges_from_scores(vocab, dict(zip(tokens, scores)))
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, unk_token=unk, fuse_unk=True,

@@ -34,7 +34,8 @@ CHATS = [
 TEXTS = [
     "Hello world", "What is the capital of France?", "x = 12345 + 0.5*y_2 // 7", "  leading  spaces\n\n\ttabs\r\n",
     "Ünïcödé — “quotes” and ‘apostrophes’ in naïve café", "日本語のテキストと中文文本", "emoji 🙂🚀👩‍💻 end",
-    "def f(a, b):\n    return a ** 2 // b  # comment\n", "it's we'll I'M they'RE", "<|im_start|>user\nHi<|im_end|>\n",
+    "def f(a, b):\n    return a ** 2 // b  # comment\n", "it's we'll I'M they'RE",
+    "<|im_start|>user\nHi<|im_end|>\n",
     "", " ", "Ελληνικά и русский текст", "URL: https://example.com/path?q=1&r=2#frag",
 ]
 
