@@ -24,8 +24,9 @@ DEVICES = ("auto", "cpu", "cuda")
 class EngineConfig:
     """How the engine runs. Every field is also a CLI flag (--model, --max-slots, ...)."""
 
-    model: str = field(default="", metadata={"help": "checkpoint directory (config.json + *.safetensors); "
-                                                      "empty: the built-in default model"})
+    model: str = field(default="", metadata={"help": "checkpoint directory (config.json + *.safetensors) or a "
+                                                      ".gguf file (converted once into the cache dir); empty: the "
+                                                      "built-in default model, SmolLM2-135M-Instruct"})
     device: str = field(default="auto", metadata={"help": "auto (GPU if cuda-python finds one), cpu or cuda",
                                                    "choices": DEVICES})
     kernels: str = field(default="auto", metadata={
@@ -150,12 +151,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "ModelConfig":
-        """Parses path/config.json; every problem is a ConfigError naming the file."""
-        cfg_path = pathlib.Path(path) / "config.json"
-        if not pathlib.Path(path).is_dir():
-            what = "is not a directory" if pathlib.Path(path).exists() else "does not exist"
+        """Parses path/config.json; every problem is a ConfigError naming the file. path: a checkpoint
+        directory, or a .gguf file (its converted checkpoint, engine/gguf.py)."""
+        from engine.default_model import resolve_model_dir
+
+        path = resolve_model_dir(path)
+        cfg_path = path / "config.json"
+        if not path.is_dir():
+            what = "is not a directory" if path.exists() else "does not exist"
             raise ConfigError(f"model directory {path} {what} (--model: a directory holding config.json and "
-                              f"*.safetensors)")
+                              f"*.safetensors, or a .gguf file)")
         if not cfg_path.is_file():
             raise ConfigError(f"{cfg_path} not found: a model directory holds config.json and *.safetensors")
         try:

@@ -140,8 +140,11 @@ class _Tensors:
 def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
     """Reads only the headers of the checkpoint in `path`: every tensor `cfg` needs is there with its
     shape, and no file is truncated. A ConfigError names the file, or the directory and the tensor.
-    Returns the opened checkpoint, for load_weights."""
-    path = pathlib.Path(path)
+    Returns the opened checkpoint, for load_weights. path: a checkpoint directory, or a .gguf file
+    (its converted checkpoint, engine/gguf.py)."""
+    from engine.default_model import resolve_model_dir
+
+    path = resolve_model_dir(path)
     files = checkpoint_files(path)
     tensors = _Tensors(files)
     where = str(files[0]) if len(files) == 1 else f"{path} ({len(files)} shards)"

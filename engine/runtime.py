@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.default_model import default_model_dir
+from engine.default_model import resolve_model_dir
 from engine.device import select_device, select_dtype
 from engine.cuda.dispatch import StepDispatch
 from engine.errors import ConfigError
@@ -67,7 +67,7 @@ class Runtime:
     def create(cls, config: EngineConfig) -> "Runtime":
         """Loads the checkpoint onto the device, sizes and allocates the KV cache, and starts the op backend.
         Raises ConfigError naming what cannot run."""
-        model_path = pathlib.Path(config.model) if config.model else default_model_dir()
+        model_path = resolve_model_dir(config.model)  # the default model, a directory, or a .gguf's conversion
         mc = ModelConfig.from_dir(model_path)
         device = select_device(config)
         dtype = select_dtype(config, mc, device)

@@ -100,6 +100,15 @@ def start_server(model: pathlib.Path, worker_changes: dict | None = None, **engi
     return ServerThread(wc, engine_config(model, **engine_changes))
 
 
+@pytest.fixture(scope="session")
+def default_model() -> pathlib.Path:
+    """The built-in default model (SmolLM2-135M-Instruct) converted into the cache dir: fetched and
+    converted on the first run on a machine, shared by every test after."""
+    from engine.default_model import default_model_dir
+
+    return default_model_dir()
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model):
     srv = start_server(tiny_model)
@@ -120,9 +129,9 @@ def alloc(stub, max_total_tokens=64, **kwargs) -> int:
 
 
 def generate_via_grpc(stub, prompts: list[list[int]], max_new_tokens: int, sampling=None,
-                      chunk: int = 0) -> list[list[int]]:
+                      chunk: int = 0, ignore_eos: bool = True) -> list[list[int]]:
     """Alloc -> Prefill (one batch; chunked when chunk > 0) -> Decode (one batch) ... -> Release."""
-    stopping = pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=True)
+    stopping = pb.StoppingCriteria(max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     ids = [alloc(stub, len(p) + max_new_tokens + 1, sampling=sampling, stopping=stopping) for p in prompts]
     out: dict[int, list[int]] = {i: [] for i in ids}
     if chunk:

@@ -38,9 +38,11 @@ def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):
     assert type(model).__name__ == "Qwen3ForCausalLM"
 
 
-def test_serve_default_model_then_sigterm_exits_zero(tmp_path):
+def test_serve_default_model_then_sigterm_exits_zero(default_model):
     port = free_port()
-    env = {**os.environ, "METRALE_CACHE_DIR": str(tmp_path / "cache")}
+    # The session's cache dir, where the default_model fixture converted the default model: the first
+    # start on a machine fetches and converts it (tests/test_real_model.py covers that path's output).
+    env = {**os.environ, "METRALE_CACHE_DIR": str(default_model.parent.parent)}
     proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--host", "127.0.0.1", "--port", str(port),
                              "--grace-period-s", "5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -57,8 +59,8 @@ def test_serve_default_model_then_sigterm_exits_zero(tmp_path):
             assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() else ""
             time.sleep(0.2)
         info = pb_grpc.ModelWorkerStub(channel).Info(pb.InfoRequest())
-        assert info.model_id == "default-llama-tiny-v1" and info.device == "cpu"
-        assert (tmp_path / "cache" / "models" / "default-llama-tiny-v1" / "config.json").is_file()
+        assert info.model_id == "SmolLM2-135M-Instruct-Q4_1" and info.device == "cpu"
+        assert info.vocab_size == 49152 and list(info.eos_token_ids) == [2]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
     finally:
