@@ -112,8 +112,8 @@ def batch_layout(engine: Engine, ids: list[int]) -> dict:
     blocks that are adjacent ids) and the graphs captured so far. The same tree replays a batch-32 step up
     to 55 us faster or slower depending on the runs before it (docs/decode-step-budget.md, "Open questions")."""
     seqs = [engine.sequences[i] for i in ids]
-    blocks = [b for s in seqs for b in s.block_ids]
-    pairs = [(a, b) for s in seqs for a, b in zip(s.block_ids, s.block_ids[1:])]
+    blocks = [b for s in seqs for b in s.blocks.block_ids]
+    pairs = [(a, b) for s in seqs for a, b in zip(s.blocks.block_ids, s.blocks.block_ids[1:])]
     g = engine.runtime.dispatch.graphs
     return {"slots": [min(s.slot for s in seqs), max(s.slot for s in seqs)], "blocks": [min(blocks), max(blocks)],
             "adjacent_blocks": sum(b == a + 1 for a, b in pairs) / max(1, len(pairs)),

@@ -28,6 +28,7 @@ class TokenResult:
     top_logprobs: list[tuple[int, float]]
     finish_reason: FinishReason
     seq_len: int
+    cached_tokens: int = 0  # a prompt's first token only: how many prompt tokens came from the prefix cache
 
 
 @dataclass
@@ -70,6 +71,20 @@ class GraphStats:
 
 
 @dataclass
+class PrefixCacheStats:
+    enabled: bool = False
+    cached_blocks: int = 0  # blocks with a hash (referenced or evictable)
+    evictable_blocks: int = 0  # cached blocks no sequence references (counted in free_blocks too)
+    queries: int = 0  # prompts looked up (once per prompt, when it completes)
+    query_tokens: int = 0
+    hit_tokens: int = 0  # prompt tokens taken from the cache instead of computed
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    flushed_blocks: int = 0
+    last_event_batch: int = 0  # KV event batches published so far
+
+
+@dataclass
 class EngineInfo:
     model_id: str
     architecture: str
@@ -90,3 +105,4 @@ class EngineInfo:
     graph_cache: GraphStats = field(default_factory=GraphStats)
     steps_in_flight: int = 0  # decode steps launched and not yet finished
     refused_steps: int = 0  # launched decode steps refused because an earlier step ended one of their sequences
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)

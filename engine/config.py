@@ -57,6 +57,10 @@ class EngineConfig:
     fallback_graphs: bool = field(default=True, metadata={
         "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width (captured "
                 "the first time that width runs) that reads the slot vector from a staging buffer"})
+    prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of full blocks whose tokens (and everything before them) a cached sequence already "
+                "computed: a Prefill computes only what no block holds (engine/prefix_cache.py); off: every prompt "
+                "is computed"})
     warm_up_widths: int = field(default=-1, metadata={
         "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
                 "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})

@@ -212,9 +212,20 @@ class DecodePipeline:
         plan = step.plan
         results = commit_tokens(plan.batch, *self.rt.outputs.step_values(step.entries, plan.num_top, step.ring),
                                 self.rt.eos_token_ids)
+        self._register_full_blocks(plan.batch)
         if not plan.in_slot_order:
             results = in_request_order(results, plan.order)
         step.result = api.StepResult(results, step.timer.elapsed_ns())
+
+    def _register_full_blocks(self, seqs: list[Sequence]) -> None:
+        """Registers the blocks the committed tokens filled in the prefix cache: positions below seq_len - 1
+        hold their final KV once the steps that wrote them finished (the steps still in flight write later
+        positions only)."""
+        block_size = self.rt.block_size
+        for seq in seqs:
+            blocks = seq.blocks
+            if seq.seq_len > (blocks.num_registered + 1) * block_size and blocks.caching:
+                blocks.register(seq.token_ids, seq.seq_len - 1)
 
     def _refuse_in_flight(self) -> None:
         """The oldest launched step holds a sequence an earlier step ended: refuses it, rolls every launched

@@ -16,11 +16,13 @@ from engine import api
 from engine.config import EngineConfig
 from engine.decode import DecodePipeline, PendingStep
 from engine.errors import InvalidArgument, ResourceExhausted
-from engine.kv_cache import BlockAllocator
+from engine.kv_events import KvEventLog
 from engine.prefill import Prefiller
+from engine.prefix_cache import BlockPool, extra_key
 from engine.runtime import Runtime
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import Sequence, SequenceTable, SlotTable
+from engine.sequence_blocks import SequenceBlocks
 from engine.verify import Verifier
 
 VERSION = "0.1.0"
@@ -30,7 +32,10 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         self.runtime = rt = Runtime.create(config)
-        self.blocks = BlockAllocator(rt.kv.num_blocks)
+        self.blocks = BlockPool(rt.kv.num_blocks, config.block_size, KvEventLog())
+        # Prefix caching: off for dynamic NTK RoPE, whose K/V at a position depend on the sequence's length.
+        self.prefix_caching = config.prefix_caching and not rt.dynamic_rope
+        self._cache_extra = extra_key(kv_dtype=str(rt.dtype).removeprefix("torch."))
         self.slots = SlotTable(config.max_slots)
         self.sequences = SequenceTable(rt.vocab_size, config.max_batch_size)
         self.decoder = DecodePipeline(rt, self.sequences)
@@ -49,9 +54,10 @@ class Engine:
     # ------------------------------------------------------------------ sequences
 
     def alloc_sequence(self, max_total_tokens: int, sampling: SamplingParams, stopping: StoppingCriteria,
-                       request_id: str = "") -> api.AllocResult:
+                       request_id: str = "", prefix_caching: bool = True) -> api.AllocResult:
         """Reserves a slot and the KV blocks of max_total_tokens tokens (prompt, new tokens and speculative
-        lookahead), so a sequence never runs out of KV mid-generation."""
+        lookahead), so a sequence never runs out of KV mid-generation. prefix_caching False: the sequence
+        neither reuses nor registers cached blocks (scratch work such as warm-up)."""
         vocab, block_size = self.runtime.vocab_size, self.block_size
         if not 2 <= max_total_tokens <= self.max_seq_len:
             raise InvalidArgument(f"max_total_tokens must be in [2, {self.max_seq_len}] (a prompt token and a new "
@@ -68,11 +74,12 @@ class Engine:
                 f"--num-kv-blocks or --kv-cache-memory, or release sequences)")
         if sampling.seed is None:
             sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
+        # Blocks are reserved here and taken by the first prefill (after it matched the cached prefix); the slot's
+        # device row is written then too: an upload from pageable memory here would wait for the steps in flight.
+        blocks = SequenceBlocks(self.blocks, num_blocks, self._cache_extra,
+                                caching=self.prefix_caching and prefix_caching)
         slot = self.slots.allocate()
-        block_ids = self.blocks.allocate(num_blocks)
-        # The slot's device row is written by the first prefill: an upload from pageable memory here would wait
-        # for the decode steps in flight.
-        seq = Sequence(seq_id=self.sequences.new_id(), slot=slot, capacity=max_total_tokens, block_ids=block_ids,
+        seq = Sequence(seq_id=self.sequences.new_id(), slot=slot, capacity=max_total_tokens, blocks=blocks,
                        sampling=sampling, stopping=stopping, request_id=request_id)
         self.sequences.add(seq)
         return api.AllocResult(seq.seq_id, slot, max_total_tokens)
@@ -83,10 +90,19 @@ class Engine:
             self.decoder.finish_all()  # a slot is freed only after every step that writes it has finished
         self.decoder.forget_plan()
         for seq in seqs:
-            self.blocks.free(seq.block_ids)
+            seq.blocks.register(seq.token_ids, seq.num_final)  # what it computed stays cached for others
+            seq.blocks.release()
             self.slots.free(seq.slot)
             self.sequences.remove(seq.seq_id)
+        self.blocks.events.publish()
         return len(seqs)
+
+    def flush_cache(self) -> int:
+        """Drops every cached block no sequence references (referenced ones stay cached: nothing a live
+        sequence holds changes). Returns how many were dropped."""
+        dropped = self.blocks.flush()
+        self.blocks.events.publish()
+        return dropped
 
     # ------------------------------------------------------------------ steps
 
@@ -94,7 +110,9 @@ class Engine:
         seqs = self.sequences.check_ids([it.seq_id for it in items])
         self.prefiller.check(seqs, items)
         self.decoder.finish_all()
-        return self.prefiller.prefill(seqs, items)
+        result = self.prefiller.prefill(seqs, items)
+        self.blocks.events.publish()
+        return result
 
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         """One decode step of seq_ids; waits for it (decode_launch, then finish)."""
@@ -106,7 +124,10 @@ class Engine:
         return self.decoder.launch(seq_ids, input_token_ids)
 
     def finish(self, step: PendingStep) -> api.StepResult:
-        return self.decoder.finish(step)
+        try:
+            return self.decoder.finish(step)
+        finally:
+            self.blocks.events.publish()  # the blocks its tokens filled (see DecodePipeline._register)
 
     def step_ready(self, step: PendingStep) -> bool:
         """Whether finish(step) would not wait for the device (its device work has ended)."""
@@ -120,7 +141,9 @@ class Engine:
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
         seqs = self.sequences.check_ids([it.seq_id for it in items])
         self.decoder.finish_all()  # its checks need every sequence's committed state
-        return self.verifier.verify(seqs, items)
+        result = self.verifier.verify(seqs, items)
+        self.blocks.events.publish()
+        return result
 
     # ------------------------------------------------------------------ state
 
@@ -136,7 +159,14 @@ class Engine:
             free_slots=self.slots.num_free_slots, max_batch_size=self.config.max_batch_size,
             live_sequences=len(self.sequences), kernel_backend=rt.ops.name, version=VERSION,
             steps_in_flight=len(self.decoder.in_flight), refused_steps=self.decoder.refused_steps,
-            graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats())
+            graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
+            prefix_cache=self._prefix_cache_stats())
+
+    def _prefix_cache_stats(self) -> api.PrefixCacheStats:
+        pool, s = self.blocks, self.blocks.stats
+        return api.PrefixCacheStats(self.prefix_caching, pool.num_cached_blocks, pool.num_evictable_blocks, s.queries,
+                                    s.query_tokens, s.hit_tokens, s.stored_blocks, s.evicted_blocks, s.flushed_blocks,
+                                    pool.events.last_sequence_number)
 
     def close(self) -> None:
         """Waits for the device, drops every step and sequence, then the buffers and streams (pinned buffers

@@ -53,20 +53,38 @@ class Prefiller:
 
     def prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> api.StepResult:
         """Runs checked items (check()); returns the first new token of each item whose prompt completes, in
-        item order."""
+        item order. Each sequence's first chunk starts from the longest prefix the cache holds; blocks are
+        taken from its reservation as its tokens need them (all of the rest once its prompt completes), and
+        a completed prompt's full blocks are registered in the cache."""
         with self.rt.dispatch.on_device() as timer:
-            for seq in seqs:
-                if not seq.token_ids:  # its first chunk: the slot's device row starts here
-                    self.rt.state.assign(seq.slot, seq.block_ids, seq.sampling)
+            for seq, it in zip(seqs, items):
+                self._extend(seq, it)
             sampled = self._run(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
+        for seq in seqs:  # the forwards have completed: the sampled tokens were read back
+            if seq.prompt_done and seq.blocks.num_registered * self.rt.block_size < seq.num_final:
+                seq.blocks.register(seq.token_ids, seq.num_final)
         return api.StepResult(tokens, timer.elapsed_ns())
 
+    def _extend(self, seq: Sequence, item: api.PrefillItem) -> None:
+        """Appends the chunk's tokens; on the first chunk matches the cached prefix (its tokens count as
+        computed, and as seen by the repetition penalty); takes the blocks the known tokens need (the whole
+        reservation once the prompt completes) into the slot's block-table row."""
+        state, blocks = self.rt.state, seq.blocks
+        first = not seq.token_ids
+        seq.token_ids.extend(item.token_ids)
+        if first:
+            seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
+            state.assign(seq.slot, blocks.block_ids, seq.sampling)  # the slot's device row starts here
+            if seq.num_cached:  # the cached tokens skip the forward, where prompt tokens are marked seen
+                shared = torch.tensor(seq.token_ids[:seq.num_cached], device=self.rt.device)
+                state.mark_seen(torch.full_like(shared, seq.slot), shared)
+        if not item.partial and seq.num_cached == seq.seq_len:
+            seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
+        start = len(blocks.block_ids)
+        state.set_blocks(seq.slot, start, blocks.grow(seq.seq_len) if item.partial else blocks.grow_all())
+
     def _run(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
-        for seq, it in zip(seqs, items):
-            seq.token_ids.extend(it.token_ids)
-            if not it.partial and seq.num_cached == seq.seq_len:
-                seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
         completes = {seq.seq_id: not it.partial for seq, it in zip(seqs, items)}
         config = self.rt.config
         sampled: dict[int, api.TokenResult] = {}
@@ -98,7 +116,7 @@ class Prefiller:
         if graphed:
             num_seqs = 1 << (len(chunk) - 1).bit_length()  # sequence rows, padded to a power of two
             token_slots, input_ids, make_batch = build_staged_prefill_batch(
-                staging, state.block_table, [s.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
+                staging, state.block_table, [s.blocks.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
                 rt.block_size, num_tokens, num_seqs)
         else:
             batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
@@ -127,12 +145,16 @@ class Prefiller:
         out = rt.ops.sample(logits, state.sampling_rows(sample_slots, positions), num_top)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
+            seq.blocks.pool.record_query(seq.prompt_len, seq.cached_prompt_tokens)
         state.num_cached[sample_slots] = positions.to(torch.int32)
         state.last_token[sample_slots] = out.token_ids
         state.mark_seen(sample_slots, out.token_ids)
         rt.outputs.write(out, num_top)
         host = rt.outputs.read(len(to_sample), num_top, rt.dispatch.streams)
-        return {r.seq_id: r for r in commit_tokens(to_sample, *host, rt.eos_token_ids)}
+        results = commit_tokens(to_sample, *host, rt.eos_token_ids)
+        for seq, r in zip(to_sample, results):
+            r.cached_tokens = seq.cached_prompt_tokens
+        return {r.seq_id: r for r in results}
 
     def buckets(self, limit: int) -> list[tuple[int, list[int], bool]]:
         """The forwards warm-up runs for prompts of up to `limit` tokens: (padded size, sequence lengths,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engine.sampling import SamplingParams, StoppingCriteria
+from engine.sequence_blocks import SequenceBlocks
 
 
 class FinishReason(enum.IntEnum):  # values match the proto's FinishReason
@@ -25,13 +26,14 @@ class Sequence:
     seq_id: int
     slot: int
     capacity: int  # most tokens the sequence may hold (its reservation)
-    block_ids: list[int]
+    blocks: SequenceBlocks  # its reservation, shared and own KV blocks
     sampling: SamplingParams
     stopping: StoppingCriteria
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_cached: int = 0
     prompt_len: int = 0  # set when the prompt completes
+    cached_prompt_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
     finish_reason: FinishReason = FinishReason.NONE
 
     @property
@@ -45,6 +47,12 @@ class Sequence:
     @property
     def seq_len(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_final(self) -> int:
+        """Positions whose KV is final once the steps that wrote them completed: every cached one once the
+        prompt is complete, all but the last while it is not (an empty final chunk recomputes it)."""
+        return self.num_cached if self.prompt_done else self.num_cached - 1
 
     @property
     def num_generated(self) -> int:

@@ -36,9 +36,15 @@ class SlotState:
         self.seen[slot] = False
         self.seen[slot, torch.tensor(token_ids, device=self.seen.device)] = True
 
+    def set_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
+        """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its
+        blocks; entries past them stay 0, the scratch block). No step in flight may read the row."""
+        if block_ids:
+            self.block_table[slot, start:start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams) -> None:
         self.block_table[slot].zero_()
-        self.block_table[slot, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+        self.set_blocks(slot, 0, block_ids)
         self.last_token[slot] = 0
         self.num_cached[slot] = 0
         self.temperature[slot] = params.temperature

@@ -67,6 +67,8 @@ class Verifier:
         # torch ops switches torch's stream itself. The general one runs torch ops throughout.
         with self.rt.dispatch.on_device(torch_stream=not uniform) as timer:
             results = self._uniform(seqs, items, k) if uniform else self._general(seqs, items)
+        for seq in seqs:  # the forward has completed (its results were read back): the accepted tokens are final
+            seq.blocks.register(seq.token_ids, seq.num_final)
         return api.VerifyStepResult(results, timer.elapsed_ns())
 
     # ------------------------------------------------------------------ uniform

@@ -16,7 +16,8 @@ log = logging.getLogger(__name__)
 def warm_up(engine) -> None:
     """One real prefill and decode step (the device answered a real forward before the worker says SERVING),
     then warm_up_prefill and warm_up_decode."""
-    seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True))
+    seq = engine.alloc_sequence(4, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+                                prefix_caching=False)
     try:
         engine.prefill([api.PrefillItem(seq.seq_id, [0, 0])])
         engine.decode([seq.seq_id])
@@ -43,8 +44,8 @@ def warm_up_prefill(engine) -> int:
             seq_ids = []
             try:
                 for m in lengths:
-                    seq_ids.append(engine.alloc_sequence(m + 1, SamplingParams(),
-                                                         StoppingCriteria(max_new_tokens=1)).seq_id)
+                    seq_ids.append(engine.alloc_sequence(m + 1, SamplingParams(), StoppingCriteria(max_new_tokens=1),
+                                                         prefix_caching=False).seq_id)
                 engine.prefill([api.PrefillItem(i, [0] * m) for i, m in zip(seq_ids, lengths)])
             except ResourceExhausted:
                 return done
@@ -73,8 +74,8 @@ def warm_up_decode(engine, widths: list[int] | None = None) -> int:
         seq_ids = []
         try:
             for _ in range(width):
-                seq_ids.append(engine.alloc_sequence(3, SamplingParams(),
-                                                     StoppingCriteria(max_new_tokens=2, ignore_eos=True)).seq_id)
+                seq_ids.append(engine.alloc_sequence(3, SamplingParams(), StoppingCriteria(max_new_tokens=2, ignore_eos=True),
+                                                     prefix_caching=False).seq_id)
             engine.prefill([api.PrefillItem(i, [0]) for i in seq_ids])
             engine.decode(seq_ids)
             done += 1

@@ -280,11 +280,6 @@ def test_unimplemented_rpcs_say_so(vllm):
         with pytest.raises(grpc.RpcError) as e:
             call(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not served by this worker" in e.value.details()
-    with pytest.raises(grpc.RpcError) as e:
-        list(vllm.SubscribeKvEvents(cpb.SubscribeKvEventsRequest(), timeout=10))
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "prefix cache" in e.value.details()
-    flushed = vllm.FlushCache(cpb.FlushCacheRequest(), timeout=10)
-    assert flushed.success and "no prefix cache" in flushed.message
 
 
 def fetch_tokenizer(stub) -> tuple[bytes, list[cpb.GetTokenizerChunk]]:

@@ -20,7 +20,8 @@ def engine_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     """The engine's logits at every prompt position, from one prefill forward."""
     seq = engine.alloc_sequence(len(prompt) + 1, SamplingParams(), StoppingCriteria())
     sequence = engine.sequences[seq.seq_id]
-    engine.runtime.state.assign(seq.slot, sequence.block_ids, sequence.sampling)  # what its first prefill would do
+    sequence.blocks.grow_all()  # what its first prefill would do
+    engine.runtime.state.assign(seq.slot, sequence.blocks.block_ids, sequence.sampling)
     try:
         batch = build_extend_batch(engine.runtime.state.block_table, [seq.slot], [0], [prompt], [list(range(len(prompt)))],
                                    engine.block_size, engine.device, engine.runtime.dynamic_rope)

@@ -45,7 +45,7 @@ def test_slot_table_is_a_free_list():
 
 def test_sequence_finish_reasons():
     def seq(**stop):
-        s = Sequence(1, 0, capacity=8, block_ids=[1], sampling=SamplingParams(), stopping=StoppingCriteria(**stop),
+        s = Sequence(1, 0, capacity=8, blocks=None, sampling=SamplingParams(), stopping=StoppingCriteria(**stop),
                      token_ids=[5, 6], prompt_len=2, num_cached=2)
         return s
     assert seq().append(2, frozenset({2})) == FinishReason.EOS

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from engine import api
+from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvEventBatch
 from engine.sampling import SamplingParams, StoppingCriteria
 from metrale.worker.v1 import worker_pb2 as pb
 
@@ -48,7 +49,7 @@ def _add_token(make, t: api.TokenResult) -> pb.Token:
     empty add() and five attribute sets, with finish_reason as a plain int (protobuf converts an IntEnum
     slowly)."""
     msg = make(sequence_id=t.seq_id, token_id=t.token_id, logprob=t.logprob, finish_reason=int(t.finish_reason),
-               seq_len=t.seq_len)
+               seq_len=t.seq_len, cached_tokens=t.cached_tokens)
     if t.top_logprobs:
         top = msg.top_logprobs.add
         for i, lp in t.top_logprobs:
@@ -92,8 +93,33 @@ def verify_response(r: api.VerifyStepResult) -> pb.VerifyResponse:
     return msg
 
 
+def kv_event_batch(b: KvEventBatch, messages=pb):
+    """An engine KV event batch (engine/kv_events.py) as the wire message. messages: the generated module
+    whose KvEventBatch / KvSnapshotChunk to build: ours (worker.proto) or smg's common_pb2, the same shape."""
+    msg = messages.KvEventBatch(sequence_number=b.sequence_number, timestamp=b.timestamp)
+    for e in b.events:
+        event = msg.events.add(event_id=e.event_id)
+        data = e.data
+        if isinstance(data, KvBlocksStored):
+            stored = event.stored
+            stored.SetInParent()
+            if data.parent_block_hash is not None:
+                stored.parent_block_hash = data.parent_block_hash
+            for block in data.blocks:
+                stored.blocks.add(block_hash=block.block_hash, token_ids=block.token_ids, block_size=block.block_size)
+        elif isinstance(data, KvBlocksRemoved):
+            event.removed.block_hashes.extend(data.block_hashes)
+        else:
+            event.cleared.SetInParent()
+    if b.snapshot is not None:
+        s = b.snapshot
+        msg.snapshot.CopyFrom(messages.KvSnapshotChunk(index=s.index, count=s.count, blocks=s.blocks,
+                                                       unknown_before=s.unknown_before))
+    return msg
+
+
 def info_response(i: api.EngineInfo) -> pb.InfoResponse:
-    g = i.graph_cache
+    g, c = i.graph_cache, i.prefix_cache
     return pb.InfoResponse(
         model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
         eos_token_ids=i.eos_token_ids, max_seq_len=i.max_seq_len, block_size=i.block_size,
@@ -102,4 +128,9 @@ def info_response(i: api.EngineInfo) -> pb.InfoResponse:
         live_sequences=i.live_sequences,
         graph_cache=pb.GraphCacheInfo(hits=g.hits, misses=g.misses, captures=g.captures, evictions=g.evictions,
                                       capture_failures=g.capture_failures, capture_seconds=g.capture_seconds,
-                                      graphs_held=g.graphs_held, pool_bytes=g.pool_bytes, fallbacks=g.fallbacks))
+                                      graphs_held=g.graphs_held, pool_bytes=g.pool_bytes, fallbacks=g.fallbacks),
+        prefix_cache=pb.PrefixCacheInfo(enabled=c.enabled, cached_blocks=c.cached_blocks,
+                                        evictable_blocks=c.evictable_blocks, queries=c.queries,
+                                        query_tokens=c.query_tokens, hit_tokens=c.hit_tokens,
+                                        stored_blocks=c.stored_blocks, evicted_blocks=c.evicted_blocks,
+                                        flushed_blocks=c.flushed_blocks, last_event_batch=c.last_event_batch))

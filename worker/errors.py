@@ -11,6 +11,7 @@ STATUS: dict[type[errors.EngineError], grpc.StatusCode] = {
     errors.FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     errors.ResourceExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
+    errors.OutOfRange: grpc.StatusCode.OUT_OF_RANGE,
 }
 
 

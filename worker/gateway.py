@@ -25,8 +25,10 @@ import grpc
 
 from engine.engine import Engine
 from engine.errors import EngineError, FailedPrecondition
+from engine.kv_events import follow
 from worker import gateway_convert as convert
 from worker.errors import Unavailable, status_of
+from worker.convert import kv_event_batch
 from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
 from worker.gateway_requests import ABORTED, LiveRequest, Requests
 from worker.metrics import Metrics
@@ -155,10 +157,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             self.requests.count_tokens(1)
             tokens.append(item)
             if stream:
-                yield convert.chunk([item], prompt_tokens, num_logprobs)
+                yield convert.chunk([item], prompt_tokens, num_logprobs, tokens[0].cached_tokens)
         reason = convert.ABORT if item is ABORTED else convert.finish_reason(tokens)
         last = tokens[-1:] if reason != convert.ABORT else []
-        yield convert.complete(last if stream else tokens, prompt_tokens, num_logprobs, reason)
+        cached = tokens[0].cached_tokens if tokens else 0
+        yield convert.complete(last if stream else tokens, prompt_tokens, num_logprobs, reason, cached)
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
         """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not
@@ -210,9 +213,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """Rank 0's load (the only rank): running and waiting requests, KV usage, throughput. The
         request's dp_rank and include filters select nothing else here."""
         self._check_loaded()
-        info = await self.runner.call(Engine.info)
-        # HOOK(prefix cache): cached prompt tokens and the hit rate go into GatewayLoad here.
-        return convert.loads(info, self.facts, self.requests.load())
+        return convert.loads(self.runner.engine.info(), self.facts, self.requests.load())
 
     async def GetTokenizer(self, request, context):
         """The checkpoint's tokenizer files as a zip in 64 KiB chunks, the SHA-256 on the last;
@@ -235,22 +236,37 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             for piece in chunks(data, sha256):
                 yield piece
 
-    # ------------------------------------------------------------------ not (yet) served
+    # ------------------------------------------------------------------ the prefix cache
 
     @unary
     async def FlushCache(self, request: cpb.FlushCacheRequest, context) -> cpb.FlushCacheResponse:
-        # HOOK(prefix cache): drop the unreferenced cached blocks here.
+        """Drops every cached block no live request references."""
         self._check_loaded()
-        return cpb.FlushCacheResponse(success=True, message="this worker has no prefix cache yet: nothing is "
-                                                            "cached across requests, nothing was flushed")
+        flushed = await self.runner.run(Engine.flush_cache)
+        return cpb.FlushCacheResponse(success=True, message=f"dropped {flushed} cached KV blocks (blocks of live "
+                                                            f"requests stay cached)")
 
     async def SubscribeKvEvents(self, request: cpb.SubscribeKvEventsRequest, context):
-        # HOOK(prefix cache): stream the stored/removed block hashes as KvEventBatch here.
+        """The prefix cache's stored / removed / cleared blocks as smg's KvEventBatch, from
+        request.start_sequence_number (0: a snapshot of the cache first). A subscriber that falls behind
+        what the worker keeps gets OUT_OF_RANGE and subscribes again from 0. No load records are sent
+        (load_records_before_first_batch is ignored: GetLoads has them)."""
         with self.metrics.rpc("VllmEngine.SubscribeKvEvents") as call:
-            call.code = grpc.StatusCode.UNIMPLEMENTED
-            await context.abort(call.code, "KV cache events need the prefix cache, which this worker does not "
-                                           "have yet; route with a policy that does not read them")
-        yield  # (an async generator: the method is server-streaming)
+            try:
+                self._check_loaded()
+                start = request.start_sequence_number
+                if start == 0:
+                    snapshot = await self.runner.run(lambda e: e.blocks.snapshot())
+                    if snapshot.sequence_number:
+                        yield kv_event_batch(snapshot, cpb)
+                    start = snapshot.sequence_number + 1
+                async for batch in follow(self.runner.engine.blocks.events, start):
+                    yield kv_event_batch(batch, cpb)
+            except EngineError as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
+
+    # ------------------------------------------------------------------ not served
 
     async def Embed(self, request, context):
         await self._unimplemented(context, "Embed", "this worker serves a generative model, not embeddings")

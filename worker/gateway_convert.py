@@ -234,21 +234,22 @@ class GatewayLoad:
     """What the gateway itself knows of its requests (worker/gateway_requests.py)."""
 
     waiting: int  # Generate calls admitted by the servicer whose sequence has not started
-    waiting_prompt_tokens: int  # their prompt tokens (none are cached: no prefix cache yet)
+    waiting_prompt_tokens: int  # their prompt tokens (not yet looked up in the prefix cache)
     gen_throughput: float  # tokens per second streamed over the recent window
-    cache_hit_rate: float = 0.0  # HOOK(prefix cache): cached / prompt tokens of recent requests
 
 
 def loads(info: api.EngineInfo, f: ModelFacts, g: GatewayLoad) -> vpb.GetLoadsResponse:
     """One SchedulerLoad (rank 0). Running counts every live sequence of the engine (Generate streams of
     either service and ModelWorker sequences alike); KV usage is the share of blocks reserved."""
     used_blocks = info.total_blocks - info.free_blocks
+    c = info.prefix_cache
+    hit_rate = c.hit_tokens / c.query_tokens if c.query_tokens else 0.0
     load = vpb.SchedulerLoad(
         dp_rank=0, num_running_reqs=info.live_sequences, num_waiting_reqs=g.waiting,
         num_total_reqs=info.live_sequences + g.waiting, num_used_tokens=used_blocks * info.block_size,
         max_total_num_tokens=info.total_blocks * info.block_size,
         token_usage=used_blocks / info.total_blocks if info.total_blocks else 0.0,
-        gen_throughput=g.gen_throughput, cache_hit_rate=g.cache_hit_rate,
+        gen_throughput=g.gen_throughput, cache_hit_rate=hit_rate,
         utilization=1.0 - info.free_slots / info.max_slots if info.max_slots else 0.0,
         max_running_requests=f.max_running, num_waiting_uncached_tokens=g.waiting_prompt_tokens)
     return vpb.GetLoadsResponse(timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(),

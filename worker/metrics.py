@@ -105,6 +105,20 @@ class _EngineCollector:
             yield CounterMetricFamily(f"metrale_graph_{name}", doc, value=value)
         yield CounterMetricFamily("metrale_graph_capture_seconds", "time spent capturing graphs",
                                   value=g.capture_seconds)
+        c = info.prefix_cache
+        yield GaugeMetricFamily("metrale_prefix_cache_blocks", "KV blocks in the prefix cache (referenced or evictable)",
+                                value=c.cached_blocks)
+        yield GaugeMetricFamily("metrale_prefix_cache_evictable_blocks",
+                                "cached KV blocks no live sequence references (evicted LRU first when memory is needed)",
+                                value=c.evictable_blocks)
+        for name, value, doc in (("queries", c.queries, "prompts looked up in the prefix cache"),
+                                 ("query_tokens", c.query_tokens, "prompt tokens looked up in the prefix cache"),
+                                 ("hit_tokens", c.hit_tokens, "prompt tokens whose KV came from the prefix cache "
+                                                              "(hit rate: hit_tokens / query_tokens)"),
+                                 ("stored_blocks", c.stored_blocks, "KV blocks registered in the prefix cache"),
+                                 ("evicted_blocks", c.evicted_blocks, "cached KV blocks evicted for memory (LRU)"),
+                                 ("flushed_blocks", c.flushed_blocks, "cached KV blocks dropped by FlushCache")):
+            yield CounterMetricFamily(f"metrale_prefix_cache_{name}", doc, value=value)
         yield GaugeMetricFamily("metrale_graphs_held", "CUDA graphs held", value=g.graphs_held)
         yield GaugeMetricFamily("metrale_graph_pool_bytes", "bytes in the graph memory pool", value=g.pool_bytes)
 

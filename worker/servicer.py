@@ -14,7 +14,8 @@ import grpc
 
 from engine import api
 from engine.engine import Engine
-from engine.errors import EngineError, InvalidArgument
+from engine.errors import EngineError, InvalidArgument, OutOfRange
+from engine.kv_events import follow
 from metrale.worker.v1 import worker_pb2 as pb
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker import convert
@@ -261,6 +262,32 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     task = asyncio.get_running_loop().create_task(self.runner.stop_stream(seq_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    @rpc
+    async def FlushCache(self, request: pb.FlushCacheRequest, context) -> pb.FlushCacheResponse:
+        return pb.FlushCacheResponse(flushed_blocks=await self.runner.run(Engine.flush_cache))
+
+    async def SubscribeKvEvents(self, request: pb.SubscribeKvEventsRequest, context):
+        """The prefix cache's event batches from request.start_sequence_number (0: a snapshot first). Each
+        subscriber reads the engine's bounded event log at its own pace: one that falls behind what the log
+        keeps gets OUT_OF_RANGE, and one that stops reading holds nothing but its cursor."""
+        with self.metrics.rpc("SubscribeKvEvents") as call:
+            if self.runner is None:
+                call.code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(call.code, "the model is still loading; retry shortly")
+            events = self.runner.engine.blocks.events
+            start = request.start_sequence_number
+            try:
+                if start == 0:
+                    snapshot = await self.runner.run(lambda e: e.blocks.snapshot())
+                    if snapshot.sequence_number:
+                        yield convert.kv_event_batch(snapshot)
+                    start = snapshot.sequence_number + 1
+                async for batch in follow(events, start):
+                    yield convert.kv_event_batch(batch)
+            except OutOfRange as e:
+                call.code = status_of(e)
+                await context.abort(call.code, str(e))
 
     def _touching(self, result, seq_ids: list[int]):
         self.leases.touch(seq_ids)
