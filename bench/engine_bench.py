@@ -82,7 +82,8 @@ def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dic
     vocab = engine.model_config.vocab_size
     times = []
     for r in range(repeats + 2):
-        ids = [engine.alloc_sequence(length + 2, SAMPLING, GREEDY_LONG).seq_id for _ in range(batch)]
+        ids = [engine.alloc_sequence(length + 2, SAMPLING, GREEDY_LONG, prefix_caching=False).seq_id
+               for _ in range(batch)]
         prompts = prompts_of([length] * batch, vocab, seed=r)
         sync(engine.device)
         t0 = time.perf_counter()
@@ -94,9 +95,42 @@ def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dic
     return {"batch": batch, "length": length, "seconds": t, "tokens_per_s": batch * length / t}
 
 
+def engine_prefix_ttft(engine: Engine, prompt_len: int, cached: int, repeats: int) -> dict:
+    """Time to first token of a prompt_len-token prompt whose first `cached` tokens are in the prefix cache (its
+    blocks registered by an earlier prompt with that prefix), against the same prompt with the cache flushed:
+    medians over `repeats` fresh prompts. (The other measurements here run with the cache off.)"""
+    vocab = engine.model_config.vocab_size
+
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        sid = engine.alloc_sequence(len(prompt) + 2, SAMPLING, GREEDY_LONG).seq_id
+        sync(engine.device)
+        t0 = time.perf_counter()
+        token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
+        sync(engine.device)
+        seconds = time.perf_counter() - t0
+        engine.release([sid])
+        return seconds, token.cached_tokens
+
+    uncached, hit, hits = [], [], []
+    for r in range(repeats + 1):
+        prefix, tails = prompts_of([cached], vocab, seed=100 + r)[0], prompts_of([prompt_len - cached] * 2, vocab, 200 + r)
+        engine.flush_cache()
+        seconds, n = ttft(prefix + tails[0])  # computes every token, then leaves its blocks cached
+        assert n == 0, f"a flushed cache gave {n} cached tokens"
+        t, n = ttft(prefix + tails[1])  # the same prefix, another tail
+        if r:  # the first round warms the shapes
+            uncached.append(seconds)
+            hit.append(t)
+            hits.append(n)
+    u, c = statistics.median(uncached), statistics.median(hit)
+    return {"prompt_len": prompt_len, "cached": cached, "cached_tokens": min(hits), "uncached_ms": 1e3 * u,
+            "cached_ms": 1e3 * c, "speedup": u / c}
+
+
 def start_batch(engine: Engine, batch: int, prompt_len: int, room: int, seed: int = 1) -> list[int]:
     vocab = engine.model_config.vocab_size
-    ids = [engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id for _ in range(batch)]
+    ids = [engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG, prefix_caching=False).seq_id
+           for _ in range(batch)]
     for i, p in zip(ids, prompts_of([prompt_len] * batch, vocab, seed)):
         engine.prefill([PrefillItem(i, p)])
     return ids
@@ -185,7 +219,7 @@ def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_
     for step in range(steps):
         if step and step % every == 0:
             engine.release([ids.pop(step % len(ids))])
-            new = engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id
+            new = engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG, prefix_caching=False).seq_id
             engine.prefill([PrefillItem(new, prompts_of([prompt_len], vocab, seed=step)[0])])
             ids.append(new)
         t0 = time.perf_counter()
@@ -355,6 +389,9 @@ def main(argv=None) -> int:
                    help="(GPU, experiments) decode attention's cluster size (1: splits merge through global memory)")
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="the engine's context limit (default 2048 + 16 + 512; it sizes decode attention's split grid)")
+    p.add_argument("--prefix-ttft", type=int, nargs=2, metavar=("PROMPT", "CACHED"),
+                   help="measure only the TTFT of a PROMPT-token prompt whose first CACHED tokens are in the prefix "
+                        "cache, against the same prompt uncached (needs --max-seq-len > PROMPT)")
     p.add_argument("--skinny-wide-tiles", type=int, default=None,
                    help="(GPU, experiments) skinny grids of at most this many tiles get 16-warp blocks "
                         "(default: the SM count; 0: never)")
@@ -409,6 +446,12 @@ def main(argv=None) -> int:
     results["decode_floor_ms"] = floor_ms
 
     ours = results.setdefault("engine", {})
+    if args.prefix_ttft:
+        r = guarded(ours, "prefix_ttft", engine_prefix_ttft, engine, *args.prefix_ttft, repeats)
+        if isinstance(r, dict):
+            print(f"prefix TTFT, {r['prompt_len']}-token prompt: {r['cached_ms']:.2f} ms with {r['cached_tokens']} "
+                  f"tokens cached vs {r['uncached_ms']:.2f} ms uncached = {r['speedup']:.1f}x")
+        return write_results(results, args)
     for b, n in prefill_shapes:
         guarded(ours, f"prefill_{b}x{n}", engine_prefill, engine, b, n, repeats)
     for b in args.batches:
@@ -445,6 +488,10 @@ def main(argv=None) -> int:
         gc.collect()
 
     print(table(results, prefill_shapes, args.batches, churn_b))
+    return write_results(results, args)
+
+
+def write_results(results: dict, args) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")

@@ -143,7 +143,7 @@ def profile_replay_host(path, steps: int = 400) -> None:
     """The host side of a replayed decode step (CUDA graphs on), one step at a time as engine_bench
     times it, at batch 1 and 32: wall vs device time per step, and the medians of where the host's
     time goes (perf_counter_ns around the engine's own methods; each wrapper adds ~0.3 us)."""
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096))
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096, prefix_caching=False))
     vocab = engine.model_config.vocab_size
     spent: collections.Counter = collections.Counter()
 
@@ -196,7 +196,7 @@ def profile_verify_host(path, calls: int = 300) -> None:
     """The host side of a replayed uniform Verify of 4 drafts at batch 1 (CUDA graphs on), as
     engine_bench times it: wall vs device time per call, the medians of the engine's own parts
     (perf_counter_ns wrappers, ~0.3 us each), then cProfile's top functions by own time."""
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096))
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=4096, max_seq_len=4096, prefix_caching=False))
     vocab = engine.model_config.vocab_size
     spent: collections.Counter = collections.Counter()
 
@@ -326,7 +326,7 @@ def profile_ttft(path, n: int = 24) -> None:
     again ("warm"), with the caching allocator's cudaMalloc count of each pass; then n new lengths
     after one prefill of max_prefill_tokens tokens (the engine's start-up warm-up, when it has one);
     the host profile of cold calls, the GPU timeline of a warm one, and paged vs fused attention."""
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096))
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, prefix_caching=False))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(1)
 
@@ -433,7 +433,7 @@ def main() -> None:
             host_call_costs()
         {"replay": profile_replay_host, "verify_replay": profile_verify_host, "ttft": profile_ttft}[args.only](path)
         return
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False))
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False, prefix_caching=False))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 import torch  # noqa: E402
 
 import engine_bench as eb  # noqa: E402
+from engine.api import PrefillItem  # noqa: E402
 from engine.checkpoint import write_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -40,8 +41,12 @@ def main(argv=None) -> int:
                                  max_prefill_tokens=8192, kv_cache_memory=0.5 if dev == "cuda" else 0.9))
     stop = StoppingCriteria(max_new_tokens=1, ignore_eos=True)
 
-    def hold(n: int, tokens: int) -> list[int]:  # n sequences of `tokens` reserved tokens each, never decoded
-        return [engine.alloc_sequence(tokens, SamplingParams(), stop).seq_id for _ in range(n)]
+    def hold(n: int, tokens: int) -> list[int]:
+        """n sequences holding the slots and KV blocks of `tokens` tokens each (a one-token prompt takes the whole
+        reservation), never decoded."""
+        ids = [engine.alloc_sequence(tokens, SamplingParams(), stop, prefix_caching=False).seq_id for _ in range(n)]
+        engine.prefill([PrefillItem(i, [0]) for i in ids])
+        return ids
 
     def phase(name: str) -> None:
         q = eb.engine_decode_queued(engine, args.batch, args.steps)
