@@ -98,7 +98,8 @@ def engine_prefill(engine: Engine, batch: int, length: int, repeats: int) -> dic
 def engine_prefix_ttft(engine: Engine, prompt_len: int, cached: int, repeats: int) -> dict:
     """Time to first token of a prompt_len-token prompt whose first `cached` tokens are in the prefix cache (its
     blocks registered by an earlier prompt with that prefix), against the same prompt with the cache flushed:
-    medians over `repeats` fresh prompts. (The other measurements here run with the cache off.)"""
+    medians over `repeats` fresh prompts. (The prefill measurements run with the cache off; decode steps with it
+    on, as the worker runs them.)"""
     vocab = engine.model_config.vocab_size
 
     def ttft(prompt: list[int]) -> tuple[float, int]:
@@ -129,8 +130,7 @@ def engine_prefix_ttft(engine: Engine, prompt_len: int, cached: int, repeats: in
 
 def start_batch(engine: Engine, batch: int, prompt_len: int, room: int, seed: int = 1) -> list[int]:
     vocab = engine.model_config.vocab_size
-    ids = [engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG, prefix_caching=False).seq_id
-           for _ in range(batch)]
+    ids = [engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id for _ in range(batch)]
     for i, p in zip(ids, prompts_of([prompt_len] * batch, vocab, seed)):
         engine.prefill([PrefillItem(i, p)])
     return ids
@@ -219,7 +219,7 @@ def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_
     for step in range(steps):
         if step and step % every == 0:
             engine.release([ids.pop(step % len(ids))])
-            new = engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG, prefix_caching=False).seq_id
+            new = engine.alloc_sequence(prompt_len + room, SAMPLING, GREEDY_LONG).seq_id
             engine.prefill([PrefillItem(new, prompts_of([prompt_len], vocab, seed=step)[0])])
             ids.append(new)
         t0 = time.perf_counter()
