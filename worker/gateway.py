@@ -250,10 +250,15 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """The prefix cache's stored / removed / cleared blocks as smg's KvEventBatch, from
         request.start_sequence_number (0: a snapshot of the cache first). A subscriber that falls behind
         what the worker keeps gets OUT_OF_RANGE and subscribes again from 0. No load records are sent
-        (load_records_before_first_batch is ignored: GetLoads has them)."""
+        (load_records_before_first_batch is ignored: GetLoads has them).
+
+        The response headers go out at once: smg counts a subscription that has not answered within 2 s
+        as the worker being unreachable and leaves it out of routing, and an idle cache may have no batch
+        to send for a long time."""
         with self.metrics.rpc("VllmEngine.SubscribeKvEvents") as call:
             try:
                 self._check_loaded()
+                await context.send_initial_metadata(())
                 start = request.start_sequence_number
                 if start == 0:
                     snapshot = await self.runner.run(lambda e: e.blocks.snapshot())
