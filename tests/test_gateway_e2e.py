@@ -260,8 +260,9 @@ class Gateway:
                # probe every second and mark a worker not ready after two failures (defaults: 60 s, 3)
                "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                "--shutdown-grace-period-secs", "5", "--log-level", "info", *extra]
+        env = {**os.environ, "TMPDIR": str(log_dir)}  # smg leaves a copy of its start-up log in the temp dir
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     def post(self, path: str, body: dict, timeout: float = HTTP_TIMEOUT_S) -> Reply:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
