@@ -14,12 +14,13 @@ id) and the worker keeps serving. RPCs a single-GPU text worker cannot honour an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import pathlib
 import time
 import uuid
-from typing import Callable
+from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
@@ -37,6 +38,32 @@ from worker.tokenizer_bundle import TokenizerBundle, chunks
 
 log = logging.getLogger(__name__)
 __all__ = ["SERVICE_NAME", "VllmEngineServicer"]
+T = TypeVar("T")
+
+
+async def until_set(stream: AsyncIterator[T], stop: asyncio.Event) -> AsyncIterator[T]:
+    """stream's items until `stop` is set; then (or when the caller stops reading) stream is closed."""
+    stopped = asyncio.ensure_future(stop.wait())
+    item = None
+    try:
+        while True:
+            item = asyncio.ensure_future(anext(stream))
+            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
+            if not item.done():
+                return
+            try:
+                value = item.result()
+            except StopAsyncIteration:
+                return
+            item = None
+            yield value
+    finally:
+        stopped.cancel()
+        if item is not None and not item.done():
+            item.cancel()  # the stream cannot be closed while a read of it runs
+            with contextlib.suppress(asyncio.CancelledError):
+                await item
+        await stream.aclose()
 
 
 def unary(method):
@@ -67,7 +94,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.health_reason = health_reason
         self.runner: EngineRunner | None = None
         self.facts: convert.ModelFacts | None = None
-        self.draining = False
+        self._drain_started = asyncio.Event()
         self.requests = Requests()
         self.tokenizer: TokenizerBundle | None = None
         self._started = time.time()
@@ -79,6 +106,18 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
         self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
         self.runner = runner
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_started.is_set()
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        """Set by the Worker when it drains: also ends the KV event subscriptions (SubscribeKvEvents)."""
+        if value:
+            self._drain_started.set()
+        else:
+            self._drain_started.clear()
 
     def _check_loaded(self) -> None:
         if self.runner is None:
@@ -254,10 +293,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
         The response headers go out at once: smg counts a subscription that has not answered within 2 s
         as the worker being unreachable and leaves it out of routing, and an idle cache may have no batch
-        to send for a long time."""
+        to send for a long time. A drain ends every subscription (OK) and refuses new ones (UNAVAILABLE):
+        smg holds one open per worker for good, which would otherwise keep the server's stop waiting to
+        the end of the drain's grace period."""
         with self.metrics.rpc("VllmEngine.SubscribeKvEvents") as call:
             try:
                 self._check_loaded()
+                if self.draining:
+                    raise Unavailable("the worker is draining (shutting down): it publishes no more KV events")
                 await context.send_initial_metadata(())
                 start = request.start_sequence_number
                 if start == 0:
@@ -265,7 +308,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     if snapshot.sequence_number:
                         yield kv_event_batch(snapshot, cpb)
                     start = snapshot.sequence_number + 1
-                async for batch in follow(self.runner.engine.blocks.events, start):
+                async for batch in until_set(follow(self.runner.engine.blocks.events, start), self._drain_started):
                     yield kv_event_batch(batch, cpb)
             except EngineError as e:
                 call.code = status_of(e)
