@@ -112,7 +112,7 @@ class StoppingCriteria:
         if self.max_new_tokens and self.min_tokens > self.max_new_tokens:
             raise InvalidArgument(f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
         if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
-            raise InvalidArgument(f"with min_tokens, stop_token_ids may hold at most {MAX_MIN_TOKENS_STOP_IDS} ids "
+            raise InvalidArgument(f"stop_token_ids may hold at most {MAX_MIN_TOKENS_STOP_IDS} ids with min_tokens "
                                   f"(they are masked until min_tokens are out), got {len(self.stop_token_ids)}")
 
 
