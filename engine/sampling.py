@@ -81,15 +81,16 @@ class SamplingParams:
             raise InvalidArgument(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are served")
         ids = [t for t, _ in bias]
         if len(set(ids)) != len(ids):
-            raise InvalidArgument(f"logit_bias names a token id twice: {sorted({t for t in ids if ids.count(t) > 1})[:8]}")
+            twice = sorted({t for t in ids if ids.count(t) > 1})
+            raise InvalidArgument(f"logit_bias names a token id twice: {twice[:8]}")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidArgument(f"logit_bias token ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
         bad_values = [(t, v) for t, v in bias if not (math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS_VALUE)]
         if bad_values:
             t, v = bad_values[0]
-            raise InvalidArgument(f"logit_bias values must be in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}], "
-                                  f"got {v} for token {t}")
+            limit = MAX_LOGIT_BIAS_VALUE
+            raise InvalidArgument(f"logit_bias values must be in [-{limit:g}, {limit:g}], got {v} for token {t}")
 
 
 @dataclass(frozen=True)
