@@ -33,33 +33,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import SampleOutput, SamplingParams, SamplingTensors, StoppingCriteria, model_logprobs, \
-    penalized_logits
+from engine.sampling import (LOGIT_BIAS, MIN_P, MIN_TOKENS, PENALTIES, REPETITION, SampleOutput, SamplingParams,
+                             SamplingTensors, StoppingCriteria, model_logprobs, penalized_logits)
 
 if TYPE_CHECKING:
     from engine.state import SlotState
 
-MIN_TOKENS = 1  # stop ids and EOS masked until min_tokens new tokens are out
-LOGIT_BIAS = 2
-PENALTIES = 4  # frequency / presence penalty (reads the output counts)
-MIN_P = 8
-REPETITION = 16  # a processed row has a repetition penalty (moved here from the sampling kernel)
+__all__ = ["LOGIT_BIAS", "MIN_P", "MIN_TOKENS", "PENALTIES", "REPETITION", "ProcessorRows", "apply", "batch_flags",
+           "flags_of", "graph_key", "sample"]
 
 
 def flags_of(sampling: SamplingParams, stopping: StoppingCriteria) -> int:
-    """The processors a sequence uses (0: none; it never enters this module)."""
-    flags = 0
-    if stopping.min_tokens:
-        flags |= MIN_TOKENS
-    if sampling.logit_bias:
-        flags |= LOGIT_BIAS
-    if sampling.frequency_penalty or sampling.presence_penalty:
-        flags |= PENALTIES
-    if sampling.min_p and not sampling.greedy:
-        flags |= MIN_P
-    if flags and sampling.repetition_penalty != 1.0:
-        flags |= REPETITION
-    return flags
+    """The processors a sequence uses (0: none; it never enters this module). The flags are defined beside the
+    parameters (engine/sampling.py): MIN_TOKENS, LOGIT_BIAS, PENALTIES (frequency/presence), MIN_P, and
+    REPETITION, set only with another: a processed row's repetition penalty is applied here, in vLLM's place."""
+    flags = sampling.processors | stopping.processors
+    return flags if flags != REPETITION else 0
 
 
 def graph_key(flags: int) -> tuple[int, ...]:
@@ -69,10 +58,13 @@ def graph_key(flags: int) -> tuple[int, ...]:
 
 
 def batch_flags(seqs) -> int:
-    """The processors a step over these Sequences computes: those any of them uses."""
+    """The processors a step over these Sequences computes: those any of them uses (flags_of, inlined: a new
+    decode batch reads it for each of up to max_batch_size sequences)."""
     flags = 0
     for seq in seqs:
-        flags |= flags_of(seq.sampling, seq.stopping)
+        f = seq.sampling.processors | seq.stopping.processors
+        if f != REPETITION:
+            flags |= f
     return flags
 
 

@@ -7,6 +7,7 @@ the same hash). Streams: 0 = the token draw (Gumbel-max over the vocabulary, ind
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,13 @@ MAX_LOGIT_BIAS = 64  # logit_bias entries
 MAX_MIN_TOKENS_STOP_IDS = 64  # stop_token_ids of a request with min_tokens (masked until min_tokens are out)
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's range)
 MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI's range)
+
+# Logits-processor flags: which processors a request uses (engine/logits_processors.py, which documents them).
+MIN_TOKENS = 1  # stop ids and EOS masked until min_tokens new tokens are out
+LOGIT_BIAS = 2
+PENALTIES = 4  # frequency / presence penalty (reads the output counts)
+MIN_P = 8
+REPETITION = 16  # a processed row's repetition penalty (only with another flag: then it moves out of the kernel)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def processors(self) -> int:
+        """The logits-processor flags of these parameters (computed once: a decode plan reads them per sequence)."""
+        flags = LOGIT_BIAS if self.logit_bias else 0
+        if self.frequency_penalty or self.presence_penalty:
+            flags |= PENALTIES
+        if self.min_p and not self.greedy:  # greedy: the most likely token always stays
+            flags |= MIN_P
+        if self.repetition_penalty != 1.0:
+            flags |= REPETITION
+        return flags
 
     def validate(self, vocab_size: int, max_top_logprobs: int) -> None:
         self._validate_processors(vocab_size)
@@ -101,6 +121,11 @@ class StoppingCriteria:
     # EOS and stop_token_ids cannot be sampled before this many new tokens (vLLM's min_tokens: the model's EOS ids
     # are masked whatever ignore_eos says, as vLLM does). 0: off.
     min_tokens: int = 0
+
+    @functools.cached_property
+    def processors(self) -> int:
+        """The logits-processor flags of these criteria."""
+        return MIN_TOKENS if self.min_tokens else 0
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
