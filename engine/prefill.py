@@ -115,9 +115,13 @@ class Prefiller:
         graphed = rt.dispatch.graphs is not None and num_tokens <= staging.max_tokens and len(chunk) <= staging.max_seqs
         if graphed:
             num_seqs = 1 << (len(chunk) - 1).bit_length()  # sequence rows, padded to a power of two
+            # The keys a row sees, bounded: the padded token count for fresh prompts, else (a chunk that continues
+            # a cached prefix) the next power of two: attention's key splits are sized from it, so it keys the graph.
+            max_kv = max(start + n for start, (_, n, _) in zip(starts, chunk))
+            max_kv = num_tokens if max_kv <= num_tokens else 1 << (max_kv - 1).bit_length()
             token_slots, input_ids, make_batch = build_staged_prefill_batch(
                 staging, state.block_table, [s.blocks.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
-                rt.block_size, num_tokens, num_seqs)
+                rt.block_size, num_tokens, num_seqs, max_kv)
         else:
             batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
                                        rt.device, rt.dynamic_rope, num_padded=num_tokens)
@@ -132,7 +136,7 @@ class Prefiller:
             logits_out = self._logits
             # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,
             # loads the kernels and lets cuBLAS pick its own, which must not happen in a capture.
-            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs),
+            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs, max_kv),
                                   lambda: logits_out[:num_seqs].copy_(rt.model.forward(make_batch())), capture_after=2)
             logits = logits_out[:len(to_sample)]
         else:

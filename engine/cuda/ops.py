@@ -246,17 +246,19 @@ class CudaOps(TorchOps):
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None,
+                          max_kv_len: int = 0) -> torch.Tensor:
         """With `work` (a staged, padded work list: a forward replayed from a CUDA graph), the paged
-        kernel runs it as given. Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
+        kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
         run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
         everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
         kernels_cu/prefill_attention.cu: one launch per layer and no gathers, which short prompts,
         bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            splits = prefill_attention.key_splits(self.lib, work.shape[0], q.shape[1], max_kv_len)
             prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
-                                     sliding_window)
+                                     sliding_window, splits)
             return out
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
@@ -273,8 +275,9 @@ class CudaOps(TorchOps):
         work_t = self._prefill_work
         if work_t is None:
             return out
+        splits = prefill_attention.key_splits(self.lib, work_t.shape[0], q.shape[1], max(seq_lens, default=0))
         prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
-                                 sliding_window)
+                                 sliding_window, splits)
         return out
 
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

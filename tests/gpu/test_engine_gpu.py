@@ -537,3 +537,27 @@ def test_a_stop_token_refuses_the_launched_step_behind_it_on_gpu(ckpt_1b):
     the step after it runs again: the same tokens and log-probs as one step at a time."""
     from test_pipeline import check_stop_token_refusal
     check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024), 128256)
+
+
+def test_a_chunk_continuing_a_long_cached_prefix_scores_like_the_uncached_prompt(ckpt_1b):
+    """A 4096-token prompt whose first 3968 tokens come from the prefix cache (the 128 computed ones attend over
+    the prefix with key splits; eager the first time, then from a captured graph) gives the first token and
+    log-probabilities of the same prompt computed whole (up to bf16 rounding: a different chunking)."""
+    cached = gpu_engine(ckpt_1b, num_kv_blocks=2048, max_seq_len=4200)
+    whole = gpu_engine(ckpt_1b, num_kv_blocks=2048, max_seq_len=4200, prefix_caching=False)
+    prefix, tails = prompts([3968], 128256, seed=7)[0], prompts([128] * 4, 128256, seed=8)
+
+    def first(engine: Engine, prompt: list[int]):
+        sid = engine.alloc_sequence(len(prompt) + 2, SamplingParams(top_logprobs=5), GREEDY).seq_id
+        token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
+        engine.release([sid])
+        return token
+
+    first(cached, prefix + tails[0])  # leaves the prefix's blocks cached
+    for tail in tails[1:]:  # eager, then captured, then replayed
+        got, want = first(cached, prefix + tail), first(whole, prefix + tail)
+        assert got.cached_tokens == 3968 and want.cached_tokens == 0
+        top_got, top_want = dict(got.top_logprobs), dict(want.top_logprobs)
+        assert got.token_id == want.token_id or abs(top_want[want.token_id] - top_want.get(got.token_id, -99)) < 0.1
+        shared = set(top_got) & set(top_want)
+        assert len(shared) >= 3 and max(abs(top_got[t] - top_want[t]) for t in shared) < 0.1
