@@ -356,6 +356,9 @@ class LevelResult:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    # Per request of more than one output token: (last token - first token) / (output tokens - 1), its mean time
+    # per token after the first, whatever way its tokens were bunched on their way.
+    tpot: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     overhead_left_out: int = 0  # steps that waited while a prefill was in flight
     outliers: list = field(default_factory=list)  # (overhead us, an Alloc/Release reply in the wait, sent late)
@@ -383,6 +386,7 @@ class LevelResult:
             "tokens_per_s": round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0,
             "ttft_p50_ms": round(1e3 * percentile(self.ttft, 50), 3), "ttft_p99_ms": round(1e3 * percentile(self.ttft, 99), 3),
             "itl_p50_ms": round(1e3 * percentile(self.itl, 50), 3), "itl_p99_ms": round(1e3 * percentile(self.itl, 99), 3),
+            "tpot_p50_ms": round(1e3 * percentile(self.tpot, 50), 3), "tpot_p99_ms": round(1e3 * percentile(self.tpot, 99), 3),
             "rpc_overhead_p50_us": round(percentile(self.overhead_us, 50), 1),
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
             "rpc_overhead_left_out": self.overhead_left_out,
@@ -485,12 +489,15 @@ def run_level(backend, requests, concurrency: int, spec: int, duration: float = 
                 if nxt is None:
                     break
                 tokens, fin = nxt
-        retire(finished)
+        retire(finished, now)
 
-    def retire(done: list[int]) -> None:
+    def retire(done: list[int], now: float) -> None:
         nonlocal releasing
         for sid in done:
             state = running.pop(sid)
+            output_len = len(state["history"]) - len(state["request"].prompt)
+            if output_len > 1:
+                res.tpot.append((now - state["first"]) / (output_len - 1))
             source.finished(state["request"], state["history"])
         if done:
             releasing += 1
@@ -541,7 +548,7 @@ def run_level(backend, requests, concurrency: int, spec: int, duration: float = 
                 res.prompt_tokens += len(r.prompt)
                 res.cached_tokens += cached.get(sid, 0)
                 res.first_tokens.append((r, now - t0, cached.get(sid, 0)))
-                running[sid] = {"request": r, "history": list(r.prompt), "last": now, "sent": 0,
+                running[sid] = {"request": r, "history": list(r.prompt), "first": now, "last": now, "sent": 0,
                                 "want": r.output_len - 1, "early": {}}
             take_tokens(reply[0], now, first=True)
         elif kind == "release":

@@ -4,8 +4,8 @@ Per --concurrency C, load.py's requests (make_requests: prompt and output length
 --output-len) are served twice by one worker: first by load.py's router (AllocSequence, Prefill, --pipeline
 Decodes in flight), then by C OpenAI clients through smg (`smg launch --worker-urls grpc://WORKER
 --model-path CHECKPOINT`), which tokenizes and calls the worker's VllmEngine service. A client sends each
-request as one streaming POST /v1/completions with max_tokens = the request's output length, ignore_eos
-and temperature 0, and its next request when that stream has ended; both paths therefore generate the same
+request as one streaming POST /v1/completions with max_tokens = the request's output length, ignore_eos,
+temperature 0 and skip_special_tokens false, and its next request when that stream has ended; both paths therefore generate the same
 number of tokens. Each path gets a warm-up of 2C of the requests, then FlushCache.
 
 smg 1.13's /v1/completions takes text prompts only (a list of token ids is refused as invalid_type), so
@@ -17,7 +17,9 @@ to one and every token streams as an SSE event of its own.
 
 Reported per path: output tokens/s over the level's wall time; TTFT p50/p99 (the router's Alloc to the
 Prefill reply; the client's POST to the first SSE event with text); ITL p50/p99 (between a request's
-consecutive tokens; through smg, between its consecutive SSE events with text); and gateway / direct.
+consecutive tokens; through smg, between its consecutive SSE events with text: tokens that arrive together
+give gaps near 0, so ITL's p50 falls where replies bunch); TPOT p50/p99 (per request, from its first token
+to its last over the tokens between: bunching does not move it); and gateway / direct.
 
     python bench/load.py --shape tiny --gateway --concurrency 4 --requests 16 --prompt-len 24 --output-len 12
 """
@@ -250,32 +252,42 @@ async def gateway_level(gateway: Gateway, requests: list[Request], texts: list[s
                 request = requests[i]
                 payload = {"model": gateway.model_id, "prompt": texts[i], "max_tokens": request.output_len,
                            "temperature": 0, "ignore_eos": True, "stream": True,
-                           "stream_options": {"include_usage": True}}
+                           "stream_options": {"include_usage": True},
+                           "skip_special_tokens": False}  # a special token streams as text too, as its own event
                 sent = time.perf_counter()
-                last, events, usage = None, 0, None
+                first = last = None
+                events, usage = 0, None
                 async for at, event in conn.stream("/v1/completions", payload):
                     usage = event.get("usage") or usage
                     choices = event.get("choices") or ()
                     if choices and choices[0].get("text"):
                         if last is None:
+                            first = at
                             res.ttft.append(at - sent)
                         else:
                             res.itl.append(at - last)
                         last, events = at, events + 1
                 token_events += events
-                res.output_tokens += usage["completion_tokens"] if usage else events
+                tokens = usage["completion_tokens"] if usage else events
+                if tokens > 1 and first is not None:
+                    res.tpot.append((last - first) / (tokens - 1))
+                res.output_tokens += tokens
                 res.prompt_tokens += usage["prompt_tokens"] if usage else 0
                 mismatches += usage is None or usage["prompt_tokens"] != len(request.prompt)
         finally:
             await conn.close()
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     res.seconds = time.perf_counter() - t0
+    # The clients' own CPU time over the wall time: near 1, the clients (one Python thread) are what limits the level.
+    client_cpu = (time.process_time() - cpu0) / res.seconds
     full = res.summary()
     return {**{k: full[k] for k in ("concurrency", "output_tokens", "seconds", "tokens_per_s", "ttft_p50_ms",
-                                    "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prompt_tokens")},
-            "requests": len(requests), "token_events": token_events, "prompt_token_mismatches": mismatches}
+                                    "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms",
+                                    "prompt_tokens")},
+            "requests": len(requests), "token_events": token_events, "prompt_token_mismatches": mismatches,
+            "client_cpu_share": round(client_cpu, 3)}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -283,10 +295,12 @@ async def gateway_level(gateway: Gateway, requests: list[Request], texts: list[s
 def compare(concurrency: int, direct: dict, gateway: dict) -> dict:
     """A level's row: both paths' figures and gateway / direct."""
     ratios = {key: round(gateway[key] / direct[key], 3) if direct[key] else None
-              for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+              for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms",
+                          "tpot_p99_ms")}
     print(f"C={concurrency}: tokens/s direct {direct['tokens_per_s']:,.0f}, gateway {gateway['tokens_per_s']:,.0f} "
           f"({ratios['tokens_per_s']}); TTFT p50 {direct['ttft_p50_ms']:.2f} / {gateway['ttft_p50_ms']:.2f} ms; "
-          f"ITL p50 {direct['itl_p50_ms']:.2f} / {gateway['itl_p50_ms']:.2f} ms; output tokens "
+          f"ITL p50 {direct['itl_p50_ms']:.2f} / {gateway['itl_p50_ms']:.2f} ms; TPOT p50 {direct['tpot_p50_ms']:.2f} / "
+          f"{gateway['tpot_p50_ms']:.2f} ms; output tokens "
           f"{direct['output_tokens']} / {gateway['output_tokens']}")
     return {"concurrency": concurrency, "requests": gateway["requests"], "direct": direct, "gateway": gateway,
             "gateway_over_direct": ratios}

@@ -108,6 +108,7 @@ def test_load_gateway_direct_and_through_smg(tmp_path):
     assert gateway["token_events"] == gateway["output_tokens"]  # one SSE event per word
     for level in (direct, gateway):
         assert level["tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0
+        assert level["itl_p50_ms"] <= level["itl_p99_ms"] and 0 < level["tpot_p50_ms"] <= level["tpot_p99_ms"]
     assert row["gateway_over_direct"]["tokens_per_s"] == round(gateway["tokens_per_s"] / direct["tokens_per_s"], 3)
 
 
