@@ -5,8 +5,8 @@ Per --concurrency C, load.py's requests (make_requests: prompt and output length
 Decodes in flight), then by C OpenAI clients through smg (`smg launch --worker-urls grpc://WORKER
 --model-path CHECKPOINT`), which tokenizes and calls the worker's VllmEngine service. A client sends each
 request as one streaming POST /v1/completions with max_tokens = the request's output length, ignore_eos,
-temperature 0 and skip_special_tokens false, and its next request when that stream has ended; both paths therefore generate the same
-number of tokens. Each path gets a warm-up of 2C of the requests, then FlushCache.
+temperature 0 and skip_special_tokens false, and its next request when that stream has ended; both paths
+therefore generate the same number of tokens. Each path gets a warm-up of 2C of the requests, then FlushCache.
 
 smg 1.13's /v1/completions takes text prompts only (a list of token ids is refused as invalid_type), so
 each request's random ids are decoded with the checkpoint's tokenizer and encoded again; both paths send
@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 
 import load
@@ -299,8 +298,8 @@ def compare(concurrency: int, direct: dict, gateway: dict) -> dict:
                           "tpot_p99_ms")}
     print(f"C={concurrency}: tokens/s direct {direct['tokens_per_s']:,.0f}, gateway {gateway['tokens_per_s']:,.0f} "
           f"({ratios['tokens_per_s']}); TTFT p50 {direct['ttft_p50_ms']:.2f} / {gateway['ttft_p50_ms']:.2f} ms; "
-          f"ITL p50 {direct['itl_p50_ms']:.2f} / {gateway['itl_p50_ms']:.2f} ms; TPOT p50 {direct['tpot_p50_ms']:.2f} / "
-          f"{gateway['tpot_p50_ms']:.2f} ms; output tokens "
+          f"ITL p50 {direct['itl_p50_ms']:.2f} / {gateway['itl_p50_ms']:.2f} ms; "
+          f"TPOT p50 {direct['tpot_p50_ms']:.2f} / {gateway['tpot_p50_ms']:.2f} ms; output tokens "
           f"{direct['output_tokens']} / {gateway['output_tokens']}")
     return {"concurrency": concurrency, "requests": gateway["requests"], "direct": direct, "gateway": gateway,
             "gateway_over_direct": ratios}

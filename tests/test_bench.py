@@ -86,7 +86,7 @@ def test_load_prefix_workloads_with_the_cache_on_and_off(tmp_path):
         for level in (on, off):
             assert level["requests"] == requests and level["output_tokens"] == requests * answer
             assert level["prompt_tokens"] == level["query_tokens"] == prompt_tokens
-            assert level["tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["ttft_p99_ms"] >= level["ttft_p50_ms"]
+            assert level["tokens_per_s"] > 0 and 0 < level["ttft_p50_ms"] <= level["ttft_p99_ms"]
         assert on["hit_rate"] > 0 and on["hit_tokens"] == on["cached_prompt_tokens"] > 0
         assert off["hit_rate"] == 0 and off["hit_tokens"] == off["cached_prompt_tokens"] == 0
         assert row["ttft_p50_on_over_off"] == round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
@@ -118,7 +118,8 @@ def test_load_refuses_what_its_modes_cannot_do(tmp_path):
 
     bare = write_checkpoint(tmp_path / "no-tokenizer", arch="llama", shape="tiny")
     cases = {("--prefix", "multiturn", "--target", "127.0.0.1:1"): "cannot use --target",
-             ("--prefix", "sysprompt", "--engine-flags=--max-slots 8 --no-prefix-caching"): "leave --no-prefix-caching out",
+             ("--prefix", "sysprompt", "--engine-flags=--max-slots 8 --no-prefix-caching"):
+                 "leave --no-prefix-caching out",
              ("--gateway", "--model", str(bare)): "has no tokenizer.json"}
     for args, words in cases.items():
         out = subprocess.run([sys.executable, "bench/load.py", *args, "--out", str(tmp_path)], cwd=ROOT,
