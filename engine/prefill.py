@@ -10,6 +10,7 @@ Owns: the staging buffers of graphed prefill forwards and the logits buffer they
 finished every decode step in flight."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine import api, logits_processors
@@ -76,8 +77,10 @@ class Prefiller:
         if first:
             seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
             state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)  # its device row starts here
-            if seq.num_cached:  # the cached tokens skip the forward, where prompt tokens are marked seen
-                shared = torch.tensor(seq.token_ids[:seq.num_cached], device=self.rt.device)
+            if seq.num_cached and seq.sampling.repetition_penalty != 1.0:
+                # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
+                # repetition penalty).
+                shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.num_cached], dtype=np.int64)).to(self.rt.device)
                 state.mark_seen(torch.full_like(shared, seq.slot), shared)
         if not item.partial and seq.num_cached == seq.seq_len:
             seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits

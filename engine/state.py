@@ -15,6 +15,7 @@ max_seq_len <= 32768 (a count never exceeds the tokens a sequence holds), else 4
 128 MiB (int32) at 256 slots x 128k; the bias and stop tables S x 64 x 20 bytes (320 KiB at 256 slots)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.logits_processors import PENALTIES, flags_of
@@ -87,7 +88,7 @@ class SlotState:
         """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its
         blocks; entries past them stay 0, the scratch block). No step in flight may read the row."""
         if block_ids:
-            self.block_table[slot, start:start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+            self.block_table[slot, start:start + len(block_ids)] = torch.from_numpy(np.asarray(block_ids, dtype=np.int32))
 
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams,
                stopping: StoppingCriteria | None = None) -> None:

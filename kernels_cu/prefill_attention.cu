@@ -28,8 +28,9 @@
 //
 // Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
 //   grid (num_work, H, splits), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes;
-//   part_o / part_ml used (and needed) only when splits > 1. Merge (prefill_attention_merge_{dt}_d{D}): grid
-//   (num_work, H), block (128), the same work list; it writes out.
+//   part_o / part_ml used (and needed) only when splits > 1 (at most 16). Merge
+//   (prefill_attention_merge_{dt}_d{D}): grid (num_work, H, 64 / 16), block (128), the same work list; it writes
+//   out.
 //   (engine/cuda/wrappers/prefill_attention.py computes the same; the library raises the function's limit at load).
 //   block_size a power of two (bs_log2); scale_log2 = scale * log2(e); q, out, caches 16-byte aligned.
 #include "common.cuh"
@@ -231,35 +232,50 @@ __device__ __forceinline__ void prefill_attention_impl(
   }
 }
 
-// The merge of key splits: out[t, h] = sum_z 2^(m_z - M) o_z / sum_z 2^(m_z - M) l_z, M = max_z m_z, for the
-// rows of work item blockIdx.x and head blockIdx.y.
+// The merge of key splits: out[t, h] = sum_z 2^(m_z - M) o_z / sum_z 2^(m_z - M) l_z, M = max_z m_z, for
+// PA_MERGE_ROWS rows (blockIdx.z-th group) of work item blockIdx.x, head blockIdx.y: one thread a row first puts
+// its shares' weights in shared memory, then every thread adds up column pairs (coalesced loads).
+#define PA_MERGE_ROWS 16
+#define PA_MAX_SPLITS 16
 template <class T, int D>
 __device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ out, const float* __restrict__ part_o,
                                                              const float* __restrict__ part_ml,
                                                              const int* __restrict__ work, int num_q, int H,
                                                              int splits) {
+  __shared__ float weight[PA_MERGE_ROWS][PA_MAX_SPLITS];
+  __shared__ float inv_sum[PA_MERGE_ROWS];
   const Vec16 item = reinterpret_cast<const Vec16*>(work)[blockIdx.x];
   const int q_tok = (int)item.w[1], nrows = (int)item.w[2];
-  if (nrows <= 0) return;
+  const int r0 = blockIdx.z * PA_MERGE_ROWS;
+  if (r0 >= nrows) return;  // (the whole block returns together)
+  const int rows = min(PA_MERGE_ROWS, nrows - r0);
   const int h = blockIdx.y;
   const i64 split_stride = (i64)num_q * H;
-  for (int i = threadIdx.x; i < nrows * (D / 2); i += blockDim.x) {
-    const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
-    const i64 at = (i64)(q_tok + r) * H + h;
+  if ((int)threadIdx.x < rows) {
+    const i64 at = (i64)(q_tok + r0 + threadIdx.x) * H + h;
     float mx = NEG_INF;
     for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[(z * split_stride + at) * 2]);
-    float sum = 0.f, o0 = 0.f, o1 = 0.f;
+    float sum = 0.f;
     for (int z = 0; z < splits; ++z) {
       const float2 ml = *reinterpret_cast<const float2*>(part_ml + (z * split_stride + at) * 2);
-      if (ml.x == NEG_INF) continue;  // a share with no key this row sees
-      const float w = exp2f(ml.x - mx);
-      const float2 v = *reinterpret_cast<const float2*>(part_o + (z * split_stride + at) * D + c);
+      const float w = ml.x == NEG_INF ? 0.f : exp2f(ml.x - mx);  // a share with no key this row sees: 0
+      weight[threadIdx.x][z] = w;
       sum += w * ml.y;
-      o0 += w * v.x;
-      o1 += w * v.y;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    *reinterpret_cast<u32*>(out + at * D + c) = T::pack(o0 * inv, o1 * inv);
+    inv_sum[threadIdx.x] = sum > 0.f ? 1.f / sum : 0.f;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * (D / 2); i += blockDim.x) {
+    const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
+    const i64 at = (i64)(q_tok + r0 + r) * H + h;
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll 4
+    for (int z = 0; z < splits; ++z) {
+      const float2 v = *reinterpret_cast<const float2*>(part_o + (z * split_stride + at) * D + c);
+      o0 += weight[r][z] * v.x;
+      o1 += weight[r][z] * v.y;
+    }
+    *reinterpret_cast<u32*>(out + at * D + c) = T::pack(o0 * inv_sum[r], o1 * inv_sum[r]);
   }
 }
 

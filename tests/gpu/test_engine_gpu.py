@@ -561,3 +561,27 @@ def test_a_chunk_continuing_a_long_cached_prefix_scores_like_the_uncached_prompt
         assert got.token_id == want.token_id or abs(top_want[want.token_id] - top_want.get(got.token_id, -99)) < 0.1
         shared = set(top_got) & set(top_want)
         assert len(shared) >= 3 and max(abs(top_got[t] - top_want[t]) for t in shared) < 0.1
+
+
+def test_a_thread_bound_after_start_captures_graphs_without_failures(ckpt_tiny):
+    """The worker launches decode steps from its event loop's thread, not the one that built the engine: after
+    bind_thread, the graphs captured there (cuBLAS GEMMs inside: a batch past the skinny kernels) capture cleanly,
+    since the thread's cuBLAS handles already exist (creating one inside a capture fails)."""
+    import threading
+
+    engine = gpu_engine(ckpt_tiny, capture_after=2)
+    stats = {}
+
+    def run():
+        engine.runtime.dispatch.bind_thread()
+        ids = [engine.alloc_sequence(64, SamplingParams(), GREEDY).seq_id for _ in range(12)]
+        engine.prefill([PrefillItem(i, [5, 6, 7]) for i in ids])
+        for _ in range(8):
+            engine.decode(ids)
+        engine.release(ids)
+        stats["graphs"] = engine.info().graph_cache
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert stats["graphs"].captures >= 1 and stats["graphs"].capture_failures == 0, stats

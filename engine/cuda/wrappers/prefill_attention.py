@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from engine.cuda.library import KernelLibrary
 
 
-MAX_SPLITS = 16
+MAX_SPLITS = 16  # PA_MAX_SPLITS of the .cu file
+MERGE_ROWS = 16  # query rows per merge block (PA_MERGE_ROWS)
 MIN_SPLIT_TILES = 4  # a key split covers at least this many 64-key tiles
 
 
@@ -66,5 +67,5 @@ def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torc
         part_ml.data_ptr() if part_ml is not None else 0, T)
     if splits > 1:
         lib.kernels[f"prefill_attention_merge_{sfx}_d{D}"](
-            (work.shape[0], H, 1), (128, 1, 1), 0, lib.stream(), o, part_o.data_ptr(), part_ml.data_ptr(), wk, T, H,
+            (work.shape[0], H, 64 // MERGE_ROWS), (128, 1, 1), 0, lib.stream(), o, part_o.data_ptr(), part_ml.data_ptr(), wk, T, H,
             splits)
