@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine import api
+from engine import api, logits_processors
 from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.runtime import Runtime
@@ -75,7 +75,7 @@ class Prefiller:
         seq.token_ids.extend(item.token_ids)
         if first:
             seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
-            state.assign(seq.slot, blocks.block_ids, seq.sampling)  # the slot's device row starts here
+            state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)  # its device row starts here
             if seq.num_cached:  # the cached tokens skip the forward, where prompt tokens are marked seen
                 shared = torch.tensor(seq.token_ids[:seq.num_cached], device=self.rt.device)
                 state.mark_seen(torch.full_like(shared, seq.slot), shared)
@@ -141,14 +141,21 @@ class Prefiller:
             seq.num_cached += n
         if not to_sample:
             return {}
-        num_top = self.num_top(to_sample)
-        out = rt.ops.sample(logits, state.sampling_rows(sample_slots, positions), num_top)
+        num_top, procs = self.num_top(to_sample), logits_processors.batch_flags(to_sample)
+        procs_rows = None
+        if procs:  # each prompt is complete: its first new token is drawn at index seq_len
+            state.start_output(sample_slots, positions)
+            procs_rows = logits_processors.ProcessorRows.gather(state, sample_slots, positions, procs)
+        out = logits_processors.sample(rt.ops, logits, state.sampling_rows(sample_slots, positions), num_top,
+                                       procs_rows)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
             seq.blocks.pool.record_query(seq.prompt_len, seq.cached_prompt_tokens)
         state.num_cached[sample_slots] = positions.to(torch.int32)
         state.last_token[sample_slots] = out.token_ids
         state.mark_seen(sample_slots, out.token_ids)
+        if procs & logits_processors.PENALTIES:
+            state.count_outputs(sample_slots, out.token_ids)
         rt.outputs.write(out, num_top)
         host = rt.outputs.read(len(to_sample), num_top, rt.dispatch.streams)
         results = commit_tokens(to_sample, *host, rt.eos_token_ids)

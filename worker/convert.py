@@ -17,12 +17,16 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty else 1.0,
         top_logprobs=msg.top_logprobs,
+        min_p=msg.min_p,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
 def stopping_criteria(msg: pb.StoppingCriteria) -> StoppingCriteria:
     return StoppingCriteria(max_new_tokens=msg.max_new_tokens, stop_token_ids=frozenset(msg.stop_token_ids),
-                            ignore_eos=msg.ignore_eos)
+                            ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens)
 
 
 def prefill_items(msg: pb.PrefillRequest) -> list[api.PrefillItem]:
