@@ -224,7 +224,8 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
 
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return convert.info_response(self.runner.engine.info(), self.tokenizer)  # counters only: no turn in the queue
+        # Counters only: no turn in the engine's queue.
+        return convert.info_response(self.runner.engine.info(), self.tokenizer)
 
     async def Generate(self, request: pb.GenerateRequest, context):
         """Server-streaming: the runner decodes this sequence itself, batched with other streams. A text or
