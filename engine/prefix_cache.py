@@ -33,7 +33,7 @@ Pool contract (the engine is the only caller; not thread-safe):
   is referenced by its writer alone; the engine keeps that true by writing only positions at or
   past a sequence's computed length, which never lie in a registered block.
 
-Engine contract (SequenceBlocks implements it; tests/test_prefix_cache.py fuzzes it):
+Engine contract (SequenceBlocks implements it; tests/unit/test_prefix_cache.py fuzzes it):
 - AllocSequence reserves ceil(max_total_tokens / block_size) blocks and takes none.
 - Prefill, while the sequence has computed nothing of its own (its first chunk): match the hashes of
   the full blocks of its known tokens, at most (known - 1) // block_size of them, so the last known

@@ -74,7 +74,7 @@ MODULES: dict[str, list[KernelSpec]] = {
 # decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
 # the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
 # anything the launch before may have written; what each reads before its wait is in its launch contract,
-# and tests/test_pdl_contract.py checks CudaOps' launch order against those.
+# and tests/unit/test_pdl_contract.py checks CudaOps' launch order against those.
 PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
                 "decode_commit", "verify_commit")
 

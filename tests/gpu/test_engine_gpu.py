@@ -525,7 +525,7 @@ def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
     """Decode steps launched behind the running one (two in flight, as the worker runs a pipelining
     router's Decodes) give bit-identical results to the same calls one step at a time, through the
     default graph policy (width graphs, then slot-vector graphs) on the engine's streams."""
-    from test_pipeline import check_launched_steps_equal_one_at_a_time
+    from pipeline_checks import check_launched_steps_equal_one_at_a_time
     engine = check_launched_steps_equal_one_at_a_time(
         lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=3), 128256)
     stats = engine.info().graph_cache
@@ -535,7 +535,7 @@ def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
 def test_a_stop_token_refuses_the_launched_step_behind_it_on_gpu(ckpt_1b):
     """The refused step's slot state is rolled back on the compute stream behind the launched work, and
     the step after it runs again: the same tokens and log-probs as one step at a time."""
-    from test_pipeline import check_stop_token_refusal
+    from pipeline_checks import check_stop_token_refusal
     check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024), 128256)
 
 

@@ -201,10 +201,10 @@ def test_verify_with_processors_emits_what_decode_draws_on_gpu(ckpt):
 
 
 def test_a_stop_token_refusal_rolls_the_penalty_counts_back_on_gpu(ckpt, monkeypatch):
-    """tests/test_pipeline.py's refusal pattern with the penalties, on the kernels and the engine's streams."""
-    import test_pipeline
+    """tests/pipeline_checks.py's refusal pattern with the penalties, on the kernels and the engine's streams."""
+    import pipeline_checks
 
-    monkeypatch.setattr(test_pipeline, "SAMPLED", SamplingParams(
+    monkeypatch.setattr(pipeline_checks, "SAMPLED", SamplingParams(
         temperature=0.9, top_k=40, repetition_penalty=1.3, top_logprobs=2, seed=5, frequency_penalty=0.8,
         presence_penalty=0.6, min_p=0.02))
-    test_pipeline.check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt), VOCAB)
+    pipeline_checks.check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt), VOCAB)

@@ -77,7 +77,7 @@ Fails when it would share a port with worker.port or worker.metricsPort.
 The container args of `metrale-worker serve`, as a JSON list: one flag per non-null key of .Values.worker
 (camelCase field name -> --kebab-case flag; booleans as --flag / --no-flag; healthPort as
 metrale-worker.healthPort resolves it with TLS), then the file paths the chart mounts: --model, TLS and the
-auth token. tests/test_helm.py parses them with the worker's own parser.
+auth token. tests/unit/test_helm.py parses them with the worker's own parser.
 */}}
 {{- define "metrale-worker.args" -}}
 {{- $args := list }}

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import test_pipeline
+import pipeline_checks
 from conftest import alloc, engine_config, random_prompts
 from engine import logits_processors as lp
 from engine.api import PrefillItem, VerifyItem
@@ -326,7 +326,7 @@ def test_rows_without_processors_sample_what_they_sample_without_them(tiny_model
     batch uses every processor or none (also through graphs). A batch without processors keeps the graph key it
     has without them (slot vector, top-logprob count); one with them adds their flags."""
     from engine.cuda.graphs import GraphCache
-    from test_graph_cache import ExecBackend
+    from conftest import ExecBackend
 
     engine = Engine(engine_config(tiny_model, fallback_graphs=False))
     if graphs:
@@ -408,10 +408,10 @@ PENALIZED = SamplingParams(temperature=0.9, top_k=40, repetition_penalty=1.3, to
 
 
 def test_a_stop_token_refusal_rolls_the_penalty_counts_back(tiny_model, monkeypatch):
-    """tests/test_pipeline.py's refusal pattern with the penalties: the refused step and the rerun one give what
+    """tests/pipeline_checks.py's refusal pattern with the penalties: the refused step and the rerun one give what
     one step at a time gives."""
-    monkeypatch.setattr(test_pipeline, "SAMPLED", PENALIZED)
-    test_pipeline.check_stop_token_refusal(lambda reference=False: Engine(engine_config(tiny_model)), VOCAB)
+    monkeypatch.setattr(pipeline_checks, "SAMPLED", PENALIZED)
+    pipeline_checks.check_stop_token_refusal(lambda reference=False: Engine(engine_config(tiny_model)), VOCAB)
 
 
 def test_refused_and_rewritten_steps_leave_exact_counts(tiny_model):

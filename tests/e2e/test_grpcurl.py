@@ -103,7 +103,7 @@ def test_readme_quick_start_chat_streams_paris(default_model):
     the streamed text pieces answer with Paris, and the stream ends at EOS."""
     from conftest import start_server
 
-    readme = (pathlib.Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
     blocks = [b for b in readme.split("```bash\n")[1:] if "What is the capital of France?" in b.split("```")[0]]
     assert blocks, "README has no grpcurl chat command"
     command = blocks[0].split("```")[0]
