@@ -5,7 +5,16 @@
 # ignores; bench/RESULTS.md holds the figures worth keeping). Needs the generated stubs (metrale/, carried) and,
 # when the device's Python lacks them, grpcio-reflection / grpcio-health-checking wheels in .whl/ (carried) of
 # the device's grpcio version (1.84: `pip download --no-deps grpcio-health-checking==1.84.0
-# grpcio-reflection==1.84.0 -d .whl`; newer ones refuse to import under it, and so does the worker).
+# grpcio-reflection==1.84.0 -d .whl`; newer ones refuse to import under it, and so does the worker). The worker
+# also imports smg_grpc_proto (`pip download --no-deps smg-grpc-proto==0.4.28 -d .whl`, 0.1 MB, where the
+# device's Python lacks it). The loadgateway stage runs Shepherd Model Gateway, which the device cannot fetch:
+# carry its wheel and the one module its launcher imports that the device lacks, built for the device's Python
+# 3.12 (37 MB in all, within the 64 MiB a call carries):
+#   pip download --no-deps smg==1.13.0 -d .whl
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#       setproctitle==1.3.8 -d .whl
+# and run with carry [".whl", "metrale"]. smg's other requirements (grpcio, grpcio-health-checking, pyyaml) are
+# the device's own or carried above.
 #
 # Stages (the figures in bench/RESULTS.md come from these):
 #   tests      the GPU test suite                    kernels    the kernel op tests only (faster)
@@ -14,6 +23,9 @@
 #   loadc1     load.py batch 1 over gRPC, 1-3 in flight, Decode calls and DecodeStream
 #   load32     load.py at C = 32 and 128, 2-3 in flight
 #   loadstream load.py concurrency sweep, three in flight, Decode calls vs DecodeStream
+#   loadprefix load.py --prefix, 1B, C = 32: multi-turn conversations (8 turns, each resending the history) and a
+#              shared system prompt, each with the prefix cache on and then off (two workers, one after the other)
+#   loadgateway load.py --gateway, 1B, C = 32: the same requests over gRPC and through smg (needs its wheels, above)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
@@ -96,6 +108,8 @@ ab() {  # the ab stage: see the header
 }
 
 LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT")
+# The longest conversation turn: 1024 + 8 x 64 + 7 x 128 prompt tokens + a 128-token answer = 2560 tokens.
+LOAD_PREFIX_1B=(python3 bench/load.py --shape 1b --prefix multiturn sysprompt --concurrency 32 --turns 8 --system-len 1024 --message-len 64 --output-len 128 --requests 256 --engine-flags "--num-kv-blocks 20000 --max-seq-len 4096" --out "$OUT")
 for what in "$@"; do
   case "$what" in
     tests)      stage gpu-tests 300 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
@@ -106,6 +120,10 @@ for what in "$@"; do
     loadc1)     stage load-1b-c1 300 "${LOAD_1B[@]}" --concurrency 1 --pipeline 1 2 3 --decode call stream --no-plots ;;
     load32)     stage load-1b-c32 420 "${LOAD_1B[@]}" --concurrency 32 128 --pipeline 2 3 --no-plots ;;
     loadstream) stage load-1b-stream 540 "${LOAD_1B[@]}" --concurrency 1 4 16 32 64 128 --pipeline 3 --decode call stream ;;
+    loadprefix) stage load-1b-prefix 540 "${LOAD_PREFIX_1B[@]}" ;;
+    loadgateway) python3 -c "import smg.smg_rs, setproctitle" \
+                   || echo "gpu_session: smg does not import (carry its wheels in .whl/: see the header)"
+                 stage load-1b-gateway 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 ;;
     rpc)        stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;

@@ -26,7 +26,13 @@ the difference.
     python bench/load.py --target localhost:50051 --concurrency 32              # an existing worker
     python bench/load.py --shape tiny --soak 60                                 # memory/blocks over time
 
-Writes bench/results/load-<date>-<device>.json and PNG plots beside it (--out to change)."""
+Instead of the sweep, two comparisons in one run each (their own modules; the same JSON with one more list):
+    python bench/load.py --shape tiny --prefix multiturn sysprompt --concurrency 32   # prefix cache on vs off,
+        # prefix-sharing workloads (bench/load_prefix.py; the JSON's "prefix")
+    python bench/load.py --shape tiny --gateway --concurrency 32   # direct gRPC vs through Shepherd Model
+        # Gateway's OpenAI endpoint on the same worker (bench/load_gateway.py; the JSON's "gateway")
+
+Writes bench/results/load-[soak-|prefix-|gateway-]<date>-<device>.json and PNG plots beside it (--out to change)."""
 from __future__ import annotations
 
 import argparse
@@ -61,6 +67,32 @@ from metrale.worker.v1 import worker_pb2 as pb  # noqa: E402
 class Request:
     prompt: tuple[int, ...]
     output_len: int
+
+
+class RequestList:
+    """A level's requests in order, cycled until `duration` seconds have passed when duration > 0.
+
+    A request source, as run_level takes them: ready() says whether a request can be taken now, take()
+    takes it, finished(request, history) hears that its sequence ended with `history` (prompt + output
+    tokens). A source whose next requests depend on earlier answers (bench/load_prefix.py's
+    conversations) has none ready while it waits for them; the level ends when nothing is in flight and
+    none is ready."""
+
+    def __init__(self, requests: list[Request], duration: float = 0.0):
+        self.requests, self.duration, self.taken = list(requests), duration, 0
+        self.started = time.perf_counter()
+
+    def ready(self) -> bool:
+        return self.taken < len(self.requests) or bool(
+            self.duration and time.perf_counter() - self.started < self.duration)
+
+    def take(self) -> Request:
+        request = self.requests[self.taken % len(self.requests)]
+        self.taken += 1
+        return request
+
+    def finished(self, request: Request, history: list[int]) -> None:
+        pass
 
 
 def make_requests(n: int, seed: int, vocab: int, prompt_mean: int, output_mean: int,
@@ -168,9 +200,9 @@ class GrpcBackend:
 
     def prefill(self, tag, items) -> None:
         req = pb.PrefillRequest(items=[pb.PrefillItem(sequence_id=i, token_ids=t) for i, t in items])
-        def parse(call):
+        def parse(call):  # (tokens, forward_ns, {sequence: prompt tokens that came from the prefix cache})
             r = call.result()
-            return [(t.sequence_id, [t.token_id], t.finish_reason != 0, t.seq_len) for t in r.tokens], r.forward_ns
+            return (self._tokens(r.tokens), r.forward_ns, {t.sequence_id: t.cached_tokens for t in r.tokens})
         self._start("prefill", tag, "Prefill", req, parse)
 
     def decode(self, tag, ids) -> None:
@@ -203,6 +235,14 @@ class GrpcBackend:
 
     def graph_counters(self) -> tuple:
         return graph_counters(self.client.info().graph_cache)
+
+    def prefix_counters(self) -> tuple:
+        return prefix_counters(self.client.info().prefix_cache)
+
+    def flush_cache(self) -> int:
+        """Drops the worker's unreferenced prefix-cache blocks (between a warm-up and its level, so that the
+        level's prompts find none of the warm-up's KV)."""
+        return self.client.stub.FlushCache(pb.FlushCacheRequest(), timeout=60).flushed_blocks
 
     def close(self) -> None:
         if self.stream is not None:
@@ -256,7 +296,8 @@ class EngineBackend:
 
         def run():
             r = self.engine.prefill([PrefillItem(i, list(t)) for i, t in items])
-            return [(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns
+            return ([(t.seq_id, [t.token_id], bool(t.finish_reason), t.seq_len) for t in r.tokens], r.forward_ns,
+                    {t.seq_id: t.cached_tokens for t in r.tokens})
         self._post("prefill", tag, run)
 
     def decode(self, tag, ids) -> None:
@@ -281,6 +322,12 @@ class EngineBackend:
     def graph_counters(self) -> tuple:
         return graph_counters(self.engine.info().graph_cache)
 
+    def prefix_counters(self) -> tuple:
+        return prefix_counters(self.engine.info().prefix_cache)
+
+    def flush_cache(self) -> int:
+        return self.engine.flush_cache()
+
     def close(self) -> None:
         pass
 
@@ -288,6 +335,12 @@ class EngineBackend:
 def graph_counters(g) -> tuple:
     """The graph cache counters a level reports the change of (GraphCacheInfo or GraphStats)."""
     return g.hits, g.misses, g.captures, g.fallbacks, g.capture_seconds, g.graphs_held, g.pool_bytes
+
+
+def prefix_counters(p) -> tuple:
+    """The prefix cache's (query_tokens, hit_tokens) (PrefixCacheInfo or PrefixCacheStats): a level's hit
+    rate is the change of the second over the change of the first."""
+    return p.query_tokens, p.hit_tokens
 
 
 # --------------------------------------------------------------------------------------------------
@@ -303,6 +356,9 @@ class LevelResult:
     seconds: float = 0.0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    # Per request of more than one output token: (last token - first token) / (output tokens - 1), its mean time
+    # per token after the first, whatever way its tokens were bunched on their way.
+    tpot: list[float] = field(default_factory=list)
     overhead_us: list[float] = field(default_factory=list)
     overhead_left_out: int = 0  # steps that waited while a prefill was in flight
     outliers: list = field(default_factory=list)  # (overhead us, an Alloc/Release reply in the wait, sent late)
@@ -317,6 +373,9 @@ class LevelResult:
     accepted_drafts: int = 0
     proposed_drafts: int = 0
     prefill_us: float = 0.0  # the worker's forward_ns summed over the level's prefill calls
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (the Prefill replies' cached_tokens)
+    first_tokens: list = field(default_factory=list)  # per request: (Request, TTFT seconds, its cached_tokens)
     graphs: tuple = (0, 0, 0, 0, 0.0, 0, 0)  # graph cache: hits, misses, captures, fallbacks, capture seconds in the
     # level; graphs held and pool bytes at its end
 
@@ -327,6 +386,8 @@ class LevelResult:
             "tokens_per_s": round(self.output_tokens / self.seconds, 1) if self.seconds else 0.0,
             "ttft_p50_ms": round(1e3 * percentile(self.ttft, 50), 3), "ttft_p99_ms": round(1e3 * percentile(self.ttft, 99), 3),
             "itl_p50_ms": round(1e3 * percentile(self.itl, 50), 3), "itl_p99_ms": round(1e3 * percentile(self.itl, 99), 3),
+            "tpot_p50_ms": round(1e3 * percentile(self.tpot, 50), 3),
+            "tpot_p99_ms": round(1e3 * percentile(self.tpot, 99), 3),
             "rpc_overhead_p50_us": round(percentile(self.overhead_us, 50), 1),
             "rpc_overhead_p99_us": round(percentile(self.overhead_us, 99), 1),
             "rpc_overhead_left_out": self.overhead_left_out,
@@ -340,6 +401,7 @@ class LevelResult:
             # The engine's share of the wall time: decode/verify and prefill forwards summed over seconds.
             "engine_busy": round((sum(self.forward_us) + self.prefill_us) / 1e6 / self.seconds, 3) if self.seconds else None,
             "prefill_busy": round(self.prefill_us / 1e6 / self.seconds, 3) if self.seconds else None,
+            "prompt_tokens": self.prompt_tokens, "cached_prompt_tokens": self.cached_tokens,
             "graph_hits": self.graphs[0], "graph_misses": self.graphs[1], "graph_captures": self.graphs[2],
             "graph_fallbacks": self.graphs[3], "graph_capture_s": round(self.graphs[4], 3),
             "graphs_held": self.graphs[5], "graph_pool_mib": round(self.graphs[6] / 2**20, 1),
@@ -383,9 +445,10 @@ def step_time_summary(step_log: list) -> dict:
                                           for name in ("result", "response", "callback", "router")}}
 
 
-def run_level(backend, requests: list[Request], concurrency: int, spec: int, duration: float = 0.0,
+def run_level(backend, requests, concurrency: int, spec: int, duration: float = 0.0,
               on_tick=None, pipeline: int = 1) -> LevelResult:
-    """Serves `requests` (cycled until `duration` seconds when duration > 0) at `concurrency`.
+    """Serves `requests` (a list, cycled until `duration` seconds when duration > 0; or a request source,
+    RequestList's contract) at `concurrency`.
 
     Event-driven, like a router: a finished sequence's place is refilled at once (Alloc, then one
     Prefill call at a time for whatever has been allocated), while up to `pipeline` decode steps stay
@@ -394,9 +457,8 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
     pipeline = 1 if spec else max(1, pipeline)
     res = LevelResult(concurrency, pipeline)
     graphs_before = backend.graph_counters()
-    pending = list(requests)
-    next_req = 0
-    running: dict[int, dict] = {}  # per sequence: history, last token time, steps sent / wanted
+    source = requests if hasattr(requests, "take") else RequestList(requests, duration)
+    running: dict[int, dict] = {}  # per sequence: its request, history, last token time, steps sent / wanted
     allocating = 0
     allocated: list[tuple[int, Request, float]] = []  # waiting for a prefill call
     prefilling: list[tuple[int, Request, float]] = []  # in the prefill call in flight
@@ -405,9 +467,6 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
     t_start = time.perf_counter()
     last_step_reply = last_prefill_reply = t_start
     other_replies: collections.deque = collections.deque(maxlen=256)  # when Alloc and Release replies arrived
-
-    def more() -> bool:
-        return next_req < len(pending) or bool(duration and time.perf_counter() - t_start < duration)
 
     def take_tokens(outs, now: float, first: bool = False) -> None:
         """Appends replied tokens in sequence order: a token whose seq_len is not the next one (its
@@ -431,21 +490,24 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
                 if nxt is None:
                     break
                 tokens, fin = nxt
-        retire(finished)
+        retire(finished, now)
 
-    def retire(done: list[int]) -> None:
+    def retire(done: list[int], now: float) -> None:
         nonlocal releasing
         for sid in done:
-            running.pop(sid)
+            state = running.pop(sid)
+            output_len = len(state["history"]) - len(state["request"].prompt)
+            if output_len > 1:
+                res.tpot.append((now - state["first"]) / (output_len - 1))
+            source.finished(state["request"], state["history"])
         if done:
             releasing += 1
             backend.release(None, done)
 
     while True:
         # Refill free places: one Alloc per sequence, then one Prefill for all allocated ones.
-        while len(running) + allocating + len(allocated) + len(prefilling) < concurrency and more():
-            r = pending[next_req % len(pending)]
-            next_req += 1
+        while len(running) + allocating + len(allocated) + len(prefilling) < concurrency and source.ready():
+            r = source.take()
             allocating += 1
             backend.alloc((r, time.perf_counter()), len(r.prompt) + r.output_len + spec + 1, r.output_len)
         if allocated and not prefilling:
@@ -466,7 +528,7 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
                 for i in ids:
                     running[i]["sent"] += 1
                 backend.decode(step, ids)
-        if not (running or allocating or allocated or prefilling or releasing or more()):
+        if not (running or allocating or allocated or prefilling or releasing or source.ready()):
             break
         kind, tag, reply = backend.events.get()
         now = time.perf_counter()
@@ -479,12 +541,16 @@ def run_level(backend, requests: list[Request], concurrency: int, spec: int, dur
             last_prefill_reply = now
             started = {sid: (r, t0) for sid, r, t0 in prefilling}
             res.prefill_us += reply[1] / 1e3
+            cached = reply[2] if len(reply) > 2 else {}
             prefilling = []
             for sid, _, _, _ in reply[0]:
                 r, t0 = started[sid]
                 res.ttft.append(now - t0)
-                running[sid] = {"history": list(r.prompt), "last": now, "sent": 0, "want": r.output_len - 1,
-                                "early": {}}
+                res.prompt_tokens += len(r.prompt)
+                res.cached_tokens += cached.get(sid, 0)
+                res.first_tokens.append((r, now - t0, cached.get(sid, 0)))
+                running[sid] = {"request": r, "history": list(r.prompt), "first": now, "last": now, "sent": 0,
+                                "want": r.output_len - 1, "early": {}}
             take_tokens(reply[0], now, first=True)
         elif kind == "release":
             releasing -= 1
@@ -565,54 +631,6 @@ def rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def plot(results: dict, out_png: pathlib.Path) -> list[str]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    series = [("in-process", results.get("in_process") or [])]
-    for depth, how in sorted({(r["pipeline"], r.get("decode", "call")) for r in results.get("grpc") or []}):
-        series.append((f"gRPC, {depth} in flight" + (", DecodeStream" if how == "stream" else ""),
-                       [r for r in results["grpc"] if (r["pipeline"], r.get("decode", "call")) == (depth, how)]))
-    for label, levels in series:
-        if levels:
-            ax.plot([r["concurrency"] for r in levels], [r["tokens_per_s"] for r in levels], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent sequences")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"Throughput vs concurrency ({results['meta']['device']})")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = out_png.with_name(out_png.stem + "-throughput.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    written.append(str(path))
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
-        for level in results.get("raw_grpc", []):
-            xs = np.sort(np.asarray(level[key]))
-            if len(xs):
-                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs),
-                        label=f"C={level['concurrency']}, {level.get('pipeline', 1)} in flight"
-                              + (", stream" if level.get("decode") == "stream" else ""))
-        ax.set_xscale("log")
-        ax.set_xlabel("ms")
-        ax.set_ylabel("fraction")
-        ax.set_title(f"{title} CDF (gRPC)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    path = out_png.with_name(out_png.stem + "-latency-cdf.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    written.append(str(path))
-    plt.close(fig)
-    return written
-
-
 def gpu_name() -> str | None:
     """The local GPU's model name (the spawned worker's device), when this machine has one."""
     if not _has_cuda():
@@ -629,9 +647,14 @@ def device_name(engine) -> str:
 
 
 def main(argv=None) -> int:
+    sys.modules.setdefault("load", sys.modules[__name__])  # the sibling modules import this one as `load`
+    import load_gateway
+    import load_prefix
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="an existing worker host:port (default: spawn one)")
-    p.add_argument("--model", help="checkpoint dir (default: make one of --shape)")
+    p.add_argument("--model", help="checkpoint dir (default: make one of --shape); 'default': the worker's built-in "
+                                   "model (SmolLM2, engine/default_model.py)")
     p.add_argument("--shape", default="tiny", choices=["tiny", "1b", "8b"])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 128])
     p.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4C, 32))")
@@ -652,34 +675,54 @@ def main(argv=None) -> int:
                    help="how the router sends its decode steps: one Decode call each, and/or over one DecodeStream; "
                         "several values run each gRPC level once per value, alternating")
     p.add_argument("--step-log", action="store_true", help="keep every gRPC step's timing in the JSON (raw_grpc)")
+    load_prefix.add_arguments(p)
+    load_gateway.add_arguments(p)
     args = p.parse_args(argv)
+    load_prefix.check_arguments(p, args)
+    load_gateway.check_arguments(p, args)
+    if args.prefix and args.gateway:
+        p.error("--prefix and --gateway are separate runs")
 
     from engine.checkpoint import write_checkpoint
     from engine.config import EngineConfig
     from engine.engine import Engine
 
-    model = args.model
-    if not model:
+    model, written_here = args.model, not args.model
+    if model == "default":
+        from engine.default_model import default_model_dir
+        model = str(default_model_dir())
+    elif not model:
         model = str(write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch="llama", shape=args.shape,
                                      device="cuda" if _has_cuda() else "cpu"))
     max_c = max(args.concurrency + ([16] if args.soak else []))
     engine_flags = ["--max-slots", str(max(256, 2 * max_c)), "--max-batch-size", str(max(256, 2 * max_c)),
                     *args.engine_flags.split()]
+    out_dir = pathlib.Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.prefix:
+        return load_prefix.run(args, model, engine_flags, out_dir)
+    if args.gateway:
+        load_gateway.ensure_tokenizer(pathlib.Path(model), may_write=written_here)
     t_spawn = time.perf_counter()
     proc, target = (None, args.target) if args.target else spawn_worker(model, engine_flags)
     args.worker_ready_s = round(time.perf_counter() - t_spawn, 2) if proc is not None else None
-    out_dir = pathlib.Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     try:
+        if args.gateway:
+            return load_gateway.run(args, model, target, proc, engine_flags, out_dir)
         return _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(30)
-            warnings = [line for line in pathlib.Path(proc.log_path).read_text().splitlines()
-                        if " WARNING " in line or " ERROR " in line]
-            print(f"worker log {proc.log_path}: {len(warnings)} warnings/errors" +
-                  "".join(f"\n  {line[:300]}" for line in warnings[:5]))
+            stop_worker(proc)
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """Stops a spawned worker and prints how many warnings and errors its log holds (the first five)."""
+    proc.terminate()
+    proc.wait(30)
+    warnings = [line for line in pathlib.Path(proc.log_path).read_text().splitlines()
+                if " WARNING " in line or " ERROR " in line]
+    print(f"worker log {proc.log_path}: {len(warnings)} warnings/errors" +
+          "".join(f"\n  {line[:300]}" for line in warnings[:5]))
 
 
 def _has_cuda() -> bool:
@@ -703,20 +746,8 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
     if not args.no_in_process or args.soak:
         engine = Engine(engine_cfg) if not args.no_in_process else None
     gc.freeze()  # as the worker does after start-up: no full collection pauses the router over torch's objects
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": (device_name(engine) if engine is not None
-                       else (gpu_name() if proc is not None else None) or info.device), "model": model,
-            "architecture": info.architecture, "dtype": info.dtype, "kernel_backend": info.kernel_backend,
-            "worker_version": info.version, "python": platform.python_version(), "spec": args.spec,
-            "prompt_len_mean": args.prompt_len, "output_len_mean": args.output_len, "seed": args.seed,
-            "engine_flags": engine_flags, "worker_ready_s": args.worker_ready_s}
-    try:
-        import torch
-        import grpc as grpc_mod
-        meta.update(torch=torch.__version__, grpcio=grpc_mod.__version__)
-    except Exception:
-        pass
-    print(json.dumps({k: meta[k] for k in ("device", "engine_flags", "worker_ready_s")}))
+    meta = run_meta(args, info, model, engine_flags,
+                    device_name(engine) if engine is not None else (gpu_name() if proc is not None else None))
     results: dict = {"meta": meta, "grpc": [], "in_process": [], "raw_grpc": []}
 
     if args.soak:
@@ -745,11 +776,13 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
                 eb = EngineBackend(engine)
                 depth = max(args.pipeline)  # the engine queues a step behind the running one as the worker does
                 run_level(eb, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
+                eb.flush_cache()  # the level's prompts begin as the warm-up's did: none may find its KV cached
                 ref = (run_level(eb, reqs, c, args.spec, pipeline=depth)).summary()
                 results["in_process"].append(ref)
             for depth, how in ((d, h) for d in args.pipeline for h in args.decode):
                 backend = backends[how]
                 run_level(backend, reqs[:min(n, 2 * c)], c, args.spec, pipeline=depth)  # warm-up
+                backend.flush_cache()
                 level = run_level(backend, reqs, c, args.spec, pipeline=depth)
                 line = {**level.summary(), "decode": how}
                 results["grpc"].append(line)
@@ -762,15 +795,40 @@ def _run(args, model, target, proc, engine_flags, out_dir, Engine, EngineConfig)
                 print(json.dumps(line))
     for backend in backends.values():
         backend.close()
+    write_results(results, out_dir, "soak" if args.soak else "", plots=not args.soak and not args.no_plots)
+    return 0
 
+
+def run_meta(args, info, model: str, engine_flags: list[str], device: str | None) -> dict:
+    """The run's description at the top of its JSON (info: the worker's Info); printed in part."""
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device or info.device, "model": model,
+            "architecture": info.architecture, "dtype": info.dtype, "kernel_backend": info.kernel_backend,
+            "worker_version": info.version, "python": platform.python_version(), "spec": args.spec,
+            "prompt_len_mean": args.prompt_len, "output_len_mean": args.output_len, "seed": args.seed,
+            "engine_flags": engine_flags, "worker_ready_s": getattr(args, "worker_ready_s", None)}
+    try:
+        import torch
+        import grpc as grpc_mod
+        meta.update(torch=torch.__version__, grpcio=grpc_mod.__version__)
+    except Exception:
+        pass
+    print(json.dumps({k: meta[k] for k in ("device", "engine_flags", "worker_ready_s")}))
+    return meta
+
+
+def write_results(results: dict, out_dir: pathlib.Path, kind: str = "", plots: bool = False) -> pathlib.Path:
+    """Writes the run's JSON as out_dir/load-[KIND-]<UTC time>-<device>.json (and with plots, the PNGs beside it)."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    dev = "".join(ch if ch.isalnum() else "-" for ch in meta["device"].split("(")[0].strip().lower()) or "device"
-    path = out_dir / f"load-{'soak-' if args.soak else ''}{stamp}-{dev}.json"
-    if not args.soak and not args.no_plots:
+    device = results["meta"]["device"]
+    dev = "".join(ch if ch.isalnum() else "-" for ch in device.split("(")[0].strip().lower()) or "device"
+    path = out_dir / f"load-{kind + '-' if kind else ''}{stamp}-{dev}.json"
+    if plots:
+        from load_plots import plot
         results["plots"] = plot(results, path.with_suffix(".png"))
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
-    return 0
+    return path
 
 
 if __name__ == "__main__":

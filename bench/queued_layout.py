@@ -38,7 +38,8 @@ def main(argv=None) -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch="llama", shape=args.shape, device=dev)
     engine = Engine(EngineConfig(model=str(model), device=dev, max_slots=256, max_batch_size=256, max_seq_len=2576,
-                                 max_prefill_tokens=8192, kv_cache_memory=0.5 if dev == "cuda" else 0.9))
+                                 max_prefill_tokens=8192, kv_cache_memory=0.5 if dev == "cuda" else 0.9,
+                                 prefix_caching=False))
     stop = StoppingCriteria(max_new_tokens=1, ignore_eos=True)
 
     def hold(n: int, tokens: int) -> list[int]:

@@ -17,6 +17,8 @@ Over a socket (each server its own process):
   decode_b32_aio_client    the same through a grpc.aio client: what an asyncio router pays
   decode_b*_stream         the same steps on one DecodeStream (WorkerClient.decode_stream), each sent
                            after the previous answer
+  decode_b1_stage_*        a unary batch-1 Decode cut by the worker's x-step-times stamps: to_handler,
+                           to_launch, device_and_wake, finish, response, to_client
 In-process (no socket), the parts the worker adds:
   engine_b1 / engine_b32   Engine.decode wall time minus its forward_ns: the engine's own host time
                            outside forward_ns, which the router's overhead also counts
@@ -179,6 +181,27 @@ class WorkerTarget:
         timings = timings[WARMUP:]
         return [wall - fwd for wall, fwd in timings], [fwd for _, fwd in timings]
 
+    def decode_stages(self, calls: int) -> dict[str, list[float]]:
+        """Where a batch-1 unary Decode's wall time goes, from the worker's x-step-times trailer (CLOCK_MONOTONIC,
+        the same clock as the client's on one host), us per call: client -> handler, handler -> launched,
+        launched -> answer begun (waiting for the device and the loop's wake-up), answer -> result ready (the
+        commit), result -> response built, response -> client."""
+        ids = self.sequences(1, WARMUP + calls)
+        req, md = pb.DecodeRequest(sequence_ids=ids), (("x-step-times", "1"),)
+        names = ("to_handler", "to_launch", "device_and_wake", "finish", "response", "to_client")
+        stages: dict[str, list[float]] = {n: [] for n in names}
+        for i in range(WARMUP + calls):
+            t0 = time.monotonic_ns()
+            _, call = self.stub.Decode.with_call(req, metadata=md)
+            t1 = time.monotonic_ns()
+            if i < WARMUP:
+                continue
+            st = [int(x) for x in dict(call.trailing_metadata())["x-step-times"].split(",")]
+            for name, a, b in zip(names, [t0, *st], [*st, t1]):
+                stages[name].append((b - a) / 1e3)
+        self.stub.Release(pb.ReleaseRequest(sequence_ids=ids))
+        return stages
+
 
 def measure_network(model: str, rounds: int, calls: int) -> dict:
     from bench.load import spawn_worker
@@ -213,6 +236,8 @@ def measure_network(model: str, rounds: int, calls: int) -> dict:
                 overhead, forward = worker.decode(batch, calls, aio_client, stream)
                 samples.setdefault(name, []).extend(overhead)
                 forwards.setdefault(name, []).extend(forward)
+            for stage, us in worker.decode_stages(calls).items():
+                samples.setdefault(f"decode_b1_stage_{stage}", []).extend(us)
         out = {name: p50_p99(us) for name, us in samples.items()}
         for name, fw in forwards.items():
             out[name] = {"overhead": out[name], "forward": p50_p99(fw)}

@@ -34,6 +34,7 @@ class ForwardBatch:
     # [W, 4] int32 on the device: the paged prefill attention's work list (prefill_work), padded with
     # empty rows to a fixed length; given, attention reads it instead of the host lists (CUDA graphs).
     prefill_work: torch.Tensor | None = None
+    max_kv_len: int = 0  # an upper bound of the keys any query row sees (prefill: sizes attention's key splits)
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +112,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
         rope_scale_lens=kv_lens[seq_index_a].tolist() + [1] * pad if need_scale_lens else None,
         logits_all_rows=not pad and num_logits == num_tokens and logits_idx == list(range(num_tokens)),
         token_slots=slots_t[seq_index[:num_tokens]],
+        max_kv_len=int(kv_lens.max()) if num_seqs else 0,
     )
 
 
@@ -173,7 +175,8 @@ class PrefillStaging:
 def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tensor, block_ids: list[list[int]],
                                slots: list[int], starts: list[int], tokens: list[list[int]],
                                logits_rows: list[list[int]], block_size: int, num_tokens: int,
-                               num_seqs: int) -> tuple[torch.Tensor, torch.Tensor, Callable[[], ForwardBatch]]:
+                               num_seqs: int, max_kv_len: int = 0
+                               ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], ForwardBatch]]:
     """build_extend_batch for a forward that may replay a CUDA graph: the inputs go to `staging`, padded
     to num_tokens tokens and num_seqs sequence rows (the graph's shape), with the work list padded by
     empty rows. Returns (the slot of each real token, the real tokens: both staged, for the eager ops
@@ -215,7 +218,8 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     def make_batch() -> ForwardBatch:
         return ForwardBatch(input_ids=ids, positions=pos, slot_mapping=cache, block_tables=block_table[slots_t],
                             seq_lens=torch.empty(0, dtype=torch.int32, device=ids.device), logits_indices=rows,
-                            is_decode=False, query_start_loc=[], seq_lens_host=[], prefill_work=work_t)
+                            is_decode=False, query_start_loc=[], seq_lens_host=[], prefill_work=work_t,
+                            max_kv_len=max_kv_len)
 
     return tslots[:n], ids[:n], make_batch
 

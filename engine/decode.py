@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from engine import api
+from engine import api, logits_processors
 from engine.cuda.graphs import GraphCache
 from engine.errors import EngineError, InvalidArgument
 from engine.runtime import Runtime
@@ -27,18 +27,21 @@ from engine.tokens import commit_tokens, in_request_order
 
 class BatchPlan:
     """A decode batch as the device runs it: the sequences in request order, the same in ascending slot
-    order (batch[j] is seqs[order[j]]), the slot vector, its graph key and the step's number of top
-    logprobs. It depends only on which sequences the batch holds (a sequence's slot and sampling never
-    change), so it serves every step of the same batch."""
+    order (batch[j] is seqs[order[j]]), the slot vector, its graph key, the step's number of top
+    logprobs and the logits processors it computes (engine/logits_processors.py flags; 0: none). It depends
+    only on which sequences the batch holds (a sequence's slot and sampling never change), so it serves every
+    step of the same batch."""
 
-    __slots__ = ("ids", "seqs", "order", "batch", "slots", "num_top", "decode_key", "in_slot_order")
+    __slots__ = ("ids", "seqs", "order", "batch", "slots", "num_top", "processors", "shape", "decode_key",
+                 "in_slot_order")
 
-    def __init__(self, ids: list[int], seqs: list[Sequence], num_top: int):
-        self.ids, self.seqs, self.num_top = ids, seqs, num_top
+    def __init__(self, ids: list[int], seqs: list[Sequence], num_top: int, processors: int = 0):
+        self.ids, self.seqs, self.num_top, self.processors = ids, seqs, num_top, processors
         self.order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         self.batch = [seqs[i] for i in self.order]
         self.slots = [s.slot for s in self.batch]
-        self.decode_key = ("decode", *GraphCache.key_for(self.slots, num_top))
+        self.shape = (num_top, *logits_processors.graph_key(processors))  # what fixes the step's shapes
+        self.decode_key = ("decode", *GraphCache.key_for(self.slots, *self.shape))
         self.in_slot_order = self.order == list(range(len(seqs)))
 
 
@@ -118,7 +121,8 @@ class DecodePipeline:
         plan = self._last_plan
         if plan is None or plan.ids != seq_ids:
             seqs = self.sequences.check_ids(seq_ids)
-            plan = self._last_plan = BatchPlan(list(seq_ids), seqs, self.num_top(seqs))
+            plan = self._last_plan = BatchPlan(list(seq_ids), seqs, self.num_top(seqs),
+                                               logits_processors.batch_flags(seqs))
         return plan
 
     def num_top(self, seqs: list[Sequence]) -> int:
@@ -146,7 +150,7 @@ class DecodePipeline:
                 with dispatch.compute_stream():
                     for seq, tok in zip(seqs, step.input_token_ids):
                         seq.token_ids[-1] = tok
-                        rt.state.rebuild_seen(seq.slot, seq.token_ids)
+                        rt.state.rebuild_seen(seq.slot, seq.token_ids, seq.prompt_len, _counts_outputs(seq))
                     rt.state.last_token[torch.tensor([s.slot for s in seqs], device=rt.device)] = \
                         torch.tensor(step.input_token_ids, device=rt.device)
             self._run(step.plan, step.ring)
@@ -161,22 +165,24 @@ class DecodePipeline:
         """The device work of the step (through StepDispatch: a slot-vector graph, the width's graph or eager).
         Each sequence's length counts the steps launched before this one (num_cached + 1; read only when the
         step is built, not replayed)."""
-        batch, num_top = plan.batch, plan.num_top
+        batch, num_top, procs = plan.batch, plan.num_top, plan.processors
 
         def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
             seq_lens = [s.num_cached + 1 for s in batch]
-            return lambda: self._step_into_outputs(slots_t, seq_lens, num_top)
+            return lambda: self._step_into_outputs(slots_t, seq_lens, num_top, procs)
 
-        self.rt.dispatch.run_slots("decode", plan.slots, (num_top,), make_step, ring, key=plan.decode_key)
+        self.rt.dispatch.run_slots("decode", plan.slots, plan.shape, make_step, ring, key=plan.decode_key)
 
-    def _step_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int) -> None:
-        """Device work of one decode step: inputs from the slot state, forward, sample; the sampled tokens and
-        new lengths back to the slot state, the results to the output buffers. No host synchronisation and no
-        host reads (it is captured into CUDA graphs)."""
+    def _step_into_outputs(self, slots: torch.Tensor, seq_lens: list[int], num_top: int, procs: int) -> None:
+        """Device work of one decode step: inputs from the slot state, forward, the logits processors (procs:
+        their flags, 0: none), sample; the sampled tokens and new lengths back to the slot state, the results to
+        the output buffers. No host synchronisation and no host reads (it is captured into CUDA graphs)."""
         rt = self.rt
         batch, rows = self.slot_io.decode_inputs(slots, seq_lens, rt.dynamic_rope)
-        out = rt.ops.sample(rt.model.forward(batch), rows, num_top)
-        self.slot_io.decode_commit(slots, out, rt.outputs, num_top)
+        logits = rt.model.forward(batch)
+        procs_rows = logits_processors.ProcessorRows.gather(rt.state, slots, rows.position, procs) if procs else None
+        out = logits_processors.sample(rt.ops, logits, rows, num_top, procs_rows)
+        self.slot_io.decode_commit(slots, out, rt.outputs, num_top, procs)
 
     # ------------------------------------------------------------------ finish
 
@@ -246,7 +252,7 @@ class DecodePipeline:
                                                       device=rt.device)
             rt.state.last_token[slots] = torch.tensor([s.token_ids[-1] for s in seqs], device=rt.device)
             for seq in seqs:
-                rt.state.rebuild_seen(seq.slot, seq.token_ids)
+                rt.state.rebuild_seen(seq.slot, seq.token_ids, seq.prompt_len, _counts_outputs(seq))
         try:
             self.sequences.check_running(steps[0].seqs)
         except EngineError as e:
@@ -264,6 +270,11 @@ class DecodePipeline:
         """Forgets every step in flight (the engine closes; the device was synchronised)."""
         self.in_flight.clear()
         self._last_plan = None
+
+
+def _counts_outputs(seq: Sequence) -> bool:
+    """Whether the slot state keeps seq's output-token counts (rolled back with its seen tokens)."""
+    return bool(logits_processors.flags_of(seq.sampling, seq.stopping) & logits_processors.PENALTIES)
 
 
 def _ends_by_length(seq: Sequence) -> bool:

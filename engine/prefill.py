@@ -10,9 +10,10 @@ Owns: the staging buffers of graphed prefill forwards and the logits buffer they
 finished every decode step in flight."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from engine import api
+from engine import api, logits_processors
 from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.runtime import Runtime
@@ -75,9 +76,11 @@ class Prefiller:
         seq.token_ids.extend(item.token_ids)
         if first:
             seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
-            state.assign(seq.slot, blocks.block_ids, seq.sampling)  # the slot's device row starts here
-            if seq.num_cached:  # the cached tokens skip the forward, where prompt tokens are marked seen
-                shared = torch.tensor(seq.token_ids[:seq.num_cached], device=self.rt.device)
+            state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)  # its device row starts here
+            if seq.num_cached and seq.sampling.repetition_penalty != 1.0:
+                # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
+                # repetition penalty).
+                shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.num_cached], dtype=np.int64)).to(self.rt.device)
                 state.mark_seen(torch.full_like(shared, seq.slot), shared)
         if not item.partial and seq.num_cached == seq.seq_len:
             seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
@@ -115,9 +118,13 @@ class Prefiller:
         graphed = rt.dispatch.graphs is not None and num_tokens <= staging.max_tokens and len(chunk) <= staging.max_seqs
         if graphed:
             num_seqs = 1 << (len(chunk) - 1).bit_length()  # sequence rows, padded to a power of two
+            # The keys a row sees, bounded: the padded token count for fresh prompts, else (a chunk that continues
+            # a cached prefix) the next power of two: attention's key splits are sized from it, so it keys the graph.
+            max_kv = max(start + n for start, (_, n, _) in zip(starts, chunk))
+            max_kv = num_tokens if max_kv <= num_tokens else 1 << (max_kv - 1).bit_length()
             token_slots, input_ids, make_batch = build_staged_prefill_batch(
                 staging, state.block_table, [s.blocks.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
-                rt.block_size, num_tokens, num_seqs)
+                rt.block_size, num_tokens, num_seqs, max_kv)
         else:
             batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
                                        rt.device, rt.dynamic_rope, num_padded=num_tokens)
@@ -132,7 +139,7 @@ class Prefiller:
             logits_out = self._logits
             # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,
             # loads the kernels and lets cuBLAS pick its own, which must not happen in a capture.
-            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs),
+            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs, max_kv),
                                   lambda: logits_out[:num_seqs].copy_(rt.model.forward(make_batch())), capture_after=2)
             logits = logits_out[:len(to_sample)]
         else:
@@ -141,14 +148,21 @@ class Prefiller:
             seq.num_cached += n
         if not to_sample:
             return {}
-        num_top = self.num_top(to_sample)
-        out = rt.ops.sample(logits, state.sampling_rows(sample_slots, positions), num_top)
+        num_top, procs = self.num_top(to_sample), logits_processors.batch_flags(to_sample)
+        procs_rows = None
+        if procs:  # each prompt is complete: its first new token is drawn at index seq_len
+            state.start_output(sample_slots, positions)
+            procs_rows = logits_processors.ProcessorRows.gather(state, sample_slots, positions, procs)
+        out = logits_processors.sample(rt.ops, logits, state.sampling_rows(sample_slots, positions), num_top,
+                                       procs_rows)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
             seq.blocks.pool.record_query(seq.prompt_len, seq.cached_prompt_tokens)
         state.num_cached[sample_slots] = positions.to(torch.int32)
         state.last_token[sample_slots] = out.token_ids
         state.mark_seen(sample_slots, out.token_ids)
+        if procs & logits_processors.PENALTIES:
+            state.count_outputs(sample_slots, out.token_ids)
         rt.outputs.write(out, num_top)
         host = rt.outputs.read(len(to_sample), num_top, rt.dispatch.streams)
         results = commit_tokens(to_sample, *host, rt.eos_token_ids)

@@ -33,7 +33,7 @@ Pool contract (the engine is the only caller; not thread-safe):
   is referenced by its writer alone; the engine keeps that true by writing only positions at or
   past a sequence's computed length, which never lie in a registered block.
 
-Engine contract (SequenceBlocks implements it; tests/test_prefix_cache.py fuzzes it):
+Engine contract (SequenceBlocks implements it; tests/unit/test_prefix_cache.py fuzzes it):
 - AllocSequence reserves ceil(max_total_tokens / block_size) blocks and takes none.
 - Prefill, while the sequence has computed nothing of its own (its first chunk): match the hashes of
   the full blocks of its known tokens, at most (known - 1) // block_size of them, so the last known
@@ -57,6 +57,8 @@ import struct
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+import numpy as np
 
 from engine.errors import ConfigError, ResourceExhausted
 from engine.kv_events import (KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvEventBatch, KvEventLog,
@@ -98,14 +100,31 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
                  parent_hash: int | None = None) -> list[int]:
     """The hashes of the full blocks of token_ids (a trailing partial block has none). parent_hash:
     the hash of the block before token_ids[0], to continue a chain (token_ids must then start on a
-    block boundary of the sequence)."""
+    block boundary of the sequence). The same values as hash_block block by block: the tokens are packed
+    once (numpy) and each block costs one sha256 over prebuilt bytes (a 4096-token prompt is on the path of
+    its first token)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
+    num_blocks = len(token_ids) // block_size
+    if not num_blocks:
+        return []
+    ids = np.asarray(token_ids[:num_blocks * block_size], dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= 1 << 32:
+        raise ValueError("token ids must be integers in [0, 2**32)")
+    packed = ids.astype("<u4").tobytes()
+    head = hashlib.sha256(HASH_DOMAIN + struct.pack("<I", len(extra)) + extra)
+    step = 4 * block_size
     out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block(parent_hash, token_ids[start:start + block_size], extra)
+    for start in range(0, len(packed), step):
+        h = head.copy()
+        h.update(b"\x00" if parent_hash is None else b"\x01" + _INT64.pack(parent_hash))
+        h.update(packed[start:start + step])
+        parent_hash = int.from_bytes(h.digest()[:8], "big", signed=True)
         out.append(parent_hash)
     return out
+
+
+_INT64 = struct.Struct("<q")
 
 
 @dataclass

@@ -76,7 +76,7 @@ class Runtime:
         weights = load_weights(model_path, mc, dtype, device)
         kv = _allocate_kv(config, mc, dtype, device)
         max_blocks = -(-max_seq_len // config.block_size)
-        state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device)
+        state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device, mc.eos_token_ids, max_seq_len)
         ops, streams = _backend(config, device, max_seq_len)
         graphs = None
         if streams is not None and config.cuda_graphs and mc.rope.rope_type != "dynamic":

@@ -7,7 +7,9 @@ the same hash). Streams: 0 = the token draw (Gumbel-max over the vocabulary, ind
 """
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +22,20 @@ GOLDEN32 = 0x9E3779B9
 STREAM_TOKEN = 0
 STREAM_ACCEPT = 1
 
+# Per-request limits of the logits processors (engine/logits_processors.py): each sizes a fixed per-slot table
+# of the device state (engine/state.py), so a request above one is refused, never truncated.
+MAX_LOGIT_BIAS = 64  # logit_bias entries
+MAX_MIN_TOKENS_STOP_IDS = 64  # stop_token_ids of a request with min_tokens (masked until min_tokens are out)
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's range)
+MAX_LOGIT_BIAS_VALUE = 100.0  # |bias| (OpenAI's range)
+
+# Logits-processor flags: which processors a request uses (engine/logits_processors.py, which documents them).
+MIN_TOKENS = 1  # stop ids and EOS masked until min_tokens new tokens are out
+LOGIT_BIAS = 2
+PENALTIES = 4  # frequency / presence penalty (reads the output counts)
+MIN_P = 8
+REPETITION = 16  # a processed row's repetition penalty (only with another flag: then it moves out of the kernel)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -29,12 +45,35 @@ class SamplingParams:
     seed: int | None = None  # None: a random seed is drawn at alloc
     repetition_penalty: float = 1.0  # 1 (or 0): off
     top_logprobs: int = 0
+    # The logits processors (vLLM's semantics; applied in engine/logits_processors.py). 0 / empty: off.
+    min_p: float = 0.0  # keep tokens with probability >= min_p x the most likely token's (after temperature)
+    frequency_penalty: float = 0.0  # logit -= frequency_penalty x (times the token is in the OUTPUT so far)
+    presence_penalty: float = 0.0  # logit -= presence_penalty if the token is in the output so far
+    # (token id, bias) pairs, sorted by id; a mapping given here is converted. Added to the raw logits.
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @functools.cached_property
+    def processors(self) -> int:
+        """The logits-processor flags of these parameters (computed once: a decode plan reads them per sequence)."""
+        flags = LOGIT_BIAS if self.logit_bias else 0
+        if self.frequency_penalty or self.presence_penalty:
+            flags |= PENALTIES
+        if self.min_p and not self.greedy:  # greedy: the most likely token always stays
+            flags |= MIN_P
+        if self.repetition_penalty != 1.0:
+            flags |= REPETITION
+        return flags
+
     def validate(self, vocab_size: int, max_top_logprobs: int) -> None:
+        self._validate_processors(vocab_size)
         t, p, r = self.temperature, self.top_p, self.repetition_penalty
         if not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"temperature must be a finite number >= 0, got {t}")
@@ -50,12 +89,43 @@ class SamplingParams:
             raise InvalidArgument(f"top_logprobs must be in [0, {min(max_top_logprobs, vocab_size)}], "
                                   f"got {self.top_logprobs}")
 
+    def _validate_processors(self, vocab_size: int) -> None:
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise InvalidArgument(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or abs(value) > MAX_PENALTY:
+                raise InvalidArgument(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off), got {value}")
+        bias = self.logit_bias
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are served")
+        ids = [t for t, _ in bias]
+        if len(set(ids)) != len(ids):
+            twice = sorted({t for t in ids if ids.count(t) > 1})
+            raise InvalidArgument(f"logit_bias names a token id twice: {twice[:8]}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidArgument(f"logit_bias token ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
+        bad_values = [(t, v) for t, v in bias if not (math.isfinite(v) and abs(v) <= MAX_LOGIT_BIAS_VALUE)]
+        if bad_values:
+            t, v = bad_values[0]
+            limit = MAX_LOGIT_BIAS_VALUE
+            raise InvalidArgument(f"logit_bias values must be in [-{limit:g}, {limit:g}], got {v} for token {t}")
+
 
 @dataclass(frozen=True)
 class StoppingCriteria:
     max_new_tokens: int = 0  # 0: until the reservation is full
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    # EOS and stop_token_ids cannot be sampled before this many new tokens (vLLM's min_tokens: the model's EOS ids
+    # are masked whatever ignore_eos says, as vLLM does). 0: off.
+    min_tokens: int = 0
+
+    @functools.cached_property
+    def processors(self) -> int:
+        """The logits-processor flags of these criteria."""
+        return MIN_TOKENS if self.min_tokens else 0
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
@@ -63,6 +133,13 @@ class StoppingCriteria:
         bad = sorted(t for t in self.stop_token_ids if not 0 <= t < vocab_size)
         if bad:
             raise InvalidArgument(f"stop_token_ids {bad[:8]} are outside the vocabulary (size {vocab_size})")
+        if self.min_tokens < 0:
+            raise InvalidArgument(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_new_tokens and self.min_tokens > self.max_new_tokens:
+            raise InvalidArgument(f"min_tokens ({self.min_tokens}) must be <= max_new_tokens ({self.max_new_tokens})")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS:
+            raise InvalidArgument(f"stop_token_ids may hold at most {MAX_MIN_TOKENS_STOP_IDS} ids with min_tokens "
+                                  f"(they are masked until min_tokens are out), got {len(self.stop_token_ids)}")
 
 
 # ---------------------------------------------------------------------------------------------

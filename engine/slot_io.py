@@ -2,8 +2,8 @@
 
 Before the forward, a step gathers its inputs from the rows of its slots (last token, position, block table
 row, sampling parameters); after sampling it writes each slot's new length, last token and seen tokens
-back, and its results where the host reads them. Device ops only: both run inside captured CUDA graphs,
-with no host read of a device value.
+back (and, in a step with the frequency/presence penalty, its output-token counts), and its results where the
+host reads them. Device ops only: both run inside captured CUDA graphs, with no host read of a device value.
 
 SlotIO does it with torch ops (the reference, and the CPU path); KernelSlotIO with one kernel each way
 (kernels_cu/decode_step.cu: decode_prepare, decode_commit, verify_commit)."""
@@ -16,6 +16,7 @@ import torch
 from engine import sampling
 from engine.batch import ForwardBatch, build_decode_batch, decode_batch
 from engine.cuda.wrappers import decode_step
+from engine.logits_processors import PENALTIES
 from engine.state import SlotState
 
 if TYPE_CHECKING:
@@ -43,11 +44,11 @@ class SlotIO:
         return batch, state.sampling_rows(slots, batch.positions + 1)
 
     def decode_commit(self, slots: torch.Tensor, out: sampling.SampleOutput, outputs: StepOutputs,
-                      num_top: int) -> None:
-        """Each slot moves one token on (num_cached + 1, last token = the sampled one, marked seen); the token
-        and its logprob go to the results kept per slot and position (outputs.slot_tokens / slot_logprobs
-        [S, R] at [slot, num_cached % R], num_cached before the step), the top-logprob candidates to the
-        step's static buffers."""
+                      num_top: int, processors: int = 0) -> None:
+        """Each slot moves one token on (num_cached + 1, last token = the sampled one, marked seen, and counted
+        as an output when the step's processors include the penalties); the token and its logprob go to the
+        results kept per slot and position (outputs.slot_tokens / slot_logprobs [S, R] at [slot, num_cached %
+        R], num_cached before the step), the top-logprob candidates to the step's static buffers."""
         state, ring = self.state, outputs.rings
         entries = (slots * ring + state.num_cached[slots] % ring).to(outputs.slot_tokens.device)
         outputs.slot_tokens.view(-1)[entries] = out.token_ids.to(outputs.slot_tokens.device)
@@ -55,6 +56,8 @@ class SlotIO:
         state.num_cached[slots] += 1
         state.last_token[slots] = out.token_ids
         state.mark_seen(slots, out.token_ids)
+        if processors & PENALTIES:
+            state.count_outputs(slots, out.token_ids)
         outputs.write_top(out, out.token_ids.shape[0], num_top)
 
     def verify_inputs(self, slots: torch.Tensor,
@@ -86,10 +89,10 @@ class SlotIO:
         return batch, st
 
     def verify_commit(self, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
-                      outputs: VerifyOutputs, num_top: int) -> None:
+                      outputs: VerifyOutputs, num_top: int, processors: int = 0) -> None:
         """The drafts are accepted while they equal the tokens their rows drew; each slot moves past the
-        accepted ones plus the token drawn after them (num_cached, last_token, seen), and the results go to
-        the Verify step's static buffers."""
+        accepted ones plus the token drawn after them (num_cached, last_token, seen, and the output counts in a
+        step with the penalties), and the results go to the Verify step's static buffers."""
         state = self.state
         B, k = drafts.shape
         n = k + 1
@@ -101,10 +104,20 @@ class SlotIO:
         state.last_token[slots] = token
         state.num_cached[slots] = (state.num_cached[slots].long() + 1 + accepted).to(torch.int32)
         state.mark_seen(slots.repeat_interleave(n), emitted.reshape(-1))
+        if processors & PENALTIES:
+            self.count_verified(slots, sampled, accepted)
         outputs.accepted[:B].copy_(accepted)
         outputs.tokens[:B].copy_(token)
         outputs.logprobs[:B, :n].copy_(out.logprobs.view(B, n))
         outputs.write_top(out, B * n, num_top)
+
+    def count_verified(self, slots: torch.Tensor, sampled: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Counts the tokens a uniform Verify emitted as outputs: slot b's sampled[b, :accepted[b] + 1] (the
+        accepted drafts equal the tokens their rows drew, then the token drawn after them)."""
+        counts = self.state.output_counts
+        B, n = sampled.shape
+        emitted = torch.arange(n, device=slots.device)[None, :] <= accepted[:, None]  # [B, n]
+        self.state.count_outputs(slots.repeat_interleave(n), sampled.reshape(-1), emitted.reshape(-1).to(counts.dtype))
 
 
 class KernelSlotIO(SlotIO):
@@ -145,10 +158,12 @@ class KernelSlotIO(SlotIO):
         return decode_batch(*inputs, seq_lens_host, need_scale_lens), rows
 
     def decode_commit(self, slots: torch.Tensor, out: sampling.SampleOutput, outputs: StepOutputs,
-                      num_top: int) -> None:
+                      num_top: int, processors: int = 0) -> None:
         state = self.state
         decode_step.commit(self.lib, slots, out.token_ids, out.logprobs, state.num_cached, state.last_token,
                            state.seen, outputs.slot_tokens, outputs.slot_logprobs)
+        if processors & PENALTIES:  # the kernel keeps no counts: torch ops after it, on the same stream
+            state.count_outputs(slots, out.token_ids)
         if num_top:
             n = slots.shape[0]
             outputs.top_ids[:n, :num_top].copy_(out.top_ids)
@@ -164,8 +179,11 @@ class KernelSlotIO(SlotIO):
         return batch, rows
 
     def verify_commit(self, slots: torch.Tensor, drafts: torch.Tensor, out: sampling.SampleOutput,
-                      outputs: VerifyOutputs, num_top: int) -> None:
+                      outputs: VerifyOutputs, num_top: int, processors: int = 0) -> None:
         state = self.state
         decode_step.verify_commit(self.lib, slots, drafts, out.token_ids, out.logprobs, state.num_cached,
                                   state.last_token, state.seen, outputs.accepted, outputs.tokens, outputs.logprobs)
+        if processors & PENALTIES:  # from the accepted counts the kernel wrote
+            B = slots.shape[0]
+            self.count_verified(slots, out.token_ids.view(B, -1), outputs.accepted[:B])
         outputs.write_top(out, out.token_ids.shape[0], num_top)

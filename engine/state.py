@@ -3,16 +3,33 @@
 A decode step reads its inputs from these rows and writes its outputs back, so a steady batch needs
 no host-to-device copy between steps.
 NOTE: the block table row of a slot never moves, and no tensor here is ever reallocated: CUDA graphs
-bake their addresses."""
+bake their addresses.
+
+The logits processors' rows (engine/logits_processors.py) are read only by steps whose batch uses a
+processor; a slot's rows are written when its sequence starts (assign) and hold neutral values (no bias,
+no penalty) where its sequence does not use one. output_counts is kept only for sequences with a frequency
+or presence penalty: elsewhere it is stale, and never read with a non-zero weight.
+
+Memory of the processors' state, S slots and a vocabulary of V: output_counts S x V x 2 bytes where
+max_seq_len <= 32768 (a count never exceeds the tokens a sequence holds), else 4 bytes: 64 MiB (int16) or
+128 MiB (int32) at 256 slots x 128k; the bias and stop tables S x 64 x 20 bytes (320 KiB at 256 slots)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from engine.sampling import SamplingParams, SamplingTensors, seed_as_int64
+from engine.logits_processors import PENALTIES, flags_of
+from engine.sampling import (MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS, SamplingParams, SamplingTensors, StoppingCriteria,
+                             seed_as_int64)
+
+COUNTS_INT16_MAX_SEQ_LEN = 1 << 15  # up to this many tokens a sequence, an int16 count cannot overflow
 
 
 class SlotState:
-    def __init__(self, max_slots: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device):
+    def __init__(self, max_slots: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
+                 eos_token_ids: tuple[int, ...] | frozenset[int] = (), max_seq_len: int = 0):
+        """eos_token_ids: the model's, masked with a request's stop ids while min_tokens are not out; max_seq_len:
+        the most tokens a sequence holds (0: unknown), which bounds output_counts' values."""
         def zeros(*shape, dtype):
             return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -26,23 +43,55 @@ class SlotState:
         self.repetition_penalty = zeros(max_slots, dtype=torch.float32)
         self.seen = zeros(max_slots, vocab_size, dtype=torch.bool)  # tokens in the sequence (penalty)
         self.true = torch.ones((), dtype=torch.bool, device=device)  # the value index_put_ writes into seen
+        # The logits processors (engine/logits_processors.py).
+        self.processors = zeros(max_slots, dtype=torch.int32)  # the processor flags of the slot's sequence; 0: none
+        self.min_p = zeros(max_slots, dtype=torch.float32)
+        self.frequency_penalty = zeros(max_slots, dtype=torch.float32)
+        self.presence_penalty = zeros(max_slots, dtype=torch.float32)
+        self.bias_ids = zeros(max_slots, MAX_LOGIT_BIAS, dtype=torch.int64)  # unused entries: token 0, bias 0
+        self.bias_values = zeros(max_slots, MAX_LOGIT_BIAS, dtype=torch.float32)
+        self.stop_ids = zeros(max_slots, MAX_MIN_TOKENS_STOP_IDS, dtype=torch.int64)  # masked with eos_ids ...
+        self.stop_valid = zeros(max_slots, MAX_MIN_TOKENS_STOP_IDS, dtype=torch.bool)  # ... where valid
+        self.min_tokens = zeros(max_slots, dtype=torch.int64)
+        self.prompt_len = zeros(max_slots, dtype=torch.int64)  # set when the prompt completes (start_output)
+        eos = sorted(t for t in eos_token_ids if 0 <= t < vocab_size)  # an id outside could never be sampled
+        self.eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)  # [E]
+        small = 0 < max_seq_len <= COUNTS_INT16_MAX_SEQ_LEN
+        self.output_counts = zeros(max_slots, vocab_size, dtype=torch.int16 if small else torch.int32)
 
     def mark_seen(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """seen[slots[i], token_ids[i]] = True, with device tensors only (capturable in a CUDA graph)."""
         self.seen.index_put_((slots, token_ids), self.true)
 
-    def rebuild_seen(self, slot: int, token_ids: list[int]) -> None:
-        """seen[slot] from scratch: exactly token_ids (after the history was rewritten or rolled back)."""
+    def count_outputs(self, slots: torch.Tensor, token_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """output_counts[slots[i], token_ids[i]] += 1 (or weights[i], in output_counts' dtype); repeated pairs add
+        up. Device tensors only (capturable: index_add_ is one atomic-add kernel, no host sync)."""
+        counts = self.output_counts
+        flat = slots.long() * counts.shape[1] + token_ids.long()
+        if weights is None:
+            weights = torch.ones(flat.shape, dtype=counts.dtype, device=counts.device)
+        counts.view(-1).index_add_(0, flat, weights)
+
+    def rebuild_seen(self, slot: int, token_ids: list[int], prompt_len: int = 0, counts: bool = False) -> None:
+        """seen[slot] from scratch: exactly token_ids (after the history was rewritten or rolled back); with
+        counts, output_counts[slot] too, from the output tokens token_ids[prompt_len:]."""
+        dev = self.seen.device
         self.seen[slot] = False
-        self.seen[slot, torch.tensor(token_ids, device=self.seen.device)] = True
+        self.seen[slot, torch.tensor(token_ids, device=dev)] = True
+        if counts:  # (index_add_, not bincount: bincount reads its maximum back to the host)
+            out = torch.tensor(token_ids[prompt_len:], dtype=torch.int64, device=dev)
+            row = self.output_counts[slot]
+            row.zero_()
+            row.index_add_(0, out, torch.ones(out.shape, dtype=row.dtype, device=dev))
 
     def set_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
         """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its
         blocks; entries past them stay 0, the scratch block). No step in flight may read the row."""
         if block_ids:
-            self.block_table[slot, start:start + len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
+            self.block_table[slot, start:start + len(block_ids)] = torch.from_numpy(np.asarray(block_ids, dtype=np.int32))
 
-    def assign(self, slot: int, block_ids: list[int], params: SamplingParams) -> None:
+    def assign(self, slot: int, block_ids: list[int], params: SamplingParams,
+               stopping: StoppingCriteria | None = None) -> None:
         self.block_table[slot].zero_()
         self.set_blocks(slot, 0, block_ids)
         self.last_token[slot] = 0
@@ -53,6 +102,37 @@ class SlotState:
         self.seed[slot] = seed_as_int64(params.seed)
         self.repetition_penalty[slot] = params.repetition_penalty
         self.seen[slot] = False
+        self._assign_processors(slot, params, stopping or StoppingCriteria())
+
+    def _assign_processors(self, slot: int, params: SamplingParams, stopping: StoppingCriteria) -> None:
+        """The slot's processor rows: its flags always (a step reads a row's processors by them), the rest only
+        for a sequence that uses one (a slot with flags 0 is never read)."""
+        flags = flags_of(params, stopping)
+        self.processors[slot] = flags
+        if not flags:
+            return
+        self.min_p[slot] = params.min_p
+        self.frequency_penalty[slot] = params.frequency_penalty
+        self.presence_penalty[slot] = params.presence_penalty
+        bias_ids = [t for t, _ in params.logit_bias] + [0] * (MAX_LOGIT_BIAS - len(params.logit_bias))
+        bias_values = [b for _, b in params.logit_bias] + [0.0] * (MAX_LOGIT_BIAS - len(params.logit_bias))
+        stops = sorted(stopping.stop_token_ids) if stopping.min_tokens else []
+        stop_ids = stops + [0] * (MAX_MIN_TOKENS_STOP_IDS - len(stops))
+        # One upload for the three tables (a pageable copy waits for the device work queued before it); float64
+        # holds the token ids exactly.
+        table = torch.tensor(bias_ids + stop_ids + bias_values, dtype=torch.float64).to(self.bias_ids.device)
+        self.bias_ids[slot] = table[:MAX_LOGIT_BIAS].long()
+        self.stop_ids[slot] = table[MAX_LOGIT_BIAS:MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS].long()
+        self.bias_values[slot] = table[MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS:].float()
+        self.stop_valid[slot] = False
+        self.stop_valid[slot, :len(stops)] = True
+        self.min_tokens[slot] = stopping.min_tokens
+        if flags & PENALTIES:
+            self.output_counts[slot].zero_()
+
+    def start_output(self, slots: torch.Tensor, prompt_lens: torch.Tensor) -> None:
+        """The prompts of these slots are complete (prompt_lens tokens each): min_tokens counts from here."""
+        self.prompt_len[slots] = prompt_lens.long()
 
     def sampling_rows(self, slots: torch.Tensor, position: torch.Tensor) -> SamplingTensors:
         """Sampling parameters of the given slots (one row each); position: the index of the token

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from engine import api
+from engine import api, logits_processors
 from engine.batch import build_extend_batch
 from engine.errors import InvalidArgument
 from engine.outputs import VerifyOutputs
@@ -78,13 +78,14 @@ class Verifier:
         order = sorted(range(len(seqs)), key=lambda i: seqs[i].slot)
         batch = [seqs[i] for i in order]
         drafts = [items[i].draft_token_ids for i in order]
-        num_top = self.num_top(seqs)
+        num_top, procs = self.num_top(seqs), logits_processors.batch_flags(seqs)
         self.outputs.write_drafts(drafts, k, rt.dispatch.streams)
 
         def make_step(slots_t: torch.Tensor) -> Callable[[], None]:
-            return lambda: self._step_into_outputs(slots_t, k, num_top)
+            return lambda: self._step_into_outputs(slots_t, k, num_top, procs)
 
-        rt.dispatch.run_slots("verify", [s.slot for s in batch], (k, num_top), make_step)
+        rt.dispatch.run_slots("verify", [s.slot for s in batch], (k, num_top, *logits_processors.graph_key(procs)),
+                              make_step)
         accepted, tokens, logprobs, top_ids, top_lps = self.outputs.read(len(batch), k + 1, num_top,
                                                                          rt.dispatch.streams)
         results = []
@@ -96,18 +97,28 @@ class Verifier:
             results.append(api.VerifyResult(seq.seq_id, j, self._append(seq, emitted, rows, 0)))
         return in_request_order(results, order)
 
-    def _step_into_outputs(self, slots: torch.Tensor, k: int, num_top: int) -> None:
+    def _step_into_outputs(self, slots: torch.Tensor, k: int, num_top: int, procs: int) -> None:
         """Device work of a uniform Verify: the last token and k drafts of each slot at their positions,
         attention per token, then every row samples the token decode would draw there (its slot's parameters,
         RNG keyed by seed and position, the drafts before it counted as seen). The drafts are accepted while
         they equal those tokens ("greedy match": exact for greedy rows, and for sampled rows the same target
         distribution as rejection sampling with one-hot drafts), so Verify emits exactly what decode would
-        have. The slot state moves past the accepted tokens only. No host sync."""
+        have. The slot state moves past the accepted tokens only. The logits processors (procs: their flags)
+        see each row as decode would: the drafts before it count as output tokens. No host sync."""
         rt = self.rt
         drafts = self.outputs.drafts[:slots.shape[0], :k]
         batch, rows = self.slot_io.verify_inputs(slots, drafts)
-        out = rt.ops.sample(rt.model.forward(batch), rows, num_top)
-        self.slot_io.verify_commit(slots, drafts, out, self.outputs, num_top)
+        logits = rt.model.forward(batch)
+        procs_rows = None
+        if procs:
+            n = k + 1
+            procs_rows = logits_processors.ProcessorRows.gather(rt.state, slots.repeat_interleave(n), rows.position,
+                                                                procs)
+            i, j = torch.tril_indices(n, k, -1, device=slots.device)  # row (b, i) counts drafts j < i
+            b = torch.arange(slots.shape[0], device=slots.device)[:, None]
+            procs_rows.count_tokens((b * n + i).reshape(-1), drafts[:, j].reshape(-1))
+        out = logits_processors.sample(rt.ops, logits, rows, num_top, procs_rows)
+        self.slot_io.verify_commit(slots, drafts, out, self.outputs, num_top, procs)
 
     def _append(self, seq: Sequence, emitted: list[int], rows, first_row: int) -> list[api.TokenResult]:
         """Appends the emitted tokens (all cached but the last) to seq until one finishes it; row i of `rows`
@@ -140,17 +151,27 @@ class Verifier:
         row_pos = [s.seq_len + i for s, k in zip(seqs, ks) for i in range(k + 1)]
         extra = [(offsets[b] + i, tok) for b, it in enumerate(items) for i in range(ks[b] + 1)
                  for tok in it.draft_token_ids[:i]]
-        st = rt.state.sampling_rows(torch.tensor(row_slots, device=dev), torch.tensor(row_pos, device=dev))
+        row_slots_t, row_pos_t = torch.tensor(row_slots, device=dev), torch.tensor(row_pos, device=dev)
+        st = rt.state.sampling_rows(row_slots_t, row_pos_t)
+        procs = logits_processors.batch_flags(seqs)
+        extra_rows = extra_tokens = None
         if extra:
-            st.seen[torch.tensor([r for r, _ in extra], device=dev), torch.tensor([t for _, t in extra], device=dev)] \
-                = True
+            extra_rows, extra_tokens = torch.tensor([r for r, _ in extra], device=dev), \
+                torch.tensor([t for _, t in extra], device=dev)
+            st.seen[extra_rows, extra_tokens] = True
+        sample_logits = logits
+        if procs:  # the drafts before a row count as its output tokens; sampled rows see the processed logits
+            procs_rows = logits_processors.ProcessorRows.gather(rt.state, row_slots_t, row_pos_t, procs)
+            if extra:
+                procs_rows.count_tokens(extra_rows, extra_tokens)
+            sample_logits, st = logits_processors.apply(logits, st, procs_rows)
         # Every row's own draw (what decode would emit there); drafts without distributions are accepted while
         # they equal it (greedy match), drafts with distributions by rejection sampling.
-        sampled = rt.ops.sample(logits, st).token_ids
+        sampled = rt.ops.sample(sample_logits, st).token_ids
         by_probs = [b for b, it in enumerate(items) if it.draft_probs]  # k >= 1: k distributions were given
         rejection: list[torch.Tensor] = []  # per item of by_probs: (num_accepted, token) on the device
         if by_probs:
-            target = target_logprobs(logits, st)
+            target = target_logprobs(sample_logits, st)
             for k in sorted({ks[b] for b in by_probs}):
                 group = [b for b in by_probs if ks[b] == k]
                 rows = torch.tensor([offsets[b] + i for b in group for i in range(k + 1)], device=dev)
@@ -191,5 +212,9 @@ class Verifier:
         state.last_token[slots_t] = torch.tensor([s.token_ids[-1] for s in seqs], device=dev)
         state.num_cached[slots_t] = torch.tensor([s.num_cached for s in seqs], dtype=torch.int32, device=dev)
         kept = [(s.slot, t.token_id) for s, r in zip(seqs, results) for t in r.tokens]
-        state.mark_seen(torch.tensor([k[0] for k in kept], device=dev), torch.tensor([k[1] for k in kept], device=dev))
+        kept_slots, kept_tokens = torch.tensor([k[0] for k in kept], device=dev), \
+            torch.tensor([k[1] for k in kept], device=dev)
+        state.mark_seen(kept_slots, kept_tokens)
+        if procs & logits_processors.PENALTIES:
+            state.count_outputs(kept_slots, kept_tokens)
         return results

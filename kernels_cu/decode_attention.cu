@@ -24,15 +24,15 @@
 // each block leaves its partial in its own shared memory, the cluster synchronises, the leader (split
 // 0) reads the others' partials through distributed shared memory and writes out (the same sum, in
 // split order), and a second cluster barrier keeps the partials alive until it has read them. The
-// partials' round trip through L2, the fence and the ticket go away: 1B decode step 0.914 -> 0.889 ms,
-// 8B 4.240 -> 4.175 ms (two steps in flight, H200, engine-bench-*-cluster-ab-20261201T2048). A block of
+// partials' round trip through L2, the fence and the ticket go away (bench/RESULTS.md). A block of
 // that cluster with no keys takes part in both barriers; longer sequences merge through global memory.
 //
 // Work split: block (split s, KV head hkv x head chunk c, batch b) handles the query heads
 // [hkv * G + 16 c, +16) of the group (the 16 rows of one tensor-core tile; G > 16 takes several chunks)
 // over the key range of split s. The range is computed ON THE DEVICE from seq_lens: the window's keys
 // are cut into at most num_splits chunks of a multiple of 64 tokens; blocks of splits past the last
-// chunk exit at once (chunks of >= 256 keys measured slower at batch 1: 1B step 1.03 -> 1.09 ms). The grid depends only on host-known sizes,
+// chunk exit at once (chunks of >= 256 keys measured slower at batch 1). The grid depends only on host-known
+// sizes,
 // so the launch can be captured in a CUDA graph and replayed while seq_lens grow.
 // Inside a block: 4 warps; 64-token tiles of K and V stream through shared memory with cp.async
 // (STAGES deep); warp w scores tokens [16 w, 16 w + 16) of each tile with mma.m16n8k16 (fp32
@@ -42,9 +42,9 @@
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
 //   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3
-//   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at load). A deeper pipeline (6 stages at D = 64, every tile of a
-//   1B batch-32 sequence in flight at once) was faster with the keys in L2 (batch 32, context 256: 9.57 ->
-//   8.36 us) and slower from DRAM (ncu: 12.3 -> 20.0 us; the 1B batch-32 step 1.243 -> 1.380 ms): dropped.
+//   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at
+//   load). A deeper pipeline (6 stages at D = 64) was faster with the keys in L2 and slower from DRAM:
+//   dropped.
 //   block_size a power of two (bs_log2 = log2(block_size)); scale_log2 = scale * log2(e);
 //   q, caches 16-byte aligned; a sequence whose keys fit one chunk is written to out directly (part_*
 //   and counters untouched). cluster: the launch's cluster size along x (1: none; ignored below sm_90),

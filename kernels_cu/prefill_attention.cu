@@ -14,6 +14,12 @@
 //   first row), built on the host (engine.batch.prefill_work). A row with 0 rows is empty work, so a
 //   forward replayed from a CUDA graph pads its list to a fixed grid.
 //
+// Key splits: gridDim.z = splits. With splits > 1, block (w, h, z) scores only share z of its rows' key tiles
+// and writes its unnormalised output and row statistics in fp32 to part_o [splits, num_q, H, D] and part_ml
+// [splits, num_q, H, 2] (the row max in scaled log2 units, the row sum); prefill_attention_merge_* then
+// combines the shares. A chunk that continues a long cached prefix has few work items and many key tiles:
+// split, its blocks fill the GPU instead of each walking every tile of the prefix.
+//
 // Work split: block (work item w, query head h): 64 query rows of one head, 4 warps of 16 rows.
 // 64-token K/V tiles stream through shared memory with cp.async (2 stages) from the first key any row
 // needs to the last; S = Q K^T and O += P V run on mma.m16n8k16 with fp32 accumulation and an online
@@ -21,7 +27,10 @@
 // are skipped by that warp.
 //
 // Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
-//   grid (num_work, H), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes
+//   grid (num_work, H, splits), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes;
+//   part_o / part_ml used (and needed) only when splits > 1 (at most 16). Merge
+//   (prefill_attention_merge_{dt}_d{D}): grid (num_work, H, 64 / 16), block (128), the same work list; it writes
+//   out.
 //   (engine/cuda/wrappers/prefill_attention.py computes the same; the library raises the function's limit at load).
 //   block_size a power of two (bs_log2); scale_log2 = scale * log2(e); q, out, caches 16-byte aligned.
 #include "common.cuh"
@@ -35,7 +44,8 @@ template <class T, int D>
 __device__ __forceinline__ void prefill_attention_impl(
     u16* __restrict__ out, const u16* __restrict__ q, const u16* __restrict__ k_cache,
     const u16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ work,
-    i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2) {
+    i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* __restrict__ part_o,
+    float* __restrict__ part_ml, int num_q) {
   constexpr int LD = D + 8, VPR = D / 8;
   extern __shared__ Vec16 smem_raw[];
   u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [64][LD]
@@ -50,6 +60,10 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int hkv = h / (H / Hkv);
   const int kv_hi = q_pos0 + nrows;  // keys [kv_lo, kv_hi)
   const int kv_lo = window > 0 ? max(0, q_pos0 - window + 1) : 0;
+  const int split = blockIdx.z, splits = gridDim.z;
+  const int all_tiles = (kv_hi - kv_lo + PA_TILE - 1) / PA_TILE;
+  const int tile_begin = (int)((long long)all_tiles * split / splits);
+  const int num_tiles = (int)((long long)all_tiles * (split + 1) / splits) - tile_begin;
 
   for (int i = tid; i < PA_ROWS * VPR; i += PA_THREADS) {
     const int r = i / VPR, c = i - r * VPR;
@@ -61,7 +75,7 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int* table = block_tables + (i64)b * bt_stride;
   const int bs_mask = (1 << bs_log2) - 1;
   auto load_tile = [&](int tile, int stage) {
-    const int base = kv_lo + tile * PA_TILE;
+    const int base = kv_lo + (tile_begin + tile) * PA_TILE;
     for (int i = tid; i < PA_TILE * VPR; i += PA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
@@ -80,8 +94,7 @@ __device__ __forceinline__ void prefill_attention_impl(
     }
   };
 
-  const int num_tiles = (kv_hi - kv_lo + PA_TILE - 1) / PA_TILE;
-  load_tile(0, 0);
+  if (num_tiles > 0) load_tile(0, 0);
   cp_async_commit();
 
   const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -107,7 +120,7 @@ __device__ __forceinline__ void prefill_attention_impl(
       for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + (wrow + ld_row) * LD + ks * 16 + ld_col);
     }
     const int stage = it & 1;
-    const int tile_start = kv_lo + it * PA_TILE;
+    const int tile_start = kv_lo + (tile_begin + it) * PA_TILE;
     const bool in_future = tile_start > warp_qmax;
     const bool too_old = window > 0 && tile_start + PA_TILE - 1 <= warp_qmin - window;
     if (!in_future && !too_old) {
@@ -193,6 +206,20 @@ __device__ __forceinline__ void prefill_attention_impl(
     l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
     l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
   }
+  if (splits > 1) {  // this share's unnormalised output and row statistics, for the merge
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + g + 8 * r;
+      if (row >= nrows) continue;
+      const i64 at = ((i64)split * num_q + q_tok + row) * H + h;
+      float* dst = part_o + at * D + 2 * t4;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
+      if (t4 == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m[r], l[r]);
+    }
+    return;
+  }
   const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -205,12 +232,64 @@ __device__ __forceinline__ void prefill_attention_impl(
   }
 }
 
+// The merge of key splits: out[t, h] = sum_z 2^(m_z - M) o_z / sum_z 2^(m_z - M) l_z, M = max_z m_z, for
+// PA_MERGE_ROWS rows (blockIdx.z-th group) of work item blockIdx.x, head blockIdx.y: one thread a row first puts
+// its shares' weights in shared memory, then every thread adds up column pairs (coalesced loads).
+#define PA_MERGE_ROWS 16
+#define PA_MAX_SPLITS 16
+template <class T, int D>
+__device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ out, const float* __restrict__ part_o,
+                                                             const float* __restrict__ part_ml,
+                                                             const int* __restrict__ work, int num_q, int H,
+                                                             int splits) {
+  __shared__ float weight[PA_MERGE_ROWS][PA_MAX_SPLITS];
+  __shared__ float inv_sum[PA_MERGE_ROWS];
+  const Vec16 item = reinterpret_cast<const Vec16*>(work)[blockIdx.x];
+  const int q_tok = (int)item.w[1], nrows = (int)item.w[2];
+  const int r0 = blockIdx.z * PA_MERGE_ROWS;
+  if (r0 >= nrows) return;  // (the whole block returns together)
+  const int rows = min(PA_MERGE_ROWS, nrows - r0);
+  const int h = blockIdx.y;
+  const i64 split_stride = (i64)num_q * H;
+  if ((int)threadIdx.x < rows) {
+    const i64 at = (i64)(q_tok + r0 + threadIdx.x) * H + h;
+    float mx = NEG_INF;
+    for (int z = 0; z < splits; ++z) mx = fmaxf(mx, part_ml[(z * split_stride + at) * 2]);
+    float sum = 0.f;
+    for (int z = 0; z < splits; ++z) {
+      const float2 ml = *reinterpret_cast<const float2*>(part_ml + (z * split_stride + at) * 2);
+      const float w = ml.x == NEG_INF ? 0.f : exp2f(ml.x - mx);  // a share with no key this row sees: 0
+      weight[threadIdx.x][z] = w;
+      sum += w * ml.y;
+    }
+    inv_sum[threadIdx.x] = sum > 0.f ? 1.f / sum : 0.f;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < rows * (D / 2); i += blockDim.x) {
+    const int r = i / (D / 2), c = (i - r * (D / 2)) * 2;
+    const i64 at = (i64)(q_tok + r0 + r) * H + h;
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll 4
+    for (int z = 0; z < splits; ++z) {
+      const float2 v = *reinterpret_cast<const float2*>(part_o + (z * split_stride + at) * D + c);
+      o0 += weight[r][z] * v.x;
+      o1 += weight[r][z] * v.y;
+    }
+    *reinterpret_cast<u32*>(out + at * D + c) = T::pack(o0 * inv_sum[r], o1 * inv_sum[r]);
+  }
+}
+
 #define PREFILL_ENTRY(SUFFIX, T, D)                                                                         \
   extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_##SUFFIX##_d##D(               \
       u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables, const int* work, \
-      i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2) {             \
+      i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* part_o,  \
+      float* part_ml, int num_q) {                                                                          \
     prefill_attention_impl<T, D>(out, q, k_cache, v_cache, block_tables, work, q_stride, bt_stride, H, Hkv,   \
-                                 bs_log2, window, scale_log2);                                              \
+                                 bs_log2, window, scale_log2, part_o, part_ml, num_q);                      \
+  }                                                                                                          \
+  extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_merge_##SUFFIX##_d##D(         \
+      u16* out, const float* part_o, const float* part_ml, const int* work, int num_q, int H, int splits) {   \
+    prefill_attention_merge_impl<T, D>(out, part_o, part_ml, work, num_q, H, splits);                       \
   }
 
 PREFILL_ENTRY(bf16, Bf16, 16)

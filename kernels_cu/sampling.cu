@@ -39,9 +39,9 @@
 //   float_key(logit) << 32 | ~id, so one descending u64 order is all of it. A lane sorts its 4 keys; a warp
 //   merges its lanes' sorted lists, k rounds of a warp maximum over the lists' heads (warp_merge_lists);
 //   a split block merges its 8 warps' lists, and the merge block all the chunks' (a first version sorted
-//   whole chunks bitonically in shared memory: 64 us for one row at k = 20, 211 us for 32 rows).
+//   whole chunks bitonically in shared memory: several times slower).
 //   Reference: torch.topk(torch.log_softmax(logits), k), what CudaOps.sample ran before these kernels
-//   (one row of a 128k vocabulary: 81-88 us on an H200 for k = 1-20; these: 6.8-22.7 us).
+//   (several times slower on a 128k vocabulary).
 // Programmatic dependent launch (the launch attribute; a no-op without it): each kernel waits at its top
 // (common.cuh, grid_dependency_wait); its launch overlaps the end of the one before. sample_stats, _select,
 // _draw and _finish read their row's parameters (temperature, top_k, top_p, seed, penalty, position) before
@@ -130,9 +130,8 @@ extern "C" __global__ void __launch_bounds__(256) sample_stats(float* parts, PAR
   // Per thread: the softmax statistics of its values one loop trip (4 * ILP or ILP values) at a time (the
   // trip's max, one rescale of the running sum, then the exps: no data-dependent branch per value), and
   // the argmaxes of its values, whose indices only grow (so a strictly larger value is the only better
-  // one). The kernel is instruction-bound at batch 32 (ncu, H200, before this form: 53% of the SM's compute
-  // throughput, 0.61 instructions issued per scheduler and cycle, 17% of DRAM bandwidth), so the work per
-  // value is what its time is (20.5 -> 14.3 us at 32 rows of 128256 in this form).
+  // one). The kernel is instruction-bound at batch 32 (ncu: far from the DRAM bandwidth), so the work per
+  // value is what its time is.
   SoftmaxStat st{NEG_INF, 0.f};
   ArgMax best_p = argmax_init(), best_g = argmax_init();
   const bool penalized = rp.penalty != 1.f;

@@ -56,15 +56,11 @@
 // issues its first group's W loads, then waits for the previous kernel, then loads x and norm_w. Warp 0
 // of the _m8 entries also loads the epilogue's operands before the wait (bias; the residual's old values;
 // RoPE's rope_index, cos / sin row and slot_mapping): the kernel launched just before must not write them
-// (launch contract). Nothing is written before the wait. H200, 1B batch 1 queued 0.836 -> 0.799 ms with the
-// sampling kernels' part (bench/results/pre-wait-operands-20261203-nvidia-h200.md).
-// H200, 1B batch 1 two steps in flight 0.895 -> 0.851 ms with decode attention's part, 8B 4.200 -> 4.112
-// (bench/results/pdl-ab-20261202-nvidia-h200.md). Measured and left out: prefetching a block's W rows
-// into L2 before the wait (1B lm_head 122 -> 174 us; with a wait at the top, 8B 4.44 -> 5.17 ms). A "staged" variant for 9..32 tokens (x staged once per block
-// in shared memory, one 16-row tile per warp, K split over a thread-block cluster and reduced in
-// distributed shared memory; commit 4370f91) was slower than cuBLAS at every 1B and 8B shape at 16 and
-// 32 tokens (1B gate_up + norm + SiLU at 32 tokens 29.9 us vs F.linear 19.2; o + residual 13.3 vs 6.5:
-// bench/results/skinny-staged-20261201-nvidia-h200.md), so batches past 8 keep cuBLAS.
+// (launch contract). Nothing is written before the wait (the batch-1 gains: bench/RESULTS.md).
+// Measured and left out: prefetching a block's W rows into L2 before the wait (slower). A "staged" variant
+// for 9..32 tokens (x staged once per block in shared memory, one 16-row tile per warp, K split over a
+// thread-block cluster and reduced in distributed shared memory) was slower than cuBLAS at every 1B and 8B
+// shape at 16 and 32 tokens, so batches past 8 keep cuBLAS.
 // Occupancy: __launch_bounds__(256, 2) / (512, 1), i.e. <= 128 registers: two 8-warp blocks or one
 // 16-warp block per SM.
 //

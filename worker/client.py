@@ -19,8 +19,8 @@ the token it sampled last, kept on the worker), and the worker runs calls one at
 reach it. So a router can send steps n+1 and n+2 (`future("Decode", ...)`, or more tasks with
 AsyncWorkerClient) before step n's reply comes back: the worker queues a Decode behind the step
 running on the GPU (--max-steps-in-flight), so the round trip and the worker's own host work overlap
-the device. Three in flight kept the H200 busy ~94% of the time at C = 32 (README, Benchmarks). Send a sequence only while it still has tokens to make (its max_new_tokens is
-known); a sequence that stops early (EOS, a stop token) makes a step already in flight with it fail
+the device (three in flight keep the GPU busy most of the time: bench/RESULTS.md). Send a sequence only while
+it still has tokens to make (its max_new_tokens is known); a sequence that stops early (EOS, a stop token) makes a step already in flight with it fail
 with FAILED_PRECONDITION, which changes nothing, so resend that step without it. gRPC does not order
 calls in flight together, so two steps may run (or be answered) in either order: place each token by
 its seq_len. bench/load.py's router does all this (--pipeline).
@@ -28,8 +28,8 @@ its seq_len. bench/load.py's router does all this (--pipeline).
 Decode streams: `decode_stream()` opens one DecodeStream call, over which each `send()` is a step and
 `recv()` returns the answers in the order the steps were sent; a step the worker refuses raises
 StepRefused from its recv() (its code and message, as the Decode call would have failed), and the
-stream goes on. A step sent on a stream skips a call's set-up on both sides (one step at a time on the
-H200 machine: 787 vs 1087 us of overhead at batch 1; README), and the answers come in order.
+stream goes on. A step sent on a stream skips a call's set-up on both sides (bench/RESULTS.md has the
+figures), and the answers come in order.
 `bench/load.py --decode stream` routes its steps this way."""
 from __future__ import annotations
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from engine import api
+from engine.errors import FailedPrecondition, InvalidArgument
 from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvEventBatch
 from engine.sampling import SamplingParams, StoppingCriteria
+from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2 as pb
 
 
@@ -15,12 +17,16 @@ def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
         seed=msg.seed if msg.HasField("seed") else None,
         repetition_penalty=msg.repetition_penalty if msg.repetition_penalty else 1.0,
         top_logprobs=msg.top_logprobs,
+        min_p=msg.min_p,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
     )
 
 
 def stopping_criteria(msg: pb.StoppingCriteria) -> StoppingCriteria:
     return StoppingCriteria(max_new_tokens=msg.max_new_tokens, stop_token_ids=frozenset(msg.stop_token_ids),
-                            ignore_eos=msg.ignore_eos)
+                            ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens)
 
 
 def prefill_items(msg: pb.PrefillRequest) -> list[api.PrefillItem]:
@@ -30,6 +36,41 @@ def prefill_items(msg: pb.PrefillRequest) -> list[api.PrefillItem]:
 def verify_items(msg: pb.VerifyRequest) -> list[api.VerifyItem]:
     return [api.VerifyItem(it.sequence_id, list(it.draft_token_ids), list(it.draft_probs) or None)
             for it in msg.items]
+
+
+def has_text_prompt(msg: pb.GenerateRequest) -> bool:
+    """Whether the prompt is text or chat (the response then carries text), not token ids."""
+    return msg.WhichOneof("prompt_text") is not None
+
+
+def generate_prompt(msg: pb.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+    """The prompt's token ids: prompt_token_ids as they are; text tokenized as transformers'
+    tokenizer(text) does; chat rendered with the chat template (its generation prompt unless
+    add_generation_prompt is false) and tokenized without special tokens. FailedPrecondition when a
+    text or chat prompt meets a worker without a tokenizer (or chat template), InvalidArgument for
+    two prompts or an empty chat. Runs no model code; the caller runs it off the event loop."""
+    kind = msg.WhichOneof("prompt_text")
+    if kind is None:
+        return list(msg.prompt_token_ids)
+    if msg.prompt_token_ids:
+        raise InvalidArgument(f"give one prompt: prompt_token_ids or {kind}, not both")
+    if tokenizer is None:
+        raise FailedPrecondition(f"a {kind} prompt needs a tokenizer, and this worker's checkpoint has none "
+                                 "(no tokenizer.json): send prompt_token_ids")
+    if kind == "text":
+        return tokenizer.encode(msg.text)
+    if tokenizer.chat_template is None:
+        raise FailedPrecondition("a chat prompt needs a chat template, and this worker's tokenizer has none "
+                                 "(tokenizer_config.json has no chat_template): send text or prompt_token_ids")
+    if not msg.chat.messages:
+        raise InvalidArgument("chat.messages is empty: a chat prompt needs at least one message")
+    messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    add_generation_prompt = msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True
+    return tokenizer.encode_chat(messages, add_generation_prompt)
+
+
+def generate_response(t: api.TokenResult, text: str = "") -> pb.GenerateResponse:
+    return pb.GenerateResponse(token=_add_token(pb.Token, t), text=text)
 
 
 def token(t: api.TokenResult) -> pb.Token:
@@ -118,9 +159,12 @@ def kv_event_batch(b: KvEventBatch, messages=pb):
     return msg
 
 
-def info_response(i: api.EngineInfo) -> pb.InfoResponse:
+def info_response(i: api.EngineInfo, tokenizer: Tokenizer | None = None) -> pb.InfoResponse:
+    """tokenizer: the worker's (None: the checkpoint has none); Info says whether there is one and its
+    chat template."""
     g, c = i.graph_cache, i.prefix_cache
     return pb.InfoResponse(
+        has_tokenizer=tokenizer is not None, chat_template=(tokenizer and tokenizer.chat_template) or "",
         model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
         eos_token_ids=i.eos_token_ids, max_seq_len=i.max_seq_len, block_size=i.block_size,
         total_blocks=i.total_blocks, free_blocks=i.free_blocks, max_slots=i.max_slots, free_slots=i.free_slots,

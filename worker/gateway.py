@@ -31,7 +31,7 @@ from worker import gateway_convert as convert
 from worker.errors import Unavailable, status_of
 from worker.convert import kv_event_batch
 from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
-from worker.gateway_requests import ABORTED, LiveRequest, Requests
+from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
 from worker.tokenizer_bundle import TokenizerBundle, chunks
@@ -126,8 +126,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     # ------------------------------------------------------------------ generation
 
     async def Generate(self, request: vpb.GenerateRequest, context: grpc.aio.ServicerContext):
-        """One sequence, streamed (request.stream: a chunk per token, then a Complete repeating the last)
-        or answered once (a Complete with every token). Abort, or the caller going away, releases it."""
+        """n sequences of one prompt (n = sampling_params.n, 1 when unset), each streamed (request.stream: a
+        chunk per token, then a Complete repeating its last) or answered once (a Complete with every token of
+        each, once all have ended); responses name their choice by `index`. Abort, or the caller going away,
+        releases them."""
         with self.metrics.rpc("VllmEngine.Generate") as call:
             rid = request.request_id or uuid.uuid4().hex
             try:
@@ -135,7 +137,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if self.draining:
                     raise Unavailable("the worker is draining (shutting down); send the request to another worker")
                 spec = convert.generate_spec(request, self.facts)
-                live = self.requests.add(rid, len(spec.prompt))
+                live = self.requests.add(rid, len(spec.prompt), spec.n)
             except EngineError as e:
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
@@ -143,39 +145,45 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             try:
                 started = time.perf_counter()
                 await self._start(live, spec)
-                self.metrics.start_stream(live.seq_id, started)
-                if live.aborted:  # Abort came while the sequence was starting
+                for choice in live.choices:
+                    self.metrics.start_stream(choice.seq_id, started)
+                if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
                 async for response in self._responses(live, spec, request.stream):
                     yield response
                 done = True
             except EngineError as e:
-                done = live.seq_id is None  # refused before it started: nothing to free
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
             except Exception:
                 call.code = grpc.StatusCode.INTERNAL
-                log.exception("Generate of request %s (sequence %s) failed", rid, live.seq_id)
+                log.exception("Generate of request %s (sequences %s) failed", rid, [c.seq_id for c in live.choices])
                 await context.abort(call.code, f"internal error in Generate (request id {rid}); see the worker log")
             finally:
                 self.requests.remove(live)
-                if live.seq_id is not None:
-                    self.metrics.end_stream(live.seq_id)
-                    if not done:  # the caller went away, or the stream failed: free the sequence
-                        self._in_background(self.runner.stop_stream(live.seq_id))
+                for choice in live.choices:
+                    if choice.seq_id is None:
+                        continue  # not started (refused, or a later choice of a refused call): nothing to free
+                    self.metrics.end_stream(choice.seq_id)
+                    if not done:  # the caller went away, or the call failed: free the sequence (ended ones: no-op)
+                        self._in_background(self.runner.stop_stream(choice.seq_id))
 
     async def _start(self, live: LiveRequest, spec: convert.GenerateSpec) -> None:
-        """Allocates and prefills the sequence (its first token is then on live.out). A caller that goes
-        away meanwhile leaves the start to finish on the engine thread; the sequence is stopped then."""
-        def alloc(engine: Engine):
-            return engine.alloc_sequence(spec.max_total_tokens, spec.sampling, spec.stopping, live.request_id)
+        """Allocates and prefills each choice's sequence, one after another (its first token is then on its
+        queue). A caller that goes away meanwhile leaves the start in progress to finish on the engine thread;
+        that sequence is stopped then."""
+        for choice in live.choices:
+            request_id = live.request_id if spec.n == 1 else f"{live.request_id}/{choice.index}"
 
-        start = asyncio.ensure_future(self.runner.start_stream(spec.prompt, alloc))
-        try:
-            live.seq_id, live.out = await asyncio.shield(start)
-        except asyncio.CancelledError:
-            start.add_done_callback(self._stop_orphan)
-            raise
+            def alloc(engine: Engine, sampling=spec.sampling_for(choice.index), request_id=request_id):
+                return engine.alloc_sequence(spec.max_total_tokens, sampling, spec.stopping, request_id)
+
+            start = asyncio.ensure_future(self.runner.start_stream(spec.prompt, alloc))
+            try:
+                choice.seq_id, choice.out = await asyncio.shield(start)
+            except asyncio.CancelledError:
+                start.add_done_callback(self._stop_orphan)
+                raise
 
     def _stop_orphan(self, start: asyncio.Future) -> None:
         if not start.cancelled() and start.exception() is None:
@@ -188,19 +196,28 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def _responses(self, live: LiveRequest, spec: convert.GenerateSpec, stream: bool):
         prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
-        tokens = []
-        while (item := await live.out.get()) is not None and item is not ABORTED:
+        tokens: list[list] = [[] for _ in live.choices]
+        reasons: list[str] = [convert.ABORT] * len(live.choices)
+        async for choice, item in _choice_items(live.choices):
+            i = choice.index
             if isinstance(item, BaseException):
                 raise item
-            self.metrics.observe_stream_token(live.seq_id, item)
+            if item is None or item is ABORTED:  # the choice has ended
+                reasons[i] = convert.ABORT if item is ABORTED else convert.finish_reason(tokens[i])
+                if stream:
+                    last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
+                    cached = tokens[i][0].cached_tokens if tokens[i] else 0
+                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, index=i)
+                continue
+            self.metrics.observe_stream_token(choice.seq_id, item)
             self.requests.count_tokens(1)
-            tokens.append(item)
+            tokens[i].append(item)
             if stream:
-                yield convert.chunk([item], prompt_tokens, num_logprobs, tokens[0].cached_tokens)
-        reason = convert.ABORT if item is ABORTED else convert.finish_reason(tokens)
-        last = tokens[-1:] if reason != convert.ABORT else []
-        cached = tokens[0].cached_tokens if tokens else 0
-        yield convert.complete(last if stream else tokens, prompt_tokens, num_logprobs, reason, cached)
+                yield convert.chunk([item], prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, index=i)
+        if not stream:
+            for i, reason in enumerate(reasons):
+                cached = tokens[i][0].cached_tokens if tokens[i] else 0
+                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, index=i)
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
         """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not
@@ -211,14 +228,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if live is None or live.aborted:
                     continue
                 live.aborted = True
-                if live.out is not None:  # started; one still starting stops itself once it has
+                if live.started:  # one still starting stops itself once it has
                     await self._stop(live)
             return vpb.AbortResponse()
 
     async def _stop(self, live: LiveRequest) -> None:
-        """Stops a started sequence; its call then ends with "abort" after the tokens already queued."""
-        await self.runner.stop_stream(live.seq_id)
-        live.out.put_nowait(ABORTED)
+        """Stops the call's started sequences; each choice then ends with "abort" after the tokens already
+        queued (one that had ended keeps its own finish reason)."""
+        for choice in live.choices:
+            await self.runner.stop_stream(choice.seq_id)
+            choice.out.put_nowait(ABORTED)
 
     # ------------------------------------------------------------------ health and reports
 
@@ -329,3 +348,33 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         with self.metrics.rpc(f"VllmEngine.{name}") as call:
             call.code = grpc.StatusCode.UNIMPLEMENTED
             await context.abort(call.code, f"{name} is not served by this worker: {why}")
+
+
+def _ended(item) -> bool:
+    """Whether a choice's queue item is its last: None (finished), ABORTED, or an exception."""
+    return item is None or item is ABORTED or isinstance(item, BaseException)
+
+
+async def _choice_items(choices: list[Choice]):
+    """(choice, item) as the choices' token queues deliver them, until every queue has ended (_ended: that item
+    is yielded too). One choice reads its queue directly; several wait on all their queues at once."""
+    if len(choices) == 1:
+        choice = choices[0]
+        while True:
+            item = await choice.out.get()
+            yield choice, item
+            if _ended(item):
+                return
+    pending = {asyncio.ensure_future(c.out.get()): c for c in choices}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for get in sorted(done, key=lambda f: pending[f].index):
+                choice = pending.pop(get)
+                item = get.result()
+                yield choice, item
+                if not _ended(item):
+                    pending[asyncio.ensure_future(choice.out.get())] = choice
+    finally:
+        for get in pending:
+            get.cancel()

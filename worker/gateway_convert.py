@@ -2,20 +2,25 @@
 
 Field semantics follow vLLM's SamplingParams as smg's reference vLLM servicer maps them: an unset
 `temperature` is 1.0 (below 1e-5 is greedy), `top_p` and `repetition_penalty` of 0 are off, an unset
-`max_tokens` generates until the context is full. A field the engine cannot honour is refused with
-INVALID_ARGUMENT naming it, never ignored. Two fields are moot for a worker that returns token ids:
-`skip_special_tokens` and `spaces_between_special_tokens` shape detokenized text, which the gateway
-makes itself.
+`max_tokens` generates until the context is full; min_p, frequency_penalty, presence_penalty, logit_bias
+and min_tokens are the engine's logits processors (engine/logits_processors.py, vLLM's semantics); `n`
+samples n sequences of the prompt, choice i seeded with seed + i when a seed is given (vLLM's
+parallel sampling). A field the engine cannot honour is refused with INVALID_ARGUMENT naming it, never
+ignored. Two fields are moot for a worker that returns token ids: `skip_special_tokens` and
+`spaces_between_special_tokens` shape detokenized text, which the gateway makes itself.
 
-Response shapes (what smg reads): a stream sends one GenerateStreamChunk per token (delta token ids,
-`completion_tokens` the delta's count, delta logprobs), then, when the sequence ends, a GenerateComplete
-that repeats the last delta with the finish reason; a non-streaming call sends one GenerateComplete with
-every output token. Finish reasons are vLLM's strings: "length", "stop" (EOS, or a stop token, then
-named in `matched_token_id`) and "abort".
+Response shapes (what smg reads, as smg's reference vLLM servicer sends them): a stream sends one
+GenerateStreamChunk per token (delta token ids, `completion_tokens` the delta's count, delta logprobs,
+`index` its choice), then, when a choice ends, a GenerateComplete of that index that repeats its last
+delta with the finish reason; chunks of different choices interleave. A non-streaming call sends, once
+every choice has ended, one GenerateComplete per choice, in index order, with all its output tokens.
+Finish reasons are vLLM's strings: "length", "stop" (EOS, or a stop token, then named in
+`matched_token_id`) and "abort".
 """
 from __future__ import annotations
 
 import datetime
+import dataclasses
 from dataclasses import dataclass
 
 from engine import api
@@ -72,8 +77,16 @@ class GenerateSpec:
     prompt: list[int]
     sampling: SamplingParams
     stopping: StoppingCriteria
-    max_total_tokens: int  # the KV reservation: prompt + max_tokens, or the whole context
+    max_total_tokens: int  # the KV reservation of each choice: prompt + max_tokens, or the whole context
     num_logprobs: int | None  # None: no logprobs; 0: the sampled token's; n: and the top n
+    n: int = 1  # choices: sequences sampled from the prompt
+
+    def sampling_for(self, index: int) -> SamplingParams:
+        """Choice `index`'s parameters: with a seed, seed + index (mod 2**64; vLLM's parallel sampling seeds its
+        children so); without one each choice's sequence draws its own."""
+        if self.sampling.seed is None or index == 0:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + index) % 2**64)
 
 
 def _refuse(field: str, why: str = "is not supported by this worker yet") -> InvalidArgument:
@@ -93,16 +106,11 @@ def _check_request(request: vpb.GenerateRequest) -> None:
         raise _refuse("data_parallel_rank", f"must be 0 (this worker is one rank), got {request.data_parallel_rank}")
 
 
-def _check_sampling(p: vpb.SamplingParams, max_top_logprobs: int) -> None:
-    """Sampling fields the engine has no counterpart for yet: refused by name when set."""
-    unsupported = [("min_p", p.min_p != 0.0, p.min_p),
-                   ("frequency_penalty", p.frequency_penalty != 0.0, p.frequency_penalty),
-                   ("presence_penalty", p.presence_penalty != 0.0, p.presence_penalty),
-                   ("min_tokens", p.min_tokens != 0, p.min_tokens),
-                   ("stop", len(p.stop) > 0, list(p.stop)[:4]),
-                   ("n", p.n > 1, p.n),
-                   ("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs),
-                   ("logit_bias", len(p.logit_bias) > 0, dict(list(p.logit_bias.items())[:4]))]
+def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
+    """Sampling fields the engine has no counterpart for yet: refused by name when set; and the fields whose
+    vLLM limits are the gateway's to check."""
+    unsupported = [("stop", len(p.stop) > 0, list(p.stop)[:4]),
+                   ("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
     for name, is_set, value in unsupported:
         if is_set:
             shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
@@ -111,9 +119,15 @@ def _check_sampling(p: vpb.SamplingParams, max_top_logprobs: int) -> None:
     if constraint is not None:
         raise _refuse(f"sampling_params.{constraint}",
                       "(structured output) is not supported by this worker yet")
+    max_top_logprobs = facts.max_top_logprobs
     if p.HasField("logprobs") and not 0 <= p.logprobs <= max_top_logprobs:
         raise _refuse("sampling_params.logprobs", f"must be in [0, {max_top_logprobs}] on this worker "
                                                   f"(-1, all of the vocabulary, is not served), got {p.logprobs}")
+    if p.n > facts.max_running:
+        raise _refuse("sampling_params.n", f"must be at most {facts.max_running} (the sequences this worker runs "
+                                           f"at once), got {p.n}")
+    if p.HasField("max_tokens") and p.min_tokens > p.max_tokens:
+        raise _refuse("sampling_params.min_tokens", f"must be <= max_tokens ({p.max_tokens}), got {p.min_tokens}")
     if p.HasField("max_tokens") and p.max_tokens < 1:
         raise _refuse("sampling_params.max_tokens", f"must be >= 1, got {p.max_tokens}")
     if p.HasField("truncate_prompt_tokens") and not (p.truncate_prompt_tokens >= 1 or p.truncate_prompt_tokens == -1):
@@ -131,7 +145,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
         raise InvalidArgument("tokenized.input_ids is empty: a prompt needs at least one token")
     _check_request(request)
     p = request.sampling_params
-    _check_sampling(p, facts.max_top_logprobs)
+    _check_sampling(p, facts)
 
     prompt = list(request.tokenized.input_ids)
     if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
@@ -159,10 +173,19 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
         # int32 on the wire; the engine's seeds are 64-bit: a negative seed is taken modulo 2**64.
         seed=p.seed % 2**64 if p.HasField("seed") else None,
         repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
-        top_logprobs=p.logprobs if p.HasField("logprobs") else 0)
+        top_logprobs=p.logprobs if p.HasField("logprobs") else 0,
+        min_p=p.min_p, frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+        logit_bias=tuple(sorted(p.logit_bias.items())))
     stopping = StoppingCriteria(max_new_tokens=p.max_tokens if p.HasField("max_tokens") else 0,
-                                stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos)
-    return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None)
+                                stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
+                                min_tokens=p.min_tokens)
+    try:  # the engine's own checks, here so that the message names the request's field
+        sampling.validate(facts.vocab_size, facts.max_top_logprobs)
+        stopping.validate(facts.vocab_size)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"sampling_params.{e}") from None
+    return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None,
+                        max(p.n, 1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,10 +206,10 @@ def output_logprobs(tokens: list[api.TokenResult], num_logprobs: int | None) -> 
 
 
 def chunk(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None,
-          cached_tokens: int = 0) -> vpb.GenerateResponse:
+          cached_tokens: int = 0, index: int = 0) -> vpb.GenerateResponse:
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
         token_ids=[t.token_id for t in tokens], prompt_tokens=prompt_tokens, completion_tokens=len(tokens),
-        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs)))
+        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs), index=index))
 
 
 def finish_reason(tokens: list[api.TokenResult]) -> str:
@@ -195,12 +218,12 @@ def finish_reason(tokens: list[api.TokenResult]) -> str:
 
 
 def complete(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None, reason: str,
-             cached_tokens: int = 0) -> vpb.GenerateResponse:
-    """tokens: all output tokens (non-streaming) or the stream's last delta."""
+             cached_tokens: int = 0, index: int = 0) -> vpb.GenerateResponse:
+    """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta."""
     msg = vpb.GenerateComplete(
         output_ids=[t.token_id for t in tokens], finish_reason=reason, prompt_tokens=prompt_tokens,
         completion_tokens=len(tokens), cached_tokens=cached_tokens,
-        output_logprobs=output_logprobs(tokens, num_logprobs))
+        output_logprobs=output_logprobs(tokens, num_logprobs), index=index)
     if tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
         msg.matched_token_id = tokens[-1].token_id
     return vpb.GenerateResponse(complete=msg)
@@ -233,7 +256,7 @@ def server_info(f: ModelFacts, active_requests: int, paused: bool, last_receive:
 class GatewayLoad:
     """What the gateway itself knows of its requests (worker/gateway_requests.py)."""
 
-    waiting: int  # Generate calls admitted by the servicer whose sequence has not started
+    waiting: int  # sequences of Generate calls admitted by the servicer that have not started (n per call)
     waiting_prompt_tokens: int  # their prompt tokens (not yet looked up in the prefix cache)
     gen_throughput: float  # tokens per second streamed over the recent window
 

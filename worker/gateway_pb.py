@@ -3,7 +3,7 @@
 `vllm.grpc.engine.VllmEngine` (vllm_engine.proto) and `smg.grpc.common` (common.proto) come from the
 pinned PyPI package smg-grpc-proto, whose own generated stubs we import: they were made by protoc for
 protobuf 6.33.5 and import under our protobuf 7 runtime (gencode older than the runtime is accepted;
-tests/test_gateway.py imports them with warnings as errors). Should a later protobuf refuse them, the
+tests/e2e/test_gateway.py imports them with warnings as errors). Should a later protobuf refuse them, the
 .proto files ship in the same package (smg_grpc_proto/proto/) for protos/generate.py to compile; only
 this module would change.
 """

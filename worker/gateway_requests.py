@@ -1,12 +1,12 @@
-"""The gateway service's live Generate calls by request id (what Abort finds) and the load figures only
-the service knows: calls waiting for their sequence to start, and the tokens streamed per second.
-Event-loop only."""
+"""The gateway service's live Generate calls by request id (what Abort finds), each with its choices (the n
+sequences of one prompt), and the load figures only the service knows: choices waiting for their sequence
+to start, and the tokens streamed per second. Event-loop only."""
 from __future__ import annotations
 
 import asyncio
 import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.errors import InvalidArgument
 from worker.gateway_convert import GatewayLoad
@@ -17,12 +17,25 @@ ABORTED = object()  # put on a call's token queue by Abort once its sequence is 
 
 
 @dataclass
+class Choice:
+    """One of a call's n sequences (vLLM's CompletionOutput.index)."""
+
+    index: int
+    seq_id: int | None = None  # set once the engine has started the sequence
+    out: asyncio.Queue | None = None  # its tokens (EngineRunner.start_stream's queue)
+
+
+@dataclass
 class LiveRequest:
     request_id: str
     prompt_tokens: int
-    seq_id: int | None = None  # set once the engine has started the sequence
-    out: asyncio.Queue | None = None  # its tokens (EngineRunner.start_stream's queue)
-    aborted: bool = False  # Abort came; a call not started yet stops its sequence as soon as it starts
+    choices: list[Choice] = field(default_factory=lambda: [Choice(0)])
+    aborted: bool = False  # Abort came; a call not started yet stops its sequences as soon as they start
+
+    @property
+    def started(self) -> bool:
+        """Every choice's sequence has started."""
+        return all(c.out is not None for c in self.choices)
 
 
 class Requests:
@@ -31,11 +44,11 @@ class Requests:
         self._buckets: collections.deque[list[int]] = collections.deque()  # [bucket index, tokens]
         self.last_receive = 0.0  # wall-clock time of the last Generate call
 
-    def add(self, request_id: str, prompt_tokens: int) -> LiveRequest:
+    def add(self, request_id: str, prompt_tokens: int, n: int = 1) -> LiveRequest:
         if request_id in self._live:
             raise InvalidArgument(f"request_id {request_id!r} is already running on this worker")
         self.last_receive = time.time()
-        live = self._live[request_id] = LiveRequest(request_id, prompt_tokens)
+        live = self._live[request_id] = LiveRequest(request_id, prompt_tokens, [Choice(i) for i in range(n)])
         return live
 
     def get(self, request_id: str) -> LiveRequest | None:
@@ -63,6 +76,7 @@ class Requests:
         return sum(n for _, n in self._buckets) / THROUGHPUT_WINDOW_S
 
     def load(self) -> GatewayLoad:
-        waiting = [r for r in self._live.values() if r.seq_id is None]
-        return GatewayLoad(waiting=len(waiting), waiting_prompt_tokens=sum(r.prompt_tokens for r in waiting),
+        """Waiting: the choices not started yet (each prefills its prompt)."""
+        waiting = [(r, c) for r in self._live.values() for c in r.choices if c.seq_id is None]
+        return GatewayLoad(waiting=len(waiting), waiting_prompt_tokens=sum(r.prompt_tokens for r, _ in waiting),
                            gen_throughput=self.gen_throughput())

@@ -30,6 +30,7 @@ from typing import Any, Callable
 from engine import api
 from engine.engine import Engine
 from engine.decode import PendingStep
+from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class _Stream:
 
     seq_id: int
     out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
+    in_flight: int = 0  # launched decode steps that include it, not yet answered
 
 
 class EngineRunner:
@@ -165,22 +167,43 @@ class EngineRunner:
         return len(self._streams)
 
     async def _decode_streams(self) -> None:
-        """One decode step at a time over every Generate stream; a finished stream's sequence is released."""
+        """Decode steps over every Generate stream, up to config.max_steps_in_flight of them launched at once (the
+        next one queued on the device behind the running one, as a router keeps Decodes in flight). A stream
+        joins the next step launched after its prefill; a step includes only sequences the steps ahead of it
+        leave running by length; a step refused because one ahead ended a sequence by EOS or a stop token
+        changes nothing (its sequences go into the next one). A finished stream's sequence is released."""
         engine = self.engine
-        while self._streams and not self._closed:
-            streams = list(self._streams.values())[:engine.config.max_batch_size]
-            ids = [s.seq_id for s in streams]
+        depth = engine.config.max_steps_in_flight
+        pending: collections.deque[tuple[list[_Stream], asyncio.Future]] = collections.deque()
+        while not self._closed and (self._streams or pending):
+            while len(pending) < depth:
+                streams = self._launchable()
+                if not streams:
+                    break
+                ids = [s.seq_id for s in streams]
+                for s in streams:
+                    s.in_flight += 1
+                pending.append((streams, self.submit_step(lambda e, ids=ids: e.decode_launch(ids))))
+            if not pending:
+                break
+            streams, future = pending.popleft()
             try:
-                result = await self.step(lambda e: e.decode_launch(ids))
+                result = await future
+            except EngineError:  # refused: an earlier step ended one of its sequences; the others roll back
+                result = None
             except Exception as e:  # noqa: BLE001 - every stream of the step fails, the worker goes on
                 log.exception("decode step of %d Generate streams failed", len(streams))
+                ids = [s.seq_id for s in streams]
                 for s in streams:
                     if self._streams.pop(s.seq_id, None) is not None:
                         s.out.put_nowait(e)
                 await self.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
                 continue
+            finally:
+                for s in streams:
+                    s.in_flight -= 1
             finished = []
-            for s, tok in zip(streams, result.tokens):
+            for s, tok in zip(streams, result.tokens if result is not None else ()):
                 if self._streams.get(s.seq_id) is not s:
                     continue  # stopped while the step ran (stop_stream released it)
                 s.out.put_nowait(tok)
@@ -190,9 +213,26 @@ class EngineRunner:
                     finished.append(s.seq_id)
             if finished:
                 await self.run(lambda e: e.release([i for i in finished if i in e.sequences]))
-            # A step answered at once (a CPU step is done when launched) leaves every await above without
-            # a suspension: yield, so the streams' handlers send their tokens and other calls get served.
+            # A step answered at once (a CPU step is done when launched) leaves every await above without a
+            # suspension: yield, so the streams' handlers send their tokens and other calls get served.
             await asyncio.sleep(0)
+
+    def _launchable(self) -> list[_Stream]:
+        """The streams (at most max_batch_size) whose sequence is still running after the steps already launched
+        with it: one more step will not pass its reservation or max_new_tokens."""
+        engine, out = self.engine, []
+        for s in self._streams.values():
+            seq = engine.sequences[s.seq_id] if s.seq_id in engine.sequences else None
+            if seq is None or seq.finished:
+                continue
+            limit = seq.capacity
+            if seq.stopping.max_new_tokens:
+                limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
+            if seq.seq_len + s.in_flight < limit:
+                out.append(s)
+                if len(out) == engine.config.max_batch_size:
+                    break
+        return out
 
     # ------------------------------------------------------------------ the queue
 

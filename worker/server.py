@@ -27,6 +27,7 @@ from engine.warm_up import warm_up
 from engine.config import EngineConfig
 from engine.errors import LoadCancelled
 from engine.loader import cancel_loading
+from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker import preflight
 from worker.config import WorkerConfig
@@ -153,6 +154,9 @@ class Worker:
         self.runner = await EngineRunner.start(lambda: Engine(self.engine_config))
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
+        # Generate's text and chat prompts (people with grpcurl): the checkpoint's tokenizer, read once here
+        # and never on the engine's path; None without tokenizer.json, a ConfigError when it cannot be read.
+        self.servicer.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.runner.engine.model_path)
         self.servicer.runner = self.runner
         await self.gateway.attach(self.runner)
         self._tasks.append(asyncio.create_task(self._housekeeping()))

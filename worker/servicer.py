@@ -16,6 +16,7 @@ from engine import api
 from engine.engine import Engine
 from engine.errors import EngineError, InvalidArgument, OutOfRange
 from engine.kv_events import follow
+from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2 as pb
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker import convert
@@ -84,6 +85,9 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         self.runner = runner
         self.leases = leases
         self.metrics = metrics
+        # The checkpoint's tokenizer, for Generate's text and chat prompts and Info (set once with the
+        # runner by worker/server.py; None when the checkpoint has none). Never on the token-id path.
+        self.tokenizer: Tokenizer | None = None
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._decode_streams: set[asyncio.Queue] = set()  # the step queue of each open DecodeStream
@@ -220,10 +224,13 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
 
     @rpc
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
-        return convert.info_response(self.runner.engine.info())  # counters only: no turn in the queue
+        # Counters only: no turn in the engine's queue.
+        return convert.info_response(self.runner.engine.info(), self.tokenizer)
 
     async def Generate(self, request: pb.GenerateRequest, context):
-        """Server-streaming: the runner decodes this sequence itself, batched with other streams."""
+        """Server-streaming: the runner decodes this sequence itself, batched with other streams. A text or
+        chat prompt is tokenized first (off the event loop), and each token's text piece is decoded as it
+        comes (worker/convert.py: generate_prompt; engine/tokenizer.py: the incremental detokenizer)."""
         with self.metrics.rpc("Generate") as call:
             try:
                 if self.runner is None:
@@ -232,7 +239,12 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     raise Unavailable("the worker is draining (shutting down)")
                 if request.stopping.max_new_tokens == 0:
                     raise InvalidArgument("Generate needs stopping.max_new_tokens > 0")
-                prompt = list(request.prompt_token_ids)
+                detokenizer = None
+                if convert.has_text_prompt(request):
+                    prompt = await asyncio.to_thread(convert.generate_prompt, request, self.tokenizer)
+                    detokenizer = self.tokenizer.detokenizer()
+                else:
+                    prompt = list(request.prompt_token_ids)
                 sampling = convert.sampling_params(request.sampling)
                 stopping = convert.stopping_criteria(request.stopping)
                 total = len(prompt) + request.stopping.max_new_tokens
@@ -250,7 +262,12 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     if isinstance(item, BaseException):
                         raise item
                     self.metrics.observe_stream_token(seq_id, item)
-                    yield pb.GenerateResponse(token=convert.token(item))
+                    text = ""
+                    if detokenizer is not None:
+                        text = detokenizer.step(item.token_id)
+                        if item.finish_reason:
+                            text += detokenizer.flush()
+                    yield convert.generate_response(item, text)
                 done = True
             except Exception:
                 call.code = grpc.StatusCode.INTERNAL

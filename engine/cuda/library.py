@@ -53,8 +53,10 @@ MODULES: dict[str, list[KernelSpec]] = {
     "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
                                      + "ppl" + "ppp" + "i")
                          for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
-    "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f")
-                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
+    "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
+                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS]
+    + [KernelSpec(f"prefill_attention_merge_{dt}_d{d}", "pppp" + "iii")
+       for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
@@ -72,7 +74,7 @@ MODULES: dict[str, list[KernelSpec]] = {
 # decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
 # the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
 # anything the launch before may have written; what each reads before its wait is in its launch contract,
-# and tests/test_pdl_contract.py checks CudaOps' launch order against those.
+# and tests/unit/test_pdl_contract.py checks CudaOps' launch order against those.
 PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
                 "decode_commit", "verify_commit")
 

@@ -76,10 +76,9 @@ class CudaOps(TorchOps):
         self._sdpa_plan: list = []
         self.sdpa_min_tokens = SDPA_MIN_TOKENS
         # FlashAttention only. Left to itself torch picks cuDNN's attention on Hopper, which plans every
-        # new shape: the first prefill at each new padded length of >= sdpa_min_tokens tokens took
-        # ~45-50 ms more (1B, H200; bench/profile_step.py --only ttft), a stall no router can predict.
-        # FlashAttention plans nothing; warm it was 3-6% slower at 1B 8x512 / 4x2048 and the same at 8B
-        # 8x512 (44,173 vs 44,198 tok/s, engine-8b-20261201T020345 / T021056). None: torch's choice.
+        # new shape: the first prefill at each new padded length of >= sdpa_min_tokens tokens pays tens of
+        # milliseconds, a stall no router can predict. FlashAttention plans nothing, and warm it is about
+        # as fast (bench/RESULTS.md). None: torch's choice.
         self.sdpa_backends: list | None = [SDPBackend.FLASH_ATTENTION]
 
     @classmethod
@@ -100,8 +99,8 @@ class CudaOps(TorchOps):
 
     def prefill_tokens(self, num_tokens: int) -> int:
         """Prefill forwards run on a few token counts: cuBLAS picks its kernel per new GEMM shape, which
-        costs ~100 us of host time per GEMM the first time (bench/profile_step.py --only ttft), i.e.
-        several ms per forward for every new prompt length. Multiples of PREFILL_BUCKET up to
+        costs host time per GEMM the first time (bench/profile_step.py --only ttft), i.e. milliseconds per
+        forward for every new prompt length. Multiples of PREFILL_BUCKET up to
         PREFILL_BUCKET_UNTIL tokens, then of 4 * PREFILL_BUCKET."""
         return prefill_bucket(num_tokens)
 
@@ -164,10 +163,9 @@ class CudaOps(TorchOps):
         """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
         Decode forwards of up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into
         fp32 partials, then residual_norm sums them into h and makes the next op's rms_norm in the same
-        launch. Against cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm
-        launch after it (1B, 32 tokens, H200; bench/split_k_gemm.py): down 14.1 -> 11.4 us, o 6.4 -> 5.1 us
-        before the reduce, and the 1B batch-32 step 1.276 -> 1.199 ms queued (A/B in one call,
-        bench/results/split-k-residual-norm-20261202-nvidia-h200.md). gate_up stays on cuBLAS (slower split).
+        launch: faster than cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the
+        norm launch after it (bench/split_k_gemm.py; bench/RESULTS.md). gate_up stays on cuBLAS (slower
+        split).
         Otherwise TorchOps' addmm_."""
         if self._skinny and skinny_fits(h, weight, weight.shape[0]):
             skinny_linear.residual(self.lib, h, x.contiguous(), weight)
@@ -246,17 +244,19 @@ class CudaOps(TorchOps):
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None,
+                          max_kv_len: int = 0) -> torch.Tensor:
         """With `work` (a staged, padded work list: a forward replayed from a CUDA graph), the paged
-        kernel runs it as given. Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
+        kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
         run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
         everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
         kernels_cu/prefill_attention.cu: one launch per layer and no gathers, which short prompts,
         bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            splits = prefill_attention.key_splits(self.lib, work.shape[0], q.shape[1], max_kv_len)
             prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
-                                     sliding_window)
+                                     sliding_window, splits)
             return out
         key = (tuple(query_start_loc), tuple(seq_lens))
         fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
@@ -273,8 +273,9 @@ class CudaOps(TorchOps):
         work_t = self._prefill_work
         if work_t is None:
             return out
+        splits = prefill_attention.key_splits(self.lib, work_t.shape[0], q.shape[1], max(seq_lens, default=0))
         prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
-                                 sliding_window)
+                                 sliding_window, splits)
         return out
 
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -339,7 +340,7 @@ class CudaOps(TorchOps):
         top_ids = torch.empty((rows, num_top), dtype=torch.int64, device=dev)
         top_logprobs = torch.empty((rows, num_top), dtype=torch.float32, device=dev)
         cand = torch.empty((rows, -(-vocab // TOPK_CHUNK), num_top), dtype=torch.int64, device=dev)
-        sample_kernels.topk(self.lib, top_ids, top_logprobs, cand, parts, logits)  # torch.topk: 81 us for one 128k row
+        sample_kernels.topk(self.lib, top_ids, top_logprobs, cand, parts, logits)  # (torch.topk is several times slower)
         return sampling.SampleOutput(tokens, logprobs, top_ids, top_logprobs)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,

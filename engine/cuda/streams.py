@@ -93,15 +93,26 @@ class EngineStreams:
         self._closed = False
 
     def bind_thread(self) -> None:
-        """Makes the device's primary context (torch's) current on the calling thread: driver calls that take
-        no context of their own (a graph launch, an event record) fail on a thread that has none. For a
-        thread other than the one that created the streams, before it runs any step."""
+        """Readies the calling thread to run steps (for a thread other than the one that created the streams,
+        before it runs any): makes the device's primary context (torch's) current, since driver calls that
+        take no context of their own (a graph launch, an event record) fail on a thread that has none; and
+        creates this thread's cuBLAS and cuBLASLt handles, which torch makes per thread on first use: a first
+        use inside a graph capture fails (cublasCreate is not capturable), so a slot-vector graph captured
+        later on this thread would run eagerly instead."""
         driver = cuda_driver()
         torch.cuda.set_device(self.device)
         if self._context is None:
             device = check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))
             self._context = check("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain(device))
         check("cuCtxSetCurrent", driver.cuCtxSetCurrent(self._context))
+        with torch.cuda.stream(self.compute):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                a = torch.zeros((16, 16), dtype=dtype, device=self.device)
+                torch.mm(a, a)  # cuBLAS (and cuBLASLt) handle and workspace of this thread and stream
+                torch.addmm(a, a, a)
+            b = torch.zeros((2, 16, 16), dtype=torch.bfloat16, device=self.device)
+            torch.bmm(b, b, out_dtype=torch.float32)  # the split-K decode linear's path
+        self.compute.synchronize()
 
     @property
     def compute_handle(self):

@@ -59,6 +59,7 @@ class AttentionMeta:
     query_start_loc: list[int]  # [B + 1] host: token offsets of the sequences (prefill)
     seq_lens_host: list[int]  # [B] host copy of seq_lens (prefill)
     prefill_work: torch.Tensor | None = None  # staged prefill work list (a forward replayed from a graph)
+    max_kv_len: int = 0  # an upper bound of the keys any query row sees (sizes key splits; 0: unknown)
 
 
 class TorchOps:
@@ -107,7 +108,7 @@ class TorchOps:
             return self.decode_attention(q, kv.k, kv.v, meta.block_tables, meta.seq_lens, spec.scale,
                                          spec.sliding_window)
         return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc, meta.seq_lens_host,
-                                      spec.scale, spec.sliding_window, meta.prefill_work)
+                                      spec.scale, spec.sliding_window, meta.prefill_work, meta.max_kv_len)
 
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
@@ -185,7 +186,8 @@ class TorchOps:
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: list[int], seq_lens: list[int],
-                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None) -> torch.Tensor:
+                          scale: float, sliding_window: int = 0, work: torch.Tensor | None = None,
+                          max_kv_len: int = 0) -> torch.Tensor:
         """Several query tokens per sequence, causal over the cached prefix and the new tokens.
         Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]], at the last positions of
         its seq_lens[b] keys. Host lists: they size the work. Or, given `work` (engine.batch.prefill_work

@@ -525,7 +525,7 @@ def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
     """Decode steps launched behind the running one (two in flight, as the worker runs a pipelining
     router's Decodes) give bit-identical results to the same calls one step at a time, through the
     default graph policy (width graphs, then slot-vector graphs) on the engine's streams."""
-    from test_pipeline import check_launched_steps_equal_one_at_a_time
+    from pipeline_checks import check_launched_steps_equal_one_at_a_time
     engine = check_launched_steps_equal_one_at_a_time(
         lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024, capture_after=3), 128256)
     stats = engine.info().graph_cache
@@ -535,5 +535,53 @@ def test_launched_steps_equal_one_at_a_time_on_gpu(ckpt_1b):
 def test_a_stop_token_refuses_the_launched_step_behind_it_on_gpu(ckpt_1b):
     """The refused step's slot state is rolled back on the compute stream behind the launched work, and
     the step after it runs again: the same tokens and log-probs as one step at a time."""
-    from test_pipeline import check_stop_token_refusal
+    from pipeline_checks import check_stop_token_refusal
     check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt_1b, num_kv_blocks=1024), 128256)
+
+
+def test_a_chunk_continuing_a_long_cached_prefix_scores_like_the_uncached_prompt(ckpt_1b):
+    """A 4096-token prompt whose first 3968 tokens come from the prefix cache (the 128 computed ones attend over
+    the prefix with key splits; eager the first time, then from a captured graph) gives the first token and
+    log-probabilities of the same prompt computed whole (up to bf16 rounding: a different chunking)."""
+    cached = gpu_engine(ckpt_1b, num_kv_blocks=2048, max_seq_len=4200)
+    whole = gpu_engine(ckpt_1b, num_kv_blocks=2048, max_seq_len=4200, prefix_caching=False)
+    prefix, tails = prompts([3968], 128256, seed=7)[0], prompts([128] * 4, 128256, seed=8)
+
+    def first(engine: Engine, prompt: list[int]):
+        sid = engine.alloc_sequence(len(prompt) + 2, SamplingParams(top_logprobs=5), GREEDY).seq_id
+        token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
+        engine.release([sid])
+        return token
+
+    first(cached, prefix + tails[0])  # leaves the prefix's blocks cached
+    for tail in tails[1:]:  # eager, then captured, then replayed
+        got, want = first(cached, prefix + tail), first(whole, prefix + tail)
+        assert got.cached_tokens == 3968 and want.cached_tokens == 0
+        top_got, top_want = dict(got.top_logprobs), dict(want.top_logprobs)
+        assert got.token_id == want.token_id or abs(top_want[want.token_id] - top_want.get(got.token_id, -99)) < 0.1
+        shared = set(top_got) & set(top_want)
+        assert len(shared) >= 3 and max(abs(top_got[t] - top_want[t]) for t in shared) < 0.1
+
+
+def test_a_thread_bound_after_start_captures_graphs_without_failures(ckpt_tiny):
+    """The worker launches decode steps from its event loop's thread, not the one that built the engine: after
+    bind_thread, the graphs captured there (cuBLAS GEMMs inside: a batch past the skinny kernels) capture cleanly,
+    since the thread's cuBLAS handles already exist (creating one inside a capture fails)."""
+    import threading
+
+    engine = gpu_engine(ckpt_tiny, capture_after=2)
+    stats = {}
+
+    def run():
+        engine.runtime.dispatch.bind_thread()
+        ids = [engine.alloc_sequence(64, SamplingParams(), GREEDY).seq_id for _ in range(12)]
+        engine.prefill([PrefillItem(i, [5, 6, 7]) for i in ids])
+        for _ in range(8):
+            engine.decode(ids)
+        engine.release(ids)
+        stats["graphs"] = engine.info().graph_cache
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert stats["graphs"].captures >= 1 and stats["graphs"].capture_failures == 0, stats

@@ -394,6 +394,47 @@ def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
     check("prefill_attention", out, ref, BF16_TOL)
 
 
+PREFILL_SPLIT_CASES = [
+    # [(cached tokens, new tokens) per sequence], H, Hkv, D, block_size, window, key splits
+    ([(3968, 128)], 32, 8, 64, 16, 0, 6),  # a chunk continuing a long cached prefix (the prefix cache's case)
+    ([(4000, 96)], 32, 8, 128, 16, 0, 3),
+    ([(1000, 130), (0, 64)], 16, 2, 128, 16, 256, 4),  # a sliding window: early shares hold no key of late rows
+    ([(500, 1)], 8, 8, 64, 16, 0, 16),  # more shares than some rows have tiles: empty shares
+    ([(0, 200)], 32, 8, 64, 16, 0, 5),  # a fresh prompt: causal rows see no key of the later shares
+    ([(77, 33)], 4, 2, 16, 16, 0, 2),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs,H,Hkv,D,bs,window,splits", PREFILL_SPLIT_CASES)
+def test_prefill_attention_split_over_keys(lib, gen, dtype, seqs, H, Hkv, D, bs, window, splits):
+    """Key splits (partial outputs in fp32, then the merge kernel) against the torch reference, and close to the
+    unsplit kernel."""
+    from engine.batch import prefill_work
+    seq_lens = [c + n for c, n in seqs]
+    qsl = [0]
+    for _, n in seqs:
+        qsl.append(qsl[-1] + n)
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
+    q = randn(qsl[-1], H, D, dtype=dtype)
+    scale = D ** -0.5
+    work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
+    out, whole = nan((qsl[-1], H, D), dtype), nan((qsl[-1], H, D), dtype)
+    prefill_attention.launch(lib, out, q, k_cache, v_cache, table, work, scale, window, splits)
+    prefill_attention.launch(lib, whole, q, k_cache, v_cache, table, work, scale, window)
+    ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens, scale, window)
+    check("prefill_attention split over keys", out, ref, BF16_TOL)
+    check("split vs unsplit", out, whole.float(), BF16_TOL)
+
+
+def test_prefill_key_splits_fill_the_gpu_for_a_long_prefix_only(lib):
+    sms = lib.num_sms
+    assert prefill_attention.key_splits(lib, 3, 32, 4096) >= 2  # 128 new tokens over a 4k prefix: split
+    assert prefill_attention.key_splits(lib, 3, 32, 128) == 1  # a short fresh prompt: nothing to split
+    assert prefill_attention.key_splits(lib, 4 * sms, 32, 32768) == 1  # the grid fills the GPU already
+    assert prefill_attention.key_splits(lib, 1, 1, 1 << 20) == prefill_attention.MAX_SPLITS
+
+
 # ---------------------------------------------------------------------------------------------
 # Sampling and speculative acceptance
 

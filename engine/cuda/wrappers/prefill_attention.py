@@ -1,5 +1,7 @@
 """Paged prefill attention (kernels_cu/prefill_attention.cu): the queries of a forward's new tokens against
-their sequences' cached keys, causal, from a work list of query tiles."""
+their sequences' cached keys, causal, from a work list of query tiles; split over the keys (then merged) when
+the (work item, head) grid is too small for the GPU and the keys are many: a chunk that continues a long
+cached prefix."""
 from __future__ import annotations
 
 import math
@@ -14,14 +16,31 @@ if TYPE_CHECKING:
     from engine.cuda.library import KernelLibrary
 
 
+MAX_SPLITS = 16  # PA_MAX_SPLITS of the .cu file
+MERGE_ROWS = 16  # query rows per merge block (PA_MERGE_ROWS)
+MIN_SPLIT_TILES = 4  # a key split covers at least this many 64-key tiles
+
+
+def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: int) -> int:
+    """Key splits of a forward whose rows see at most max_kv_len keys: enough (work item, head, split) blocks
+    for about four per SM (each block is a chain of key tiles: more, shorter chains), each at least
+    MIN_SPLIT_TILES key tiles long; 1 when the grid fills the GPU already or the keys are few. A pure function
+    of host-known sizes (a replayed graph keeps its capture's splits)."""
+    blocks = max(1, num_work * num_heads)
+    want = -(-4 * lib.num_sms // blocks)
+    tiles = -(-max(0, max_kv_len) // 64)
+    return max(1, min(MAX_SPLITS, want, tiles // MIN_SPLIT_TILES))
+
+
 def smem_bytes(head_dim: int) -> int:
     """A 64-row q tile and two stages of 64-row K and V tiles (rows padded by 8 elements)."""
     return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
 
 
 def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int) -> None:
-    """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row)."""
+           block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int, splits: int = 1) -> None:
+    """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row). splits > 1: each
+    work item's keys in that many shares (fp32 partial outputs allocated here), then the merge kernel."""
     sfx, H, D, Hkv, qp, kc, vc = attention_inputs("prefill", q, k_cache, v_cache)
     T = q.shape[0]
     bt = tensor_arg(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
@@ -32,10 +51,21 @@ def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torc
         raise KernelArgError(f"prefill work: expected [n, 4], got {tuple(work.shape)}")
     o = tensor_arg(out, "prefill out", q.dtype)
     expect_shape(out, "prefill out", (T, H, D))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise KernelArgError(f"prefill attention: splits must be in [1, {MAX_SPLITS}], got {splits}")
     if work.shape[0] == 0:
         return
+    part_o = part_ml = None
+    if splits > 1:
+        part_o = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((splits, T, H, 2), dtype=torch.float32, device=q.device)
     bs_log2 = k_cache.shape[1].bit_length() - 1
     lib.kernels[f"prefill_attention_{sfx}_d{D}"](
-        (work.shape[0], H, 1), (128, 1, 1), smem_bytes(D), lib.stream(),
+        (work.shape[0], H, splits), (128, 1, 1), smem_bytes(D), lib.stream(),
         o, qp, kc, vc, bt, wk, q.stride(0), block_tables.stride(0), H, Hkv, bs_log2, int(sliding_window or 0),
-        float(scale) * math.log2(math.e))
+        float(scale) * math.log2(math.e), part_o.data_ptr() if part_o is not None else 0,
+        part_ml.data_ptr() if part_ml is not None else 0, T)
+    if splits > 1:
+        lib.kernels[f"prefill_attention_merge_{sfx}_d{D}"](
+            (work.shape[0], H, 64 // MERGE_ROWS), (128, 1, 1), 0, lib.stream(), o, part_o.data_ptr(), part_ml.data_ptr(), wk, T, H,
+            splits)

@@ -20,7 +20,7 @@ TOPK_MAX = 32  # the most top-logprob candidates the kernels give (sample_topk_*
 
 def vocab_splits(lib: KernelLibrary, rows: int, vocab: int) -> int:
     """Vocabulary splits of the sampling kernels: about eight 256-thread blocks per SM (a full SM; with
-    four, 32 rows of a 128k vocabulary took 24 us in sample_stats on an H200), at least 1024 tokens each."""
+    four, 32 rows of a 128k vocabulary were slower in sample_stats), at least 1024 tokens each."""
     return max(1, min(-(-vocab // 1024), -(-8 * lib.num_sms // max(rows, 1))))
 
 

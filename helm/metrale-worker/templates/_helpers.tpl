@@ -77,7 +77,7 @@ Fails when it would share a port with worker.port or worker.metricsPort.
 The container args of `metrale-worker serve`, as a JSON list: one flag per non-null key of .Values.worker
 (camelCase field name -> --kebab-case flag; booleans as --flag / --no-flag; healthPort as
 metrale-worker.healthPort resolves it with TLS), then the file paths the chart mounts: --model, TLS and the
-auth token. tests/test_helm.py parses them with the worker's own parser.
+auth token. tests/unit/test_helm.py parses them with the worker's own parser.
 */}}
 {{- define "metrale-worker.args" -}}
 {{- $args := list }}
@@ -181,7 +181,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 The gateway's container args (the image runs smg, which takes `smg launch`'s flags), as a JSON list:
 Kubernetes discovery of this release's worker pods (their selector labels, worker.port, the release
 namespace; smg registers each Ready pod's ip:port and detects its gRPC service), the policy, ports on all
-interfaces of the pod, then gateway.extraArgs. tests/test_helm.py
+interfaces of the pod, then gateway.extraArgs. tests/unit/test_helm.py
 parses them with smg's own parser. smg dials workers in plaintext gRPC and sends no token, so the chart
 fails with tls.enabled or authToken.enabled.
 */}}

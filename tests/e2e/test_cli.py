@@ -41,7 +41,7 @@ def test_make_model_writes_a_checkpoint_transformers_loads(tmp_path):
 def test_serve_default_model_then_sigterm_exits_zero(default_model):
     port = free_port()
     # The session's cache dir, where the default_model fixture converted the default model: the first
-    # start on a machine fetches and converts it (tests/test_real_model.py covers that path's output).
+    # start on a machine fetches and converts it (tests/e2e/test_real_model.py covers that path's output).
     env = {**os.environ, "METRALE_CACHE_DIR": str(default_model.parent.parent)}
     proc = subprocess.Popen([sys.executable, "-m", "worker", "serve", "--host", "127.0.0.1", "--port", str(port),
                              "--grace-period-s", "5"], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -65,6 +65,69 @@ def test_load_benchmark_with_speculative_verify(tmp_path):
     assert res["grpc"][0]["output_tokens"] == res["in_process"][0]["output_tokens"]
 
 
+def test_load_prefix_workloads_with_the_cache_on_and_off(tmp_path):
+    """--prefix: both workloads on a worker with prefix caching and on one without, in one run. Every turn of a
+    conversation resends its history (prompt token counts follow from the lengths alone); the cache's hits show
+    in the worker's counters and in the Prefill replies alike, and only with caching on."""
+    system, message, answer, turns, users, n = 32, 8, 8, 3, 2, 6
+    res = run_load(tmp_path, "--prefix", "multiturn", "sysprompt", "--concurrency", str(users), "--turns", str(turns),
+                   "--system-len", str(system), "--message-len", str(message), "--output-len", str(answer),
+                   "--requests", str(n))
+    settings = res["meta"]["prefix_caching"]
+    assert settings["on"]["enabled"] is True and settings["off"]["enabled"] is False
+    rows = {row["workload"]: row for row in res["prefix"]}
+    assert [(r["workload"], r["concurrency"]) for r in res["prefix"]] == [("multiturn", users), ("sysprompt", users)]
+    # Turn t's prompt: the system prompt, t messages and t - 1 answers.
+    history = users * sum(system + t * message + (t - 1) * answer for t in range(1, turns + 1))
+    expected = {"multiturn": (users * turns, history), "sysprompt": (n, n * (system + message))}
+    for name, row in rows.items():
+        on, off = row["on"], row["off"]
+        requests, prompt_tokens = expected[name]
+        for level in (on, off):
+            assert level["requests"] == requests and level["output_tokens"] == requests * answer
+            assert level["prompt_tokens"] == level["query_tokens"] == prompt_tokens
+            assert level["tokens_per_s"] > 0 and 0 < level["ttft_p50_ms"] <= level["ttft_p99_ms"]
+        assert on["hit_rate"] > 0 and on["hit_tokens"] == on["cached_prompt_tokens"] > 0
+        assert off["hit_rate"] == 0 and off["hit_tokens"] == off["cached_prompt_tokens"] == 0
+        assert row["ttft_p50_on_over_off"] == round(on["ttft_p50_ms"] / off["ttft_p50_ms"], 3)
+    # Requests after the first Prefill call find the shared system prompt (two full 16-token blocks) cached.
+    assert rows["sysprompt"]["on"]["hit_tokens"] >= (n - users) * system
+    assert len(rows["multiturn"]["on"]["ttft_p50_ms_by_turn"]) == turns
+
+
+def test_load_gateway_direct_and_through_smg(tmp_path):
+    """--gateway: the same requests straight over gRPC and through the real smg in front of the same worker
+    (a word tokenizer written into the benchmark's checkpoint); both paths generate as many tokens."""
+    res = run_load(tmp_path, "--gateway", "--concurrency", "3", "--requests", "9")
+    assert res["meta"]["smg"]["version"] == "1.13.0"
+    [row] = res["gateway"]
+    direct, gateway = row["direct"], row["gateway"]
+    assert direct["requests"] == gateway["requests"] == row["requests"] == 9
+    assert direct["output_tokens"] == gateway["output_tokens"] > 9
+    assert direct["prompt_tokens"] == gateway["prompt_tokens"] > 0 and gateway["prompt_token_mismatches"] == 0
+    assert gateway["token_events"] == gateway["output_tokens"]  # one SSE event per word
+    for level in (direct, gateway):
+        assert level["tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0
+        assert level["itl_p50_ms"] <= level["itl_p99_ms"] and 0 < level["tpot_p50_ms"] <= level["tpot_p99_ms"]
+    assert row["gateway_over_direct"]["tokens_per_s"] == round(gateway["tokens_per_s"] / direct["tokens_per_s"], 3)
+
+
+def test_load_refuses_what_its_modes_cannot_do(tmp_path):
+    """One line and exit status 2, before any worker starts."""
+    from engine.checkpoint import write_checkpoint
+
+    bare = write_checkpoint(tmp_path / "no-tokenizer", arch="llama", shape="tiny")
+    cases = {("--prefix", "multiturn", "--target", "127.0.0.1:1"): "cannot use --target",
+             ("--prefix", "sysprompt", "--engine-flags=--max-slots 8 --no-prefix-caching"):
+                 "leave --no-prefix-caching out",
+             ("--gateway", "--model", str(bare)): "has no tokenizer.json"}
+    for args, words in cases.items():
+        out = subprocess.run([sys.executable, "bench/load.py", *args, "--out", str(tmp_path)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2 and words in out.stderr, (args, out.stderr[-2000:])
+        assert "Traceback" not in out.stderr
+
+
 @pytest.mark.slow
 def test_soak_60s_no_growth(tmp_path):
     res = run_load(tmp_path, "--soak", "60", "--no-in-process")["soak"]

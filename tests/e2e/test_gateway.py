@@ -235,11 +235,12 @@ def test_abort_ends_the_stream_and_frees_the_sequence(tok_server, vllm):
 
 
 UNSUPPORTED = {
-    "min_p": dict(min_p=0.1), "frequency_penalty": dict(frequency_penalty=0.5),
-    "presence_penalty": dict(presence_penalty=-0.5), "stop": dict(stop=["w9"]), "n": dict(n=2),
-    "logit_bias": dict(logit_bias={5: 2.0}), "prompt_logprobs": dict(prompt_logprobs=1),
-    "min_tokens": dict(min_tokens=3), "json_schema": dict(json_schema="{}"), "regex": dict(regex="w.*"),
-    "logprobs": dict(logprobs=-1),
+    "stop": dict(stop=["w9"]), "prompt_logprobs": dict(prompt_logprobs=1), "json_schema": dict(json_schema="{}"),
+    "regex": dict(regex="w.*"), "logprobs": dict(logprobs=-1),
+    # Values outside what the engine serves (vLLM's ranges, and this worker's limits).
+    "min_p": dict(min_p=1.5), "frequency_penalty": dict(frequency_penalty=2.5),
+    "presence_penalty": dict(presence_penalty=-3.0), "logit_bias": dict(logit_bias={i: 1.0 for i in range(65)}),
+    "min_tokens": dict(min_tokens=5), "n": dict(n=65),
 }
 
 
@@ -250,6 +251,97 @@ def test_unsupported_sampling_field_is_invalid_argument(vllm, field):
         list(vllm.Generate(req, timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert f"sampling_params.{field}" in e.value.details()
+
+
+def model_worker_tokens(srv, prompt: list[int], max_new: int, stopping: dict | None = None, **sampling) -> list[int]:
+    req = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**sampling),
+                             stopping=pb.StoppingCriteria(max_new_tokens=max_new, **(stopping or {})))
+    return [r.token.token_id for r in srv.stub().Generate(req, timeout=60)]
+
+
+PROCESSORS = dict(min_p=0.2, frequency_penalty=1.5, presence_penalty=1.0, logit_bias={5: 4.0, 9: -1.5})
+
+
+def test_logits_processors_through_the_gateway_are_the_engines(tok_server, vllm):
+    """min_p, frequency/presence penalties, logit_bias and min_tokens map to the engine's own: the gateway's
+    tokens are ModelWorker's with the same fields, and they change what is generated."""
+    prompt = random_prompts([9], VOCAB, seed=13)[0]
+    want = model_worker_tokens(tok_server, prompt, 12, dict(min_tokens=4), temperature=0.8, seed=77, **PROCESSORS)
+    plain = model_worker_tokens(tok_server, prompt, 12, temperature=0.8, seed=77)
+    done = list(vllm.Generate(generate_request(prompt, "procs", temperature=0.8, seed=77, max_tokens=12, min_tokens=4,
+                                               **PROCESSORS), timeout=60))[-1].complete
+    assert list(done.output_ids) == want != plain
+    # +100 forces a token; min_tokens holds EOS (here favoured) back for 3 tokens, then it ends the sequence.
+    done = list(vllm.Generate(generate_request(prompt, "eos", temperature=0.0, max_tokens=10, min_tokens=3,
+                                               logit_bias={2: 100.0}), timeout=60))[-1].complete
+    assert len(done.output_ids) == 4 and list(done.output_ids).index(2) == 3 and done.finish_reason == "stop"
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def split_by_index(responses) -> tuple[dict[int, list[int]], dict[int, vpb.GenerateComplete]]:
+    chunks: dict[int, list[int]] = {}
+    completes: dict[int, vpb.GenerateComplete] = {}
+    for r in responses:
+        if r.WhichOneof("response") == "chunk":
+            assert r.chunk.index not in completes, "a chunk after its choice's Complete"
+            chunks.setdefault(r.chunk.index, []).extend(r.chunk.token_ids)
+        else:
+            assert r.complete.index not in completes, "two Completes for one choice"
+            completes[r.complete.index] = r.complete
+    return chunks, completes
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_seeded_seed_plus_index_and_tagged_by_index(tok_server, vllm, stream):
+    """n > 1: n sequences of the prompt, choice i seeded seed + i (vLLM's parallel sampling), each equal to
+    ModelWorker's sequence with that seed; streamed chunks carry their choice's index (interleaved), each
+    choice ends with its own Complete; a non-streamed call sends one Complete per choice, in index order.
+    Choices end on their own: one stops early on a stop token."""
+    prompt = random_prompts([8], VOCAB, seed=14)[0]
+    want = [model_worker_tokens(tok_server, prompt, 10, dict(ignore_eos=True), temperature=1.0, seed=500 + i)
+            for i in range(3)]
+    assert len({tuple(w) for w in want}) == 3
+    stop = next(t for t in want[1][2:] if t not in want[1][:2] and t not in want[0] + want[2])
+    cut = want[1].index(stop) + 1
+    responses = list(vllm.Generate(generate_request(prompt, f"n3-{stream}", stream, temperature=1.0, seed=500, n=3,
+                                                    max_tokens=10, ignore_eos=True, stop_token_ids=[stop]),
+                                   timeout=60))
+    chunks, completes = split_by_index(responses)
+    assert sorted(completes) == [0, 1, 2]
+    assert [completes[i].finish_reason for i in range(3)] == ["length", "stop", "length"]
+    assert completes[1].matched_token_id == stop
+    expected = [want[0], want[1][:cut], want[2]]
+    if stream:
+        assert [chunks[i] for i in range(3)] == expected
+        assert [list(completes[i].output_ids) for i in range(3)] == [e[-1:] for e in expected]
+        indices = [r.chunk.index for r in responses if r.WhichOneof("response") == "chunk"]
+        assert indices[:3] == [0, 1, 2], "choices' chunks interleave as their tokens come"
+    else:
+        assert not chunks and [r.complete.index for r in responses] == [0, 1, 2]
+        assert [list(completes[i].output_ids) for i in range(3)] == expected
+        assert [completes[i].completion_tokens for i in range(3)] == [len(e) for e in expected]
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def test_abort_ends_every_choice(tok_server, vllm):
+    prompt = random_prompts([6], VOCAB, seed=15)[0]
+    stream = vllm.Generate(generate_request(prompt, "abort-n", True, temperature=0.0, n=2, max_tokens=480,
+                                            ignore_eos=True), timeout=60)
+    first = [next(stream) for _ in range(4)]
+    assert sorted(r.chunk.index for r in first) == [0, 0, 1, 1]
+    assert live_sequences(tok_server) == 2
+    vllm.Abort(vpb.AbortRequest(request_ids=["abort-n"]), timeout=10)
+    _, completes = split_by_index(list(stream))
+    assert sorted(completes) == [0, 1] and all(c.finish_reason == "abort" for c in completes.values())
+    assert wait_until_no_live_sequences(tok_server) == 0
+    # n sequences whose KV cannot all be reserved: refused once the cache is full, and none is left behind.
+    info = tok_server.stub().Info(pb.InfoRequest())
+    assert info.max_slots * info.max_seq_len > info.total_blocks * info.block_size
+    with pytest.raises(grpc.RpcError) as e:
+        list(vllm.Generate(generate_request(prompt, "too-many", n=info.max_slots,
+                                            max_tokens=info.max_seq_len - len(prompt)), timeout=60))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in e.value.details()
+    assert wait_until_no_live_sequences(tok_server) == 0
 
 
 def test_bad_requests_are_refused_and_the_worker_keeps_serving(tok_server, vllm):
@@ -460,7 +552,8 @@ def smg_binary() -> str:
 def test_smg_routes_openai_requests_to_the_worker(tmp_path):
     """smg 1.13 detects the worker's service by its HealthCheck, registers it (GetModelInfo, GetServerInfo),
     fetches its tokenizer (GetTokenizer: the checkpoint directory is moved away after the worker loaded,
-    so smg has no local copy) and serves /v1/completions, streaming and not, with the worker's tokens."""
+    so smg has no local copy) and serves /v1/completions, streaming and not, with the worker's tokens; the
+    logits processors and n > 1 go through to the worker."""
     from tokenizers import Tokenizer
 
     model = checkpoint_with_tokenizer(tmp_path / "smg-tiny", seed=12)
@@ -513,8 +606,19 @@ def test_smg_routes_openai_requests_to_the_worker(tmp_path):
         streamed = "".join(c["text"] for e in events for c in e.get("choices", []))
         assert streamed.split() == expected_text.split()
 
-        status, body = http_json(f"{base}/v1/completions", dict(request, min_p=0.2))
-        assert 400 <= status < 500 and "sampling_params.min_p" in body
+        status, body = http_json(f"{base}/v1/completions", dict(request, min_p=1.5))  # outside [0, 1]
+        assert 400 <= status < 500 and "min_p" in body, body
+        # The logits processors and n reach the worker: choice i is ModelWorker's sequence with seed 3 + i (smg
+        # 1.13 does not forward logit_bias: not asserted here).
+        extras = dict(min_p=0.3, presence_penalty=1.0, frequency_penalty=0.5)
+        texts = [tokenizer.decode([t.token_id for t in model_worker_generate(srv, prompt, 8, temperature=1.0,
+                                                                             seed=3 + i, **extras)],
+                                  skip_special_tokens=True).split() for i in range(2)]
+        plain = tokenizer.decode([t.token_id for t in model_worker_generate(srv, prompt, 8, temperature=1.0, seed=3)],
+                                 skip_special_tokens=True).split()
+        assert texts[0] != plain and texts[0] != texts[1]
+        status, body = http_json(f"{base}/v1/completions", dict(request, temperature=1.0, seed=3, n=2, **extras))
+        assert status == 200 and [c["text"].split() for c in body["choices"]] == texts, body
         fetched = srv.worker.metrics.registry.get_sample_value(
             "metrale_rpc_total", {"method": "VllmEngine.GetTokenizer", "code": "OK"})
         assert fetched == 2  # ours above, then smg's
@@ -534,12 +638,15 @@ def test_waiting_calls_and_throughput_in_the_load():
     from worker.gateway_requests import THROUGHPUT_WINDOW_S, Requests
 
     requests = Requests()
-    waiting, started = requests.add("a", 7), requests.add("b", 5)
-    started.seq_id = 3
+    waiting, started = requests.add("a", 7), requests.add("b", 5, n=3)
+    started.choices[0].seq_id = 3
     requests.count_tokens(4)
     requests.count_tokens(6)
     load = requests.load()
-    assert (load.waiting, load.waiting_prompt_tokens) == (1, 7)
+    assert (load.waiting, load.waiting_prompt_tokens) == (3, 17)  # choices not started: a's one, b's last two
     assert load.gen_throughput == pytest.approx(10 / THROUGHPUT_WINDOW_S)
     requests.remove(waiting)
-    assert requests.load().waiting == 0 and requests.num_active == 1
+    assert requests.load().waiting == 2 and requests.num_active == 1
+    for i, choice in enumerate(started.choices):
+        choice.seq_id = 10 + i
+    assert requests.load().waiting == 0

@@ -24,7 +24,7 @@ from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, Kv
 from engine.prefix_cache import BlockPool, block_hashes, extra_key, hash_block
 from engine.sequence_blocks import SequenceBlocks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def ref_hash(parent: int | None, tokens: list[int], extra: bytes = b"") -> int:

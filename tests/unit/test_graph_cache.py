@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import ExecBackend
 from engine.cuda.graphs import RETRY_AFTER, GraphCache
 
 
@@ -211,29 +212,6 @@ def test_bad_limits_rejected():
         GraphCache(FakeBackend(), max_graphs=1, capture_after=1, max_seen=0)
     with pytest.raises(ValueError):
         GraphCache(FakeBackend(), max_graphs=1, capture_after=1, max_failures=0)
-
-
-class ExecBackend:
-    """Records the step at capture and runs it at every replay (what a CUDA graph does, minus the device)."""
-
-    def capture(self, step):
-        return step
-
-    def replay(self, graph):
-        graph()
-        return None
-
-    def is_done(self, marker):
-        return True
-
-    def destroy(self, graph):
-        pass
-
-    def pool_bytes(self):
-        return 4096
-
-    def recoverable(self, error):
-        return True
 
 
 def test_engine_info_reports_the_graph_cache_counters(tiny_model):

@@ -32,7 +32,7 @@ from worker.config import WorkerConfig, config_from_args, serve_parser
 
 from tools import helm_binary, run_helm  # tests/tools.py
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "metrale-worker"
 ALL_FEATURES = CHART / "ci" / "all-features-values.yaml"
 HOSTPATH = CHART / "ci" / "hostpath-values.yaml"

@@ -307,7 +307,7 @@ def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
     from engine.api import PrefillItem
     from engine.cuda.graphs import GraphCache
     from engine.engine import Engine
-    from test_graph_cache import ExecBackend
+    from conftest import ExecBackend
 
     engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=256))
     engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=64, capture_after=2)
@@ -386,3 +386,26 @@ def test_kernel_slot_io_matches_the_reference_wiring(k, monkeypatch):
     penalised = want[1].repetition_penalty != 1  # seen rows are defined there only (slots 1 and 3)
     assert penalised.sum() == 2 * (k + 1)
     assert torch.equal(got[1].seen[penalised], want[1].seen[penalised])
+
+
+def test_the_torch_and_cuda_op_backends_have_one_interface():
+    """CudaOps implements TorchOps' ops under the same names and signatures (the model calls either), and adds
+    no public op of its own that the reference lacks."""
+    import inspect
+
+    from engine.cuda.ops import CudaOps
+    from engine.ops.torch_ops import TorchOps
+
+    def public(cls) -> dict:
+        return {n: f for n, f in vars(cls).items() if callable(f) and not n.startswith("_") and n != "create"}
+
+    reference, cuda = public(TorchOps), public(CudaOps)
+    assert set(cuda) <= set(reference), f"CudaOps ops the reference lacks: {sorted(set(cuda) - set(reference))}"
+    assert {"qkv_attention", "norm_qkv_rope", "linear_add", "norm_gate_up", "norm_logits", "sample"} <= set(cuda)
+    for name, fn in cuda.items():
+        want = [p.name for p in inspect.signature(reference[name]).parameters.values()]
+        got = [p.name for p in inspect.signature(fn).parameters.values()]
+        assert got[:len(want)] == want, f"CudaOps.{name}{got} vs TorchOps.{name}{want}"
+        extra = inspect.signature(fn).parameters
+        assert all(extra[p].default is not inspect.Parameter.empty for p in got[len(want):]), \
+            f"CudaOps.{name} adds required parameters {got[len(want):]}"

@@ -44,7 +44,7 @@ from worker.gateway_pb import cpb, vpb, vpb_grpc
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 512  # the workers' context: small, so over-long prompts are cheap to build
 MAX_NEW_TOKENS = 24
 START_TIMEOUT_S = 240  # three workers loading 538 MB each on two shared cores

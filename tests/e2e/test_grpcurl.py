@@ -96,3 +96,24 @@ def test_grpcurl_decode_stream(server):
     assert answers[1]["step"]["tokens"][0]["finish_reason"] == "FINISH_REASON_LENGTH"
     assert answers[2]["error"]["code"] == 9 and "finished" in answers[2]["error"]["message"]
     grpcurl(addr, m + "Release", data={"sequence_ids": [sid]})
+
+
+def test_readme_quick_start_chat_streams_paris(default_model):
+    """The README's quick-start grpcurl command, run as written (its port aside) against the default model:
+    the streamed text pieces answer with Paris, and the stream ends at EOS."""
+    from conftest import start_server
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b for b in readme.split("```bash\n")[1:] if "What is the capital of France?" in b.split("```")[0]]
+    assert blocks, "README has no grpcurl chat command"
+    command = blocks[0].split("```")[0]
+    srv = start_server(default_model, dtype="float32")
+    try:
+        command = command.replace("localhost:50051", srv.address).replace("grpcurl ", f"{grpcurl_path()} ", 1)
+        out = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+    finally:
+        srv.stop()
+    assert out.returncode == 0, out.stderr
+    answers = [json.loads(chunk) for chunk in out.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    assert "Paris" in "".join(a.get("text", "") for a in answers)
+    assert answers[-1]["token"]["finish_reason"] == "FINISH_REASON_EOS"
