@@ -13,7 +13,9 @@ What smg 1.13 does, as these tests pin it down:
 - A worker killed mid-request: the streams it held end with an SSE error event; smg retries a non-streaming
   request it held on another worker (the client gets 200); health probes then mark it not ready.
 - A draining worker (SIGTERM) answers health false and Generate UNAVAILABLE: smg retries such a request on
-  another worker and takes the draining one out of rotation; the streams it holds run to their end.
+  another worker and takes the draining one out of rotation; the streams it holds run to their end, and
+  the worker exits then (the drain ends the KV event subscriptions smg keeps open).
+- smg ignores JSON fields it does not know; fields the worker cannot honour reach it and are refused.
 - Bad input: the worker's refusal (INVALID_ARGUMENT) reaches the client as HTTP 400 with the worker's
   message; a prompt longer than the context the worker reported is refused by smg itself.
 """
