@@ -14,13 +14,12 @@ id) and the worker keeps serving. RPCs a single-GPU text worker cannot honour an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import pathlib
 import time
 import uuid
-from typing import AsyncIterator, Callable, TypeVar
+from typing import Callable
 
 import grpc
 
@@ -28,6 +27,7 @@ from engine.engine import Engine
 from engine.errors import EngineError, FailedPrecondition
 from engine.kv_events import follow
 from worker import gateway_convert as convert
+from worker.aio import until_set
 from worker.errors import Unavailable, status_of
 from worker.convert import kv_event_batch
 from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
@@ -38,34 +38,6 @@ from worker.tokenizer_bundle import TokenizerBundle, chunks
 
 log = logging.getLogger(__name__)
 __all__ = ["SERVICE_NAME", "VllmEngineServicer"]
-T = TypeVar("T")
-
-
-async def until_set(stream: AsyncIterator[T], stop: asyncio.Event) -> AsyncIterator[T]:
-    """stream's items until `stop` is set; then (or when the caller stops reading) stream is closed."""
-    stopped = asyncio.ensure_future(stop.wait())
-    item = None
-    try:
-        while True:
-            item = asyncio.ensure_future(anext(stream))
-            await asyncio.wait((item, stopped), return_when=asyncio.FIRST_COMPLETED)
-            if not item.done():
-                return
-            try:
-                value = item.result()
-            except StopAsyncIteration:
-                return
-            item = None
-            yield value
-    finally:
-        stopped.cancel()
-        if item is not None and not item.done():
-            item.cancel()  # the stream cannot be closed while a read of it runs
-            with contextlib.suppress(asyncio.CancelledError):
-                await item
-        await stream.aclose()
-
-
 def unary(method):
     """Counts the call in the metrics; maps EngineError to its status and anything else to INTERNAL."""
     name = f"VllmEngine.{method.__name__}"

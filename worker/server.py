@@ -219,7 +219,7 @@ class Worker:
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
             while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
                 await asyncio.sleep(0.05)
-            self.servicer.end_decode_streams()  # an open DecodeStream would otherwise hold the stop to the grace
+            self.servicer.end_streams()  # an open DecodeStream would otherwise hold the stop to the grace
         await self.stop(max(0.0, deadline - time.monotonic()))
 
     async def stop(self, grace_s: float = 0.0) -> None:

@@ -16,6 +16,7 @@ from engine import api
 from engine.engine import Engine
 from engine.errors import EngineError, InvalidArgument, OutOfRange
 from engine.kv_events import follow
+from worker.aio import until_set
 from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2 as pb
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
@@ -91,6 +92,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._decode_streams: set[asyncio.Queue] = set()  # the step queue of each open DecodeStream
+        self._streams_ended = asyncio.Event()  # set at the end of a drain: KV event subscriptions end
 
     @rpc
     async def AllocSequence(self, request: pb.AllocSequenceRequest, context) -> pb.AllocSequenceResponse:
@@ -193,10 +195,12 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
             response.step_times_ns.extend(times)
         return response
 
-    def end_decode_streams(self) -> None:
-        """Ends every open DecodeStream once the steps it was sent are answered (the end of a drain)."""
+    def end_streams(self) -> None:
+        """Ends every open DecodeStream once the steps it was sent are answered, and every KV event
+        subscription (the end of a drain)."""
         for steps in self._decode_streams:
             steps.put_nowait(None)
+        self._streams_ended.set()
 
     def _launch_touching(self, ids: list[int], override: list[int] | None, engine: Engine):
         """On the engine thread: launches a decode step of ids (Decode, DecodeStream) and touches their leases."""
@@ -287,11 +291,15 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
     async def SubscribeKvEvents(self, request: pb.SubscribeKvEventsRequest, context):
         """The prefix cache's event batches from request.start_sequence_number (0: a snapshot first). Each
         subscriber reads the engine's bounded event log at its own pace: one that falls behind what the log
-        keeps gets OUT_OF_RANGE, and one that stops reading holds nothing but its cursor."""
+        keeps gets OUT_OF_RANGE, and one that stops reading holds nothing but its cursor. The response headers
+        go out at once (an idle cache may have nothing to send for long); the end of a drain ends every
+        subscription with OK, and a draining worker takes no new one (UNAVAILABLE)."""
         with self.metrics.rpc("SubscribeKvEvents") as call:
-            if self.runner is None:
+            if self.runner is None or self.draining:
                 call.code = grpc.StatusCode.UNAVAILABLE
-                await context.abort(call.code, "the model is still loading; retry shortly")
+                await context.abort(call.code, "the model is still loading; retry shortly" if self.runner is None
+                                    else "the worker is draining (shutting down): it publishes no more KV events")
+            await context.send_initial_metadata(())
             events = self.runner.engine.blocks.events
             start = request.start_sequence_number
             try:
@@ -300,7 +308,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     if snapshot.sequence_number:
                         yield convert.kv_event_batch(snapshot)
                     start = snapshot.sequence_number + 1
-                async for batch in follow(events, start):
+                async for batch in until_set(follow(events, start), self._streams_ended):
                     yield convert.kv_event_batch(batch)
             except OutOfRange as e:
                 call.code = status_of(e)

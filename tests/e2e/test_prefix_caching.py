@@ -377,3 +377,32 @@ def test_gateway_flush_and_kv_events(tiny_model):
 
 
 assert pb_grpc  # the service stubs are generated (conftest)
+
+
+def test_a_drain_ends_kv_event_subscriptions(tiny_model):
+    """An open SubscribeKvEvents (a router holds one for good) neither delays the drain nor outlives it: it
+    ends with OK once the drain is done, and a draining worker takes no new subscription."""
+    import time
+
+    srv = start_server(tiny_model, {"grace_period_s": 20.0})
+    stub = srv.stub()
+    ended: list = []
+
+    def subscribe():
+        try:
+            for _ in stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(start_sequence_number=1), timeout=30):
+                pass
+            ended.append("ok")
+        except grpc.RpcError as e:
+            ended.append(e.code())
+
+    reader = threading.Thread(target=subscribe)
+    reader.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    srv.run(srv.worker.drain(), timeout=30)
+    assert time.monotonic() - started < 5, "the subscription held the drain to its grace period"
+    reader.join(10)
+    assert ended and ended[0] in ("ok", grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE), ended
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    srv.thread.join(10)
