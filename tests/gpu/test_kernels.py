@@ -376,9 +376,9 @@ PREFILL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("seqs,H,Hkv,D,bs,window", PREFILL_CASES)
-def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
+def prefill_inputs(seqs, H, Hkv, D, bs, dtype):
+    """A prefill forward's attention inputs for [(cached tokens, new tokens)] per sequence: (q, k_cache, v_cache,
+    block table, query start offsets, sequence lengths, work list)."""
     from engine.batch import prefill_work
     seq_lens = [c + n for c, n in seqs]
     qsl = [0]
@@ -386,9 +386,16 @@ def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
         qsl.append(qsl[-1] + n)
     k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
     q = randn(qsl[-1], H, D, dtype=dtype)
-    scale = D ** -0.5
     work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
-    out = nan((qsl[-1], H, D), dtype)
+    return q, k_cache, v_cache, table, qsl, seq_lens, work
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seqs,H,Hkv,D,bs,window", PREFILL_CASES)
+def test_prefill_attention(lib, gen, dtype, seqs, H, Hkv, D, bs, window):
+    q, k_cache, v_cache, table, qsl, seq_lens, work = prefill_inputs(seqs, H, Hkv, D, bs, dtype)
+    scale = D ** -0.5
+    out = nan(tuple(q.shape), dtype)
     prefill_attention.launch(lib, out, q, k_cache, v_cache, table, work, scale, window)
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens, scale, window)
     check("prefill_attention", out, ref, BF16_TOL)
@@ -410,16 +417,9 @@ PREFILL_SPLIT_CASES = [
 def test_prefill_attention_split_over_keys(lib, gen, dtype, seqs, H, Hkv, D, bs, window, splits):
     """Key splits (partial outputs in fp32, then the merge kernel) against the torch reference, and close to the
     unsplit kernel."""
-    from engine.batch import prefill_work
-    seq_lens = [c + n for c, n in seqs]
-    qsl = [0]
-    for _, n in seqs:
-        qsl.append(qsl[-1] + n)
-    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
-    q = randn(qsl[-1], H, D, dtype=dtype)
+    q, k_cache, v_cache, table, qsl, seq_lens, work = prefill_inputs(seqs, H, Hkv, D, bs, dtype)
     scale = D ** -0.5
-    work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
-    out, whole = nan((qsl[-1], H, D), dtype), nan((qsl[-1], H, D), dtype)
+    out, whole = nan(tuple(q.shape), dtype), nan(tuple(q.shape), dtype)
     prefill_attention.launch(lib, out, q, k_cache, v_cache, table, work, scale, window, splits)
     prefill_attention.launch(lib, whole, q, k_cache, v_cache, table, work, scale, window)
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, seq_lens, scale, window)
