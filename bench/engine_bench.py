@@ -175,36 +175,47 @@ def engine_decode(engine: Engine, batch: int, steps: int, prompt_len: int = 128)
 
 def engine_decode_queued(engine: Engine, batch: int, steps: int, prompt_len: int = 128) -> dict:
     """The same steady batch with the next step launched before the last one is finished (what the worker
-    does for a router that keeps Decodes in flight): step_ms = wall time of all steps / steps, i.e. the
-    interval between tokens; the host's work per step overlaps the device's."""
-    depth = engine.config.max_steps_in_flight
+    does for a router that keeps Decodes in flight): see queued_steps."""
     ids = start_batch(engine, batch, prompt_len, steps + engine.config.capture_after + 16)
     for _ in range(engine.config.capture_after + 2):
         engine.decode(ids)
+    result = {"batch": batch, **queued_steps(engine, ids, steps), "layout": batch_layout(engine, ids)}
+    engine.release(ids)
+    return result
+
+
+def queued_steps(engine: Engine, ids: list[int], steps: int) -> dict:
+    """`steps` decode steps of ids, each launched before the last one is finished (up to max_steps_in_flight in
+    flight): step_ms = wall time of all steps / steps; interval_ms_median = the median interval between two
+    results (the interval between tokens); the host's work per step overlaps the device's. finish() waits for
+    the device: a device-bound run spends most of each interval there, a host-bound one launching and
+    committing. device_ms_median: the median of the steps' own device times."""
+    depth = engine.config.max_steps_in_flight
     in_flight: collections.deque = collections.deque()
-    done, finish_s, launch_s = [], [], []  # when each result was ready; host time in finish() and in decode_launch()
+    # When each result was ready; host time in finish() and in decode_launch(); each step's device time.
+    done, finish_s, launch_s, device_s = [], [], [], []
+
+    def finish() -> float:  # the host's time in it
+        t = time.perf_counter()
+        device_s.append(engine.finish(in_flight.popleft()).forward_ns / 1e9)
+        done.append(time.perf_counter())
+        return done[-1] - t
+
     t0 = time.perf_counter()
     for _ in range(steps):
         if len(in_flight) == depth:
-            t = time.perf_counter()
-            engine.finish(in_flight.popleft())
-            done.append(time.perf_counter())
-            finish_s.append(done[-1] - t)
+            finish_s.append(finish())
         t = time.perf_counter()
         in_flight.append(engine.decode_launch(ids))
         launch_s.append(time.perf_counter() - t)
     while in_flight:
-        engine.finish(in_flight.popleft())
-        done.append(time.perf_counter())
+        finish()
     wall = time.perf_counter() - t0
-    layout = batch_layout(engine, ids)
-    engine.release(ids)
-    # finish() waits for the device: a device-bound run spends most of each interval there; a host-bound one
-    # spends it launching and committing.
-    return {"batch": batch, "steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps,
+    return {"steps": steps, "steps_in_flight": depth, "step_ms": 1e3 * wall / steps,
             "interval_ms_median": 1e3 * statistics.median(b - a for a, b in zip(done, done[1:])),
-            "finish_ms_median": 1e3 * statistics.median(finish_s), "launch_ms_median": 1e3 * statistics.median(launch_s),
-            "layout": layout}
+            "finish_ms_median": 1e3 * statistics.median(finish_s) if finish_s else 0.0,
+            "launch_ms_median": 1e3 * statistics.median(launch_s),
+            "device_ms_median": 1e3 * statistics.median(device_s)}
 
 
 def engine_churn(engine: Engine, batch: int, steps: int, every: int = 8, prompt_len: int = 128) -> dict:
@@ -491,12 +502,17 @@ def main(argv=None) -> int:
     return write_results(results, args)
 
 
-def write_results(results: dict, args) -> int:
-    out = pathlib.Path(args.out)
+def results_path(results: dict, out: str | pathlib.Path, name: str) -> pathlib.Path:
+    """out/NAME-<UTC stamp>-<device>.json, out made if missing (a plot of the run takes the same stem)."""
+    out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     dev = "".join(c if c.isalnum() else "-" for c in results["meta"]["device"].lower())
-    path = out / f"engine-{args.shape}-{stamp}-{dev}.json"
+    return out / f"{name}-{stamp}-{dev}.json"
+
+
+def write_results(results: dict, args, path: pathlib.Path | None = None) -> int:
+    path = path or results_path(results, args.out, f"engine-{args.shape}")
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
     return 0

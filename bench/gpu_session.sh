@@ -19,6 +19,8 @@
 # Stages (the figures in bench/RESULTS.md come from these):
 #   tests      the GPU test suite                    kernels    the kernel op tests only (faster)
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)
+#   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
+#              beside their floors; torch.profiler's kernel times at the points of lowest share
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
 #   loadc1     load.py batch 1 over gRPC, 1-3 in flight, Decode calls and DecodeStream
 #   load32     load.py at C = 32 and 128, 2-3 in flight
@@ -116,6 +118,7 @@ for what in "$@"; do
     kernels)    stage gpu-kernel-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
+    scale)      TAIL=${TAIL:-110} stage scale 540 python3 bench/scale_bench.py --shape 1b 8b --profile --out "$OUT" ;;
     load1b)     stage load-1b 540 "${LOAD_1B[@]}" --concurrency 1 4 16 32 64 128 --pipeline 1 2 3 ;;
     loadc1)     stage load-1b-c1 300 "${LOAD_1B[@]}" --concurrency 1 --pipeline 1 2 3 --decode call stream --no-plots ;;
     load32)     stage load-1b-c32 420 "${LOAD_1B[@]}" --concurrency 32 128 --pipeline 2 3 --no-plots ;;

@@ -170,6 +170,49 @@ def test_engine_benchmark_quick_runs(tmp_path):
     assert q["interval_ms_median"] > 0 and 0 <= q["finish_ms_median"] and 0 < q["launch_ms_median"]
 
 
+def test_scale_benchmark_quick_runs(tmp_path):
+    """bench/scale_bench.py --quick on CPU: every point that fits has a step time, a floor and a share; one whose
+    KV cannot fit in the (forced small) KV cache is reported skipped; the prefills have their FLOPs floor; the
+    point of lowest share is profiled; the plot is written."""
+    out = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick", "--kv-memory-gib", "0.0005", "--profile",
+                          "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    files = sorted(tmp_path.glob("scale-tiny-*.json"))
+    assert files, out.stdout
+    res = json.loads(files[-1].read_text())
+    tiny = res["shapes"]["tiny"]
+    points = {(p["batch"], p["context"]): p for p in tiny["points"]}
+    assert set(points) == {(1, 64), (4, 64), (1, 256), (4, 256)}
+    # 0.0005 GiB of fp32 KV is 64 blocks of 16 tokens (8 KiB each): four sequences of 256 tokens need 64 and more.
+    skipped = points.pop((4, 256))
+    assert "step_ms" not in skipped and skipped["kv_gib"] > skipped["free_gib"] > 0
+    assert f"skipped ({skipped['skipped']})" in out.stdout and "GiB free" in skipped["skipped"]
+    for p in points.values():
+        assert "error" not in p and "skipped" not in p, p
+        assert p["step_ms"] > 0 and p["floor_ms"] > 0 and p["share"] > 0
+        assert p["share"] == pytest.approx(p["floor_ms"] / p["step_ms"])
+    # The floor's bytes: the KV read grows with the batch and the context; of the untied embedding table (512 x 64
+    # fp32) a step reads only its batch's rows.
+    assert points[(4, 64)]["kv_gb"] == pytest.approx(4 * points[(1, 64)]["kv_gb"])
+    assert points[(1, 256)]["kv_gb"] > 3 * points[(1, 64)]["kv_gb"]
+    assert (points[(4, 64)]["weight_gb"] - points[(1, 64)]["weight_gb"]) * 1e9 == pytest.approx(3 * 64 * 4)
+    assert tiny["meta"]["weight_bytes"] - points[(1, 64)]["weight_gb"] * 1e9 == pytest.approx(511 * 64 * 4)
+    # Prefill FLOPs of the tiny shape (hidden 64, 2 layers, 4 heads of 16, 2 KV heads, MLP 128, vocab 512): per
+    # layer and token the linear layers' 2 x (64 x 128 + 64 x 64 + 3 x 64 x 128); per layer and prompt causal
+    # attention's 4 x 64 x n(n + 1)/2; the LM head's 2 x 64 x 512 once a prompt.
+    linear = 64 * 128 + 64 * 64 + 3 * 64 * 128
+    for p in tiny["prefill"]:
+        b, n = p["batch"], p["length"]
+        flops = b * (2 * (2 * linear * n + 4 * 64 * n * (n + 1) / 2) + 2 * 64 * 512)
+        assert p["tflop"] * 1e12 == pytest.approx(flops)
+        assert p["tokens_per_s"] > 0 and p["floor_tokens_per_s"] > 0 and p["share"] > 0
+    [prof] = tiny["profiles"]
+    worst = min(points.values(), key=lambda p: p["share"])
+    assert (prof["batch"], prof["context"]) == (worst["batch"], worst["context"])
+    assert prof["kernels"] and prof["device_us_per_step"] > 0
+    assert (tmp_path / res["plot"]).stat().st_size > 1000
+
+
 def test_queued_layout_benchmark_runs():
     """bench/queued_layout.py on CPU: the five layouts, each where the script puts it (slots and KV blocks)."""
     out = subprocess.run([sys.executable, "bench/queued_layout.py", "--shape", "tiny", "--batch", "4", "--steps", "3"],
