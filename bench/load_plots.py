@@ -26,11 +26,7 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
     ax.set_title(f"Throughput vs concurrency ({results['meta']['device']})")
     ax.legend()
     ax.grid(alpha=0.3)
-    path = out_png.with_name(out_png.stem + "-throughput.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    written.append(str(path))
-    plt.close(fig)
+    written.append(_save(plt, fig, out_png, "-throughput.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((axes[0], "ttft_ms", "time to first token"), (axes[1], "itl_ms", "inter-token latency")):
@@ -46,9 +42,13 @@ def plot(results: dict, out_png: pathlib.Path) -> list[str]:
         ax.set_title(f"{title} CDF (gRPC)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    path = out_png.with_name(out_png.stem + "-latency-cdf.png")
+    written.append(_save(plt, fig, out_png, "-latency-cdf.png"))
+    return written
+
+
+def _save(plt, fig, out_png: pathlib.Path, suffix: str) -> str:
+    path = out_png.with_name(out_png.stem + suffix)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    written.append(str(path))
     plt.close(fig)
-    return written
+    return str(path)

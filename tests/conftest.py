@@ -42,6 +42,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
 }
 
 
+# Chat prompts asked of the default model, by the CPU and the GPU real-model tests alike.
+DEFAULT_MODEL_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "system", "content": "You answer in one short sentence."},
+     {"role": "user", "content": "Why is the sky blue?"}],
+    [{"role": "user", "content": "Name three prime numbers."},
+     {"role": "assistant", "content": "2, 3 and 5."},
+     {"role": "user", "content": "And the next one?"}],
+]
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("checkpoints")

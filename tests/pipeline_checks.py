@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import random_prompts
-from engine.api import PrefillItem
+from engine.api import PrefillItem, VerifyItem
 from engine.engine import Engine
 from engine.errors import FailedPrecondition
 from engine.sampling import SamplingParams, StoppingCriteria
@@ -128,3 +128,38 @@ def check_stop_token_refusal(make_engine, vocab: int) -> None:
     engine.release([x, y])
     assert engine.info().free_blocks == free
 
+
+
+def verify_as_decoded(engine: Engine, params: SamplingParams, stopping: StoppingCriteria, prompt: list[int],
+                      total: int, vocab: int, mixed: bool) -> tuple[list[int], int, int]:
+    """Decodes `total` tokens of `prompt` as the reference, then replays the same sequence through Verify: four
+    right drafts, then one right and one wrong (acceptance stops there and the token drawn in its place is
+    decode's), then decode to `total`. `mixed` adds a second sequence with a shorter draft (the general path
+    instead of the uniform step). Asserts the acceptance and the tokens; returns the reference and the two
+    live sequence ids (verified, other) for the caller's own checks and release."""
+
+    def start() -> tuple[int, list[int]]:
+        sid = engine.alloc_sequence(40, params, stopping).seq_id
+        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id]
+
+    sid, ref = start()
+    while len(ref) < total:
+        ref.append(engine.decode([sid]).tokens[0].token_id)
+    engine.release([sid])
+
+    sid, got = start()
+    other = engine.alloc_sequence(40, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
+    engine.prefill([PrefillItem(other, [7, 7])])
+    wrong = list(ref[6:9])  # after 1 + 4 + 1 tokens
+    wrong[1] = (wrong[1] + 1) % vocab
+    accepted = []
+    for drafts in (ref[1:5], wrong):  # four right; then one right, one wrong, one after it
+        items = [VerifyItem(sid, drafts)] + ([VerifyItem(other, [1])] if mixed else [])
+        res = engine.verify(items).results[0]
+        accepted.append(res.num_accepted)
+        got += [t.token_id for t in res.tokens]
+    while len(got) < total:
+        got.append(engine.decode([sid]).tokens[0].token_id)
+    assert accepted == [4, 1]
+    assert got == ref
+    return ref, sid, other

@@ -44,6 +44,19 @@ LAYER = {
 }
 
 
+def _finish(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _copy_llama_keys(reader: gguf.GGUFReader, w: gguf.GGUFWriter) -> None:
+    for field in reader.fields.values():
+        if field.name.startswith("llama."):
+            w.add_key_value(field.name, field.contents(), field.types[0])
+
+
 def gguf_name(hf: str) -> str:
     if hf in HF_TO_GGUF:
         return HF_TO_GGUF[hf]
@@ -117,10 +130,7 @@ def write_gguf(path: pathlib.Path, name: str, quant=Q.Q8_0, tokenizer: bool = Tr
             w.add_tensor(gguf_name(hf), a.astype(np.float16))
         else:
             w.add_tensor(gguf_name(hf), a.astype(np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return path
 
 
@@ -198,17 +208,11 @@ def test_llama3_rope_freqs_become_rope_scaling(tmp_path, cache):
     path = write_gguf(tmp_path / "l3.gguf", "llama", Q.F32, tokenizer=False)
     reader = gguf.GGUFReader(str(path))
     w = gguf.GGUFWriter(str(tmp_path / "l3r.gguf"), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("llama."):
-            value = field.contents()
-            w.add_key_value(field.name, value, field.types[0])
+    _copy_llama_keys(reader, w)
     for t in reader.tensors:
         w.add_tensor(t.name, np.array(t.data))
     w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     cfg = ModelConfig.from_dir(checkpoint_dir(tmp_path / "l3r.gguf"))
     assert cfg.rope.rope_type == "llama3" and cfg.rope.factor == pytest.approx(factor)
     assert cfg.rope.high_freq_factor == pytest.approx(high, rel=1e-3) and cfg.rope.low_freq_factor == low
@@ -219,10 +223,7 @@ def _unsupported_arch(path: pathlib.Path) -> pathlib.Path:
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return path
 
 
@@ -231,9 +232,7 @@ def _unsupported_quant(path: pathlib.Path) -> pathlib.Path:
     write_gguf(path.with_suffix(".src.gguf"), "llama", Q.F32, tokenizer=False)
     reader = gguf.GGUFReader(str(path.with_suffix(".src.gguf")))
     w = gguf.GGUFWriter(str(path), "llama")
-    for field in reader.fields.values():
-        if field.name.startswith("llama."):
-            w.add_key_value(field.name, field.contents(), field.types[0])
+    _copy_llama_keys(reader, w)
     block, size = gguf.GGML_QUANT_SIZES[Q.Q8_1]
     for t in reader.tensors:
         if t.name.endswith("ffn_down.weight"):
@@ -241,10 +240,7 @@ def _unsupported_quant(path: pathlib.Path) -> pathlib.Path:
             w.add_tensor(t.name, np.zeros((rows, cols // block * size), dtype=np.uint8), raw_dtype=Q.Q8_1)
         else:
             w.add_tensor(t.name, np.array(t.data))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     return path
 
 

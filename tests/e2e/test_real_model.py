@@ -12,7 +12,7 @@ import pathlib
 import pytest
 import torch
 
-from conftest import generate_via_grpc, start_server
+from conftest import DEFAULT_MODEL_CHATS as CHATS, generate_via_grpc, start_server
 from engine import env
 from engine.default_model import default_gguf
 from engine.tokenizer import Tokenizer
@@ -20,15 +20,6 @@ from engine.tokenizer import Tokenizer
 pytestmark = pytest.mark.timeout(600)
 
 MAX_NEW_TOKENS = 24
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": "Name three prime numbers."},
-     {"role": "assistant", "content": "2, 3 and 5."},
-     {"role": "user", "content": "And the next one?"}],
-]
 # Text for tokenizer comparisons: ASCII, digits, whitespace runs, code, accents, CJK, emoji, special
 # tokens written in the text.
 TEXTS = [

@@ -19,7 +19,7 @@ import torch
 import pipeline_checks
 from conftest import alloc, engine_config, random_prompts
 from engine import logits_processors as lp
-from engine.api import PrefillItem, VerifyItem
+from engine.api import PrefillItem
 from engine.checkpoint import write_checkpoint
 from engine.engine import Engine
 from engine.errors import FailedPrecondition, InvalidArgument
@@ -373,31 +373,8 @@ def test_verify_with_processors_emits_what_decode_draws(small_vocab_model, mixed
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     total = 16
 
-    def start() -> tuple[int, list[int]]:
-        sid = engine.alloc_sequence(40, params, stopping).seq_id
-        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id]
-
-    sid, ref = start()
-    while len(ref) < total:
-        ref.append(engine.decode([sid]).tokens[0].token_id)
-    engine.release([sid])
+    ref, sid, other = pipeline_checks.verify_as_decoded(engine, params, stopping, prompt, total, 32, mixed)
     assert EOS not in ref[:4] and EOS in ref[4:], ref  # favoured by its bias once min_tokens are out
-
-    sid, got = start()
-    other = engine.alloc_sequence(40, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
-    engine.prefill([PrefillItem(other, [7, 7])])
-    wrong = list(ref[6:9])
-    wrong[1] = (wrong[1] + 1) % 32
-    accepted = []
-    for drafts in (ref[1:5], wrong):  # four right (across the min_tokens boundary); then one right, one wrong
-        items = [VerifyItem(sid, drafts)] + ([VerifyItem(other, [1])] if mixed else [])
-        res = engine.verify(items).results[0]
-        accepted.append(res.num_accepted)
-        got += [t.token_id for t in res.tokens]
-    while len(got) < total:
-        got.append(engine.decode([sid]).tokens[0].token_id)
-    assert accepted == [4, 1]
-    assert got == ref
     counts = engine.runtime.state.output_counts[engine.sequences[sid].slot]
     assert counts.tolist() == torch.bincount(torch.tensor(ref), minlength=32).tolist()
     engine.release([sid, other])

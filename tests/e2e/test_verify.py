@@ -12,6 +12,7 @@ from engine.checkpoint import write_checkpoint
 from engine.sampling import SamplingParams, StoppingCriteria
 from metrale.worker.v1 import worker_pb2 as pb
 from oracle import hf_logits
+from pipeline_checks import verify_as_decoded
 
 GREEDY = pb.StoppingCriteria(max_new_tokens=40, ignore_eos=True)
 
@@ -143,30 +144,8 @@ def test_sampled_verify_emits_exactly_what_decode_draws(small_vocab_model, mixed
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     total = 16
 
-    def start() -> tuple[int, list[int]]:
-        sid = engine.alloc_sequence(40, params, StoppingCriteria(ignore_eos=True)).seq_id
-        return sid, [engine.prefill([PrefillItem(sid, prompt)]).tokens[0].token_id]
-
-    sid, ref = start()
-    while len(ref) < total:
-        ref.append(engine.decode([sid]).tokens[0].token_id)
-    engine.release([sid])
+    ref, sid, other = verify_as_decoded(engine, params, StoppingCriteria(ignore_eos=True), prompt, total, VOCAB,
+                                        mixed)
     assert len(set(ref)) > 3  # actually sampled
-
-    sid, got = start()
-    other = engine.alloc_sequence(40, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
-    engine.prefill([PrefillItem(other, [7, 7])])
-    wrong = list(ref[6:9])  # after 1 + 4 + 1 tokens
-    wrong[1] = (wrong[1] + 1) % VOCAB
-    accepted = []
-    for drafts in (ref[1:5], wrong):  # four right; then one right, one wrong, one after it
-        items = [VerifyItem(sid, drafts)] + ([VerifyItem(other, [1])] if mixed else [])
-        res = engine.verify(items).results[0]
-        accepted.append(res.num_accepted)
-        got += [t.token_id for t in res.tokens]
-    while len(got) < total:
-        got.append(engine.decode([sid]).tokens[0].token_id)
-    assert accepted == [4, 1]
-    assert got == ref
     engine.release([sid, other])
     assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks

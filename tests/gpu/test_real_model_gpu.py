@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import DEFAULT_MODEL_CHATS
 from engine import default_model
 from engine.errors import ConfigError
 
@@ -31,17 +32,7 @@ MAX_NEW_TOKENS = 32
 NEAR_TIE = 0.1  # largest log-prob gap between the two candidates of a flipped greedy choice
 FRANCE = [{"role": "system", "content": "You answer in one short sentence."},
           {"role": "user", "content": "What is the capital of France?"}]
-CHATS = [
-    FRANCE,
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "system", "content": "You answer in one short sentence."},
-     {"role": "user", "content": "Why is the sky blue?"}],
-    [{"role": "user", "content": "Name three prime numbers."},
-     {"role": "assistant", "content": "2, 3 and 5."},
-     {"role": "user", "content": "And the next one?"}],
-    [{"role": "user", "content": "Give me a short recipe for pancakes."}],
-]
+CHATS = [FRANCE, *DEFAULT_MODEL_CHATS, [{"role": "user", "content": "Give me a short recipe for pancakes."}]]
 
 
 def _refuse_download(into):

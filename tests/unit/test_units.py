@@ -10,27 +10,12 @@ from conftest import TINY_CONFIGS  # noqa: F401
 from engine.checkpoint import make_config
 from engine.config import EngineConfig, ModelConfig
 from engine.errors import ConfigError, ResourceExhausted
-from engine.kv_cache import BlockAllocator
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason, Sequence, SlotTable
 from engine.warm_up import warm_up_prefill
 from worker.config import WorkerConfig, config_from_args, serve_parser
 from worker.leases import Leases
 from worker.metrics import LATENCY_BUCKETS, WeightedHistogram
-
-
-def test_block_allocator_never_hands_out_the_scratch_block_and_conserves_blocks():
-    alloc = BlockAllocator(10)
-    assert alloc.num_usable_blocks == 9 and alloc.num_free_blocks == 9
-    a = alloc.allocate(4)
-    b = alloc.allocate(5)
-    assert 0 not in a + b and len(set(a + b)) == 9
-    assert not alloc.can_allocate(1)
-    with pytest.raises(ResourceExhausted):
-        alloc.allocate(1)
-    alloc.free(a)
-    assert alloc.num_free_blocks == 4 and alloc.num_used_blocks == 5
-    assert sorted(alloc.allocate(4)) == sorted(a)
 
 
 def test_slot_table_is_a_free_list():
