@@ -7,8 +7,11 @@ Per shape (a random-weight checkpoint written by engine.checkpoint, or --model D
 - decode, every batch B in --batches by context C in --contexts, B sequences of C tokens: step_ms, the median
   interval between results with each step launched before the last one finished (max_steps_in_flight, as the
   worker runs a router's pipelined Decodes) over --steps steps after a warm-up that captures the batch's graph;
-  floor_ms, (the weight bytes a step reads + the KV bytes its attention reads) / the copy bandwidth measured
-  in the same run; share = floor / step. A point whose KV does not fit in the KV cache is reported skipped.
+  floor_ms, the larger of (the weight bytes a step reads + the KV bytes its attention reads) / the copy
+  bandwidth measured in the same run and the step's FLOPs / the matmul peak measured in the same run (at
+  batch 256 the 8B's linear layers alone need 3.8 TFLOP: about 5 ms of tensor-core time against 3.6 ms of
+  weight reads); bound says which; share = floor / step. A point whose KV does not fit in the KV cache is
+  reported skipped.
 - prefill, each B x N in --prefill: tokens/s beside the FLOPs floor, (2 x the linear layers' parameters x
   tokens + 2 x the LM head's x prompts + causal attention's FLOPs) / the matmul peak measured in the same run.
 - --profile: the --profile-points points of lowest share again, a few replayed steps under torch.profiler:
@@ -87,6 +90,14 @@ def prefill_flops(mc: ModelConfig, batch: int, length: int) -> float:
     return batch * (mc.num_layers * (2 * linear * length + attention) + 2 * h * mc.vocab_size)
 
 
+def decode_flops(mc: ModelConfig, batch: int, keys: float) -> float:
+    """FLOPs of a decode step of `batch` sequences attending to `keys` keys each: the linear layers and the LM
+    head for every sequence's token, and attention (QK^T and PV, 2 * head_dim FLOPs each per key and head)."""
+    h = mc.hidden_size
+    linear = h * (mc.q_size + 2 * mc.kv_size) + mc.q_size * h + 3 * h * mc.intermediate_size
+    return batch * (mc.num_layers * (2 * linear + 4 * mc.num_heads * mc.head_dim * keys) + 2 * h * mc.vocab_size)
+
+
 def matmul_peak(device: torch.device, n: int, dtype: torch.dtype) -> float:
     """FLOP/s of an n x n x n matmul (median of 10, after 3 warm-up runs)."""
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
@@ -152,7 +163,8 @@ def warm_up(engine: Engine, ids: list[int]) -> int:
     return steps
 
 
-def measure_point(engine: Engine, batch: int, context: int, steps: int, room: int, bandwidth: float) -> dict:
+def measure_point(engine: Engine, batch: int, context: int, steps: int, room: int, bandwidth: float,
+                  peak: float) -> dict:
     ids = start_point(engine, batch, context, room)
     try:
         warm = warm_up(engine, ids)
@@ -163,8 +175,11 @@ def measure_point(engine: Engine, batch: int, context: int, steps: int, room: in
         engine.release(ids)
     keys = context + warm + (steps - 1) / 2 + 1  # keys each sequence's attention reads, mean over the steps
     weights, kv = step_weight_bytes(engine, batch), batch * keys * kv_token_bytes(engine)
-    floor_ms, step_ms = 1e3 * (weights + kv) / bandwidth, q["interval_ms_median"]
+    bytes_ms, flops_ms = 1e3 * (weights + kv) / bandwidth, 1e3 * decode_flops(engine.model_config, batch, keys) / peak
+    floor_ms, step_ms = max(bytes_ms, flops_ms), q["interval_ms_median"]
     return {"batch": batch, "context": context, "step_ms": step_ms, "floor_ms": floor_ms, "share": floor_ms / step_ms,
+            "bound": "bytes" if bytes_ms >= flops_ms else "FLOPs", "bytes_floor_ms": bytes_ms,
+            "flops_floor_ms": flops_ms,
             "weight_gb": weights / 1e9, "kv_gb": kv / 1e9, "tokens_per_s": 1e3 * batch / step_ms,
             "step_ms_mean": q["step_ms"], "device_ms": q["device_ms_median"], "launch_ms": q["launch_ms_median"],
             "finish_ms": q["finish_ms_median"], "graph_hit_rate": (h1 - h0) / max(1, (h1 - h0) + (m1 - m0))}
@@ -256,7 +271,7 @@ def run_shape(label: str, model_dir: str, device: torch.device, args, bandwidth:
                     print(f"  {label} b{batch} c{context}: skipped ({p['skipped']})", flush=True)
                 else:
                     p = guarded(log, f"{label} b{batch} c{context}", measure_point, engine, batch, context, args.steps,
-                                room, bandwidth)
+                                room, bandwidth, peak)
                 out["points"].append({"batch": batch, "context": context, **p})
         if args.profile:
             worst = sorted((p for p in out["points"] if "share" in p), key=lambda p: p["share"])[:args.profile_points]
@@ -274,7 +289,7 @@ def table(label: str, r: dict, meta: dict) -> str:
     lines = [f"== {label} ({m['dtype']}, {m['kernel_backend']}) | weights {m['weight_bytes'] / 1e9:.3g} GB | KV cache "
              f"{m['kv_cache_gib']:.3g} GiB | {meta['copy_bandwidth_TBps']:.3g} TB/s, {meta['matmul_TFLOPs']:.3g} "
              f"TFLOP/s | {m['steps_in_flight']} steps in flight",
-             f"{'context':>8} {'batch':>6} {'step ms':>9} {'floor ms':>9} {'share':>6}"]
+             f"{'context':>8} {'batch':>6} {'step ms':>9} {'floor ms':>9} {'share':>6}  bound"]
     for p in r["points"]:
         head = f"{p['context']:>8} {p['batch']:>6}"
         if "skipped" in p:
@@ -282,7 +297,7 @@ def table(label: str, r: dict, meta: dict) -> str:
         elif "error" in p:
             lines.append(f"{head}  error: {p['error']}")
         else:
-            lines.append(f"{head} {p['step_ms']:9.3f} {p['floor_ms']:9.3f} {p['share']:6.0%}")
+            lines.append(f"{head} {p['step_ms']:9.3f} {p['floor_ms']:9.3f} {p['share']:6.0%}  {p['bound']}")
     for p in r["prefill"]:
         what = f"prefill {p['batch']} x {p['length']}:"
         lines.append(f"{what} error: {p['error']}" if "error" in p else
