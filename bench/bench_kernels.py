@@ -220,6 +220,49 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
+def long_context_rows(ops, dev, dt) -> list[tuple]:
+    """Decode attention from DRAM at long contexts, 32 query heads over 8 KV heads at head_dim 64 (1B) and 128
+    (8B): batches 1, 8, 32 by contexts 2k, 8k, 32k, with the shipped key splits (*, max_seq_len 32k + 64) and
+    with half, twice and four times as many, and the shipped count again over blocks scattered at random
+    through the cache (as a long-running server's free list hands them out). Each graph cycles through
+    enough distinct caches (>= 512 MiB together) that no call finds its keys in L2, as the layers of a step
+    do. Shows the KV bytes read over the device time."""
+    lib, rows = ops.lib, []
+    for d in (64, 128):
+        for batch, ctx in itertools.product((1, 8, 32), (2048, 8192, 32768)):
+            blocks = -(-ctx // BS)
+            kv_bytes = batch * ctx * HKV * d * 2 * 2
+            copies = max(1, min(32, -(-(512 << 20) // kv_bytes)))
+            num_blocks = copies * batch * blocks
+            if 2 * num_blocks * BS * HKV * d * 2 > (48 << 30):
+                continue
+            kc = torch.empty(num_blocks, BS, HKV, d, device=dev, dtype=dt).normal_()
+            vc = torch.empty_like(kc).normal_()
+            q = torch.randn(batch, H, d, device=dev).to(dt)
+            out = torch.empty(batch, H, d, device=dev, dtype=dt)
+            seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+            ordered = torch.arange(num_blocks, device=dev, dtype=torch.int32).view(copies, batch, blocks)
+            scattered = torch.randperm(num_blocks, device=dev).to(torch.int32).view(copies, batch, blocks)
+            shipped = decode_attention.key_splits(lib, batch, H, HKV, d, 32768 + 64)
+            variants = [(shipped, ordered, "*"), (shipped, scattered, "* scattered")]
+            variants += [(s, ordered, "") for s in (shipped // 2, shipped * 2, shipped * 4)
+                         if 1 <= s <= lib.decode_max_splits and (s <= lib.decode_cluster or s % lib.decode_cluster == 0)]
+            for splits, tables, tag in variants:
+                po = torch.empty(batch, H, splits, d, device=dev)
+                pl = torch.empty(batch, H, splits, device=dev)
+                calls = iter(itertools.cycle(range(copies)))
+
+                def fn(po=po, pl=pl, splits=splits, tables=tables):
+                    decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, tables[next(calls)],
+                                            seq_lens, d ** -0.5, 0, splits)
+                d_us = device_us(fn, calls=copies)
+                rows.append((batch, f"d{d} ctx{ctx} splits={splits}{tag}", d_us, 0.0,
+                             f"{kv_bytes / d_us / 1e3:8.0f} GB/s KV"))
+            del kc, vc
+            torch.cuda.empty_cache()
+    return rows
+
+
 def sample_rows(lib, dev) -> list[tuple]:
     """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
     rows = []
@@ -277,7 +320,8 @@ def ncu_targets(ops, dev, dt) -> None:
 def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
-    --attention (only decode attention with forced key splits, attention_split_rows), --topk (only the
+    --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
+    attention from DRAM at long contexts, long_context_rows), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
     --tokens 1,8 with --skinny: only those token counts;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
@@ -288,6 +332,10 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
     if "--ncu" in sys.argv:
         ncu_targets(ops, dev, dt)
+        return 0
+    if "--long" in sys.argv:
+        for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--attention" in sys.argv:
         for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):

@@ -195,3 +195,28 @@ def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoi
     bad = [launches[0]] + launches[2:]
     assert any("skinny_linear.rope_kv.slot_mapping" in v and "decode_step.prepare.slot_mapping" in v
                for v in violations(bad))
+
+
+@pytest.mark.parametrize("epilogue,rows,pdl", [("residual", 4096, False), ("residual", 2048, True),
+                                               ("silu", 28672, True), ("rope_kv", 6144, True)])
+def test_only_8_warp_residual_grids_launch_without_pdl(epilogue, rows, pdl):
+    """skinny_linear._launch's rule: the residual epilogue on 8-warp blocks (more tiles than SMs: the 8B's
+    o_proj and down) launches serialised; 16-warp residual grids (the 1B's) and the other epilogues keep PDL."""
+    from engine.cuda.wrappers import skinny_linear
+
+    calls = []
+
+    class Lib:  # the two attributes _launch reads
+        skinny_wide_tiles = 132
+        kernels = {}
+
+    class Recorder(dict):
+        def __missing__(self, name):
+            return lambda grid, block, smem, stream, *args, **kw: calls.append((name, grid, block, kw))
+
+    Lib.kernels = Recorder()
+    Lib.stream = staticmethod(lambda: 0)
+    skinny_linear._launch(Lib, epilogue, "bf16", 1, rows)
+    (name, grid, block, kw), = calls
+    assert grid == (rows // 16, 1, 1) and name.endswith("_w16") == (rows // 16 <= 132)
+    assert kw["pdl"] is pdl

@@ -83,11 +83,17 @@ def _bias(bias: torch.Tensor | None, what: str, dtype: torch.dtype, N: int) -> i
 
 def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> None:
     """One block per 16-row tile. A grid of at most lib.skinny_wide_tiles tiles (default: one per SM) gets
-    16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it."""
+    16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it.
+
+    The residual epilogue (o_proj after attention, down after gate_up) on 8-warp blocks launches without
+    programmatic dependent launch: its blocks, started early, sat on the SMs the kernel before still needed,
+    and an 8B step at batch 8 or at an 8k context took 25-30% longer with it (bench/RESULTS.md, PDL verdicts).
+    On 16-warp blocks (the 1B's o_proj and down) early launch is a measured gain and stays."""
     tiles = N // SKINNY_TILE
     wide = tiles <= lib.skinny_wide_tiles
     lib.kernels[f"skinny_{ep}_{sfx}_m{m_bucket(M)}{'_w16' if wide else ''}"](
-        (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, lib.stream(), *args)
+        (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, lib.stream(), *args,
+        pdl=wide or ep != "residual")
 
 
 def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
