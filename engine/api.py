@@ -106,3 +106,5 @@ class EngineInfo:
     steps_in_flight: int = 0  # decode steps launched and not yet finished
     refused_steps: int = 0  # launched decode steps refused because an earlier step ended one of their sequences
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    quantization: str = "none"  # of the projection weights: none | fp8 (EngineConfig.quantization)
+    quantized_lm_head: bool = False  # whether the LM head is quantized as well

@@ -8,6 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from engine.quant import QUANTIZATIONS
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -35,6 +36,14 @@ class EngineConfig:
     dtype: str = field(default="auto", metadata={"help": "activation/weight dtype; auto: the checkpoint's "
                                                          "(bf16 for fp32 checkpoints) on GPU, float32 on CPU",
                                                  "choices": DTYPES})
+    quantization: str = field(default="none", metadata={
+        "help": "fp8: the projection weights (qkv, o_proj, gate_up, down) of a 16/32-bit checkpoint are quantized "
+                "at load to FP8 E4M3 with one scale per output channel (engine/quant.py); embeddings and norms "
+                "keep the model dtype; needs an FP8 GPU (compute capability >= 8.9) or the CPU; none: as loaded",
+        "choices": QUANTIZATIONS})
+    quantize_lm_head: bool = field(default=False, metadata={
+        "help": "with --quantization fp8, quantize the LM head too (a head tied to the embedding gets its own "
+                "FP8 copy; the embedding stays unquantized)"})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
@@ -90,6 +99,10 @@ class EngineConfig:
             raise ConfigError(f"kernels must be auto, cuda or torch, got {self.kernels!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        if self.quantize_lm_head and self.quantization == "none":
+            raise ConfigError("quantize_lm_head needs quantization fp8 (--quantization fp8)")
         if self.max_steps_in_flight > 4:
             raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
         if self.block_size & (self.block_size - 1):

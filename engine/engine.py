@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+import torch
+
 from engine import api
 from engine.config import EngineConfig
 from engine.decode import DecodePipeline, PendingStep
@@ -20,6 +22,7 @@ from engine.kv_events import KvEventLog
 from engine.prefill import Prefiller
 from engine.prefix_cache import BlockPool, extra_key
 from engine.runtime import Runtime
+from engine.scoring import Scorer
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import Sequence, SequenceTable, SlotTable
 from engine.sequence_blocks import SequenceBlocks
@@ -41,6 +44,7 @@ class Engine:
         self.decoder = DecodePipeline(rt, self.sequences)
         self.prefiller = Prefiller(rt, self.sequences, self.decoder.num_top)
         self.verifier = Verifier(rt, self.sequences, self.decoder.num_top)
+        self.scorer = Scorer(rt, self.sequences, self.slots, self.blocks)
 
     # Read-only views of the runtime the worker and tools use.
     model_path = property(lambda self: self.runtime.model_path)
@@ -145,6 +149,12 @@ class Engine:
         self.blocks.events.publish()
         return result
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced log-softmax rows [len(token_ids), vocab] (fp32, CPU) of a token sequence that is no
+        live sequence (engine/scoring.py): row i scores the token after token_ids[:i + 1]."""
+        self.decoder.finish_all()
+        return self.scorer.score(token_ids)
+
     # ------------------------------------------------------------------ state
 
     def info(self) -> api.EngineInfo:
@@ -160,7 +170,8 @@ class Engine:
             live_sequences=len(self.sequences), kernel_backend=rt.ops.name, version=VERSION,
             steps_in_flight=len(self.decoder.in_flight), refused_steps=self.decoder.refused_steps,
             graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
-            prefix_cache=self._prefix_cache_stats())
+            prefix_cache=self._prefix_cache_stats(), quantization=self.config.quantization,
+            quantized_lm_head=self.config.quantize_lm_head)
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats

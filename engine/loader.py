@@ -12,6 +12,7 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ModelConfig
 from engine.errors import ConfigError, LoadCancelled
 from engine.models.llama import LayerWeights, ModelWeights
+from engine.quant import Fp8Weight, quantize_fp8
 
 # Checkpoint tensor names, per LayerWeights field. A list is concatenated along dim 0 (fused).
 LAYER_TENSORS: dict[str, list[str]] = {
@@ -27,6 +28,8 @@ LAYER_TENSORS: dict[str, list[str]] = {
 }
 LAYER_PREFIX = "model.layers.{i}."
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+# The LayerWeights fields --quantization fp8 quantizes (the projections; never norms, biases or embeddings).
+QUANTIZED_FIELDS = frozenset({"qkv", "o_proj", "gate_up", "down"})
 
 
 def optional_fields(cfg: ModelConfig) -> set[str]:
@@ -162,22 +165,25 @@ def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
     return tensors
 
 
-def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
-                 device: torch.device) -> ModelWeights:
+def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 quantization: str = "none", quantize_lm_head: bool = False) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
-    Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
+    quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
+    checkpoint's own values in fp32. Raises LoadCancelled, between tensors, once cancel_loading() was called."""
     tensors = check_checkpoint(path, cfg)
     shapes = tensor_shapes(cfg)
     element = torch.empty((), dtype=dtype).element_size()
     total = sum(math.prod(s) for s in shapes.values()) * element
     loaded = 0
+    fp8 = quantization == "fp8"
 
-    def fetch(names: list[str]) -> torch.Tensor:
+    def fetch(names: list[str], quantize: bool = False):
         nonlocal loaded
         parts = [tensors.get(n) for n in names]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         try:
-            t = t.to(device=device, dtype=dtype).contiguous()
+            t = quantize_fp8(t.to(device)) if quantize else t.to(device=device, dtype=dtype).contiguous()
         except torch.OutOfMemoryError as e:
             raise ConfigError(f"the weights ({total / 2**30:.2f} GiB as {dtype}) do not fit in {device} memory: "
                               f"out of memory at {names[0]!r} after {loaded / 2**30:.2f} GiB") from e
@@ -188,20 +194,22 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     layers = []
     for i in range(cfg.num_layers):
         prefix = LAYER_PREFIX.format(i=i)
-        fields = {name: None if name in absent else fetch([prefix + n for n in names])
+        fields = {name: None if name in absent else fetch([prefix + n for n in names], fp8 and name in QUANTIZED_FIELDS)
                   for name, names in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])
-    lm_head = embed if cfg.tie_word_embeddings else fetch([LM_HEAD])
+    head = LM_HEAD if not cfg.tie_word_embeddings else EMBED
+    lm_head = fetch([head], True) if fp8 and quantize_lm_head else embed if cfg.tie_word_embeddings else fetch([head])
     return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM]), lm_head=lm_head)
 
 
 def weight_bytes(weights: ModelWeights) -> int:
     """Bytes one decode step must read (tied embeddings counted once)."""
     seen, total = set(), 0
-    tensors = [weights.embed, weights.norm, weights.lm_head]
+    weights_ = [weights.embed, weights.norm, weights.lm_head]
     for layer in weights.layers:
-        tensors += [t for t in vars(layer).values() if t is not None]
+        weights_ += [t for t in vars(layer).values() if t is not None]
+    tensors = [t for w in weights_ for t in (w.tensors() if isinstance(w, Fp8Weight) else [w])]
     for t in tensors:
         if t.data_ptr() not in seen:
             seen.add(t.data_ptr())

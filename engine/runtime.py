@@ -23,6 +23,7 @@ from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
+from engine.quant import check_device
 from engine.state import SlotState
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,10 @@ class Runtime:
         mc = ModelConfig.from_dir(model_path)
         device = select_device(config)
         dtype = select_dtype(config, mc, device)
+        check_device(config.quantization, device)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         t0 = time.perf_counter()
-        weights = load_weights(model_path, mc, dtype, device)
+        weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head)
         kv = _allocate_kv(config, mc, dtype, device)
         max_blocks = -(-max_seq_len // config.block_size)
         state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device, mc.eos_token_ids, max_seq_len)
@@ -90,9 +92,10 @@ class Runtime:
                               config.max_steps_in_flight)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # all set-up writes (default stream) land before any step
-        log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s in %.1fs; KV cache %d blocks x %d tokens "
-                 "(%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6, device,
-                 dtype, time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
+        log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s (quantization %s%s) in %.1fs; KV cache %d blocks "
+                 "x %d tokens (%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6,
+                 device, dtype, config.quantization, ", LM head too" if config.quantize_lm_head else "",
+                 time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
         return cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
                    outputs, frozenset(mc.eos_token_ids))
 

@@ -169,7 +169,7 @@ def info_response(i: api.EngineInfo, tokenizer: Tokenizer | None = None) -> pb.I
         eos_token_ids=i.eos_token_ids, max_seq_len=i.max_seq_len, block_size=i.block_size,
         total_blocks=i.total_blocks, free_blocks=i.free_blocks, max_slots=i.max_slots, free_slots=i.free_slots,
         max_batch_size=i.max_batch_size, kernel_backend=i.kernel_backend, version=i.version,
-        live_sequences=i.live_sequences,
+        live_sequences=i.live_sequences, quantization=i.quantization, quantized_lm_head=i.quantized_lm_head,
         graph_cache=pb.GraphCacheInfo(hits=g.hits, misses=g.misses, captures=g.captures, evictions=g.evictions,
                                       capture_failures=g.capture_failures, capture_seconds=g.capture_seconds,
                                       graphs_held=g.graphs_held, pool_bytes=g.pool_bytes, fallbacks=g.fallbacks),

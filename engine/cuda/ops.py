@@ -44,6 +44,7 @@ from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
+from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, Weight, finish_linear
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -51,9 +52,12 @@ SPLIT_K = 4  # ... over this many slices of K (fp32 partials summed by residual_
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
-def skinny_fits(x: torch.Tensor, weight: torch.Tensor, span: int) -> bool:
-    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a weight [N, K]
-    they can cut into 16-row tiles of row pairs (r, r + span / 2)."""
+def skinny_fits(x: torch.Tensor, weight: Weight, span: int) -> bool:
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a 16-bit weight [N, K]
+    they can cut into 16-row tiles of row pairs (r, r + span / 2). Never an Fp8Weight (no FP8 skinny kernel yet:
+    CudaOps.linear takes those)."""
+    if isinstance(weight, Fp8Weight):
+        return False
     n, k = weight.shape
     return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
@@ -150,7 +154,7 @@ class CudaOps(TorchOps):
                 self.lib, B, H, Hkv, D, self.max_seq_len):
             return super().qkv_attention(h, layer, meta, kv, normed)
         x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
-        out = torch.nn.functional.linear(x, layer.qkv, layer.qkv_bias)
+        out = self.linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = (t.view(B, -1, D) for t in out.split([H * D, Hkv * D, Hkv * D], dim=-1))
         # Serialised behind the GEMM (programmatic dependent launch with every older row read before the wait
         # measured the same).
@@ -174,7 +178,8 @@ class CudaOps(TorchOps):
             norm = None
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
-                or not h.is_contiguous() or not weight.is_contiguous() or x.dtype not in (torch.bfloat16, torch.float16)):
+                or isinstance(weight, Fp8Weight) or not h.is_contiguous() or not weight.is_contiguous()
+                or x.dtype not in (torch.bfloat16, torch.float16)):
             return super().linear_add(h, x, weight, norm, eps)
         N, S = weight.shape[0], SPLIT_K
         parts = torch.bmm(x.view(M, S, K // S).transpose(0, 1), weight.view(N, S, K // S).permute(1, 2, 0),
@@ -199,6 +204,24 @@ class CudaOps(TorchOps):
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         skinny_linear.store(self.lib, out, x, lm_head, None, norm, eps)
         return out
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+               add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """TorchOps.linear; an Fp8Weight (engine/quant.py) runs through torch until FP8 kernels exist:
+        - more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit output and a shape
+          _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale (fp8_scaled_mm);
+        - otherwise (decode up to SKINNY_TOKENS rows, fp16 activations, fp32 logits): W8A16, the reference
+          arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and
+          writes a 16-bit copy of the weight per call; a skinny FP8 kernel (dequantizing in registers) will
+          replace it.
+        Both are sync-free and capturable."""
+        if not isinstance(weight, Fp8Weight):
+            return super().linear(x, weight, bias, add_to, out_dtype)
+        out = add_to.dtype if add_to is not None else out_dtype or x.dtype
+        if x.shape[0] > SKINNY_TOKENS and out != torch.float32 and scaled_mm_fits(x, weight):
+            return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
+        acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
+        return finish_linear(acc * weight.scale, bias, add_to, out)
 
     # ---------------------------------------------------------------------------------------------
     # Primitives.
@@ -360,6 +383,25 @@ class CudaOps(TorchOps):
                          draft_probs, seed.long().contiguous(), position.long().contiguous())
         spec_accept.finish(self.lib, num_accepted, tokens, parts, k1 - 1)
         return num_accepted, tokens
+
+
+def scaled_mm_fits(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether torch._scaled_mm's row-wise scaling takes x [M, K] @ weight^T: bf16 activations (its output is
+    bf16), K and N multiples of 16."""
+    n, k = weight.shape
+    return x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """W8A8: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a zero row) to E4M3, then
+    one FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * scale)^T."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    a_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [M, 1] fp32
+    x_fp8 = (xf / a_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
+    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.scale[None, :],
+                            out_dtype=torch.bfloat16)
 
 
 PREFILL_BUCKET = 64  # prefill forwards are padded to a multiple of this many tokens (see prefill_tokens)

@@ -11,19 +11,23 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCache
 from engine.models.rope import RotaryTable
 from engine.ops.torch_ops import AttentionMeta, AttentionSpec
+from engine.quant import Weight
 
 
 @dataclass
 class LayerWeights:
+    """A layer's weights in the model dtype; the projections (qkv, o_proj, gate_up, down) may be Fp8Weight
+    (--quantization fp8), which the ops' linear dispatches on."""
+
     input_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv: Weight  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None  # [q_size + 2 * kv_size]
     q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
     k_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: Weight  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Weight  # [2 * intermediate, hidden]
+    down: Weight  # [hidden, intermediate]
 
 
 @dataclass
@@ -31,7 +35,7 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
+    lm_head: Weight  # [vocab, hidden] (the embedding itself when tied and not quantized)
 
 
 class LlamaModel:

@@ -3,7 +3,8 @@ against. The CUDA backend (engine/cuda/ops.py) implements the same methods with 
 signatures; the model calls only these (GEMMs stay torch in both).
 
 The model calls the fused ops (qkv_attention, linear_add, norm_gate_up, norm_logits), which compose the
-primitives below; a backend may override a fused op with a kernel
+primitives below; every projection in them goes through `linear`, the one place that dispatches on the
+weight's type (a tensor, or an engine.quant.Fp8Weight under --quantization fp8); a backend may override a fused op with a kernel
 that fuses it (CudaOps does for small batches, and moves decode's RoPE into the attention kernel for
 larger ones), so the model has one forward for every backend and batch.
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
+from engine.quant import Fp8Weight, Weight, fp8_linear
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ class TorchOps:
         spec = meta.spec
         T, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
-        q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = self.linear(x, layer.qkv, layer.qkv_bias).split([H * D, Hkv * D, Hkv * D], dim=-1)
         q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
         if layer.q_norm is not None:
             q, k = self.rms_norm(q, layer.q_norm, spec.eps), self.rms_norm(k, layer.k_norm, spec.eps)
@@ -110,26 +112,46 @@ class TorchOps:
         return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc, meta.seq_lens_host,
                                       spec.scale, spec.sliding_window, meta.prefill_work, meta.max_kv_len)
 
-    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
+    def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: Weight, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
         """The residual stream h += x @ weight^T, in place (one rounding: a GEMM with beta = 1). With norm
         (the next op's), returns rms_norm(h, norm, eps) too, for that op's `normed`, or None where the
         next op computes it itself (a backend may fuse the norm into either side: CudaOps does)."""
-        h.addmm_(x, weight.t())
+        self.linear(x, weight, add_to=h)
         return None if norm is None else self.rms_norm(h, norm, eps)
 
-    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
+    def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: Weight, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         """The MLP's input half: silu(gate) * up of rms_norm(h) @ gate_up^T. Returns [T, I]."""
-        return self.silu_and_mul(F.linear(self.rms_norm(h, norm, eps) if normed is None else normed, gate_up))
+        return self.silu_and_mul(self.linear(self.rms_norm(h, norm, eps) if normed is None else normed, gate_up))
 
-    def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
+    def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: Weight,
                     eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
         """fp32 logits of the final rms_norm of h's rows `rows` (None: every row)."""
         if normed is not None:
-            return logits(normed if rows is None else normed[rows], lm_head)
+            return self.logits(normed if rows is None else normed[rows], lm_head)
         x = h if rows is None else h[rows]
-        return logits(self.rms_norm(x, norm, eps), lm_head)
+        return self.logits(self.rms_norm(x, norm, eps), lm_head)
+
+    # ---------------------------------------------------------------- projections
+
+    def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
+               add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x [M, K] @ weight^T (+ bias) for a weight [N, K]: returned as out_dtype (default x's), or with add_to
+        [M, N] added into it in place, rounded once (returns add_to). Every projection of the model runs
+        through here: an Fp8Weight takes engine.quant's reference W8A16 arithmetic."""
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear(x, weight, bias, add_to, out_dtype)
+        if add_to is not None:
+            return add_to.addmm_(x, weight.t()) if bias is None else add_to.add_(F.linear(x, weight, bias))
+        if out_dtype == torch.float32 and bias is None:
+            return logits(x, weight)  # fp32 straight from the GEMM (see logits)
+        y = F.linear(x, weight, bias)
+        return y if out_dtype is None else y.to(out_dtype)
+
+    def logits(self, x: torch.Tensor, lm_head: Weight) -> torch.Tensor:
+        """fp32 logits [N, vocab] of the final-normed rows x [N, hidden]."""
+        return self.linear(x, lm_head, out_dtype=torch.float32)
 
     # ---------------------------------------------------------------- primitives
 
