@@ -53,6 +53,7 @@ from engine.device import select_dtype  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.loader import weight_bytes  # noqa: E402
+from engine.quant import Fp8Weight  # noqa: E402
 
 BATCHES, CONTEXTS, PREFILL = [1, 8, 32, 64, 128, 256], [128, 2048, 8192, 32768], [(1, 32768), (8, 512)]
 QUICK_BATCHES, QUICK_CONTEXTS, QUICK_PREFILL = [1, 4], [64, 256], [(1, 128), (2, 32)]
@@ -69,7 +70,7 @@ def step_weight_bytes(engine: Engine, batch: int) -> int:
     table, of which it gathers only the batch's rows."""
     w = engine.runtime.weights
     total = weight_bytes(w)
-    if w.embed.data_ptr() != w.lm_head.data_ptr():
+    if isinstance(w.lm_head, Fp8Weight) or w.embed.data_ptr() != w.lm_head.data_ptr():
         total -= w.embed.nbytes - batch * w.embed[0].nbytes
     return total
 
@@ -230,7 +231,8 @@ def make_engine(model_dir: str, device: torch.device, args, max_seq_len: int) ->
     max_batch = max(args.batches + [b for b, _ in args.prefill])
     cfg = EngineConfig(model=model_dir, device=device.type, max_slots=max_batch, max_batch_size=max_batch,
                        max_seq_len=max_seq_len, max_prefill_tokens=args.max_prefill_tokens, capture_after=CAPTURE_AFTER,
-                       prefix_caching=False, kv_cache_memory=0.8 if device.type == "cuda" else 0.9)
+                       prefix_caching=False, kv_cache_memory=0.8 if device.type == "cuda" else 0.9,
+                       quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
     if args.kv_memory_gib:
         mc = ModelConfig.from_dir(model_dir)
         per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
@@ -363,6 +365,8 @@ def parse_args(argv):
                    help="the KV cache's size (default: 80%% of the device memory free after the weights; on CPU "
                         "90%% of the engine's CPU budget)")
     p.add_argument("--matmul-size", type=int, default=8192, help="the matmul whose FLOP/s is the prefill's peak")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's weight quantization")
+    p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8, the LM head too")
     p.add_argument("--profile", action="store_true", help="profile the points of lowest share")
     p.add_argument("--profile-points", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=5)
