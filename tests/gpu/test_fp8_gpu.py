@@ -94,20 +94,27 @@ def fp8_engine(path, **kw) -> Engine:
 
 @pytest.mark.parametrize("head", [False, True])
 def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
-    """Teacher-forced log-probs of a 200-token sequence (prefill: W8A8) agree with the reference engine's in
-    top-1 and closely in value; greedy decoding of 4 (W8A16) and 16 sequences (W8A8) gives the reference's
-    tokens except at near-ties of the reference."""
+    """Teacher-forced log-probs of a 200-token sequence and greedy decoding of 4 and 16 sequences, the FP8
+    engine on the kernels against the FP8 torch-ops engine (the W8A16 reference).
+
+    Decode of up to 8 rows runs the reference's own arithmetic (W8A16): greedy tokens equal the reference's
+    except at near-ties. Prefill and 16-row decode run W8A8 (activations quantized per row): a different
+    arithmetic, so the bar there is measured, not assumed: the W8A8 engine must stay as close to the
+    reference as the reference is to the unquantized bf16 engine (activation quantization may cost no more
+    than weight quantization did), in top-1 agreement (0.05 of slack) and in the largest log-prob gap."""
     ref = fp8_engine(ckpt, kernels="torch", quantize_lm_head=head)
     fast = fp8_engine(ckpt, quantize_lm_head=head)
+    base = fp8_engine(ckpt, quantization="none")
     assert fast.runtime.ops.name == "cuda" and fast.info().quantization == "fp8"
     assert isinstance(fast.runtime.weights.layers[0].qkv, Fp8Weight)
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
-    a, b = fast.score(tokens), ref.score(tokens)
-    agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    print(f"fp8 kernels vs reference, 200 positions: top-1 agreement {agree:.3f}, max |dlogp| "
-          f"{(a - b).abs().max().item():.4f}")
-    assert agree >= 0.95 and (a - b).abs().max().item() < 0.5
+    a, b, c = fast.score(tokens), ref.score(tokens), base.score(tokens)
+    agree = lambda x, y: (x.argmax(-1) == y.argmax(-1)).float().mean().item()  # noqa: E731
+    w8a8, weights_only = (agree(a, b), (a - b).abs().max().item()), (agree(b, c), (b - c).abs().max().item())
+    print(f"200 positions, top-1 agreement / max |dlogp|: W8A8 kernels vs W8A16 reference {w8a8[0]:.3f} / "
+          f"{w8a8[1]:.4f}; W8A16 reference vs bf16 {weights_only[0]:.3f} / {weights_only[1]:.4f}")
+    assert w8a8[0] >= weights_only[0] - 0.05 and w8a8[1] <= weights_only[1]
     for batch in (4, 16):
         ps = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in [7, 30, 61, 100] * (batch // 4)]
         got, want = greedy(fast, ps, 16), greedy(ref, ps, 16)
@@ -118,9 +125,10 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
             logp = ref.score(p + y[:j])[-1]
             gap = (logp[y[j]] - logp[x[j]]).item()
             print(f"batch {batch}: divergence after {j} tokens: kernels {x[j]} vs reference {y[j]}, gap {gap:.4f}")
-            assert gap < 0.1, f"not a near-tie: gap {gap}"
-    fast.close()
-    ref.close()
+            # the first token comes from the prefill (W8A8) and batch 16 decodes W8A8: the measured bound above
+            assert gap < (0.1 if batch <= 8 and j > 0 else weights_only[1]), f"not a near-tie: gap {gap}"
+    for e in (fast, ref, base):
+        e.close()
 
 
 def greedy(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
