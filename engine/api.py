@@ -108,3 +108,4 @@ class EngineInfo:
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     quantization: str = "none"  # of the projection weights: none | fp8 (EngineConfig.quantization)
     quantized_lm_head: bool = False  # whether the LM head is quantized as well
+    fp8_weight_block: str = ""  # with fp8: "channel" or "RxC" (EngineConfig.fp8_weight_block); "" with none

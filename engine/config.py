@@ -8,7 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.quant import QUANTIZATIONS
+from engine.quant import CHANNEL, QUANTIZATIONS, parse_block
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -38,12 +38,19 @@ class EngineConfig:
                                                  "choices": DTYPES})
     quantization: str = field(default="none", metadata={
         "help": "fp8: the projection weights (qkv, o_proj, gate_up, down) of a 16/32-bit checkpoint are quantized "
-                "at load to FP8 E4M3 with one scale per output channel (engine/quant.py); embeddings and norms "
-                "keep the model dtype; needs an FP8 GPU (compute capability >= 8.9) or the CPU; none: as loaded",
+                "at load to FP8 E4M3 with fp32 scales per --fp8-weight-block (engine/quant.py); embeddings and "
+                "norms keep the model dtype; needs an FP8 GPU (compute capability >= 8.9) or the CPU; none: as "
+                "loaded",
         "choices": QUANTIZATIONS})
     quantize_lm_head: bool = field(default=False, metadata={
         "help": "with --quantization fp8, quantize the LM head too (a head tied to the embedding gets its own "
                 "FP8 copy; the embedding stays unquantized)"})
+    fp8_weight_block: str = field(default=CHANNEL, metadata={
+        "help": "with --quantization fp8, the weights' scale blocks: channel (one scale per output channel) or "
+                "ROWSxCOLS of the [out, in] weight per scale, e.g. 1x64 or 128x128 (a partial last block where "
+                "they do not divide the shape); smaller blocks are more accurate (tests/e2e/test_fp8_accuracy.py). "
+                "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
+                "exists"})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
@@ -103,10 +110,17 @@ class EngineConfig:
             raise ConfigError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.quantize_lm_head and self.quantization == "none":
             raise ConfigError("quantize_lm_head needs quantization fp8 (--quantization fp8)")
+        if parse_block(self.fp8_weight_block) is not None and self.quantization != "fp8":
+            raise ConfigError(f"fp8_weight_block {self.fp8_weight_block} needs quantization fp8 (--quantization fp8)")
         if self.max_steps_in_flight > 4:
             raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """fp8_weight_block as (rows, columns); None: per output channel."""
+        return parse_block(self.fp8_weight_block)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

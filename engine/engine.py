@@ -171,7 +171,8 @@ class Engine:
             steps_in_flight=len(self.decoder.in_flight), refused_steps=self.decoder.refused_steps,
             graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
             prefix_cache=self._prefix_cache_stats(), quantization=self.config.quantization,
-            quantized_lm_head=self.config.quantize_lm_head)
+            quantized_lm_head=self.config.quantize_lm_head,
+            fp8_weight_block=self.config.fp8_weight_block if self.config.quantization == "fp8" else "")
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats

@@ -166,11 +166,13 @@ def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
 
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str = "none", quantize_lm_head: bool = False) -> ModelWeights:
+                 quantization: str = "none", quantize_lm_head: bool = False,
+                 fp8_block: tuple[int, int] | None = None) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
-    checkpoint's own values in fp32. Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
+    Raises LoadCancelled, between tensors, once cancel_loading() was called."""
     tensors = check_checkpoint(path, cfg)
     shapes = tensor_shapes(cfg)
     element = torch.empty((), dtype=dtype).element_size()
@@ -183,7 +185,7 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
         parts = [tensors.get(n) for n in names]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         try:
-            t = quantize_fp8(t.to(device)) if quantize else t.to(device=device, dtype=dtype).contiguous()
+            t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
         except torch.OutOfMemoryError as e:
             raise ConfigError(f"the weights ({total / 2**30:.2f} GiB as {dtype}) do not fit in {device} memory: "
                               f"out of memory at {names[0]!r} after {loaded / 2**30:.2f} GiB") from e

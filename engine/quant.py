@@ -1,20 +1,28 @@
-"""FP8 E4M3 weights with one fp32 scale per output channel, and their reference arithmetic.
+"""FP8 E4M3 weights with block-wise fp32 scales, and their reference arithmetic.
 
-A quantized projection weight is an Fp8Weight (data [N, K] float8_e4m3fn, scale [N] fp32) in place of
-the [N, K] tensor in LayerWeights / ModelWeights; the op backends dispatch on the type in one place
-(TorchOps.linear, CudaOps.linear).
+A quantized projection weight is an Fp8Weight in place of the [N, K] tensor in LayerWeights / ModelWeights:
+data [N, K] float8_e4m3fn and one fp32 scale per block of bn rows x bk columns, scale [ceil(N / bn),
+ceil(K / bk)]; a block that N or K does not fill (576 rows in blocks of 128) is the partial last one. Per
+output channel (the default) is the block (1, K): scale [N, 1]. The op backends dispatch on the type in one
+place (TorchOps.linear, CudaOps.linear).
 
-Quantization (per output row n): scale[n] = amax(|w[n, :]|) / 448 (1 for an all-zero row),
-data[n, :] = clamp(w[n, :] / scale[n], -448, 448) cast to E4M3 (round to nearest even). 448 is E4M3's
-largest finite value. The relative error of each element is at most 2^-4 (3 mantissa bits); elements
-below scale * 2^-9 (E4M3's smallest subnormal) flush towards zero.
+Quantization (per block b): scale[b] = amax(|w[b]|) / 448 (1 for an all-zero block),
+data[b] = clamp(w[b] / scale[b], -448, 448) cast to E4M3 (round to nearest even). 448 is E4M3's largest
+finite value. The relative error of each element is at most 2^-4 (3 mantissa bits); elements below
+scale * 2^-9 (E4M3's smallest subnormal) flush towards zero. Smaller blocks track the weights' magnitude
+more closely (fewer elements near the subnormal range) at 4 bytes of scale per block.
 
-Reference arithmetic (W8A16, what a weight-only FP8 kernel computes): the weights are converted to the
-activation dtype (exact: E4M3 is a subset of bf16, fp16 and fp32), multiplied with the activations
-with fp32 accumulation, and the fp32 accumulators are scaled per output channel in the epilogue:
-    y[m, n] = (sum_k x[m, k] * data[n, k]) * scale[n]   (+ bias[n]), rounded once to the output dtype.
-Scaling after the accumulation, not the weights before it, is what a kernel that dequantizes in
-registers does cheaply, and it keeps dequant(W) = data * scale from being rounded to bf16."""
+Reference arithmetic (W8A16, what a weight-only FP8 kernel computes): the E4M3 values are converted to a
+wider dtype (exact: E4M3 is a subset of bf16, fp16 and fp32) and multiplied with the activations with fp32
+accumulation.
+- Per output channel the fp32 accumulators are scaled in the epilogue:
+      y[m, n] = (sum_k x[m, k] * data[n, k]) * scale[n, 0]   (+ bias[n]), rounded once to the output dtype.
+  Scaling after the accumulation, not the weights before it, is what a kernel that dequantizes in registers
+  does cheaply, and it keeps dequant(W) = data * scale from being rounded to bf16.
+- Any other block: the sum over the K-groups g of bk columns of (x[:, g] @ data[:, g]^T) * scale[n // bn, g].
+  The reference computes it as one fp32 matmul of x with the weights dequantized to fp32
+  (data[n, k] * scale[n // bn, k // bk], one fp32 rounding per element, 2^-24 relative), which is the same
+  sum up to fp32 rounding."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,14 +36,35 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Compute capability FP8 tensor cores (and torch._scaled_mm) need: Ada (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
+CHANNEL = "channel"  # EngineConfig.fp8_weight_block's value for one scale per output channel
+
+
+def parse_block(text: str) -> tuple[int, int] | None:
+    """EngineConfig.fp8_weight_block: "channel" -> None (per output channel), "RxC" -> (R, C) (rows x columns of
+    the weight [N, K] per scale, positive ints, e.g. "1x64" or "128x128"); anything else is a ConfigError."""
+    if text == CHANNEL:
+        return None
+    rows, sep, cols = text.partition("x")
+    if not (sep and all(s.isascii() and s.isdigit() for s in (rows, cols)) and int(rows) > 0 and int(cols) > 0):
+        raise ConfigError(f"fp8_weight_block must be {CHANNEL!r} or ROWSxCOLS with positive integers "
+                          f"(e.g. 1x64, 128x128), got {text!r}")
+    return int(rows), int(cols)
 
 
 @dataclass(frozen=True)
 class Fp8Weight:
-    """A linear layer's weight [N, K] as E4M3 values and per-output-channel scales: w ~ data * scale[:, None]."""
+    """A linear layer's weight [N, K] as E4M3 values and one fp32 scale per block of block[0] rows x block[1]
+    columns: w[n, k] ~ data[n, k] * scale[n // block[0], k // block[1]] (module docstring)."""
 
     data: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
-    scale: torch.Tensor  # [N] float32
+    scale: torch.Tensor  # [ceil(N / bn), ceil(K / bk)] float32, contiguous
+    block: tuple[int, int]  # (bn, bk); per output channel: (1, K)
+
+    def __post_init__(self):
+        (n, k), (bn, bk) = self.data.shape, self.block
+        if self.scale.shape != (-(-n // bn), -(-k // bk)):
+            raise ValueError(f"an FP8 weight [{n}, {k}] in blocks {bn}x{bk} needs scales [{-(-n // bn)}, "
+                             f"{-(-k // bk)}], got {list(self.scale.shape)}")
 
     @property
     def shape(self) -> torch.Size:
@@ -49,6 +78,23 @@ class Fp8Weight:
     def nbytes(self) -> int:
         return self.data.nbytes + self.scale.nbytes
 
+    @property
+    def per_channel(self) -> bool:
+        """One scale per output row (block 1 x K or wider): the scale can be applied after the accumulation."""
+        return self.block[0] == 1 and self.scale.shape[1] == 1
+
+    @property
+    def row_scale(self) -> torch.Tensor:
+        """[N] fp32, the per-channel scales (a view); only for a per_channel weight."""
+        if not self.per_channel:
+            raise ValueError(f"row_scale needs per-channel scales, this weight has {self.block[0]}x{self.block[1]} "
+                             f"blocks")
+        return self.scale[:, 0]
+
+    def expanded_scale(self) -> torch.Tensor:
+        """[N, K] fp32: each element's block scale."""
+        return expand_scale(self.scale, self.block, self.data.shape)
+
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.scale]
 
@@ -56,29 +102,49 @@ class Fp8Weight:
 Weight = torch.Tensor | Fp8Weight
 
 
-def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
-    """w [N, K] (any float dtype) -> Fp8Weight on w's device; the arithmetic in fp32."""
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weight:
+    """w [N, K] (any float dtype) -> Fp8Weight on w's device with scales per `block` (rows, columns; None: per
+    output channel); the arithmetic in fp32."""
     if w.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a 2-D weight [N, K], got shape {tuple(w.shape)}")
+    n, k = w.shape
+    bn, bk = block or (1, k)
+    if bn <= 0 or bk <= 0:
+        raise ValueError(f"quantize_fp8: block sizes must be positive, got {bn}x{bk}")
     wf = w.float()
-    amax = wf.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    data = (wf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
-    return Fp8Weight(data, scale.contiguous())
+    nb, kb = -(-n // bn), -(-k // bk)
+    # zero padding to whole blocks leaves every block's amax as it is
+    padded = torch.nn.functional.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
+    amax = padded.view(nb, bn, kb, bk).amax(dim=(1, 3))  # [nb, kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).contiguous()
+    data = (wf / expand_scale(scale, (bn, bk), (n, k))).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
+    return Fp8Weight(data, scale, (bn, bk))
+
+
+def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:
+    """scale [ceil(N / bn), ceil(K / bk)] -> [N, K], each element's block scale (expand + reshape: no host sync,
+    capturable in a CUDA graph)."""
+    (n, k), (bn, bk), (nb, kb) = shape, block, scale.shape
+    return scale[:, None, :, None].expand(nb, bn, kb, bk).reshape(nb * bn, kb * bk)[:n, :k]
 
 
 def dequantize(w: Fp8Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """data * scale[:, None] as `dtype` [N, K] (computed in fp32)."""
-    return (w.data.float() * w.scale[:, None]).to(dtype)
+    """data * (each element's block scale) as `dtype` [N, K] (computed in fp32)."""
+    return (w.data.float() * w.expanded_scale()).to(dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, add_to: torch.Tensor | None = None,
                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The reference W8A16 projection (module docstring): x [M, K] @ w^T with fp32 accumulation, scaled
-    per output channel, + bias. add_to [M, N]: add_to += that, in place, rounded once (returns add_to);
-    else returns it as out_dtype (default x.dtype)."""
-    acc = torch.mm(x.float(), w.data.float().t())  # every bf16/fp16/fp32 x and E4M3 w is exact in fp32
-    return finish_linear(acc * w.scale, bias, add_to, out_dtype or x.dtype)
+    """The reference W8A16 projection (module docstring): x [M, K] @ w^T with fp32 accumulation, + bias.
+    Per channel the scale multiplies the fp32 accumulators; other blocks are one fp32 matmul with the weight
+    dequantized to fp32. add_to [M, N]: add_to += that, in place, rounded once (returns add_to); else returns
+    it as out_dtype (default x.dtype)."""
+    if w.per_channel:
+        acc = torch.mm(x.float(), w.data.float().t())  # every bf16/fp16/fp32 x and E4M3 w is exact in fp32
+        y = acc * w.row_scale
+    else:
+        y = torch.mm(x.float(), dequantize(w).t())
+    return finish_linear(y, bias, add_to, out_dtype or x.dtype)
 
 
 def finish_linear(y: torch.Tensor, bias: torch.Tensor | None, add_to: torch.Tensor | None,

@@ -75,7 +75,8 @@ class Runtime:
         check_device(config.quantization, device)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         t0 = time.perf_counter()
-        weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head)
+        weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
+                               config.fp8_block)
         kv = _allocate_kv(config, mc, dtype, device)
         max_blocks = -(-max_seq_len // config.block_size)
         state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device, mc.eos_token_ids, max_seq_len)
@@ -94,7 +95,8 @@ class Runtime:
             torch.cuda.synchronize(device)  # all set-up writes (default stream) land before any step
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s (quantization %s%s) in %.1fs; KV cache %d blocks "
                  "x %d tokens (%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6,
-                 device, dtype, config.quantization, ", LM head too" if config.quantize_lm_head else "",
+                 device, dtype, config.quantization, (f", {config.fp8_weight_block} blocks" if config.fp8_block else "")
+                 + (", LM head too" if config.quantize_lm_head else ""),
                  time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
         return cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
                    outputs, frozenset(mc.eos_token_ids))

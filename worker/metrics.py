@@ -85,9 +85,11 @@ class _EngineCollector:
         info = self.engine.info()
         weights = GaugeMetricFamily("metrale_weights_info", "always 1: how the model's weights are held (dtype of "
                                     "activations and unquantized weights; quantization of the projections: none or "
-                                    "fp8; whether the LM head is quantized too)",
-                                    labels=["model", "dtype", "quantization", "lm_head_quantized"])
-        weights.add_metric([info.model_id, info.dtype, info.quantization, str(info.quantized_lm_head).lower()], 1)
+                                    "fp8; whether the LM head is quantized too; the fp8 scale blocks: channel or "
+                                    "RxC, empty without fp8)",
+                                    labels=["model", "dtype", "quantization", "lm_head_quantized", "fp8_weight_block"])
+        weights.add_metric([info.model_id, info.dtype, info.quantization, str(info.quantized_lm_head).lower(),
+                            info.fp8_weight_block], 1)
         yield weights
         used = info.total_blocks - info.free_blocks
         yield GaugeMetricFamily("metrale_kv_blocks_used", "KV-cache blocks reserved by live sequences", value=used)

@@ -44,7 +44,7 @@ from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
-from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, Weight, finish_linear
+from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, Weight, finish_linear, fp8_linear
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -208,20 +208,26 @@ class CudaOps(TorchOps):
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """TorchOps.linear; an Fp8Weight (engine/quant.py) runs through torch until FP8 kernels exist:
-        - more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit output and a shape
-          _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale (fp8_scaled_mm);
-        - otherwise (decode up to SKINNY_TOKENS rows, fp16 activations, fp32 logits): W8A16, the reference
-          arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and
-          writes a 16-bit copy of the weight per call; a skinny FP8 kernel (dequantizing in registers) will
-          replace it.
-        Both are sync-free and capturable."""
+        - per-channel scales, more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit
+          output and a shape _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale
+          (fp8_scaled_mm);
+        - other per-channel cases (decode up to SKINNY_TOKENS rows, fp16 activations, fp32 logits): W8A16, the
+          reference arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads
+          and writes a 16-bit copy of the weight per call; a skinny FP8 kernel (dequantizing in registers) will
+          replace it;
+        - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
+          weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
+          fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
+        All are sync-free and capturable."""
         if not isinstance(weight, Fp8Weight):
             return super().linear(x, weight, bias, add_to, out_dtype)
         out = add_to.dtype if add_to is not None else out_dtype or x.dtype
+        if not weight.per_channel:
+            return fp8_linear(x, weight, bias, add_to, out)
         if x.shape[0] > SKINNY_TOKENS and out != torch.float32 and scaled_mm_fits(x, weight):
             return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
         acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
-        return finish_linear(acc * weight.scale, bias, add_to, out)
+        return finish_linear(acc * weight.row_scale, bias, add_to, out)
 
     # ---------------------------------------------------------------------------------------------
     # Primitives.
@@ -393,14 +399,15 @@ def scaled_mm_fits(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """W8A8: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a zero row) to E4M3, then
-    one FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * scale)^T."""
+    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a
+    zero row) to E4M3, then one FP8 GEMM with both scales applied to the fp32 accumulators:
+    [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
     a_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [M, 1] fp32
     x_fp8 = (xf / a_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
-    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.scale[None, :],
+    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
                             out_dtype=torch.bfloat16)
 
 

@@ -1,7 +1,7 @@
-"""--quantization fp8 end to end on CPU: a tiny random checkpoint served over real gRPC with FP8 weights answers
-Prefill/Decode with the tokens its own FP8 weights predict (the greedy tokens are the argmax of the same
-engine's teacher-forced scores), Info and /metrics say what is quantized, and a bad value is refused at
-start-up with exit 2."""
+"""--quantization fp8 end to end on CPU: a tiny random checkpoint served over real gRPC with FP8 weights (per-channel
+and 1x8 block scales) answers Prefill/Decode with the tokens its own FP8 weights predict (the greedy tokens are
+the argmax of the same engine's teacher-forced scores), Info and /metrics say what is quantized, and a bad
+value is refused at start-up with exit 2."""
 from __future__ import annotations
 
 import subprocess
@@ -15,12 +15,13 @@ from metrale.worker.v1 import worker_pb2 as pb
 from test_cli import free_port
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["fp8", "fp8-lm-head"])
+@pytest.fixture(scope="module", params=[(False, "channel"), (True, "channel"), (True, "1x8")],
+                ids=["fp8", "fp8-lm-head", "fp8-1x8-lm-head"])
 def fp8_server(request, checkpoints):
     # tied embeddings: with the LM head quantized it is a copy of its own; the embedding stays fp32
     srv = start_server(checkpoints["qwen2-bias-tied"], quantization="fp8",
-                       quantize_lm_head=request.param)
-    srv.lm_head = request.param
+                       quantize_lm_head=request.param[0], fp8_weight_block=request.param[1])
+    srv.lm_head, srv.block = request.param
     yield srv
     srv.stop()
 
@@ -28,6 +29,7 @@ def fp8_server(request, checkpoints):
 def test_info_reports_fp8(fp8_server):
     info = fp8_server.stub().Info(pb.InfoRequest())
     assert info.quantization == "fp8" and info.quantized_lm_head is fp8_server.lm_head
+    assert info.fp8_weight_block == fp8_server.block
     assert info.dtype == "float32"  # the activations, embeddings and norms
 
 
@@ -45,18 +47,20 @@ def test_greedy_tokens_over_grpc_are_the_fp8_models_own_predictions(fp8_server):
 
 def test_unquantized_info_reports_none(server):
     info = server.stub().Info(pb.InfoRequest())
-    assert info.quantization == "none" and info.quantized_lm_head is False
+    assert info.quantization == "none" and info.quantized_lm_head is False and info.fp8_weight_block == ""
 
 
 def test_metrics_say_what_is_quantized(checkpoints):
     port = free_port()
-    srv = start_server(checkpoints["llama-gqa"], worker_changes={"metrics_port": port}, quantization="fp8")
+    srv = start_server(checkpoints["llama-gqa"], worker_changes={"metrics_port": port}, quantization="fp8",
+                       fp8_weight_block="1x64")
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         srv.stop()
     line = next(l for l in text.splitlines() if l.startswith("metrale_weights_info{"))
     assert 'quantization="fp8"' in line and 'lm_head_quantized="false"' in line and line.endswith(" 1.0")
+    assert 'fp8_weight_block="1x64"' in line
 
 
 def test_an_unknown_quantization_is_one_line_and_exit_2(tiny_model):
@@ -69,3 +73,20 @@ def test_an_unknown_quantization_is_one_line_and_exit_2(tiny_model):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("metrale-worker: quantize_lm_head needs quantization fp8 "
                                                     "(--quantization fp8)")
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--quantization", "fp8", "--fp8-weight-block", "64"],
+     "metrale-worker: fp8_weight_block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
+     "got '64'"),
+    (["--quantization", "fp8", "--fp8-weight-block", "0x64"],
+     "metrale-worker: fp8_weight_block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
+     "got '0x64'"),
+    (["--fp8-weight-block", "1x64"],
+     "metrale-worker: fp8_weight_block 1x64 needs quantization fp8 (--quantization fp8)"),
+])
+def test_a_bad_fp8_weight_block_is_one_line_and_exit_2(tiny_model, args, line):
+    proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(tiny_model), "--port", "0", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [line]

@@ -1,15 +1,20 @@
 """FP8 accuracy on the real default model (SmolLM2-135M-Instruct) on CPU: teacher-forced top-1 agreement with
 transformers in fp32 (loaded from the same converted checkpoint) and perplexity on a fixed English text, for
-the engine unquantized (fp32 and bf16), with --quantization fp8, and with --quantize-lm-head too.
+the engine unquantized (fp32 and bf16), with --quantization fp8 (per-channel scales), with --quantize-lm-head
+too, and with block scales (--fp8-weight-block 1x64 and 1x32).
 Engine.score gives the log-probs of every position; `pytest -s` prints the figures.
 
 Issue 43's floors: FP8 agreement >= 0.90, and within 0.05 of the unquantized worker's own agreement; FP8
 perplexity within 3% of the unquantized worker's. Measured on the dev box (331 tokens, agreement /
-perplexity): fp32 1.000 / 19.90, bf16 0.970 / 19.86, fp8 0.918 / 20.83, fp8 + LM head 0.912 / 21.01.
+perplexity): fp32 1.000 / 19.90, bf16 0.970 / 19.86, fp8 0.918 / 20.83, fp8 + LM head 0.912 / 21.01,
+fp8 1x64 0.9485 / 20.38, fp8 1x32 0.952 / 20.18.
 Per-channel round-to-nearest E4M3 of every projection (3 mantissa bits) meets the absolute floor but not the
 two relative ones on this 135M model. No single projection is to blame (each alone costs 0.5-3 points of
-agreement), so the relative floors are an xfail(strict) until a better FP8 scheme meets them, and
-regression bounds just outside the measured figures guard what is built."""
+agreement), so for per-channel scales the relative floors are an xfail(strict), and regression bounds just
+outside the measured figures guard what is built. One scale per 64 input columns of each output row (1x64)
+meets the issue's floors against bf16 (agreement -0.021, perplexity +2.6%) and the perplexity floor against
+the fp32 worker (+2.4%), but misses its agreement floor by one token of 330 (0.9485 vs 0.95): an
+xfail(strict). 1x32 meets all of them."""
 from __future__ import annotations
 
 import math
@@ -74,7 +79,10 @@ def reference(default_model, tokens) -> torch.Tensor:
 def engine_scores(model, tokens: list[int], **changes) -> torch.Tensor:
     engine = Engine(engine_config(model, **changes))
     try:
-        assert engine.info().quantization == changes.get("quantization", "none")
+        info = engine.info()
+        assert info.quantization == changes.get("quantization", "none")
+        block = changes.get("fp8_weight_block", "channel")
+        assert info.fp8_weight_block == ("" if info.quantization == "none" else block)
         return engine.score(tokens)
     finally:
         engine.close()
@@ -85,7 +93,9 @@ def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
     """(agreement, perplexity) per engine setting; the unquantized fp32 engine is checked to be transformers."""
     out = {}
     for name, changes in (("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("fp8", {"quantization": "fp8"}),
-                          ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True})):
+                          ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True}),
+                          ("fp8 1x64", {"quantization": "fp8", "fp8_weight_block": "1x64"}),
+                          ("fp8 1x32", {"quantization": "fp8", "fp8_weight_block": "1x32"})):
         logp = engine_scores(default_model, tokens, **{"dtype": "float32", **changes})
         if name == "fp32":  # the unquantized engine is transformers, up to fp32 rounding
             assert (logp - reference).abs().max().item() < 1e-3
@@ -98,7 +108,7 @@ def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
     return out
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8 + lm head"])
+@pytest.mark.parametrize("name", ["fp8", "fp8 + lm head", "fp8 1x64", "fp8 1x32"])
 def test_fp8_agreement_floor_and_regression_bounds(figures, name):
     agree, ppl = figures[name]
     assert agree >= AGREEMENT_FLOOR, (name, agree)
@@ -114,5 +124,20 @@ def test_fp8_agreement_floor_and_regression_bounds(figures, name):
 def test_fp8_meets_the_relative_floors_of_issue_43(figures, base):
     base_agree, base_ppl = figures[base]
     agree, ppl = figures["fp8"]
+    assert agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
+    assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+BLOCK_FLOORS = [("fp8 1x64", "bf16"),
+                pytest.param("fp8 1x64", "fp32", marks=pytest.mark.xfail(
+                    strict=True, reason="1x64 agreement 0.9485 vs the fp32 worker's 1.000: one token of 330 short "
+                                        "(module docstring)")),
+                ("fp8 1x32", "bf16"), ("fp8 1x32", "fp32")]
+
+
+@pytest.mark.parametrize("name, base", BLOCK_FLOORS)
+def test_block_scaled_fp8_meets_the_relative_floors_of_issue_43(figures, name, base):
+    base_agree, base_ppl = figures[base]
+    agree, ppl = figures[name]
     assert agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
     assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)

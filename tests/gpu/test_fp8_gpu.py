@@ -1,7 +1,8 @@
-"""FP8 weights on the GPU (sm_89 on): CudaOps' FP8 projections (W8A16 through torch for <= 8 rows, W8A8 through
-torch._scaled_mm above) against the TorchOps reference on the same device, their capture in a CUDA graph, and
-an FP8 engine on the kernels against the FP8 torch-ops engine (logits of every prompt position, greedy tokens).
-Self-contained: a tiny bf16 checkpoint written here. Run on the H200: python -m pytest tests/gpu -m gpu."""
+"""FP8 weights on the GPU (sm_89 on): CudaOps' FP8 projections (per-channel: W8A16 through torch for <= 8 rows,
+W8A8 through torch._scaled_mm above; other blocks: the fp32 reference) against the TorchOps reference on the
+same device, their capture in a CUDA graph, and an FP8 engine on the kernels against the FP8 torch-ops engine
+(logits of every prompt position, greedy tokens). Self-contained: a tiny bf16 checkpoint written here. Run on
+the H200: python -m pytest tests/gpu -m gpu."""
 from __future__ import annotations
 
 import pytest
@@ -12,7 +13,7 @@ from engine.checkpoint import write_checkpoint
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
-from engine.quant import FP8_MIN_CAPABILITY, Fp8Weight, quantize_fp8
+from engine.quant import FP8_MIN_CAPABILITY, Fp8Weight, dequantize, quantize_fp8
 from engine.sampling import SamplingParams, StoppingCriteria
 from gpu.helpers import dev, randn
 
@@ -55,7 +56,7 @@ def test_w8a8_rows_are_within_activation_quantization_of_the_reference(ops, gen,
     want = TorchOps().linear(x, w, out_dtype=torch.float32)
     got = ops.linear(x, w)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    wd = w.data.float() * w.scale[:, None]
+    wd = dequantize(w)
     bound = (x.float().abs() @ wd.abs().t()) * 2 ** -4 + want.abs() * 2 ** -8 + 1e-6
     assert ((got.float() - want).abs() <= bound).all()
     # and far closer than the bound on average: errors of independent elements cancel
@@ -76,6 +77,28 @@ def test_fp8_linear_captures_in_a_cuda_graph(ops, gen):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, ops.linear(x, w))
+
+
+@pytest.mark.parametrize("m", [1, 8, 64])
+@pytest.mark.parametrize("block", [(1, 64), (128, 128)])
+def test_block_scaled_weights_match_the_reference_and_capture(ops, gen, m, block):
+    """Blocks other than per-channel run the fp32 reference on the GPU (no block-scaled FP8 kernel yet): the
+    TorchOps result up to summation order, with partial edge blocks (576 = 4.5 x 128 rows, 1000 = 15.6 x 64
+    columns), and capturable."""
+    n, k = 576, 1000
+    x, bias = randn(m, k, dtype=torch.bfloat16), randn(n, dtype=torch.bfloat16)
+    w = quantize_fp8(randn(n, k, scale=0.05), block)
+    want = TorchOps().linear(x, w, bias, out_dtype=torch.float32)
+    torch.testing.assert_close(ops.linear(x, w, bias, out_dtype=torch.float32), want, rtol=1e-4, atol=1e-4)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=dev())
+    ops.linear(x, w, bias)  # warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ops.linear(x, w, bias))
+    x.copy_(randn(m, k, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.linear(x, w, bias))
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from engine.errors import ConfigError, InvalidArgument, ResourceExhausted
 from engine.loader import load_weights, weight_bytes
 from engine.config import ModelConfig
 from engine.ops.torch_ops import TorchOps
-from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, check_device, dequantize, quantize_fp8
+from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, check_device, dequantize, fp8_linear, parse_block, quantize_fp8
 from tests.oracle import hf_logits
 from worker.config import serve_parser
 
@@ -28,16 +28,17 @@ def test_quantize_round_trip_is_within_e4m3_rounding_per_channel(shape, dtype):
     w = (torch.randn(shape, generator=g) * torch.logspace(-4, 2, shape[0])[:, None]).to(dtype)
     q = quantize_fp8(w)
     assert q.data.dtype == FP8_DTYPE and q.data.shape == shape and q.data.is_contiguous()
-    assert q.scale.dtype == torch.float32 and q.scale.shape == (shape[0],)
+    assert q.scale.dtype == torch.float32 and q.scale.shape == (shape[0], 1)
+    assert q.block == (1, shape[1]) and q.per_channel and q.row_scale.shape == (shape[0],)
     wf = w.float()
     amax = wf.abs().amax(dim=1)
-    torch.testing.assert_close(q.scale, amax / FP8_MAX)
+    torch.testing.assert_close(q.row_scale, amax / FP8_MAX)
     # every row's largest element maps to +-448 exactly
     assert torch.equal(q.data.float().abs().amax(dim=1), torch.full((shape[0],), FP8_MAX))
     err = (dequantize(q) - wf).abs()
     # round to nearest with 3 mantissa bits: at most 2^-4 of the value in the normal range, at most half the
     # smallest subnormal step (scale * 2^-9 / 2) below it
-    bound = torch.maximum(wf.abs() * 2 ** -4, q.scale[:, None] * 2 ** -10) * (1 + 1e-6)
+    bound = torch.maximum(wf.abs() * 2 ** -4, q.scale * 2 ** -10) * (1 + 1e-6)
     assert (err <= bound).all(), (err - bound).max()
     assert dequantize(q, torch.bfloat16).dtype == torch.bfloat16
 
@@ -47,7 +48,7 @@ def test_quantize_zero_rows_get_scale_one_and_zeros():
     w[1] = 0
     w[3] = 0
     q = quantize_fp8(w)
-    assert q.scale[1] == 1 and q.scale[3] == 1
+    assert q.row_scale[1] == 1 and q.row_scale[3] == 1
     assert torch.equal(q.data[1].float(), torch.zeros(32)) and torch.equal(q.data[3].float(), torch.zeros(32))
     assert torch.isfinite(dequantize(q)).all() and torch.isfinite(q.scale).all()
     assert torch.equal(dequantize(quantize_fp8(torch.zeros(2, 16))), torch.zeros(2, 16))
@@ -66,6 +67,105 @@ def test_fp8_weight_reports_its_shape_and_bytes():
     assert q.nbytes == 48 * 64 + 48 * 4 and len(q.tensors()) == 2
 
 
+# ------------------------------------------------------------------ block scales
+
+def block_amax(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    """amax(|w|) per block, by loops over the blocks (partial edge blocks included): the quantizer's oracle."""
+    n, k = w.shape
+    return torch.tensor([[w[i:i + bn, j:j + bk].abs().max().item() for j in range(0, k, bk)] for i in range(0, n, bn)])
+
+
+@pytest.mark.parametrize("shape, block", [((7, 33), (1, 8)), ((64, 576), (1, 64)), ((576, 200), (128, 128)),
+                                          ((96, 64), (32, 64)), ((5, 9), (2, 4)), ((3, 10), (1, 1)),
+                                          ((40, 70), (1000, 1000))])
+def test_block_quantization_is_within_e4m3_rounding_per_block(shape, block):
+    """Each block (the last row/column blocks partial where bn, bk do not divide N, K) gets amax/448, its largest
+    element maps to +-448, and every element is within E4M3 rounding of its block scale."""
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    n, k = shape
+    bn, bk = block
+    # magnitudes that vary along both axes, so that blocks differ
+    w = torch.randn(shape, generator=g) * torch.logspace(-3, 1, n)[:, None] * torch.logspace(0, 2, k)[None, :]
+    q = quantize_fp8(w, block)
+    assert q.block == block and q.data.shape == shape and q.data.dtype == FP8_DTYPE and q.data.is_contiguous()
+    assert q.scale.shape == (-(-n // bn), -(-k // bk)) and q.scale.dtype == torch.float32 and q.scale.is_contiguous()
+    assert not q.per_channel or (bn == 1 and bk >= k)
+    amax = block_amax(w, bn, bk)
+    torch.testing.assert_close(q.scale, amax / FP8_MAX)
+    assert torch.equal(block_amax(q.data.float(), bn, bk), torch.full(amax.shape, FP8_MAX))
+    scale = q.expanded_scale()
+    assert scale.shape == shape
+    assert torch.equal(scale, q.scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k])
+    err = (dequantize(q) - w).abs()
+    bound = torch.maximum(w.abs() * 2 ** -4, scale * 2 ** -10) * (1 + 1e-6)
+    assert (err <= bound).all(), (err - bound).max()
+    # round trip: quantizing the dequantized weight again gives the same E4M3 values and scales
+    again = quantize_fp8(dequantize(q), block)
+    assert torch.equal(again.data.float(), q.data.float()) and torch.allclose(again.scale, q.scale, rtol=1e-6)
+    assert q.nbytes == n * k + q.scale.numel() * 4
+
+
+def test_smaller_blocks_are_more_accurate_on_uneven_rows():
+    """Within a row whose columns differ in magnitude, 1x64 scales lose less than one scale per row."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 576, generator=g) * torch.logspace(-3, 0, 576)[None, :]
+    errs = [(dequantize(quantize_fp8(w, b)) - w).norm() / w.norm() for b in (None, (1, 192), (1, 64), (1, 32))]
+    assert errs[0] > errs[1] > errs[2] > errs[3], errs
+
+
+def test_zero_blocks_get_scale_one_and_zeros():
+    w = torch.randn(6, 20)
+    w[2:4, :8] = 0  # the whole block (1, 0) in 2x8 blocks, and half of another
+    w[4:6, 16:] = 0  # a partial edge block [2, 4]
+    q = quantize_fp8(w, (2, 8))
+    assert q.scale.shape == (3, 3) and q.scale[1, 0] == 1 and q.scale[2, 2] == 1
+    assert torch.equal(q.data[2:4, :8].float(), torch.zeros(2, 8))
+    assert torch.equal(q.data[4:6, 16:].float(), torch.zeros(2, 4))
+    assert torch.isfinite(dequantize(q)).all()
+    assert torch.equal(dequantize(quantize_fp8(torch.zeros(5, 9), (2, 4))), torch.zeros(5, 9))
+
+
+@pytest.mark.parametrize("block", [None, (1, 64), (1, 32), (128, 128), (3, 50)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_linear_of_any_block_is_the_block_sum_in_fp64(block, dtype):
+    """fp8_linear = sum over K-groups g of (x_g @ data_g^T) * scale[n-block, g] + bias, up to fp32 rounding and one
+    rounding to the output dtype; TorchOps.linear (and linear_add) take the same path."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 300, 200  # 300 = 2 * 128 + 44, 200 = 3 * 64 + 8 = 6 * 32 + 8: partial edge blocks
+    x = torch.randn(7, k, generator=g).to(dtype)
+    w = quantize_fp8(torch.randn(n, k, generator=g) * torch.logspace(-2, 0, k)[None, :], block)
+    bias = torch.randn(n, generator=g).to(dtype)
+    bn, bk = w.block
+    exact = torch.zeros(7, n, dtype=torch.float64)
+    for j in range(0, k, bk):  # the block sum, group by group
+        part = x[:, j:j + bk].double() @ w.data[:, j:j + bk].double().t()  # [M, N]
+        exact += part * w.scale[:, j // bk].double().repeat_interleave(bn)[:n]
+    exact += bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    y = fp8_linear(x, w, bias)
+    assert y.dtype == dtype and y.shape == (7, n)
+    torch.testing.assert_close(y.double(), exact, rtol=tol, atol=tol)
+    y32 = TorchOps().linear(x, w, bias, out_dtype=torch.float32)
+    torch.testing.assert_close(y32.double(), exact, rtol=1e-5, atol=1e-5)
+    h = torch.randn(7, n, generator=g).to(dtype)
+    want = (h.double() + exact - bias.double())
+    TorchOps().linear_add(h, x, w)
+    torch.testing.assert_close(h.double(), want, rtol=tol, atol=tol)
+
+
+def test_fp8_weight_checks_its_scale_shape_and_row_scale():
+    q = quantize_fp8(torch.randn(10, 16), (4, 8))
+    assert not q.per_channel
+    with pytest.raises(ValueError, match="per-channel"):
+        q.row_scale
+    with pytest.raises(ValueError, match=r"needs scales \[3, 2\]"):
+        Fp8Weight(q.data, torch.ones(10, 1), (4, 8))
+    with pytest.raises(ValueError, match="positive"):
+        quantize_fp8(torch.randn(4, 4), (0, 4))
+    # a block at least as wide as K with one row is per-channel: the scale-after-accumulation path
+    assert quantize_fp8(torch.randn(10, 16), (1, 64)).per_channel
+
+
 # ------------------------------------------------------------------ the reference arithmetic
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,7 +175,7 @@ def test_torch_ops_linear_is_w8a16_with_the_scale_after_the_fp32_accumulation(dt
     w = quantize_fp8(torch.randn(96, 64, generator=g) * 0.1)
     bias = torch.randn(96, generator=g).to(dtype)
     ops = TorchOps()
-    exact = (x.double() @ w.data.double().t()) * w.scale.double() + bias.double()  # the arithmetic, in fp64
+    exact = (x.double() @ w.data.double().t()) * w.row_scale.double() + bias.double()  # the arithmetic, in fp64
     y = ops.linear(x, w, bias)
     assert y.dtype == dtype and y.shape == (5, 96)
     # one rounding of the fp32 result to the output dtype
@@ -85,7 +185,7 @@ def test_torch_ops_linear_is_w8a16_with_the_scale_after_the_fp32_accumulation(dt
     assert ops.logits(x, w).dtype == torch.float32
     # linear_add: h += x @ w^T, rounded once (computed in fp32 from h's value)
     h = torch.randn(5, 96, generator=g).to(dtype)
-    want = (h.float() + (x.float() @ w.data.float().t()) * w.scale).to(dtype)
+    want = (h.float() + (x.float() @ w.data.float().t()) * w.row_scale).to(dtype)
     ops.linear_add(h, x, w)
     assert torch.equal(h, want)
 
@@ -122,6 +222,35 @@ def test_quantization_flags(capsys):
     assert "invalid choice: 'fp16'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, block", [("channel", None), ("1x64", (1, 64)), ("128x128", (128, 128)),
+                                         ("3x1", (3, 1))])
+def test_fp8_weight_block_parses(text, block):
+    assert parse_block(text) == block
+    config = EngineConfig(quantization="fp8", fp8_weight_block=text)
+    assert config.fp8_block == block
+    assert EngineConfig().fp8_weight_block == "channel" and EngineConfig().fp8_block is None
+
+
+@pytest.mark.parametrize("text", ["", "64", "1x", "x64", "0x64", "1x0", "-1x64", "1x64x2", "1 x 64", "1X64", "1.5x2",
+                                  "1x\u00b2", "Channel", "per-channel"])
+def test_fp8_weight_block_refuses_bad_values(text):
+    with pytest.raises(ConfigError, match="fp8_weight_block must be 'channel' or ROWSxCOLS"):
+        EngineConfig(quantization="fp8", fp8_weight_block=text)
+
+
+def test_fp8_weight_block_needs_fp8():
+    with pytest.raises(ConfigError, match="fp8_weight_block 1x64 needs quantization fp8"):
+        EngineConfig(fp8_weight_block="1x64")
+    EngineConfig(fp8_weight_block="channel")  # the default, with or without fp8
+
+
+def test_fp8_weight_block_flag():
+    parser = serve_parser()
+    args = parser.parse_args(["--quantization", "fp8", "--fp8-weight-block", "1x64"])
+    assert args.fp8_weight_block == "1x64"
+    assert parser.parse_args([]).fp8_weight_block == "channel"
+
+
 def test_fp8_device_check_passes_on_the_cpu():
     check_device("fp8", torch.device("cpu"))  # the reference path runs anywhere
     check_device("none", torch.device("cpu"))
@@ -156,6 +285,19 @@ def test_the_loader_quantizes_the_projections_only(checkpoints, name, head):
     saved = sum(t.numel() * 4 - (t.numel() + 4 * t.shape[0]) for t in quantized)  # fp32 -> E4M3 + row scales
     assert weight_bytes(w) == weight_bytes(plain) - saved + (plain.lm_head.nbytes if head and plain.lm_head is plain.embed
                                                              else 0)
+
+
+def test_the_loader_quantizes_in_blocks(checkpoints):
+    path = checkpoints["llama-gqa"]
+    cfg = ModelConfig.from_dir(path)
+    plain = load_weights(path, cfg, torch.float32, torch.device("cpu"))
+    w = load_weights(path, cfg, torch.float32, torch.device("cpu"), "fp8", True, (1, 8))
+    for layer, ref in zip(w.layers, plain.layers):
+        for field in ("qkv", "o_proj", "gate_up", "down"):
+            q, want = getattr(layer, field), quantize_fp8(getattr(ref, field), (1, 8))
+            assert q.block == (1, 8) and torch.equal(q.data.float(), want.data.float()), field
+            assert torch.equal(q.scale, want.scale), field
+    assert w.lm_head.block == (1, 8)
 
 
 # ------------------------------------------------------------------ Engine.score
