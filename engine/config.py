@@ -8,6 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from engine.fp8_checkpoint import Fp8Layout, parse_layout
 from engine.quant import CHANNEL, QUANTIZATIONS, parse_block
 
 SUPPORTED_ARCHITECTURES = {
@@ -40,7 +41,10 @@ class EngineConfig:
         "help": "fp8: the projection weights (qkv, o_proj, gate_up, down) of a 16/32-bit checkpoint are quantized "
                 "at load to FP8 E4M3 with fp32 scales per --fp8-weight-block (engine/quant.py); embeddings and "
                 "norms keep the model dtype; needs an FP8 GPU (compute capability >= 8.9) or the CPU; none: as "
-                "loaded",
+                "loaded. A published FP8 checkpoint (config.json's quantization_config: Hugging Face 'fp8' block "
+                "scales or compressed-tensors FP8, engine/fp8_checkpoint.py) loads its FP8 weights with their own "
+                "scales under either value (never re-quantized or dequantized; Info reports fp8); with fp8, its "
+                "16-bit projections and (--quantize-lm-head) a 16-bit LM head are quantized at load as well",
         "choices": QUANTIZATIONS})
     quantize_lm_head: bool = field(default=False, metadata={
         "help": "with --quantization fp8, quantize the LM head too (a head tied to the embedding gets its own "
@@ -50,7 +54,8 @@ class EngineConfig:
                 "ROWSxCOLS of the [out, in] weight per scale, e.g. 1x64 or 128x128 (a partial last block where "
                 "they do not divide the shape); smaller blocks are more accurate (tests/e2e/test_fp8_accuracy.py). "
                 "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
-                "exists"})
+                "exists. An FP8 checkpoint's weights keep the checkpoint's blocks; this applies to what is "
+                "quantized at load"})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
@@ -158,6 +163,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    fp8_layout: Fp8Layout | None = None  # an FP8 checkpoint's layout (quantization_config); None: 16/32-bit
 
     def __post_init__(self):
         for name, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
@@ -248,6 +254,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                fp8_layout=parse_layout(raw.get("quantization_config")),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from e

@@ -21,6 +21,7 @@ from engine.errors import InvalidArgument, ResourceExhausted
 from engine.kv_events import KvEventLog
 from engine.prefill import Prefiller
 from engine.prefix_cache import BlockPool, extra_key
+from engine.quant import Fp8Weight
 from engine.runtime import Runtime
 from engine.scoring import Scorer
 from engine.sampling import SamplingParams, StoppingCriteria
@@ -170,9 +171,9 @@ class Engine:
             live_sequences=len(self.sequences), kernel_backend=rt.ops.name, version=VERSION,
             steps_in_flight=len(self.decoder.in_flight), refused_steps=self.decoder.refused_steps,
             graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
-            prefix_cache=self._prefix_cache_stats(), quantization=self.config.quantization,
-            quantized_lm_head=self.config.quantize_lm_head,
-            fp8_weight_block=self.config.fp8_weight_block if self.config.quantization == "fp8" else "")
+            prefix_cache=self._prefix_cache_stats(), quantization=rt.quantization,
+            quantized_lm_head=isinstance(rt.weights.lm_head, Fp8Weight), fp8_weight_block=rt.fp8_weight_block,
+            checkpoint_quantization=mc.fp8_layout.description if mc.fp8_layout else "")
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats

@@ -23,7 +23,7 @@ from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
-from engine.quant import check_device
+from engine.quant import Fp8Weight, check_device
 from engine.state import SlotState
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,18 @@ class Runtime:
         return self.model_config.rope.rope_type == "dynamic"
 
     @property
+    def quantization(self) -> str:
+        """What the projection weights are: "fp8" (quantized at load, or an FP8 checkpoint's own) or "none"."""
+        return "fp8" if self.model_config.fp8_layout or self.config.quantization == "fp8" else "none"
+
+    @property
+    def fp8_weight_block(self) -> str:
+        """The projections' FP8 scale blocks ("channel" or "RxC", EngineConfig.fp8_weight_block's spelling): an
+        FP8 checkpoint's, else --fp8-weight-block's; "" without FP8."""
+        layout = self.model_config.fp8_layout
+        return layout.fp8_weight_block if layout else self.config.fp8_weight_block if self.quantization == "fp8" else ""
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.block_size)
 
@@ -72,7 +84,8 @@ class Runtime:
         mc = ModelConfig.from_dir(model_path)
         device = select_device(config)
         dtype = select_dtype(config, mc, device)
-        check_device(config.quantization, device)
+        check_device("fp8" if mc.fp8_layout else config.quantization, device,
+                     mc.fp8_layout.description if mc.fp8_layout else "")
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         t0 = time.perf_counter()
         weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
@@ -93,13 +106,15 @@ class Runtime:
                               config.max_steps_in_flight)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # all set-up writes (default stream) land before any step
+        rt = cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
+                 outputs, frozenset(mc.eos_token_ids))
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s (quantization %s%s) in %.1fs; KV cache %d blocks "
                  "x %d tokens (%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6,
-                 device, dtype, config.quantization, (f", {config.fp8_weight_block} blocks" if config.fp8_block else "")
-                 + (", LM head too" if config.quantize_lm_head else ""),
+                 device, dtype, rt.quantization, (f", {rt.fp8_weight_block} blocks" if rt.fp8_weight_block else "")
+                 + (f", from a {mc.fp8_layout.description} checkpoint" if mc.fp8_layout else "")
+                 + (", LM head too" if isinstance(weights.lm_head, Fp8Weight) else ""),
                  time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
-        return cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
-                   outputs, frozenset(mc.eos_token_ids))
+        return rt
 
     def close(self) -> None:
         self.dispatch.close(self.outputs)
