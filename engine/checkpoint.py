@@ -72,6 +72,9 @@ FP8_LAYOUTS: dict[str, dict] = {
     # The same with blocks that divide a tiny model's fused parts (q/k/v and gate/up concatenate as they are).
     "fp8-32x32": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
                   "modules_to_not_convert": ["lm_head"]},
+    # The per-tensor variant (no weight_block_size: one scalar weight_scale_inv) with static activation scales.
+    "fp8-tensor-static": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static",
+                          "weight_block_size": None, "modules_to_not_convert": None},
     # compressed-tensors FP8_DYNAMIC: per-channel weights, dynamic per-token inputs; lm_head FP8 too (not ignored).
     "ct-channel": _compressed_tensors("channel", True, []),
     # compressed-tensors FP8: per-tensor weights, static per-tensor input scales (input_scale); lm_head ignored.
@@ -82,8 +85,9 @@ STATIC_INPUT_SCALE = 0.02  # the input_scale a static layout's writer stores (th
 
 def fp8_tensors(tensors: dict[str, torch.Tensor], layout: Fp8Layout) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors in `layout`: each linear weight it quantizes as E4M3 data plus fp32 scales
-    (quantize_fp8 per block, channel or tensor) under the layout's names, a static input scale beside it for
-    compressed-tensors; lm_head only for compressed-tensors (transformers' fp8 never converts it)."""
+    (quantize_fp8 per block, channel or tensor) under the layout's names, a static input scale beside it in a
+    static layout (input_scale [1] for compressed-tensors, a scalar activation_scale for fp8); lm_head only for
+    compressed-tensors (transformers' fp8 never converts it)."""
     out = {}
     for name, t in tensors.items():
         module = name.removesuffix(".weight")
@@ -94,9 +98,11 @@ def fp8_tensors(tensors: dict[str, torch.Tensor], layout: Fp8Layout) -> dict[str
         block = layout.block if layout.strategy == "block" else (1, k) if layout.strategy == "channel" else (n, k)
         q = quantize_fp8(t, block)
         out[name] = q.data
-        out[scale_name(layout, name)] = q.scale.reshape(1) if layout.strategy == "tensor" else q.scale
-        if layout.method == "compressed-tensors" and layout.static_input:
-            out[f"{module}.input_scale"] = torch.tensor([STATIC_INPUT_SCALE])
+        hf = layout.method == "fp8"
+        out[scale_name(layout, name)] = q.scale.reshape(() if hf else 1) if layout.strategy == "tensor" else q.scale
+        if layout.static_input:
+            out[f"{module}.activation_scale" if hf else f"{module}.input_scale"] = \
+                torch.tensor(STATIC_INPUT_SCALE).reshape(() if hf else 1)
     return out
 
 

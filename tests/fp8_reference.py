@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 FP8_CHECKPOINTS: dict[str, tuple[str, str, dict]] = {
     "llama-fp8-128x128": ("llama", "fp8", {}),  # fused parts of 64/32 rows: scales repeated per row
     "qwen3-fp8-32x32": ("qwen3", "fp8-32x32", {}),  # fused parts of 64/32 rows: scales concatenated
+    "llama-fp8-tensor-static": ("llama", "fp8-tensor-static", {}),  # scalar weight_scale_inv, activation_scale
     "llama-ct-channel": ("llama", "ct-channel", {}),  # lm_head FP8 too
     "qwen3-ct-tensor-static": ("qwen3", "ct-tensor-static", {"tie_word_embeddings": True}),
 }

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dtype on disk (default: float32 for tiny, bfloat16 otherwise)")
     make.add_argument("--fp8-layout", choices=sorted(FP8_LAYOUTS), default="",
                       help="write the linear weights in a published FP8 layout (engine/checkpoint.py FP8_LAYOUTS): "
-                           "fp8 / fp8-32x32 (Hugging Face fine-grained FP8, weight_scale_inv per block), ct-channel "
+                           "fp8 / fp8-32x32 / fp8-tensor-static (Hugging Face fine-grained FP8, weight_scale_inv per "
+                           "block or tensor), ct-channel "
                            "/ ct-tensor-static (compressed-tensors float-quantized, weight_scale)")
     make.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
     make.add_argument("--force", action="store_true",

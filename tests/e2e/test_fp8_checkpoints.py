@@ -1,6 +1,7 @@
 """Published FP8 checkpoints (engine/fp8_checkpoint.py) on CPU: tiny random Llama and Qwen3 checkpoints written in
-the Hugging Face fp8 block layout (128x128 and 32x32) and compressed-tensors FP8 (per channel, per tensor with
-static input scales), following their specifications (engine/checkpoint.py FP8_LAYOUTS).
+the Hugging Face fp8 layout (128x128 and 32x32 blocks; per tensor with static activation scales) and
+compressed-tensors FP8 (per channel; per tensor with static input scales), following their specifications
+(engine/checkpoint.py FP8_LAYOUTS).
 
 - The loader's weights are the checkpoint's own FP8 values and scales: dequantized, exactly the dequantization
   of the files written out independently (tests/fp8_reference.py), and within E4M3 rounding of the random

@@ -165,7 +165,7 @@ def greedy(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
     return [out[i] for i in ids]
 
 
-@pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "ct-channel", "ct-tensor-static"])
+@pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static"])
 def test_published_fp8_checkpoints_on_the_kernels_match_the_torch_ops_engine(tmp_path, layout):
     """A bf16 checkpoint in each published FP8 layout (engine/fp8_checkpoint.py) loads as FP8 on the GPU (whatever
     --quantization says) and the kernels engine agrees with the torch-ops engine on the same weights: teacher-forced
