@@ -8,7 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
-from engine.quant import CHANNEL, QUANTIZATIONS, parse_block
+from engine.quant import CHANNEL, KV_CACHE_DTYPES, QUANTIZATIONS, parse_block
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -51,6 +51,11 @@ class EngineConfig:
                 "they do not divide the shape); smaller blocks are more accurate (tests/e2e/test_fp8_accuracy.py). "
                 "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
                 "exists"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto: the KV cache in the model's dtype; fp8: E4M3 with a scale of 1 (half the bytes of a 16-bit "
+                "cache, so twice the blocks in the same memory; engine/quant.py fp8_kv). fp8 runs on the CPU and, on a "
+                "GPU, with --kernels torch until the attention kernels read FP8",
+        "choices": KV_CACHE_DTYPES})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
@@ -112,6 +117,8 @@ class EngineConfig:
             raise ConfigError("quantize_lm_head needs quantization fp8 (--quantization fp8)")
         if parse_block(self.fp8_weight_block) is not None and self.quantization != "fp8":
             raise ConfigError(f"fp8_weight_block {self.fp8_weight_block} needs quantization fp8 (--quantization fp8)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_steps_in_flight > 4:
             raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
         if self.block_size & (self.block_size - 1):

@@ -172,7 +172,8 @@ class Engine:
             graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
             prefix_cache=self._prefix_cache_stats(), quantization=self.config.quantization,
             quantized_lm_head=self.config.quantize_lm_head,
-            fp8_weight_block=self.config.fp8_weight_block if self.config.quantization == "fp8" else "")
+            fp8_weight_block=self.config.fp8_weight_block if self.config.quantization == "fp8" else "",
+            kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."))
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats

@@ -23,7 +23,7 @@ from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
-from engine.quant import check_device
+from engine.quant import FP8_DTYPE, check_device
 from engine.state import SlotState
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class Runtime:
         t0 = time.perf_counter()
         weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
                                config.fp8_block)
-        kv = _allocate_kv(config, mc, dtype, device)
+        kv = _allocate_kv(config, mc, kv_cache_dtype(config, dtype, device), device)
         max_blocks = -(-max_seq_len // config.block_size)
         state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device, mc.eos_token_ids, max_seq_len)
         ops, streams = _backend(config, device, max_seq_len)
@@ -117,6 +117,17 @@ def _backend(config: EngineConfig, device: torch.device, max_seq_len: int):
     streams = EngineStreams(device, timers=1 + config.max_steps_in_flight)
     torch.cuda.synchronize(device)  # weights and KV written on the default stream are ready
     return ops, streams
+
+
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's dtype: the model's, or E4M3 with --kv-cache-dtype fp8, which only the torch ops read so
+    far (the CUDA attention kernels read 16-bit caches): on a GPU it needs --kernels torch."""
+    if config.kv_cache_dtype != "fp8":
+        return dtype
+    if device.type == "cuda" and config.kernels != "torch":
+        raise ConfigError("--kv-cache-dtype fp8 needs --kernels torch on a GPU: the CUDA attention kernels read "
+                          "16-bit KV caches only (FP8 KV kernels are not built yet); or use --kv-cache-dtype auto")
+    return FP8_DTYPE
 
 
 def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVCache:
