@@ -109,3 +109,4 @@ class EngineInfo:
     quantization: str = "none"  # of the projection weights: none | fp8 (EngineConfig.quantization)
     quantized_lm_head: bool = False  # whether the LM head is quantized as well
     fp8_weight_block: str = ""  # with fp8: "channel" or "RxC" (EngineConfig.fp8_weight_block); "" with none
+    tensor_parallel_size: int = 1  # processes (GPUs) the model is split over (EngineConfig.tensor_parallel_size)

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tp-rank"]:  # ranks 1..N-1 of --tensor-parallel-size N, started by the worker itself
+        from worker.ranks import rank_main
+
+        logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s [tp rank]: %(message)s")
+        return rank_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
