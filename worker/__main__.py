@@ -1,7 +1,8 @@
 """metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, during start-up too); 2 for a start-up problem (a bad
-flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines."""
+flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines; 3 when a
+tensor-parallel rank ended while the worker served (worker/ranks.py), also with one line."""
 from __future__ import annotations
 
 import argparse
