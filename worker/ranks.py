@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -31,6 +32,9 @@ from engine.shard import check_tensor_parallel
 log = logging.getLogger(__name__)
 # How long rank 0 waits for the other ranks to exit after it told them to stop, before it kills them.
 STOP_TIMEOUT_S = 10.0
+# A rank that ends during start-up most often failed as rank 0 is about to (the same config on every rank): rank
+# 0's own error is the one reported, unless it has not failed this long after the rank ended.
+START_GRACE_S = 3.0
 
 
 def check(config: EngineConfig) -> None:
@@ -52,6 +56,7 @@ class RankProcesses:
 
     def __init__(self, config: EngineConfig, store_port: int, on_rank_exit: Callable[[str], None]):
         self.stopping = False
+        self.started = False  # set once rank 0's engine is built
         self._on_rank_exit = on_rank_exit
         spec = json.dumps(dataclasses.asdict(config))
         self.procs = [subprocess.Popen([sys.executable, "-m", "worker", "tp-rank", "--rank", str(rank),
@@ -63,6 +68,8 @@ class RankProcesses:
 
     def _watch(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
+        if not self.started:
+            time.sleep(START_GRACE_S)
         if self.stopping:
             return
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -107,7 +114,9 @@ def start_engine(config: EngineConfig, on_rank_exit: Callable[[str], None]):
     try:
         group = ParallelGroup.init(0, config.tensor_parallel_size, store.port, device, store)
         group.processes = ranks
-        return Engine(config, group)
+        engine = Engine(config, group)
+        ranks.started = True
+        return engine
     except BaseException:
         ranks.kill()
         raise

@@ -168,3 +168,14 @@ def _child_pids(pid: int) -> list[int]:
     import pathlib
 
     return [int(p) for f in pathlib.Path(f"/proc/{pid}/task").glob("*/children") for p in f.read_text().split()]
+
+
+def test_a_start_up_error_on_every_rank_is_rank_0s_one_line(tmp_path):
+    """The same config fails on every rank: the worker reports its own error (exit 2), not the lost rank."""
+    model = write_checkpoint(tmp_path / "m", arch="llama", shape="tiny")
+    proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(model), "--device", "cpu",
+                           "--port", "0", "--tensor-parallel-size", "2", "--kv-cache-memory", "0.000001"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("metrale-worker: the KV cache budget") and "--kv-cache-memory" in last
