@@ -188,7 +188,8 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
 
     def fetch(names: list[str], quantize: bool = False, part=None):
         nonlocal loaded
-        parts = [tensors.get(n, part or (shard.slice_for(n) if shard else None)) for n in names]
+        slices = [part or (shard.slice_for(n) if shard else None) for n in names]
+        parts = [tensors.get(n) if p is None else tensors.get(n, p) for n, p in zip(names, slices)]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         try:
             t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
