@@ -85,12 +85,16 @@ class EngineConfig:
     warm_up_widths: int = field(default=-1, metadata={
         "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
                 "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes the model is split over (tensor parallelism: attention heads, the MLP's intermediate "
+                "dimension and the vocabulary; engine/shard.py): one per GPU on CUDA (NCCL), gloo on CPU; the "
+                "worker starts ranks 1..N-1 itself and serves gRPC from rank 0; must divide the attention heads"})
     max_steps_in_flight: int = field(default=2, metadata={
         "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
                 "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
 
     def __post_init__(self):
-        positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
+        positive = ("tensor_parallel_size", "max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
                     "max_graphs", "capture_after", "max_steps_in_flight")
         for name in positive:
             if getattr(self, name) <= 0:

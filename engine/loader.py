@@ -128,14 +128,19 @@ class _Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, part=None) -> torch.Tensor:
+        """The tensor, or only its engine.shard.Slice `part` (read through get_slice: the rest is never read)."""
         if _cancelled.is_set():
             raise LoadCancelled("the weight load was cancelled")
         if name not in self._where:
             raise ConfigError(f"checkpoint lacks tensor {name!r}")
         f = self._where[name]
         try:
-            return self._handles[f].get_tensor(name)
+            if part is None:
+                return self._handles[f].get_tensor(name)
+            view = self._handles[f].get_slice(name)
+            pieces = [view[a:b] if part.dim == 0 else view[:, a:b] for a, b in part.ranges]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
         except (SafetensorError, OSError) as e:
             raise _unreadable(f, e) from e
 
@@ -167,11 +172,12 @@ def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none", quantize_lm_head: bool = False,
-                 fp8_block: tuple[int, int] | None = None) -> ModelWeights:
+                 fp8_block: tuple[int, int] | None = None, shard=None) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
     checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
+    shard: an engine.shard.ShardPlan (tensor parallelism): only this rank's slices of each tensor are read.
     Raises LoadCancelled, between tensors, once cancel_loading() was called."""
     tensors = check_checkpoint(path, cfg)
     shapes = tensor_shapes(cfg)
@@ -180,9 +186,10 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     loaded = 0
     fp8 = quantization == "fp8"
 
-    def fetch(names: list[str], quantize: bool = False):
+    def fetch(names: list[str], quantize: bool = False, part=None):
         nonlocal loaded
-        parts = [tensors.get(n) for n in names]
+        slices = [part or (shard.slice_for(n) if shard else None) for n in names]
+        parts = [tensors.get(n) if p is None else tensors.get(n, p) for n, p in zip(names, slices)]
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         try:
             t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
@@ -201,7 +208,13 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])
     head = LM_HEAD if not cfg.tie_word_embeddings else EMBED
-    lm_head = fetch([head], True) if fp8 and quantize_lm_head else embed if cfg.tie_word_embeddings else fetch([head])
+    head_part = shard.lm_head_slice() if shard else None
+    if fp8 and quantize_lm_head:
+        lm_head = fetch([head], True, head_part)
+    elif cfg.tie_word_embeddings:  # a vocab-parallel head tied to the (whole) embedding: a view of its rows
+        lm_head = embed if head_part is None else embed[slice(*head_part.ranges[0])]
+    else:
+        lm_head = fetch([head], part=head_part)
     return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM]), lm_head=lm_head)
 
 
