@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
 from engine.fp8_checkpoint import Fp8Layout, parse_layout
-from engine.quant import CHANNEL, QUANTIZATIONS, parse_block
+from engine.quant import CHANNEL, KV_CACHE_DTYPES, QUANTIZATIONS, parse_block
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -56,6 +56,11 @@ class EngineConfig:
                 "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
                 "exists. An FP8 checkpoint's weights keep the checkpoint's blocks; this applies to what is "
                 "quantized at load"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto: the KV cache in the model's dtype; fp8: E4M3 with a scale of 1 (half the bytes of a 16-bit "
+                "cache, so twice the blocks in the same memory; engine/quant.py fp8_kv). fp8 runs on the CPU and, on a "
+                "GPU, with --kernels torch until the attention kernels read FP8",
+        "choices": KV_CACHE_DTYPES})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
@@ -85,12 +90,16 @@ class EngineConfig:
     warm_up_widths: int = field(default=-1, metadata={
         "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
                 "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes the model is split over (tensor parallelism: attention heads, the MLP's intermediate "
+                "dimension and the vocabulary; engine/shard.py): one per GPU on CUDA (NCCL), gloo on CPU; the "
+                "worker starts ranks 1..N-1 itself and serves gRPC from rank 0; must divide the attention heads"})
     max_steps_in_flight: int = field(default=2, metadata={
         "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
                 "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
 
     def __post_init__(self):
-        positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
+        positive = ("tensor_parallel_size", "max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
                     "max_graphs", "capture_after", "max_steps_in_flight")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -117,6 +126,8 @@ class EngineConfig:
             raise ConfigError("quantize_lm_head needs quantization fp8 (--quantization fp8)")
         if parse_block(self.fp8_weight_block) is not None and self.quantization != "fp8":
             raise ConfigError(f"fp8_weight_block {self.fp8_weight_block} needs quantization fp8 (--quantization fp8)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_steps_in_flight > 4:
             raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
         if self.block_size & (self.block_size - 1):

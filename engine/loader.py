@@ -140,14 +140,19 @@ class _Tensors:
         """safetensors' name of the tensor's dtype: "F32", "BF16", "F8_E4M3", ..."""
         return self._handles[self._where[name]].get_slice(name).get_dtype()
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, part=None) -> torch.Tensor:
+        """The tensor, or only its engine.shard.Slice `part` (read through get_slice: the rest is never read)."""
         if _cancelled.is_set():
             raise LoadCancelled("the weight load was cancelled")
         if name not in self._where:
             raise ConfigError(f"checkpoint lacks tensor {name!r}")
         f = self._where[name]
         try:
-            return self._handles[f].get_tensor(name)
+            if part is None:
+                return self._handles[f].get_tensor(name)
+            view = self._handles[f].get_slice(name)
+            pieces = [view[a:b] if part.dim == 0 else view[:, a:b] for a, b in part.ranges]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
         except (SafetensorError, OSError) as e:
             raise _unreadable(f, e) from e
 
@@ -226,14 +231,20 @@ def _check_fp8(tensors: _Tensors, cfg: ModelConfig, shapes: dict[str, tuple[int,
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none", quantize_lm_head: bool = False,
-                 fp8_block: tuple[int, int] | None = None) -> ModelWeights:
+                 fp8_block: tuple[int, int] | None = None, shard=None) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
     checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
     An FP8 checkpoint's FP8 weights load with their own scales (engine/fp8_checkpoint.py) whatever
     `quantization` says; with "fp8" its 16-bit projections (an ignore list's) and, with quantize_lm_head, a
-    16-bit LM head are quantized as above. Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    16-bit LM head are quantized as above.
+    shard: an engine.shard.ShardPlan (tensor parallelism): only this rank's slices of each tensor are read
+    (16/32-bit checkpoints: an FP8 one is refused with tensor parallelism for now). Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    if shard is not None and cfg.fp8_layout:
+        raise ConfigError(f"an FP8 checkpoint ({cfg.fp8_layout.description}) is not split for tensor parallelism yet "
+                          f"(its scale blocks would need slicing with the weights): serve it with "
+                          f"--tensor-parallel-size 1")
     tensors = check_checkpoint(path, cfg)
     shapes = tensor_shapes(cfg)
     element = torch.empty((), dtype=dtype).element_size()
@@ -246,13 +257,14 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
         check_scale_values(scale_name(cfg.fp8_layout, name), scale)
         return cfg.fp8_layout.weight(tensors.get(name), scale)
 
-    def fetch(names: list[str], quantize: bool = False):
+    def fetch(names: list[str], quantize: bool = False, part=None):
         nonlocal loaded
         try:
             if tensors.dtype(names[0]) == FP8_SAFETENSORS_DTYPE:
                 t = to_device(fuse([read_fp8(n) for n in names]), device)
             else:
-                parts = [tensors.get(n) for n in names]
+                slices = [part or (shard.slice_for(n) if shard else None) for n in names]
+                parts = [tensors.get(n) if p is None else tensors.get(n, p) for n, p in zip(names, slices)]
                 t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
                 t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
         except torch.OutOfMemoryError as e:
@@ -270,7 +282,13 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])
     head = LM_HEAD if not cfg.tie_word_embeddings else EMBED
-    lm_head = fetch([head], True) if fp8 and quantize_lm_head else embed if cfg.tie_word_embeddings else fetch([head])
+    head_part = shard.lm_head_slice() if shard else None
+    if fp8 and quantize_lm_head:
+        lm_head = fetch([head], True, head_part)
+    elif cfg.tie_word_embeddings:  # a vocab-parallel head tied to the (whole) embedding: a view of its rows
+        lm_head = embed if head_part is None else embed[slice(*head_part.ranges[0])]
+    else:
+        lm_head = fetch([head], part=head_part)
     return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM]), lm_head=lm_head)
 
 

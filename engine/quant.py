@@ -32,6 +32,7 @@ import torch
 from engine.errors import ConfigError
 
 QUANTIZATIONS = ("none", "fp8")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: E4M3 with scale 1 (fp8_kv)
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Compute capability FP8 tensor cores (and torch._scaled_mm) need: Ada (8.9) and Hopper (9.0) on.
@@ -171,3 +172,12 @@ def check_device(quantization: str, device: torch.device, checkpoint: str = "") 
         raise ConfigError(f"{what} needs a GPU with FP8 support (compute capability >= "
                           f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}: Ada or Hopper); {device} ({name}) has "
                           f"{capability[0]}.{capability[1]}: serve it with {fix}")
+
+
+def fp8_kv(x: torch.Tensor) -> torch.Tensor:
+    """K or V rows as an FP8 KV cache holds them: E4M3 with a scale of 1 (as vLLM's uncalibrated FP8 cache),
+    saturated at +-448 (a plain cast would make NaN of larger values). Keys and values of the models served
+    stay far inside that range (SmolLM2-135M: |k| <= 19, |v| <= 13); their relative rounding is 2^-4, and
+    values below 2^-6 lose precision as E4M3's subnormals (tests/e2e/test_fp8_accuracy.py measures the effect).
+    Reading is a plain upcast."""
+    return x.float().clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

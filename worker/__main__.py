@@ -1,7 +1,8 @@
 """metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, during start-up too); 2 for a start-up problem (a bad
-flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines."""
+flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines; 3 when a
+tensor-parallel rank ended while the worker served (worker/ranks.py), also with one line."""
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tp-rank"]:  # ranks 1..N-1 of --tensor-parallel-size N, started by the worker itself
+        from worker.ranks import rank_main
+
+        logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s [tp rank]: %(message)s")
+        return rank_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -44,6 +44,7 @@ class _Work:
     args: tuple
     future: asyncio.Future
     times: list | None = None  # a step's CLOCK_MONOTONIC stamps (see step())
+    prepare: Callable[[], tuple] | None = None  # makes args on the loop's thread just before the call starts
 
 
 @dataclass
@@ -52,6 +53,15 @@ class _Launched:
     step: PendingStep
     started: float  # monotonic time of its launch
     times: list | None
+
+
+@dataclass
+class _Start:
+    """A Generate stream waiting for its sequence: allocated and prefilled with the others waiting then."""
+
+    prompt: list[int]
+    alloc: Callable[[Engine], api.AllocResult]
+    first: asyncio.Future  # its first TokenResult, or the exception that refused it
 
 
 @dataclass
@@ -73,6 +83,7 @@ class EngineRunner:
         self._in_flight: collections.deque[_Launched] = collections.deque()  # launched, oldest first
         self._busy_since: float | None = None  # monotonic start of the call running on the engine thread
         self._streams: dict[int, _Stream] = {}
+        self._starts: list[_Start] = []  # Generate streams whose prefill call is queued, not started yet
         self._stream_task: asyncio.Task | None = None
         self._waiter = _DeviceWaiter(self._loop, self._pump)
         self._closed = False
@@ -111,12 +122,13 @@ class EngineRunner:
         """fn(engine, *args) on the engine thread, in its turn (the loop keeps serving meanwhile)."""
         return await self._submit(_THREAD, fn, args)
 
-    def _submit(self, kind: str, fn: Callable, args: tuple, times: list | None = None) -> asyncio.Future:
+    def _submit(self, kind: str, fn: Callable, args: tuple, times: list | None = None,
+                prepare: Callable[[], tuple] | None = None) -> asyncio.Future:
         future = self._loop.create_future()
         if self._closed:
             future.set_exception(RuntimeError("the engine runner has shut down"))
             return future
-        self._queue.append(_Work(kind, fn, args, future, times))
+        self._queue.append(_Work(kind, fn, args, future, times, prepare))
         if self._busy_since is None:
             self._pump()
         return future
@@ -135,18 +147,37 @@ class EngineRunner:
                            alloc: Callable[[Engine], api.AllocResult]) -> tuple[int, asyncio.Queue]:
         """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
         its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
-        nothing is left allocated."""
+        nothing is left allocated.
+
+        Streams that start while their prefill call waits in the queue (behind the steps in flight, or
+        another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
+        as a router batches the prompts it admits together, instead of one call (and one drain of the steps
+        in flight) per stream."""
         out: asyncio.Queue = asyncio.Queue()
+        start = _Start(prompt, alloc, self._loop.create_future())
+        self._starts.append(start)
+        if len(self._starts) == 1:  # the first since the last batch was taken: queue the call that takes them
+            taken: list[list[_Start]] = []
 
-        def begin(engine: Engine) -> api.TokenResult:
-            seq_id = alloc(engine).seq_id
-            try:
-                return engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
-            except BaseException:
-                engine.release([seq_id])
-                raise
+            def take() -> tuple:  # the streams waiting now, less those whose caller went away meanwhile
+                taken.append([s for s in self._starts if not s.first.done()])
+                self._starts = []
+                return (taken[0],)
 
-        first = await self.call(begin)
+            def answer(batch: asyncio.Future) -> None:
+                starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
+                error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
+                for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
+                    if isinstance(outcome, BaseException):
+                        if not s.first.done():
+                            s.first.set_exception(outcome)
+                    elif s.first.done():  # its caller went away while it started: nobody decodes it
+                        self._loop.create_task(self.run(lambda e, i=outcome.seq_id: e.release([i])))
+                    else:
+                        s.first.set_result(outcome)
+
+            self._submit(_THREAD, _start_streams, (), prepare=take).add_done_callback(answer)
+        first = await start.first
         out.put_nowait(first)
         if first.finish_reason:
             await self.run(lambda engine: engine.release([first.seq_id]))
@@ -253,6 +284,8 @@ class EngineRunner:
                 self._waiter.watch(self._in_flight[0].step if self._in_flight else None)
                 return
             self._queue.popleft()
+            if work.prepare is not None:
+                work.args = work.prepare()
             if work.kind == _THREAD:
                 self._start_thread_call(work)
                 return
@@ -391,3 +424,39 @@ class _DeviceWaiter:
                 self._loop.call_soon_threadsafe(self._wake)
             except RuntimeError:  # the loop closed
                 return
+
+
+def _start_streams(engine: Engine, starts: list[_Start]) -> list:
+    """On the engine thread: allocates each start's sequence and prefills them all in one Engine.prefill.
+    Returns one outcome per start, its first TokenResult or the exception that refused it (a refused start
+    leaves nothing allocated). Engine.prefill checks every item before it changes anything, so when one
+    prompt is refused the others are prefilled one by one and only that one fails."""
+    outcomes: list = [None] * len(starts)
+    allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
+    for i, s in enumerate(starts):
+        try:
+            allocated.append((i, s.alloc(engine).seq_id))
+        except Exception as e:  # noqa: BLE001 - answered to that stream's caller
+            outcomes[i] = e
+    try:
+        tokens = engine.prefill([api.PrefillItem(seq, starts[i].prompt) for i, seq in allocated]).tokens \
+            if allocated else []
+    except EngineError:  # one prompt refused the call before it changed anything: each alone
+        for i, seq in allocated:
+            outcomes[i] = _start_one(engine, seq, starts[i].prompt)
+        return outcomes
+    except BaseException:
+        engine.release([seq for _, seq in allocated if seq in engine.sequences])
+        raise
+    for (i, _), token in zip(allocated, tokens):
+        outcomes[i] = token
+    return outcomes
+
+
+def _start_one(engine: Engine, seq_id: int, prompt: list[int]):
+    """One stream's prefill alone: its first TokenResult, or the exception (its sequence released)."""
+    try:
+        return engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
+    except Exception as e:  # noqa: BLE001 - answered to that stream's caller
+        engine.release([seq_id])
+        return e

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.quant import Fp8Weight, Weight, fp8_linear
+from engine.quant import FP8_DTYPE, Fp8Weight, Weight, fp8_kv, fp8_linear
 
 
 @dataclass(frozen=True)
@@ -180,8 +180,11 @@ class TorchOps:
 
         num_blocks, block_size = k_cache.shape[:2]
         keep = slot_mapping >= 0  # a negative slot writes nothing (pad tokens)
-        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping[keep]] = rotate(k)[keep]
-        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+        k_rows, v_rows = rotate(k)[keep], v[keep]
+        if k_cache.dtype == FP8_DTYPE:  # --kv-cache-dtype fp8 (readers upcast with .float())
+            k_rows, v_rows = fp8_kv(k_rows), fp8_kv(v_rows)
+        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping[keep]] = k_rows
+        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping[keep]] = v_rows
         return rotate(q)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -83,6 +83,7 @@ def engine_scores(model, tokens: list[int], **changes) -> torch.Tensor:
         assert info.quantization == changes.get("quantization", "none")
         block = changes.get("fp8_weight_block", "channel")
         assert info.fp8_weight_block == ("" if info.quantization == "none" else block)
+        assert info.kv_cache_dtype == ("float8_e4m3fn" if changes.get("kv_cache_dtype") == "fp8" else info.dtype)
         return engine.score(tokens)
     finally:
         engine.close()
@@ -95,7 +96,10 @@ def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
     for name, changes in (("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("fp8", {"quantization": "fp8"}),
                           ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True}),
                           ("fp8 1x64", {"quantization": "fp8", "fp8_weight_block": "1x64"}),
-                          ("fp8 1x32", {"quantization": "fp8", "fp8_weight_block": "1x32"})):
+                          ("fp8 1x32", {"quantization": "fp8", "fp8_weight_block": "1x32"}),
+                          ("fp8 kv", {"kv_cache_dtype": "fp8"}),
+                          ("fp8 1x64 + fp8 kv", {"quantization": "fp8", "fp8_weight_block": "1x64",
+                                                 "kv_cache_dtype": "fp8"})):
         logp = engine_scores(default_model, tokens, **{"dtype": "float32", **changes})
         if name == "fp32":  # the unquantized engine is transformers, up to fp32 rounding
             assert (logp - reference).abs().max().item() < 1e-3
@@ -141,3 +145,19 @@ def test_block_scaled_fp8_meets_the_relative_floors_of_issue_43(figures, name, b
     agree, ppl = figures[name]
     assert agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
     assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+def test_an_fp8_kv_cache_meets_the_floors_of_issue_43(figures):
+    """--kv-cache-dtype fp8 (E4M3, scale 1) with the weights unquantized, against the bf16 worker as the issue
+    states its floors: agreement >= 0.90 and within 0.05 of bf16's, perplexity within 3% (measured on the dev
+    box: 0.942 / 19.95 against bf16's 0.970 / 19.86; against the fp32 worker's 1.000 the drop is 0.058)."""
+    base_agree, base_ppl = figures["bf16"]
+    agree, ppl = figures["fp8 kv"]
+    assert agree >= AGREEMENT_FLOOR and agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
+    assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+def test_fp8_weights_and_kv_together_stay_above_the_absolute_floor(figures):
+    agree, ppl = figures["fp8 1x64 + fp8 kv"]
+    assert agree >= AGREEMENT_FLOOR, agree
+    assert ppl <= figures["bf16"][1] * 1.05, (ppl, figures["bf16"][1])

@@ -76,3 +76,16 @@ def test_fuse_is_exact(block, rows):
     assert torch.equal(fused.data.view(torch.uint8), torch.cat([p.data for p in parts]).view(torch.uint8))
     lined_up = block[0] == 1 or all(n % block[0] == 0 for n in rows[:-1])
     assert fused.block == (block if lined_up and block[0] > 1 else (1, 48) if block[0] == 1 else (1, block[1]))
+
+
+def test_an_fp8_checkpoint_is_refused_under_tensor_parallelism(tmp_path):
+    """Its scale blocks are not sliced with the weights yet: one ConfigError (exit 2 at start-up) naming the fix."""
+    from engine.checkpoint import write_checkpoint
+    from engine.config import ModelConfig
+    from engine.loader import load_weights
+    from engine.shard import ShardPlan
+
+    path = write_checkpoint(tmp_path / "m", arch="llama", shape="tiny", fp8_layout="fp8")
+    mc = ModelConfig.from_dir(path)
+    with pytest.raises(ConfigError, match="--tensor-parallel-size 1"):
+        load_weights(path, mc, torch.float32, torch.device("cpu"), shard=ShardPlan(mc, 0, 2))
