@@ -8,14 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.api import PrefillItem
 from engine.checkpoint import write_checkpoint
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
 from engine.quant import FP8_MIN_CAPABILITY, Fp8Weight, dequantize, quantize_fp8
-from engine.sampling import SamplingParams, StoppingCriteria
-from gpu.helpers import dev, randn
+from gpu.helpers import dev, greedy_run, randn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY,
@@ -140,7 +138,7 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
     assert w8a8[0] >= weights_only[0] - 0.05 and w8a8[1] <= weights_only[1]
     for batch in (4, 16):
         ps = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in [7, 30, 61, 100] * (batch // 4)]
-        got, want = greedy(fast, ps, 16), greedy(ref, ps, 16)
+        got, want = greedy_run(fast, ps, 16), greedy_run(ref, ps, 16)
         for p, x, y in zip(ps, got, want):
             if x == y:
                 continue
@@ -152,17 +150,6 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
             assert gap < (0.1 if batch <= 8 and j > 0 else weights_only[1]), f"not a near-tie: gap {gap}"
     for e in (fast, ref, base):
         e.close()
-
-
-def greedy(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
-    stop = StoppingCriteria(ignore_eos=True)
-    ids = [engine.alloc_sequence(len(p) + n + 1, SamplingParams(), stop).seq_id for p in ps]
-    out = {t.seq_id: [t.token_id] for t in engine.prefill([PrefillItem(i, p) for i, p in zip(ids, ps)]).tokens}
-    for _ in range(n - 1):
-        for t in engine.decode(ids).tokens:
-            out[t.seq_id].append(t.token_id)
-    engine.release(ids)
-    return [out[i] for i in ids]
 
 
 @pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static"])
@@ -185,7 +172,7 @@ def test_published_fp8_checkpoints_on_the_kernels_match_the_torch_ops_engine(tmp
     print(f"{layout}: top-1 agreement {agreement:.3f}, max |dlogp| {(a - b).abs().max().item():.4f}")
     assert agreement >= 0.95
     ps = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in [7, 30, 61, 100]]
-    for p, x, y in zip(ps, greedy(fast, ps, 16), greedy(ref, ps, 16)):
+    for p, x, y in zip(ps, greedy_run(fast, ps, 16), greedy_run(ref, ps, 16)):
         if x != y:
             j = next(i for i in range(len(x)) if x[i] != y[i])
             logp = ref.score(p + y[:j])[-1]
