@@ -156,26 +156,31 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
 def test_published_fp8_checkpoints_on_the_kernels_match_the_torch_ops_engine(tmp_path, layout):
     """A bf16 checkpoint in each published FP8 layout (engine/fp8_checkpoint.py) loads as FP8 on the GPU (whatever
     --quantization says) and the kernels engine agrees with the torch-ops engine on the same weights: teacher-forced
-    top-1 agreement over 200 positions (prefill runs W8A8 for per-channel weights: within 0.05 of the torch engine,
-    the slack the W8A8 test above allows) and greedy decoding of 4 sequences (W8A16 / the fp32 reference: the same
+    top-1 agreement over 200 positions (prefill runs W8A8 for per-channel weights: no further from the torch engine
+    than that is from the bf16 source, with 0.05 of slack, the bar of the W8A8 test above) and greedy decoding of 4 sequences (W8A16 / the fp32 reference: the same
     tokens except at near-ties)."""
     path = write_checkpoint(tmp_path / layout, arch="qwen3", shape="tiny", seed=9, dtype="bfloat16", vocab_size=4096,
                             fp8_layout=layout)
+    source = write_checkpoint(tmp_path / "bf16", arch="qwen3", shape="tiny", seed=9, dtype="bfloat16",
+                              vocab_size=4096)  # the same weights before quantization
     fast, ref = fp8_engine(path, quantization="none"), fp8_engine(path, quantization="none", kernels="torch")
+    base = fp8_engine(source, quantization="none")
     info = fast.info()
     assert fast.runtime.ops.name == "cuda" and info.quantization == "fp8" and info.checkpoint_quantization
     assert isinstance(fast.runtime.weights.layers[0].qkv, Fp8Weight)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
-    a, b = fast.score(tokens), ref.score(tokens)
-    agreement = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
-    print(f"{layout}: top-1 agreement {agreement:.3f}, max |dlogp| {(a - b).abs().max().item():.4f}")
-    assert agreement >= 0.95
+    a, b, c = fast.score(tokens), ref.score(tokens), base.score(tokens)
+    agreement, weights_only = ((x.argmax(-1) == y.argmax(-1)).float().mean().item() for x, y in ((a, b), (b, c)))
+    print(f"{layout}: top-1 agreement kernels vs torch ops {agreement:.3f} (max |dlogp| "
+          f"{(a - b).abs().max().item():.4f}); torch ops vs the bf16 source {weights_only:.3f}")
+    # per-channel layouts prefill W8A8 (a different arithmetic): held to the measured bar of the test above
+    assert agreement >= weights_only - 0.05
     ps = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in [7, 30, 61, 100]]
     for p, x, y in zip(ps, greedy_run(fast, ps, 16), greedy_run(ref, ps, 16)):
         if x != y:
             j = next(i for i in range(len(x)) if x[i] != y[i])
             logp = ref.score(p + y[:j])[-1]
             assert (logp[y[j]] - logp[x[j]]).item() < 0.1, f"{layout}: not a near-tie after {j} tokens"
-    for e in (fast, ref):
+    for e in (fast, ref, base):
         e.close()
