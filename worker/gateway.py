@@ -170,22 +170,23 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
         tokens: list[list] = [[] for _ in live.choices]
         reasons: list[str] = [convert.ABORT] * len(live.choices)
-        async for choice, item in _choice_items(live.choices):
-            i = choice.index
-            if isinstance(item, BaseException):
-                raise item
-            if item is None or item is ABORTED:  # the choice has ended
-                reasons[i] = convert.ABORT if item is ABORTED else convert.finish_reason(tokens[i])
+        async for choice, items in _choice_items(live.choices):
+            i, end = choice.index, items[-1]
+            new = items[:-1] if _ended(end) else items
+            for item in new:
+                self.metrics.observe_stream_token(choice.seq_id, item)
+            self.requests.count_tokens(len(new))
+            tokens[i] += new
+            if stream and new:
+                yield convert.chunk(new, prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, index=i)
+            if isinstance(end, BaseException):
+                raise end
+            if end is None or end is ABORTED:  # the choice has ended
+                reasons[i] = convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
                 if stream:
                     last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
                     cached = tokens[i][0].cached_tokens if tokens[i] else 0
                     yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, index=i)
-                continue
-            self.metrics.observe_stream_token(choice.seq_id, item)
-            self.requests.count_tokens(1)
-            tokens[i].append(item)
-            if stream:
-                yield convert.chunk([item], prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, index=i)
         if not stream:
             for i, reason in enumerate(reasons):
                 cached = tokens[i][0].cached_tokens if tokens[i] else 0
@@ -327,15 +328,26 @@ def _ended(item) -> bool:
     return item is None or item is ABORTED or isinstance(item, BaseException)
 
 
+def _with_queued(choice: Choice, item) -> list:
+    """item and the items already waiting behind it on the choice's queue, up to and including an ending one: a
+    handler that fell behind the steps sends what it has in one chunk (as vLLM merges a lagging stream's deltas)
+    instead of one write per token, each costing the event loop that also launches the steps."""
+    items = [item]
+    while not _ended(items[-1]) and not choice.out.empty():
+        items.append(choice.out.get_nowait())
+    return items
+
+
 async def _choice_items(choices: list[Choice]):
-    """(choice, item) as the choices' token queues deliver them, until every queue has ended (_ended: that item
-    is yielded too). One choice reads its queue directly; several wait on all their queues at once."""
+    """(choice, items) as the choices' token queues deliver them (_with_queued: one item, or several that were
+    waiting together), until every queue has ended (_ended: that item is the last of its list). One choice reads
+    its queue directly; several wait on all their queues at once."""
     if len(choices) == 1:
         choice = choices[0]
         while True:
-            item = await choice.out.get()
-            yield choice, item
-            if _ended(item):
+            items = _with_queued(choice, await choice.out.get())
+            yield choice, items
+            if _ended(items[-1]):
                 return
     pending = {asyncio.ensure_future(c.out.get()): c for c in choices}
     try:
@@ -343,9 +355,9 @@ async def _choice_items(choices: list[Choice]):
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for get in sorted(done, key=lambda f: pending[f].index):
                 choice = pending.pop(get)
-                item = get.result()
-                yield choice, item
-                if not _ended(item):
+                items = _with_queued(choice, get.result())
+                yield choice, items
+                if not _ended(items[-1]):
                     pending[asyncio.ensure_future(choice.out.get())] = choice
     finally:
         for get in pending:
