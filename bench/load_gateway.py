@@ -13,7 +13,8 @@ each request's random ids are decoded with the checkpoint's tokenizer and encode
 the ids that gives, the gateway as their text, and usage.prompt_tokens shows whether smg encoded every
 text back to as many tokens (prompt_token_mismatches). A checkpoint load.py wrote itself gets a word-level
 tokenizer ("<unk>", "<s>", "</s>" = ids 0-2, then "w3" .. one word per id), for which text and ids map one
-to one and every token streams as an SSE event of its own.
+to one; each chunk the worker sends (one token, or the several a lagging handler had queued) streams as an
+SSE event of its own (token_events).
 
 Reported per path: output tokens/s over the level's wall time; TTFT p50/p99 (the router's Alloc to the
 Prefill reply; the client's POST to the first SSE event with text); ITL p50/p99 (between a request's
