@@ -427,10 +427,10 @@ class _DeviceWaiter:
 
 
 def _start_streams(engine: Engine, starts: list[_Start]) -> list:
-    """On the engine thread: allocates each start's sequence and prefills them all in one Engine.prefill.
-    Returns one outcome per start, its first TokenResult or the exception that refused it (a refused start
-    leaves nothing allocated). Engine.prefill checks every item before it changes anything, so when one
-    prompt is refused the others are prefilled one by one and only that one fails."""
+    """On the engine thread: allocates each start's sequence and prefills them together, max_batch_size to an
+    Engine.prefill. Returns one outcome per start, its first TokenResult or the exception that refused it (a
+    refused start leaves nothing allocated). Engine.prefill checks every item before it changes anything, so
+    when one prompt is refused the others of its call are prefilled one by one and only that one fails."""
     outcomes: list = [None] * len(starts)
     allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
     for i, s in enumerate(starts):
@@ -438,18 +438,21 @@ def _start_streams(engine: Engine, starts: list[_Start]) -> list:
             allocated.append((i, s.alloc(engine).seq_id))
         except Exception as e:  # noqa: BLE001 - answered to that stream's caller
             outcomes[i] = e
-    try:
-        tokens = engine.prefill([api.PrefillItem(seq, starts[i].prompt) for i, seq in allocated]).tokens \
-            if allocated else []
-    except EngineError:  # one prompt refused the call before it changed anything: each alone
-        for i, seq in allocated:
-            outcomes[i] = _start_one(engine, seq, starts[i].prompt)
-        return outcomes
-    except BaseException:
-        engine.release([seq for _, seq in allocated if seq in engine.sequences])
-        raise
-    for (i, _), token in zip(allocated, tokens):
-        outcomes[i] = token
+    width = engine.config.max_batch_size  # the most sequences one Engine.prefill takes
+    for group in (allocated[g:g + width] for g in range(0, len(allocated), width)):
+        try:
+            tokens = engine.prefill([api.PrefillItem(seq, starts[i].prompt) for i, seq in group]).tokens
+        except EngineError:  # one prompt refused the call before it changed anything: each alone
+            for i, seq in group:
+                outcomes[i] = _start_one(engine, seq, starts[i].prompt)
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken forward: this group's streams fail, nothing is left held
+            engine.release([seq for _, seq in group if seq in engine.sequences])
+            for i, _ in group:
+                outcomes[i] = e
+            continue
+        for (i, _), token in zip(group, tokens):
+            outcomes[i] = token
     return outcomes
 
 

@@ -19,10 +19,10 @@ def alloc(total: int):
     return lambda e: e.alloc_sequence(total, SamplingParams(), StoppingCriteria(max_new_tokens=4, ignore_eos=True))
 
 
-async def started(tiny_model, prompts: list[list[int]]):
+async def started(tiny_model, prompts: list[list[int]], **changes):
     """Starts one stream per prompt while the engine thread is held busy, then lets it go; returns (the
     prefill calls' item counts, each start's outcome, the runner)."""
-    runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+    runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model, **changes)))
     calls, gate = [], threading.Event()
     prefill = runner.engine.prefill
     runner.engine.prefill = lambda items: calls.append(len(items)) or prefill(items)
@@ -89,6 +89,19 @@ def test_a_refused_prompt_fails_alone_and_leaves_nothing_allocated(tiny_model):
             assert [len(t) for t in tokens] == [4, 4]
             free, usable = await runner.run(lambda e: (e.blocks.num_free_blocks, e.blocks.num_usable_blocks))
             assert free == usable  # every sequence released, the refused one too
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_more_starts_than_a_batch_holds_prefill_max_batch_size_at_a_time(tiny_model):
+    async def main():
+        calls, outcomes, runner = await started(tiny_model, [[i + 1, i + 2] for i in range(5)], max_batch_size=2)
+        try:
+            assert calls == [2, 2, 1], calls
+            assert [len(t) for t in await drain(runner, outcomes)] == [4] * 5
         finally:
             await runner.shutdown()
 
