@@ -18,6 +18,8 @@
 //               heads rotate-half with cs = cos_sin[rope_index[m]] (rope_cache_write.cu's numerics:
 //               products and sums rounded one by one, no FMA); q -> q_out[m, h], k and v ->
 //               k_cache / v_cache at slot_mapping[m] (negative: no cache write for that token)
+//     rope_kvfp8 rope_kv into an E4M3 cache (engine/quant.py fp8_kv): the cache rows get fp8(the values rope_kv
+//               writes), rounded to nearest even and saturated at +-448 (rope_cache_write_*_kvfp8's bits)
 //
 // Tensor-core mapping (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type",
 // .bf16/.f16 A and B; groupID g = lane >> 2, threadID_in_group t = lane & 3):
@@ -68,14 +70,14 @@
 //   x [M, K] T; W [N, K] T; bias [N] T; norm_w [K] T.
 //   rope_kv: N = (H + 2 Hkv) D; q_out [M, H, D] T; cos_sin [P, D] fp32 (cos of the D/2 frequencies,
 //     then their sin); rope_index [M] int64; k_cache / v_cache [num_blocks * block_size, Hkv, D] T
-//     (element offset slot * Hkv * D + kh * D + i); slot_mapping [M] int64.
+//     (element offset slot * Hkv * D + kh * D + i; rope_kvfp8: E4M3 bytes); slot_mapping [M] int64.
 //   residual: residual [M, N] T (in/out).
-// Launch contract (skinny_{store,f32,silu,residual,rope_kv}_{bf16,fp16}_m{8,16,32}[_w16]):
+// Launch contract (skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_m{8,16,32}[_w16]):
 //   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
 //   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must not overlap
 //   x or W. Launched with programmatic dependent launch, the kernel just before it in the stream must not
-//   write bias, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv): they are read
+//   write bias, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv*): they are read
 //   before the wait. (In a decode forward the residual's last writer is two or more launches back: o after
 //   attention, down after gate_up; rope_index and slot_mapping come from decode_prepare or earlier.)
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
@@ -84,7 +86,7 @@
 #define SK_CHUNK 32  // k elements per warp per step (two mmas)
 #define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
 
-enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4 };
+enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4, EP_ROPE_KV8 = 5 };
 
 // Every operand of every epilogue (unused ones null / zero).
 struct SkinnyArgs {
@@ -101,6 +103,8 @@ struct SkinnyArgs {
   int M, N, K, half;  // half = S / 2, the distance between the two rows of a pair
   int H, Hkv, D;      // rope_kv
   float eps;          // NORM
+  unsigned char* k_cache8;  // rope_kvfp8: the E4M3 caches
+  unsigned char* v_cache8;
 };
 
 // 16-byte loads. W is streamed once (no L1 allocation, 256-byte L2 prefetch: the 8 warps of a block
@@ -273,7 +277,7 @@ __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyA
         const u16* res = (const u16*)a.out + (i64)m * a.N;
         e.in0[j][s] = T::to_float(res[r0]);
         e.in1[j][s] = T::to_float(res[r1]);
-      } else if (EP == EP_ROPE_KV) {
+      } else if (EP == EP_ROPE_KV || EP == EP_ROPE_KV8) {
         if (head >= a.H) e.slot[j][s] = a.slot_mapping[m];
         if (head < a.H + a.Hkv) {
           const float* cs = a.cos_sin + a.rope_index[m] * (i64)a.D;
@@ -320,6 +324,27 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
         u16* res = (u16*)a.out + (i64)m * a.N;
         res[r0] = T::from_float(e.in0[j][s] + v0);
         res[r1] = T::from_float(e.in1[j][s] + v1);
+      } else if (EP == EP_ROPE_KV8) {  // rope_kv's values; the cache rows as E4M3 (rounded to T first)
+        const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
+        const int D = a.D;
+        float y0 = x0, y1 = x1;
+        if (head < a.H + a.Hkv) {
+          const float c = e.in0[j][s], sn = e.in1[j][s];
+          y0 = round_to<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn)));
+          y1 = round_to<T>(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn)));
+        }
+        if (head < a.H) {
+          u16* dst = (u16*)a.out + ((i64)m * a.H + head) * D;
+          dst[i] = T::from_float(y0);
+          dst[half + i] = T::from_float(y1);
+        } else {
+          if (e.slot[j][s] < 0) continue;
+          unsigned char* dst = head < a.H + a.Hkv ? a.k_cache8 + (e.slot[j][s] * a.Hkv + (head - a.H)) * (i64)D
+                                                  : a.v_cache8 + (e.slot[j][s] * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
+          const u32 pair = fp8x2_from_floats(y0, y1);
+          dst[i] = (unsigned char)(pair & 0xffu);
+          dst[half + i] = (unsigned char)(pair >> 8);
+        }
       } else {  // EP_ROPE_KV
         const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
         const int D = a.D;
@@ -499,6 +524,17 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
     skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kvfp8_##SUFFIX##_m##MB##WSFX(            \
+      u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
+      const i64* rope_index, unsigned char* k_cache, unsigned char* v_cache, const i64* slot_mapping, int M, int H, \
+      int Hkv, int D, int K, float eps) {                                                                           \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = q_out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                              \
+    a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache8 = k_cache; a.v_cache8 = v_cache;                     \
+    a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
+    a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
+    skinny_impl<T, NT, EP_ROPE_KV8, WARPS>(a);                                                                      \
   }
 #define SKINNY_ENTRIES(SUFFIX, T, MB, NT)     \
   SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, ) \

@@ -15,6 +15,10 @@ sizes taken from tensor shapes and host-known configuration only, reads no devic
 and launches on the current torch stream. prefill_attention sizes its grid from its host lists and
 copies a small work list to the device (it runs eagerly).
 
+The KV cache is the activations' dtype or E4M3 (--kv-cache-dtype fp8): every kernel that writes or reads it
+(rope_cache_write, the skinny QKV kernel's rope_kv, decode and prefill attention) has a _kvfp8 entry, which the
+wrappers pick from the cache's dtype; the prefill path through torch's fused attention converts the gathered keys.
+
 Beyond TorchOps: `accept_drafts` (batched speculative acceptance, the sync-free form of
 engine.sampling.accept_drafts for B sequences with K drafts each).
 """
@@ -43,7 +47,7 @@ from engine.cuda.wrappers import (
 from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
+from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps, kv_rows
 from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, Weight, finish_linear, fp8_linear
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
@@ -151,7 +155,7 @@ class CudaOps(TorchOps):
         # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
         # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
         if layer.q_norm is not None or self._rows_per_seq > 1 or not decode_attention.fits_one_wave(
-                self.lib, B, H, Hkv, D, self.max_seq_len):
+                self.lib, B, H, Hkv, D, self.max_seq_len, fp8_kv=kv.k.dtype == FP8_DTYPE):
             return super().qkv_attention(h, layer, meta, kv, normed)
         x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
         out = self.linear(x, layer.qkv, layer.qkv_bias)
@@ -257,9 +261,11 @@ class CudaOps(TorchOps):
         """rope: the fused RoPE and KV write of qkv_attention (engine/cuda/wrappers/decode_attention.py).
         fresh: launched right behind the kernel that produced q (qkv_attention's QKV projection),
         with programmatic dependent launch; that kernel wrote no cache row of a position < seq_len - fresh,
-        so the older rows (and the tables) are read before the wait. None: serialised, nothing read early."""
+        so the older rows (and the tables) are read before the wait. None: serialised, nothing read early.
+        The caches are q's dtype or E4M3 (--kv-cache-dtype fp8: the kernels' _kvfp8 entries)."""
         batch, num_heads, head_dim = q.shape
-        splits = decode_attention.key_splits(self.lib, batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
+        splits = decode_attention.key_splits(self.lib, batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len,
+                                             fp8_kv=k_cache.dtype == FP8_DTYPE)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
         part_o = part_lse = None
         if splits > 1:
@@ -312,7 +318,8 @@ class CudaOps(TorchOps):
         """Sequences whose lengths round up to the same multiple of SDPA_BUCKET go through one causal
         scaled_dot_product_attention call (GQA), padded to that length, so sequences of different
         lengths share a call. Padding sits after each sequence's last key, so causal masking keeps it
-        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset."""
+        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset. An E4M3 cache's
+        keys are gathered as bytes and converted to q's dtype (exact) for the call."""
         if self._sdpa_key != key:
             self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
             self._sdpa_key = key
@@ -325,8 +332,8 @@ class CudaOps(TorchOps):
             n, length = group.num_seqs, group.length
             qg = (q[:n * length] if group.q_index is None else q[group.q_index]).view(
                 n, length, num_heads, head_dim).transpose(1, 2)
-            kg = k_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            vg = v_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            kg, vg = (kv_rows(flat, group.kv_index).to(q.dtype).view(n, length, num_kv_heads, head_dim)
+                      .transpose(1, 2) for flat in (k_flat, v_flat))
             with (sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext()):
                 og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
                                                                       enable_gqa=num_heads != num_kv_heads)

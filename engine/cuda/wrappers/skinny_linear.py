@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda.checks import dtype_suffix, expect_shape, overlaps, rope_operands, tensor_arg
+from engine.cuda.checks import dtype_suffix, expect_shape, kv_suffix, overlaps, rope_operands, tensor_arg
 from engine.cuda.driver import KernelArgError
 
 if TYPE_CHECKING:
@@ -27,6 +27,7 @@ SKINNY_EPILOGUE_ARGS = {
     "residual": "ppp" + "iii",          # residual, x, w, M, N, K
     "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
                                           # slot_mapping, M, H, Hkv, D, K, eps
+    "rope_kvfp8": "p" * 10 + "iiiii" + "f",  # the same into E4M3 caches (--kv-cache-dtype fp8)
 }
 
 
@@ -139,7 +140,8 @@ def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: to
     """The fused QKV projection: qkv = x' @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)]
     and x' = rms_norm(x, norm_weight, eps) or x; q and k rotated (rotate-half) by cos_sin[rope_index];
     q -> q_out [M, H, D]; k and v -> the caches at slot_mapping (a negative slot skips the token's cache
-    write)."""
+    write). The caches are x's dtype or E4M3 (an FP8 KV cache: the rope_kvfp8 entries, which round each value to
+    x's dtype and then to E4M3)."""
     H, Hkv = int(num_heads), int(num_kv_heads)
     N = weight.shape[0] if weight.dim() == 2 else 0
     if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
@@ -153,4 +155,5 @@ def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: to
                                        x.dtype)
     if M == 0:
         return
-    _launch(lib, "rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
+    ep = "rope_kvfp8" if kv_suffix(k_cache) else "rope_kv"
+    _launch(lib, ep, sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
