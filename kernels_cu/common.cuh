@@ -187,12 +187,13 @@ __device__ __forceinline__ float gumbel_noise(u64 seed, i64 position, u32 index)
 // value. Kernels that read or write it take it as `unsigned char*` (entry names with a `kvfp8` part).
 //
 // Reading, E4M3 -> T exactly on every architecture (no FP8 conversion instruction before sm_89, and the sm_80
-// cubin also serves sm_86 / sm_89 devices): the byte's sign, exponent and mantissa bits moved into T's fields
-// give |v| * 2^-120 as bf16 (exponent bias 127 vs 7) or |v| * 2^-8 as fp16 (bias 15 vs 7) for every finite v,
-// E4M3's subnormals included (they land on T's subnormals with the same 3 mantissa bits); one fma.rn by the
-// power of two (c = -0: the sign of zeros kept; no .ftz: subnormal inputs kept) fixes the bias exactly, and
-// |v| <= 448 fits both types. The NaN codes 0x7f / 0xff come out as +-480, not NaN: the writers below saturate,
-// so only a NaN k or v puts one in the cache.
+// cubin also serves sm_86 / sm_89 devices), two values per step: prmt picks the two bytes, each followed by a byte
+// of its sign bit (prmt's sign-replicating select), one shift and one mask move their sign, exponent and mantissa
+// bits into T's fields, which gives |v| * 2^-120 as bf16 (exponent bias 127 vs 7) or |v| * 2^-8 as fp16 (bias 15
+// vs 7) for every finite v, E4M3's subnormals included (they land on T's subnormals with the same 3 mantissa
+// bits), and one fma.rn by the power of two (c = -0: the sign of zeros kept; no .ftz: subnormal inputs kept)
+// fixes the bias exactly; |v| <= 448 fits both types. 4 instructions per 2 values. The NaN codes 0x7f / 0xff come
+// out as +-480, not NaN: the writers below saturate, so only a NaN k or v puts one in the cache.
 // Writing, fp32 -> E4M3 rounded to nearest even and saturated at +-448 (fp8_kv's clamp, then torch's cast):
 // cvt.rn.satfinite.e4m3x2.f32 from sm_89 on; before, the same rounding in integer arithmetic
 // (fp8_bits_from_float, c10's fp8e4m3fn_from_fp32_value after the clamp), which the sm_80 cubin carries.
@@ -202,20 +203,23 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
+// The prmt selector of x = {byte lo, its sign x 8, byte hi, its sign x 8} (bits 0..31) from bytes lo and hi of
+// {b, a} (0..3: a's bytes, 4..7: b's; byte 0 is the lowest address).
+__host__ __device__ constexpr u32 fp8_sel(u32 lo, u32 hi) { return lo | (8u | lo) << 4 | hi << 8 | (8u | hi) << 12; }
 
-// The integer half of the read: E4M3 bytes at bits 8..15 and 24..31 of x (bits 0..7 and 16..23 are ignored)
-// -> the bit patterns of a T pair (the value of bits 8..15 in bits 0..15), each v / SCALE (a power of two).
+// The integer half of the read: x as fp8_sel builds it -> the bit patterns of the T pair (byte lo's value in
+// bits 0..15), each the E4M3 value / SCALE (a power of two).
 template <class T>
 struct Fp8Bits;
 template <>
 struct Fp8Bits<Bf16> {
   static constexpr u32 SCALE = 0x7B807B80u;  // 2^120, twice
-  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x & 0x80008000u) | ((x >> 4) & 0x07f007f0u); }
+  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x << 4) & 0x87f087f0u; }
 };
 template <>
 struct Fp8Bits<Fp16> {
   static constexpr u32 SCALE = 0x5C005C00u;  // 2^8, twice
-  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x & 0x80008000u) | ((x >> 1) & 0x3f803f80u); }
+  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x << 7) & 0xbf80bf80u; }
 };
 template <class T>
 struct FmaPair;
@@ -235,22 +239,22 @@ struct FmaPair<Fp16> {
     return d;
   }
 };
-// E4M3 bytes at bits 8..15 and 24..31 of x -> one register of two T values (bits 8..15's in bits 0..15).
-template <class T>
-__device__ __forceinline__ u32 fp8_pair(u32 x) {
-  return FmaPair<T>::run(Fp8Bits<T>::pair(x), Fp8Bits<T>::SCALE, 0x80008000u);
+// E4M3 bytes lo and hi of {b, a} (SEL = fp8_sel(lo, hi)) -> one register of two T values (lo's in bits 0..15).
+template <class T, u32 SEL>
+__device__ __forceinline__ u32 fp8_pair(u32 a, u32 b) {
+  return FmaPair<T>::run(Fp8Bits<T>::pair(prmt(a, b, SEL)), Fp8Bits<T>::SCALE, 0x80008000u);
 }
 // Four E4M3 bytes w (byte 0 at the lowest address) -> T pairs (b0, b1) and (b2, b3).
 template <class T>
 __device__ __forceinline__ void fp8x4_to_pairs(u32 w, u32& p01, u32& p23) {
-  p01 = fp8_pair<T>(prmt(w, 0u, 0x1100u));
-  p23 = fp8_pair<T>(prmt(w, 0u, 0x3322u));
+  p01 = fp8_pair<T, fp8_sel(0, 1)>(w, 0u);
+  p23 = fp8_pair<T, fp8_sel(2, 3)>(w, 0u);
 }
-// The same bytes -> T pairs (b0, b2) and (b1, b3): one byte move fewer, for fragments whose order is free.
+// The same bytes -> T pairs (b0, b2) and (b1, b3) (fragments whose order is free).
 template <class T>
 __device__ __forceinline__ void fp8x4_to_pairs_02_13(u32 w, u32& p02, u32& p13) {
-  p13 = fp8_pair<T>(w);
-  p02 = fp8_pair<T>(w << 8);
+  p02 = fp8_pair<T, fp8_sel(0, 2)>(w, 0u);
+  p13 = fp8_pair<T, fp8_sel(1, 3)>(w, 0u);
 }
 
 // fp32 -> E4M3 bits (0..255) in integer arithmetic: NaN -> 0x7f | sign; |f| >= 448 -> 0x7e | sign (saturated,

@@ -43,7 +43,7 @@
 // value (16-byte cp.async: 16 values per copy, half the bytes of a 16-bit row), STAGES8 = 2 STAGES - 1 deep
 // (the bytes in flight per block of the 16-bit tiles), rows of LD8 bytes (D + 16 where D / 16 is even, else D:
 // every fragment load below is free of bank conflicts). No 16-bit copy of a tile is made: each lane loads the
-// bytes of its own mma fragments as 32-bit words and converts them to T in registers (common.cuh fp8x4_to_*:
+// bytes of its own mma fragments as 32-bit words and converts them to T in registers (common.cuh fp8_pair:
 // exact), fp32 accumulation as before. The fragment orders (mma.m16n8k16 with groupID g = lane >> 2, t = lane & 3:
 // B "col" b0b1 = (k rows 2t, 2t+1; col g), b2b3 = (k rows 2t+8, 2t+9; col g)) use permutations the results do
 // not depend on (a dot product is the same sum in any order; the output columns are put back in the merge):
@@ -545,13 +545,11 @@ __device__ __forceinline__ void decode_attention_impl(
           const int at = 32 * m + 4 * fg;
           const u32 w0 = *reinterpret_cast<const u32*>(r0 + at), w1 = *reinterpret_cast<const u32*>(r0 + LD8 + at);
           const u32 w2 = *reinterpret_cast<const u32*>(r2 + at), w3 = *reinterpret_cast<const u32*>(r2 + LD8 + at);
-          u32 b0[4], b1[4];  // n-tile 4m + i: b0b1 (rows 2t, 2t + 1) and b2b3 (rows 2t + 8, 2t + 9)
-          fp8x4_to_pairs_02_13<T>(prmt(w0, w1, 0x5410u), b0[0], b0[1]);
-          fp8x4_to_pairs_02_13<T>(prmt(w0, w1, 0x7632u), b0[2], b0[3]);
-          fp8x4_to_pairs_02_13<T>(prmt(w2, w3, 0x5410u), b1[0], b1[1]);
-          fp8x4_to_pairs_02_13<T>(prmt(w2, w3, 0x7632u), b1[2], b1[3]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) Mma<T>::run(o[4 * m + i], pa, b0[i], b1[i]);
+          // n-tile 4m + i: b0b1 = byte i of rows 2t, 2t + 1; b2b3 = byte i of rows 2t + 8, 2t + 9
+          Mma<T>::run(o[4 * m], pa, fp8_pair<T, fp8_sel(0, 4)>(w0, w1), fp8_pair<T, fp8_sel(0, 4)>(w2, w3));
+          Mma<T>::run(o[4 * m + 1], pa, fp8_pair<T, fp8_sel(1, 5)>(w0, w1), fp8_pair<T, fp8_sel(1, 5)>(w2, w3));
+          Mma<T>::run(o[4 * m + 2], pa, fp8_pair<T, fp8_sel(2, 6)>(w0, w1), fp8_pair<T, fp8_sel(2, 6)>(w2, w3));
+          Mma<T>::run(o[4 * m + 3], pa, fp8_pair<T, fp8_sel(3, 7)>(w0, w1), fp8_pair<T, fp8_sel(3, 7)>(w2, w3));
         }
         if (D % 32) {  // head_dim = 32 m + 16: the last 2 n-tiles from 16-bit words
           const int at = D - 16 + 2 * fg;
@@ -559,11 +557,8 @@ __device__ __forceinline__ void decode_attention_impl(
           const u32 h1 = *reinterpret_cast<const unsigned short*>(r0 + LD8 + at);
           const u32 h2 = *reinterpret_cast<const unsigned short*>(r2 + at);
           const u32 h3 = *reinterpret_cast<const unsigned short*>(r2 + LD8 + at);
-          u32 b0[2], b1[2];
-          fp8x4_to_pairs_02_13<T>(prmt(h0, h1, 0x5410u), b0[0], b0[1]);
-          fp8x4_to_pairs_02_13<T>(prmt(h2, h3, 0x5410u), b1[0], b1[1]);
-          Mma<T>::run(o[D / 8 - 2], pa, b0[0], b1[0]);
-          Mma<T>::run(o[D / 8 - 1], pa, b0[1], b1[1]);
+          Mma<T>::run(o[D / 8 - 2], pa, fp8_pair<T, fp8_sel(0, 4)>(h0, h1), fp8_pair<T, fp8_sel(0, 4)>(h2, h3));
+          Mma<T>::run(o[D / 8 - 1], pa, fp8_pair<T, fp8_sel(1, 5)>(h0, h1), fp8_pair<T, fp8_sel(1, 5)>(h2, h3));
         }
       } else {
 #pragma unroll

@@ -24,7 +24,8 @@ from engine.runtime import kv_cache_dtype
 HARNESS = r"""
 #include "common.cuh"
 #include <cstdio>
-// stdin: "e BITS" (fp32 bits -> fp8_bits_from_float) or "d X" (Fp8Bits<Bf16>::pair(X), Fp8Bits<Fp16>::pair(X))
+// stdin: "e BITS" (fp32 bits -> fp8_bits_from_float), "s 8 LO + HI" (fp8_sel) or "d X" (Fp8Bits<Bf16>::pair(X),
+// Fp8Bits<Fp16>::pair(X))
 int main() {
   char op;
   unsigned int v;
@@ -33,6 +34,8 @@ int main() {
       float f;
       __builtin_memcpy(&f, &v, 4);
       printf("%u\n", fp8_bits_from_float(f));
+    } else if (op == 's') {  // v = 8 lo + hi
+      printf("%u\n", fp8_sel(v >> 3, v & 7u));
     } else {
       printf("%u %u\n", Fp8Bits<Bf16>::pair(v), Fp8Bits<Fp16>::pair(v));
     }
@@ -95,28 +98,55 @@ def test_the_kernels_encode_the_edge_cases_of_fp32(codec):
     assert nan.tolist() == [0x7F, 0xFF]  # E4M3's NaN code, with the sign
 
 
+def sign_select(lo: int, hi: int) -> int:
+    """What prmt with common.cuh's fp8_sel(lo, hi) builds of two bytes (PTX ISA prmt: a selector nibble with its
+    top bit set replicates the selected byte's sign bit over the byte): {lo, sign(lo) x 8, hi, sign(hi) x 8}."""
+    sign = lambda b: 0xFF if b & 0x80 else 0  # noqa: E731
+    return lo | sign(lo) << 8 | hi << 16 | sign(hi) << 24
+
+
+def prmt(a: int, b: int, sel: int) -> int:
+    """PTX prmt.b32 in its default mode: byte k of the result is byte (sel >> 4k) & 7 of {b, a}, or, where bit 3 of
+    that nibble is set, that byte's sign bit over all 8 bits."""
+    src = (b << 32 | a).to_bytes(8, "little")
+    out = 0
+    for k in range(4):
+        nib = sel >> 4 * k & 0xF
+        byte = src[nib & 7]
+        out |= (0xFF if byte & 0x80 else 0) << 8 * k if nib & 8 else byte << 8 * k
+    return out
+
+
+def test_fp8_sel_picks_two_bytes_each_followed_by_its_sign(codec):
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(0, 1 << 32, (8, 2), generator=g, dtype=torch.int64).tolist()
+    pairs = [(lo, hi) for lo in range(8) for hi in range(8)]
+    sels = [int(x) for x in codec([f"s {8 * lo + hi}" for lo, hi in pairs])]
+    for (lo, hi), sel in zip(pairs, sels):
+        for a, b in words:
+            src = (b << 32 | a).to_bytes(8, "little")
+            assert prmt(a, b, sel) == sign_select(src[lo], src[hi]), (lo, hi, hex(sel))
+
+
 def test_the_kernels_read_every_e4m3_value_exactly(codec):
-    """The integer half of the read (Fp8Bits<T>::pair: the byte's fields moved into T's) times the power of two
-    the kernels multiply by (2^120 for bf16, 2^8 for fp16) is the E4M3 value, for every byte but the NaN codes;
-    the bits of the other bytes of each 16-bit half are ignored."""
+    """The integer half of the read (Fp8Bits<T>::pair of the bytes as prmt's sign-replicating select lays them out)
+    times the power of two the kernels multiply by (2^120 for bf16, 2^8 for fp16) is the E4M3 value, for every byte
+    but the NaN codes, in both halves of the pair."""
     codes = torch.arange(256)
     finite = codes[(codes & 0x7F) != 0x7F]
     want = finite.to(torch.uint8).view(FP8_DTYPE).float()
-    lines = []
-    for b in finite.tolist():  # b in the upper half (bits 24..31), 0xA5 in bits 16..23; byte 0x3C at bits 8..15, 0xFF
-        lines.append(f"d {(b << 24) | (0xA5 << 16) | (0x3C << 8) | 0xFF}")
+    partner = finite.flip(0)  # the other half of each pair: every code in both halves
+    lines = [f"d {sign_select(b, c)}" for b, c in zip(finite.tolist(), partner.tolist())]
     pairs = [tuple(int(x) for x in line.split()) for line in codec(lines)]
-    bf16_hi = torch.tensor([p[0] >> 16 for p in pairs], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    fp16_hi = torch.tensor([p[1] >> 16 for p in pairs], dtype=torch.int32).to(torch.int16).view(torch.float16)
-    assert torch.equal(bf16_hi.double() * 2.0 ** 120, want.double())
-    assert torch.equal(fp16_hi.double() * 2.0 ** 8, want.double())
-    assert torch.equal(torch.signbit(bf16_hi), torch.signbit(want)) and torch.equal(torch.signbit(fp16_hi),
+    for shift, codes_at in ((0, finite), (16, partner)):
+        want = codes_at.to(torch.uint8).view(FP8_DTYPE).double()
+        bf16 = torch.tensor([p[0] >> shift & 0xFFFF for p in pairs], dtype=torch.int32).to(torch.int16)
+        fp16 = torch.tensor([p[1] >> shift & 0xFFFF for p in pairs], dtype=torch.int32).to(torch.int16)
+        bf16, fp16 = bf16.view(torch.bfloat16), fp16.view(torch.float16)
+        assert torch.equal(bf16.double() * 2.0 ** 120, want), shift
+        assert torch.equal(fp16.double() * 2.0 ** 8, want), shift
+        assert torch.equal(torch.signbit(bf16), torch.signbit(want)) and torch.equal(torch.signbit(fp16),
                                                                                    torch.signbit(want))
-    lo = {(p[0] & 0xFFFF, p[1] & 0xFFFF) for p in pairs}  # byte 0x3C (1.5) in bits 8..15 of every request
-    assert len(lo) == 1
-    (bf16_lo, fp16_lo), = lo
-    assert torch.tensor([bf16_lo], dtype=torch.int16).view(torch.bfloat16).item() * 2.0 ** 120 == 1.5
-    assert torch.tensor([fp16_lo], dtype=torch.int16).view(torch.float16).item() * 2.0 ** 8 == 1.5
 
 
 def test_every_attention_and_cache_write_entry_has_an_fp8_kv_twin():
