@@ -218,3 +218,25 @@ def test_fp8_kv_on_the_cuda_kernels_needs_a_gpu_with_fp8(monkeypatch):
 def test_the_header_states_the_shared_memory_the_wrapper_computes():
     text = (pathlib.Path(build.KERNEL_DIR) / "decode_attention.cu").read_text()
     assert "STAGES8 = 2 * STAGES - 1" in text and "LD8 = D % 32 ? D : D + 16" in text
+
+
+def test_the_fp8_kv_entries_size_their_splits_by_their_own_occupancy():
+    """key_splits / fits_one_wave of the E4M3 entries read the library's decode_blocks_per_sm_kvfp8 (their own
+    shared memory and registers), the 16-bit ones decode_blocks_per_sm."""
+    from types import SimpleNamespace
+    lib = SimpleNamespace(num_sms=132, decode_cluster=8, decode_max_splits=128,
+                          decode_blocks_per_sm={64: 3, 128: 3}, decode_blocks_per_sm_kvfp8={64: 4, 128: 1})
+    for batch, d in ((32, 64), (8, 128), (1, 128), (64, 64)):
+        blocks = batch * 8  # (sequence, KV head) blocks a split: 32 query heads over 8, one head chunk
+        for fp8 in (False, True):
+            per_sm = (lib.decode_blocks_per_sm_kvfp8 if fp8 else lib.decode_blocks_per_sm)[d]
+            splits = decode_attention.key_splits(lib, batch, 32, 8, d, 32768, fp8_kv=fp8)
+            assert splits == 1 or blocks * splits <= per_sm * lib.num_sms, (batch, d, fp8, splits)
+            assert decode_attention.fits_one_wave(lib, batch, 32, 8, d, 32768, fp8_kv=fp8) == (
+                blocks * splits <= per_sm * lib.num_sms)
+    # 1B at batch 32: 256 blocks a split; 3 a SM hold one split (396), 4 a SM two (528)
+    assert decode_attention.key_splits(lib, 32, 32, 8, 64, 32768) == 1
+    assert decode_attention.key_splits(lib, 32, 32, 8, 64, 32768, fp8_kv=True) == 2
+    # 8B at batch 8: 64 blocks a split; about two a SM (5 splits) where 3 fit, 2 where 1 fits
+    assert decode_attention.key_splits(lib, 8, 32, 8, 128, 32768) == 5
+    assert decode_attention.key_splits(lib, 8, 32, 8, 128, 32768, fp8_kv=True) == 2
