@@ -26,6 +26,7 @@ import grpc
 from engine.engine import Engine
 from engine.errors import EngineError, FailedPrecondition
 from engine.kv_events import follow
+from engine.tokenizer import Tokenizer
 from worker import gateway_convert as convert
 from worker.aio import until_set
 from worker.errors import Unavailable, status_of
@@ -34,6 +35,7 @@ from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
 from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
+from worker.stop_strings import StopStringMatcher
 from worker.tokenizer_bundle import TokenizerBundle, chunks
 
 log = logging.getLogger(__name__)
@@ -69,11 +71,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._drain_started = asyncio.Event()
         self.requests = Requests()
         self.tokenizer: TokenizerBundle | None = None
+        self.text: Tokenizer | None = None
         self._started = time.time()
         self._background: set[asyncio.Task] = set()
 
-    async def attach(self, runner: EngineRunner) -> None:
-        """Called once the engine has loaded: the service starts answering."""
+    async def attach(self, runner: EngineRunner, text: Tokenizer | None = None) -> None:
+        """Called once the engine has loaded: the service starts answering. text: the checkpoint's tokenizer
+        (None: it has none), which stop strings are matched with."""
+        self.text = text
         self.facts = await runner.call(convert.model_facts)
         # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
         self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
@@ -108,7 +113,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 self._check_loaded()
                 if self.draining:
                     raise Unavailable("the worker is draining (shutting down); send the request to another worker")
-                spec = convert.generate_spec(request, self.facts)
+                spec = convert.generate_spec(request, self.facts, self.text)
                 live = self.requests.add(rid, len(spec.prompt), spec.n)
             except EngineError as e:
                 call.code = status_of(e)
@@ -170,9 +175,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
         tokens: list[list] = [[] for _ in live.choices]
         reasons: list[str] = [convert.ABORT] * len(live.choices)
+        matchers = [StopStringMatcher(spec.stop, self.text, spec.skip_special_tokens, spec.stopping.min_tokens)
+                    if spec.stop else None for _ in live.choices]
         async for choice, items in _choice_items(live.choices):
             i, end = choice.index, items[-1]
             new = items[:-1] if _ended(end) else items
+            if matchers[i] is not None:
+                new = await self._until_stop_string(choice, matchers[i], new, _ended(end))
             for item in new:
                 self.metrics.observe_stream_token(choice.seq_id, item)
             self.requests.count_tokens(len(new))
@@ -182,15 +191,31 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if isinstance(end, BaseException):
                 raise end
             if end is None or end is ABORTED:  # the choice has ended
-                reasons[i] = convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
+                matched = matchers[i].matched if matchers[i] is not None else None
+                reasons[i] = convert.STOP if matched is not None else convert.ABORT if end is ABORTED else \
+                    convert.finish_reason(tokens[i])
                 if stream:
                     last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
                     cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, index=i)
+                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, i, matched)
         if not stream:
             for i, reason in enumerate(reasons):
                 cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, index=i)
+                matched = matchers[i].matched if matchers[i] is not None else None
+                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, i, matched)
+
+    async def _until_stop_string(self, choice: Choice, matcher: StopStringMatcher, new: list, ended: bool) -> list:
+        """The choice's new tokens up to the one that completes a stop string; at that one its sequence is
+        stopped and its queue ended (the tokens of steps launched behind it are dropped)."""
+        if matcher.matched is not None:
+            return []
+        for k, item in enumerate(new):
+            if matcher.feed(item.token_id):
+                if not ended:  # a sequence that ended with this delta was released by the runner
+                    await self.runner.stop_stream(choice.seq_id)
+                    choice.out.put_nowait(None)
+                return new[:k + 1]
+        return new
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
         """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not

@@ -5,17 +5,18 @@ Field semantics follow vLLM's SamplingParams as smg's reference vLLM servicer ma
 `max_tokens` generates until the context is full; min_p, frequency_penalty, presence_penalty, logit_bias
 and min_tokens are the engine's logits processors (engine/logits_processors.py, vLLM's semantics); `n`
 samples n sequences of the prompt, choice i seeded with seed + i when a seed is given (vLLM's
-parallel sampling). A field the engine cannot honour is refused with INVALID_ARGUMENT naming it, never
-ignored. Two fields are moot for a worker that returns token ids: `skip_special_tokens` and
-`spaces_between_special_tokens` shape detokenized text, which the gateway makes itself.
+parallel sampling); `stop` strings end a choice where its text completes one (worker/stop_strings.py,
+matched on text detokenized with `skip_special_tokens`). A field the engine cannot honour is refused with
+INVALID_ARGUMENT naming it, never ignored. Moot for a worker that returns token ids:
+`spaces_between_special_tokens` and `include_stop_str_in_output` shape the text the gateway makes itself.
 
 Response shapes (what smg reads, as smg's reference vLLM servicer sends them): a stream sends one
 GenerateStreamChunk per token (delta token ids, `completion_tokens` the delta's count, delta logprobs,
 `index` its choice), then, when a choice ends, a GenerateComplete of that index that repeats its last
 delta with the finish reason; chunks of different choices interleave. A non-streaming call sends, once
 every choice has ended, one GenerateComplete per choice, in index order, with all its output tokens.
-Finish reasons are vLLM's strings: "length", "stop" (EOS, or a stop token, then named in
-`matched_token_id`) and "abort".
+Finish reasons are vLLM's strings: "length", "stop" (EOS; a stop token, then named in `matched_token_id`;
+or a stop string, named in `matched_stop_str`) and "abort".
 """
 from __future__ import annotations
 
@@ -28,12 +29,15 @@ from engine.config import SUPPORTED_ARCHITECTURES
 from engine.errors import InvalidArgument
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason
+from engine.tokenizer import Tokenizer
 from worker.gateway_pb import vpb
+from worker.stop_strings import check_stops
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 UNSET_TEMPERATURE = 1.0  # vLLM's default when the request leaves temperature unset
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop"}
 ABORT = "abort"
+STOP = "stop"
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class GenerateSpec:
     max_total_tokens: int  # the KV reservation of each choice: prompt + max_tokens, or the whole context
     num_logprobs: int | None  # None: no logprobs; 0: the sampled token's; n: and the top n
     n: int = 1  # choices: sequences sampled from the prompt
+    stop: tuple[str, ...] = ()  # stop strings (worker/stop_strings.py)
+    skip_special_tokens: bool = True  # how the text stop strings are matched in is detokenized
 
     def sampling_for(self, index: int) -> SamplingParams:
         """Choice `index`'s parameters: with a seed, seed + index (mod 2**64; vLLM's parallel sampling seeds its
@@ -109,8 +115,7 @@ def _check_request(request: vpb.GenerateRequest) -> None:
 def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
     """Sampling fields the engine has no counterpart for yet: refused by name when set; and the fields whose
     vLLM limits are the gateway's to check."""
-    unsupported = [("stop", len(p.stop) > 0, list(p.stop)[:4]),
-                   ("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
+    unsupported = [("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
     for name, is_set, value in unsupported:
         if is_set:
             shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
@@ -135,8 +140,9 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
                       f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
 
 
-def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSpec:
-    """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument."""
+def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: Tokenizer | None = None) -> GenerateSpec:
+    """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument. tokenizer: the
+    checkpoint's (None: it has none), which stop strings need."""
     kind = request.WhichOneof("input")
     if kind == "text":
         raise _refuse("text", "input is not supported: this worker takes token ids (tokenized.input_ids); "
@@ -146,6 +152,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
     _check_request(request)
     p = request.sampling_params
     _check_sampling(p, facts)
+    stops = check_stops(list(p.stop), tokenizer)
 
     prompt = list(request.tokenized.input_ids)
     if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
@@ -185,7 +192,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
     except InvalidArgument as e:
         raise InvalidArgument(f"sampling_params.{e}") from None
     return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None,
-                        max(p.n, 1))
+                        max(p.n, 1), stops, p.skip_special_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,13 +225,16 @@ def finish_reason(tokens: list[api.TokenResult]) -> str:
 
 
 def complete(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None, reason: str,
-             cached_tokens: int = 0, index: int = 0) -> vpb.GenerateResponse:
-    """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta."""
+             cached_tokens: int = 0, index: int = 0, matched_stop: str | None = None) -> vpb.GenerateResponse:
+    """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta; matched_stop:
+    the stop string that ended it (reason "stop")."""
     msg = vpb.GenerateComplete(
         output_ids=[t.token_id for t in tokens], finish_reason=reason, prompt_tokens=prompt_tokens,
         completion_tokens=len(tokens), cached_tokens=cached_tokens,
         output_logprobs=output_logprobs(tokens, num_logprobs), index=index)
-    if tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
+    if matched_stop is not None:
+        msg.matched_stop_str = matched_stop
+    elif tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
         msg.matched_token_id = tokens[-1].token_id
     return vpb.GenerateResponse(complete=msg)
 

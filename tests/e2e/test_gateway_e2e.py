@@ -457,6 +457,37 @@ def test_completions_answer_as_transformers_greedy(rr, oracle, default_model):
     assert streamed == oracle.text(answer)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, oracle, default_model, stream):
+    """OpenAI `stop` strings: the worker ends the sequence at the token whose text completes one (so
+    completion_tokens counts up to it), smg trims the text before the string, finish_reason "stop"."""
+    text = "The capital of France is"
+    answer = oracle.greedy(oracle.text_ids(text), MAX_NEW_TOKENS)
+    full = oracle.text(answer)
+    words = full.split()
+    stop = next(w for w in words[2:] if full.count(w) == 1)  # a word of the answer's middle, there once
+    k = next(k for k in range(1, len(answer) + 1) if stop in oracle.text(answer[:k]))  # the completing token
+    assert k < len(answer)
+    request = dict(model=default_model.name, prompt=text, max_tokens=MAX_NEW_TOKENS, temperature=0,
+                   stop=["a string never said", stop])
+    if stream:
+        sse = rr.stream("/v1/completions", dict(request, stream_options={"include_usage": True}))
+        events = list(sse.events())
+        sse.close()
+        got = "".join(c["text"] for e in events for c in e.get("choices", []))
+        reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+        usage = [e["usage"] for e in events if e.get("usage")][-1]
+    else:
+        reply = rr.post("/v1/completions", request)
+        assert reply.status == 200, reply.body
+        choice = reply.body["choices"][0]
+        got, reasons, usage = choice["text"], [choice["finish_reason"]], reply.body["usage"]
+    assert got == full[:full.index(stop)]
+    assert reasons == ["stop"]
+    assert usage["completion_tokens"] == k
+    assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
+
+
 def test_requests_are_spread_over_both_workers(rr, workers, default_model):
     pair = [workers["a"], workers["b"]]
     before = [(w.generates("OK"), w.info().prefix_cache.queries) for w in pair]
