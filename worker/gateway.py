@@ -4,7 +4,7 @@ port beside ModelWorker and on the same engine.
 smg detects the worker by calling HealthCheck on each engine service it knows, registers it with
 GetModelInfo and GetServerInfo, fetches GetTokenizer when it has no tokenizer of its own, polls GetLoads
 for load-aware routing, and sends each OpenAI request as one Generate of token ids (Abort when its client
-goes away). A Generate is a stream of the EngineRunner (start_stream): concurrent calls share decode
+goes away). A Generate is a stream of the EngineRunner (runner.streams.start): concurrent calls share decode
 steps with each other and with ModelWorker's Generate streams.
 
 Like ModelWorkerServicer, this only translates: conversions are in worker/gateway_convert.py, engine
@@ -36,6 +36,7 @@ from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
 from worker.stop_strings import StopStringMatcher
+from worker.structured_output import Constraint, Grammars
 from worker.tokenizer_bundle import TokenizerBundle, chunks
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.requests = Requests()
         self.tokenizer: TokenizerBundle | None = None
         self.text: Tokenizer | None = None
+        self.grammars: Grammars | None = None
         self._started = time.time()
         self._background: set[asyncio.Task] = set()
 
@@ -79,7 +81,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """Called once the engine has loaded: the service starts answering. text: the checkpoint's tokenizer
         (None: it has none), which stop strings are matched with."""
         self.text = text
-        self.facts = await runner.call(convert.model_facts)
+        self.facts = facts = await runner.call(convert.model_facts)
+        self.grammars = Grammars(facts.model_path, facts.vocab_size, facts.eos_token_ids)
         # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
         self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
         self.runner = runner
@@ -114,6 +117,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if self.draining:
                     raise Unavailable("the worker is draining (shutting down); send the request to another worker")
                 spec = convert.generate_spec(request, self.facts, self.text)
+                grammar = await asyncio.to_thread(self.grammars.compile, *spec.constraint) if spec.constraint else None
                 live = self.requests.add(rid, len(spec.prompt), spec.n)
             except EngineError as e:
                 call.code = status_of(e)
@@ -121,7 +125,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             done = False
             try:
                 started = time.perf_counter()
-                await self._start(live, spec)
+                await self._start(live, spec, grammar)
                 for choice in live.choices:
                     self.metrics.start_stream(choice.seq_id, started)
                 if live.aborted:  # Abort came while the sequences were starting
@@ -143,19 +147,25 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         continue  # not started (refused, or a later choice of a refused call): nothing to free
                     self.metrics.end_stream(choice.seq_id)
                     if not done:  # the caller went away, or the call failed: free the sequence (ended ones: no-op)
-                        self._in_background(self.runner.stop_stream(choice.seq_id))
+                        self._in_background(self.runner.streams.stop(choice.seq_id))
 
-    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec) -> None:
+    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec, grammar=None) -> None:
         """Allocates and prefills each choice's sequence, one after another (its first token is then on its
         queue). A caller that goes away meanwhile leaves the start in progress to finish on the engine thread;
-        that sequence is stopped then."""
+        that sequence is stopped then. grammar: the compiled constraint (structured output), a Constraint of
+        its own for each choice, whose first token's mask is set with the allocation."""
         for choice in live.choices:
             request_id = live.request_id if spec.n == 1 else f"{live.request_id}/{choice.index}"
+            choice.constraint = Constraint(grammar, self.facts.vocab_size) if grammar is not None else None
 
-            def alloc(engine: Engine, sampling=spec.sampling_for(choice.index), request_id=request_id):
-                return engine.alloc_sequence(spec.max_total_tokens, sampling, spec.stopping, request_id)
+            def alloc(engine: Engine, sampling=spec.sampling_for(choice.index), request_id=request_id,
+                      constraint=choice.constraint):
+                result = engine.alloc_sequence(spec.max_total_tokens, sampling, spec.stopping, request_id)
+                if constraint is not None:
+                    engine.set_token_mask(result.seq_id, constraint.mask())
+                return result
 
-            start = asyncio.ensure_future(self.runner.start_stream(spec.prompt, alloc))
+            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint))
             try:
                 choice.seq_id, choice.out = await asyncio.shield(start)
             except asyncio.CancelledError:
@@ -164,7 +174,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     def _stop_orphan(self, start: asyncio.Future) -> None:
         if not start.cancelled() and start.exception() is None:
-            self._in_background(self.runner.stop_stream(start.result()[0]))
+            self._in_background(self.runner.streams.stop(start.result()[0]))
 
     def _in_background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -192,8 +202,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 raise end
             if end is None or end is ABORTED:  # the choice has ended
                 matched = matchers[i].matched if matchers[i] is not None else None
-                reasons[i] = convert.STOP if matched is not None else convert.ABORT if end is ABORTED else \
-                    convert.finish_reason(tokens[i])
+                done_grammar = choice.constraint is not None and choice.constraint.terminated
+                reasons[i] = convert.STOP if matched is not None or done_grammar else \
+                    convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
                 if stream:
                     last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
                     cached = tokens[i][0].cached_tokens if tokens[i] else 0
@@ -212,7 +223,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         for k, item in enumerate(new):
             if matcher.feed(item.token_id):
                 if not ended:  # a sequence that ended with this delta was released by the runner
-                    await self.runner.stop_stream(choice.seq_id)
+                    await self.runner.streams.stop(choice.seq_id)
                     choice.out.put_nowait(None)
                 return new[:k + 1]
         return new
@@ -234,7 +245,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """Stops the call's started sequences; each choice then ends with "abort" after the tokens already
         queued (one that had ended keeps its own finish reason)."""
         for choice in live.choices:
-            await self.runner.stop_stream(choice.seq_id)
+            await self.runner.streams.stop(choice.seq_id)
             choice.out.put_nowait(ABORTED)
 
     # ------------------------------------------------------------------ health and reports

@@ -6,7 +6,9 @@ Field semantics follow vLLM's SamplingParams as smg's reference vLLM servicer ma
 and min_tokens are the engine's logits processors (engine/logits_processors.py, vLLM's semantics); `n`
 samples n sequences of the prompt, choice i seeded with seed + i when a seed is given (vLLM's
 parallel sampling); `stop` strings end a choice where its text completes one (worker/stop_strings.py,
-matched on text detokenized with `skip_special_tokens`). A field the engine cannot honour is refused with
+matched on text detokenized with `skip_special_tokens`); a structured-output `constraint` (JSON schema or
+object, regex, EBNF grammar, choice, structural tag) holds every token to its grammar
+(worker/structured_output.py). A field the engine cannot honour is refused with
 INVALID_ARGUMENT naming it, never ignored. Moot for a worker that returns token ids:
 `spaces_between_special_tokens` and `include_stop_str_in_output` shape the text the gateway makes itself.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from engine import api
@@ -86,6 +89,7 @@ class GenerateSpec:
     n: int = 1  # choices: sequences sampled from the prompt
     stop: tuple[str, ...] = ()  # stop strings (worker/stop_strings.py)
     skip_special_tokens: bool = True  # how the text stop strings are matched in is detokenized
+    constraint: tuple[str, str] | None = None  # structured output (worker/structured_output.py): (kind, its text)
 
     def sampling_for(self, index: int) -> SamplingParams:
         """Choice `index`'s parameters: with a seed, seed + index (mod 2**64; vLLM's parallel sampling seeds its
@@ -120,10 +124,6 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
         if is_set:
             shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
             raise _refuse(f"sampling_params.{name}", f"is not supported by this worker yet (got {shown})")
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None:
-        raise _refuse(f"sampling_params.{constraint}",
-                      "(structured output) is not supported by this worker yet")
     max_top_logprobs = facts.max_top_logprobs
     if p.HasField("logprobs") and not 0 <= p.logprobs <= max_top_logprobs:
         raise _refuse("sampling_params.logprobs", f"must be in [0, {max_top_logprobs}] on this worker "
@@ -140,6 +140,17 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
                       f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
 
 
+def constraint_of(p: vpb.SamplingParams) -> tuple[str, str] | None:
+    """The structured-output constraint a request sets, as (kind, text): the choices of `choice` as a JSON list,
+    "" for json_object (false: none)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(p.choice.choices))
+    return kind, "" if kind == "json_object" else getattr(p, kind)
+
+
 def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: Tokenizer | None = None) -> GenerateSpec:
     """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument. tokenizer: the
     checkpoint's (None: it has none), which stop strings need."""
@@ -153,6 +164,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: To
     p = request.sampling_params
     _check_sampling(p, facts)
     stops = check_stops(list(p.stop), tokenizer)
+    constraint = constraint_of(p)
 
     prompt = list(request.tokenized.input_ids)
     if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
@@ -182,7 +194,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: To
         repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
         top_logprobs=p.logprobs if p.HasField("logprobs") else 0,
         min_p=p.min_p, frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        logit_bias=tuple(sorted(p.logit_bias.items())))
+        logit_bias=tuple(sorted(p.logit_bias.items())), token_mask=constraint is not None)
     stopping = StoppingCriteria(max_new_tokens=p.max_tokens if p.HasField("max_tokens") else 0,
                                 stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
                                 min_tokens=p.min_tokens)
@@ -192,7 +204,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: To
     except InvalidArgument as e:
         raise InvalidArgument(f"sampling_params.{e}") from None
     return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None,
-                        max(p.n, 1), stops, p.skip_special_tokens)
+                        max(p.n, 1), stops, p.skip_special_tokens, constraint)
 
 
 # ---------------------------------------------------------------------------------------------

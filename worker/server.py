@@ -236,7 +236,7 @@ class Worker:
         if self.servicer is not None:
             self.servicer.draining = self.gateway.draining = True
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
-            while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
+            while time.monotonic() < deadline and (self.runner.engine.sequences or len(self.runner.streams)):
                 await asyncio.sleep(0.05)
             self.servicer.end_streams()  # an open DecodeStream would otherwise hold the stop to the grace
         await self.stop(max(0.0, deadline - time.monotonic()))
