@@ -7,7 +7,9 @@
 # the device's grpcio version (1.84: `pip download --no-deps grpcio-health-checking==1.84.0
 # grpcio-reflection==1.84.0 -d .whl`; newer ones refuse to import under it, and so does the worker). The worker
 # also imports smg_grpc_proto (`pip download --no-deps smg-grpc-proto==0.4.28 -d .whl`, 0.1 MB, where the
-# device's Python lacks it). The loadgateway stage runs Shepherd Model Gateway, which the device cannot fetch:
+# device's Python lacks it). Structured output's GPU test needs xgrammar and apache-tvm-ffi built for the device's
+# Python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 -d .whl`, 4.6 MB). The loadgateway stage runs Shepherd Model Gateway, which the device cannot fetch:
 # carry its wheel and the one module its launcher imports that the device lacks, built for the device's Python
 # 3.12 (37 MB in all, within the 64 MiB a call carries):
 #   pip download --no-deps smg==1.13.0 -d .whl
