@@ -26,6 +26,7 @@ ARG GRPCIO_VERSION=1.84.0
 ARG PROTOBUF_VERSION=7.36.2
 ARG TRANSFORMERS_VERSION=5.17.0
 ARG WITH_TRANSFORMERS=0
+ARG XGRAMMAR_VERSION=0.2.9
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -48,6 +49,7 @@ RUN pip install --index-url "$TORCH_INDEX_URL" "torch==${TORCH_VERSION}" \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
  && pip install -c /tmp/constraints.txt -r /tmp/requirements.txt "setuptools>=69" "grpcio-tools==1.84.0" \
+        "xgrammar==${XGRAMMAR_VERSION}" \
  && if [ "$WITH_TRANSFORMERS" = 1 ]; then pip install -c /tmp/constraints.txt "transformers==${TRANSFORMERS_VERSION}"; fi
 
 COPY . .

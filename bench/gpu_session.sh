@@ -7,7 +7,9 @@
 # the device's grpcio version (1.84: `pip download --no-deps grpcio-health-checking==1.84.0
 # grpcio-reflection==1.84.0 -d .whl`; newer ones refuse to import under it, and so does the worker). The worker
 # also imports smg_grpc_proto (`pip download --no-deps smg-grpc-proto==0.4.28 -d .whl`, 0.1 MB, where the
-# device's Python lacks it). The loadgateway stage runs Shepherd Model Gateway, which the device cannot fetch:
+# device's Python lacks it). Structured output's GPU test needs xgrammar and apache-tvm-ffi built for the device's
+# Python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 -d .whl`, 4.6 MB). The loadgateway stage runs Shepherd Model Gateway, which the device cannot fetch:
 # carry its wheel and the one module its launcher imports that the device lacks, built for the device's Python
 # 3.12 (37 MB in all, within the 64 MiB a call carries):
 #   pip download --no-deps smg==1.13.0 -d .whl
@@ -38,6 +40,8 @@
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
+#   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
+#              apart (host parts, cProfile, kernel table, the GPU's idle gaps)
 #   trace      trace_step.py: a replayed step launch by launch (carry kernels_cu/build-trace, made here by
 #              `python bench/trace_step.py --build-only`; TRACE_BATCHES, TRACE_ARGS)
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
@@ -153,6 +157,8 @@ for what in "$@"; do
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;
     ttft)       stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
+    prefixprof) TAIL=${TAIL:-90} stage profile-prefix-1b 240 python3 bench/profile_step.py --shape 1b --only prefix
+                TAIL=${TAIL:-90} stage profile-prefix-8b 300 python3 bench/profile_step.py --shape 8b --only prefix ;;
     trace)      TAIL=${TAIL:-80} stage trace-1b 240 python3 bench/trace_step.py --shape 1b --batch ${TRACE_BATCHES:-1 32} ${TRACE_ARGS:-} --json "$OUT/trace-1b.json" ;;
     # racecheck leaves out cuDNN's kernels (torch's fused attention): it reports hazards inside them that are
     # not ours to fix; memcheck checks every kernel, without the caching allocator so overruns leave their allocation.

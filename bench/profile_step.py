@@ -5,7 +5,8 @@ the span the GPU was busy, the idle gaps between kernels (which kernels they sit
 clock while prefills run back to back (nvidia-smi), to tell host stalls from clock drops.
 
     python bench/profile_step.py --shape 1b [--only prefill]
-    python bench/profile_step.py --shape 1b --only verify_replay   # the host side of a replayed Verify"""
+    python bench/profile_step.py --shape 1b --only verify_replay   # the host side of a replayed Verify
+    python bench/profile_step.py --shape 1b --only prefix          # a prompt whose prefix is cached, taken apart"""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,7 @@ from engine.api import PrefillItem, VerifyItem  # noqa: E402
 from engine.checkpoint import write_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine import decode as decode_module  # noqa: E402
+from engine import sequence_blocks  # noqa: E402
 from engine import verify as verify_module  # noqa: E402
 from engine.decode import PendingStep  # noqa: E402
 from engine.engine import Engine  # noqa: E402
@@ -189,6 +191,79 @@ def profile_replay_host(path, steps: int = 400) -> None:
                 print(f"{statistics.median(us):9.1f}  {label}")
     finally:
         PendingStep.wait_device = wait_device
+    engine.close()
+
+
+def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int = 10, device: str = "auto") -> None:
+    """Time to first token of a prompt_len-token prompt whose first `cached` tokens are in the prefix cache, as
+    engine_bench --prefix-ttft times it (CUDA graphs and prefix caching on, as the worker runs): wall medians,
+    the medians of the engine's host parts (perf_counter_ns wrappers), the GPU timeline of one call (kernel
+    table, idle gaps: host stalls between kernels) and cProfile's top functions by own time."""
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=prompt_len + 104,
+                                 max_prefill_tokens=8192, device=device))
+    vocab = engine.model_config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    prefiller, state = engine.prefiller, engine.runtime.state
+    spent: collections.Counter = collections.Counter()
+    timed(spent, prefiller, "_extend", "extend: match + slot rows + blocks")
+    timed(spent, state, "assign", "  extend: SlotState.assign")
+    timed(spent, state, "set_blocks", "  extend: SlotState.set_blocks")
+    timed(spent, prefiller, "_forward", "forward (launch, sample, read back)")
+    timed(spent, engine.runtime.dispatch, "run_shape", "  forward: run_shape (graph or eager)")
+    timed(spent, engine.runtime.outputs, "read", "  forward: outputs.read (waits for the GPU)")
+    timed(spent, sequence_blocks.SequenceBlocks, "register", "register the prompt's blocks")
+    timed(spent, sequence_blocks, "block_hashes", "block_hashes (match and register)")
+
+    def call(prompt: list[int], profiled: bool = False):
+        sid = engine.alloc_sequence(len(prompt) + 2, SamplingParams(), GREEDY).seq_id
+        engine.runtime.dispatch.synchronize()
+        spent.clear()
+        prof = None
+        t0 = time.perf_counter()
+        if profiled:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+                token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
+                engine.runtime.dispatch.synchronize()
+        else:
+            token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
+            engine.runtime.dispatch.synchronize()
+        wall = time.perf_counter() - t0
+        engine.release([sid])
+        return wall, token.cached_tokens, dict(spent), prof
+
+    def pair(profiled: bool = False):
+        prefix = torch.randint(0, vocab, (cached,), generator=g).tolist()
+        tails = [torch.randint(0, vocab, (prompt_len - cached,), generator=g).tolist() for _ in range(2)]
+        engine.flush_cache()
+        uncached = call(prefix + tails[0])
+        hit = call(prefix + tails[1], profiled)
+        assert hit[1] == cached, f"{hit[1]} tokens came from the cache, not {cached}"
+        return uncached, hit
+
+    for _ in range(3):  # shapes, graphs
+        pair()
+    rows: dict[str, list[float]] = collections.defaultdict(list)
+    uncached_ms = []
+    for _ in range(calls):
+        uncached, hit = pair()
+        uncached_ms.append(uncached[0] * 1e3)
+        rows["wall"].append(hit[0] * 1e6)
+        for label, ns in hit[2].items():
+            rows[label].append(ns / 1e3)
+    print(f"\n== TTFT, {prompt_len} tokens with {cached} cached: {statistics.median(rows['wall']) / 1e3:.2f} ms "
+          f"(uncached {statistics.median(uncached_ms):.2f} ms); host parts, medians over {calls} calls, us")
+    for label, us in rows.items():
+        print(f"{statistics.median(us):9.1f}  {label}")
+    cp = cProfile.Profile()
+    cp.enable()
+    for _ in range(3):
+        pair()
+    cp.disable()
+    print("\n== host profile (3 uncached + 3 cached calls, by own time)")
+    pstats.Stats(cp).sort_stats("tottime").print_stats(18)
+    _, hit = pair(profiled=True)
+    kernel_table(hit[3], 1, f"cached-prefix prefill (wall {hit[0] * 1e3:.2f} ms, profiled)")
+    gaps_table(hit[3], "cached-prefix prefill timeline", top=12)
     engine.close()
 
 
@@ -424,14 +499,15 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1b")
     p.add_argument("--model")
-    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "verify_replay", "ttft"],
+    p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "verify_replay", "ttft", "prefix"],
                    help="one section (default: all but replay and verify_replay)")
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
-    if args.only in ("replay", "verify_replay", "ttft"):
+    if args.only in ("replay", "verify_replay", "ttft", "prefix"):
         if args.only == "replay":
             host_call_costs()
-        {"replay": profile_replay_host, "verify_replay": profile_verify_host, "ttft": profile_ttft}[args.only](path)
+        {"replay": profile_replay_host, "verify_replay": profile_verify_host, "ttft": profile_ttft,
+         "prefix": profile_prefix}[args.only](path)
         return
     engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False, prefix_caching=False))
     vocab = engine.model_config.vocab_size

@@ -33,7 +33,7 @@ class BatchPlan:
     step of the same batch."""
 
     __slots__ = ("ids", "seqs", "order", "batch", "slots", "num_top", "processors", "shape", "decode_key",
-                 "in_slot_order")
+                 "in_slot_order", "masked")
 
     def __init__(self, ids: list[int], seqs: list[Sequence], num_top: int, processors: int = 0):
         self.ids, self.seqs, self.num_top, self.processors = ids, seqs, num_top, processors
@@ -43,6 +43,8 @@ class BatchPlan:
         self.shape = (num_top, *logits_processors.graph_key(processors))  # what fixes the step's shapes
         self.decode_key = ("decode", *GraphCache.key_for(self.slots, *self.shape))
         self.in_slot_order = self.order == list(range(len(seqs)))
+        # The sequences that sample under a token mask: each step needs a fresh mask of each.
+        self.masked = [s for s in seqs if s.sampling.token_mask] if processors & logits_processors.TOKEN_MASK else []
 
 
 class PendingStep:
@@ -100,6 +102,8 @@ class DecodePipeline:
         seqs = plan.seqs
         check_running = self.sequences.check_running
         check_running(seqs)
+        if plan.masked:
+            self.sequences.check_masks(plan.masked)
         if input_token_ids:
             if len(input_token_ids) != len(seq_ids):
                 raise InvalidArgument(f"input_token_ids has {len(input_token_ids)} entries for {len(seq_ids)} "
@@ -113,6 +117,8 @@ class DecodePipeline:
             check_running(seqs)
         step = PendingStep(plan, list(input_token_ids) if input_token_ids else None)
         self._launch(step)
+        for seq in plan.masked:  # each mask serves one step
+            seq.mask_ready = False
         return step
 
     def _batch_plan(self, seq_ids: list[int]) -> BatchPlan:

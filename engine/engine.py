@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import secrets
 
+import numpy as np
 import torch
 
 from engine import api
 from engine.config import EngineConfig
 from engine.decode import DecodePipeline, PendingStep
-from engine.errors import InvalidArgument, ResourceExhausted
+from engine.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from engine.kv_events import KvEventLog
 from engine.parallel import ParallelGroup, mirrored
 from engine.prefill import Prefiller
@@ -123,6 +124,24 @@ class Engine:
         dropped = self.blocks.flush()
         self.blocks.events.publish()
         return dropped
+
+    @mirrored
+    def set_token_mask(self, seq_id: int, words: np.ndarray) -> None:
+        """The allowed tokens of the next token a sequence allocated with sampling.token_mask samples (structured
+        output): int32 [ceil(vocab / 32)], bit t % 32 of word t // 32 allowing token t (xgrammar's bitmask). Each
+        Prefill that completes its prompt and each decode step of it needs one set just before; set it only once
+        the steps that sampled its earlier tokens have finished. Queued on the device without a host wait."""
+        seq = self.sequences.check_ids([seq_id], limit=False)[0]
+        if not seq.sampling.token_mask:
+            raise FailedPrecondition(f"sequence {seq_id} was not allocated to sample under a token mask")
+        words = np.asarray(words)
+        shape = (self.runtime.state.token_mask.shape[1],)
+        if words.shape != shape or words.dtype != np.int32:
+            raise InvalidArgument(f"a token mask is int32 {list(shape)} (a bit per token of the vocabulary of "
+                                  f"{self.runtime.vocab_size}), got {words.dtype} {list(words.shape)}")
+        with self.runtime.dispatch.compute_stream():
+            self.runtime.state.set_token_mask(seq.slot, words)
+        seq.mask_ready = True
 
     # ------------------------------------------------------------------ steps
 

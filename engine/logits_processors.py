@@ -1,6 +1,8 @@
 """Logits processors: min_tokens, logit_bias, the penalties and min_p, applied to a step's fp32 logits before the
 sampling op (ops.sample), in the order of vLLM's sampler (vllm/v1/sample/sampler.py):
 
+  0. (before all of them, as vLLM applies the structured-output bitmask to the logits its sampler takes) the
+     token mask of a TOKEN_MASK row: -inf where it disallows the token; its logprobs are the masked logits'.
   1. min_tokens: while a row's sequence has fewer than min_tokens new tokens, its stop_token_ids and the model's
      EOS ids get -inf (vLLM masks the EOS ids whatever ignore_eos says; so does this).
   2. logit_bias: logit[t] += bias[t].
@@ -33,14 +35,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sampling import (LOGIT_BIAS, MIN_P, MIN_TOKENS, PENALTIES, REPETITION, SampleOutput, SamplingParams,
-                             SamplingTensors, StoppingCriteria, model_logprobs, penalized_logits)
+from engine.sampling import (LOGIT_BIAS, MIN_P, MIN_TOKENS, PENALTIES, REPETITION, TOKEN_MASK, SampleOutput,
+                             SamplingParams, SamplingTensors, StoppingCriteria, model_logprobs, penalized_logits)
 
 if TYPE_CHECKING:
     from engine.state import SlotState
 
-__all__ = ["LOGIT_BIAS", "MIN_P", "MIN_TOKENS", "PENALTIES", "REPETITION", "ProcessorRows", "apply", "batch_flags",
-           "flags_of", "graph_key", "sample"]
+__all__ = ["LOGIT_BIAS", "MIN_P", "MIN_TOKENS", "PENALTIES", "REPETITION", "TOKEN_MASK", "ProcessorRows", "apply",
+           "batch_flags", "flags_of", "graph_key", "sample"]
 
 
 def flags_of(sampling: SamplingParams, stopping: StoppingCriteria) -> int:
@@ -83,6 +85,10 @@ class ProcessorRows:
     stop_values: torch.Tensor | None  # [R, same] float32: -inf where masked now, else 0
     counts: torch.Tensor | None  # [R, V] float32: output-token counts before the row's token (PENALTIES; apply()
     # consumes them)
+    token_mask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: the rows' token masks (TOKEN_MASK) ...
+    masked: torch.Tensor | None = None  # [R] bool: ... of the rows whose sequence uses one
+    mask_word: torch.Tensor | None = None  # [V]: token t's word in a mask (SlotState.mask_word) ...
+    mask_bit: torch.Tensor | None = None  # [V]: ... and its bit
 
     @classmethod
     def gather(cls, state: SlotState, slots: torch.Tensor, position: torch.Tensor, flags: int) -> ProcessorRows:
@@ -101,8 +107,18 @@ class ProcessorRows:
                 masked, float("-inf"))
         if flags & PENALTIES:
             counts = state.output_counts[slots].float()
-        return cls(flags, state.processors[slots] != 0, state.min_p[slots], state.frequency_penalty[slots],
-                   state.presence_penalty[slots], bias_ids, bias_values, stop_ids, stop_values, counts)
+        processors = state.processors[slots]
+        token_mask = masked = None
+        if flags & TOKEN_MASK:
+            token_mask, masked = state.token_mask[slots], (processors & TOKEN_MASK) != 0
+        return cls(flags, processors != 0, state.min_p[slots], state.frequency_penalty[slots],
+                   state.presence_penalty[slots], bias_ids, bias_values, stop_ids, stop_values, counts, token_mask,
+                   masked, state.mask_word, state.mask_bit)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 logits with -inf where a masked row's token mask disallows the token (other rows as they are)."""
+        bits = (self.token_mask[:, self.mask_word] >> self.mask_bit) & 1  # [R, V]
+        return logits.float().masked_fill((bits == 0) & self.masked[:, None], float("-inf"))
 
     def count_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
         """Counts token_ids[i] as an output before row rows[i]'s token (a Verify row's drafts before it)."""
@@ -146,6 +162,8 @@ def sample(ops, logits: torch.Tensor, st: SamplingTensors, num_top: int, rows: P
     sampling op's, which are the same quantity."""
     if rows is None:
         return ops.sample(logits, st, num_top)
+    if rows.flags & TOKEN_MASK:
+        logits = rows.mask(logits)
     x, st_x = apply(logits, st, rows)
     out = ops.sample(x, st_x, num_top)
     raw = model_logprobs(logits, out.token_ids, num_top)

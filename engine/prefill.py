@@ -51,6 +51,8 @@ class Prefiller:
             if total >= seq.capacity:
                 raise InvalidArgument(f"sequence {seq.seq_id}: a prompt of {total} tokens leaves no room for a new "
                                       f"token in max_total_tokens={seq.capacity}")
+            if not it.partial:  # its first new token is sampled here
+                self.sequences.check_masks([seq])
 
     def prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> api.StepResult:
         """Runs checked items (check()); returns the first new token of each item whose prompt completes, in
@@ -157,6 +159,7 @@ class Prefiller:
                                        procs_rows)
         for seq in to_sample:
             seq.prompt_len = seq.seq_len
+            seq.mask_ready = False
             seq.blocks.pool.record_query(seq.prompt_len, seq.cached_prompt_tokens)
         state.num_cached[sample_slots] = positions.to(torch.int32)
         state.last_token[sample_slots] = out.token_ids

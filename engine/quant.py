@@ -6,11 +6,19 @@ ceil(K / bk)]; a block that N or K does not fill (576 rows in blocks of 128) is 
 output channel (the default) is the block (1, K): scale [N, 1]. The op backends dispatch on the type in one
 place (TorchOps.linear, CudaOps.linear).
 
-Quantization (per block b): scale[b] = amax(|w[b]|) / 448 (1 for an all-zero block),
-data[b] = clamp(w[b] / scale[b], -448, 448) cast to E4M3 (round to nearest even). 448 is E4M3's largest
-finite value. The relative error of each element is at most 2^-4 (3 mantissa bits); elements below
-scale * 2^-9 (E4M3's smallest subnormal) flush towards zero. Smaller blocks track the weights' magnitude
-more closely (fewer elements near the subnormal range) at 4 bytes of scale per block.
+Quantization (per block b): data[b] = clamp(w[b] / scale[b], -448, 448) cast to E4M3 (round to nearest
+even); 448 is E4M3's largest finite value. The relative error of each element is at most 2^-4 (3 mantissa
+bits); elements below scale * 2^-9 (E4M3's smallest subnormal) flush towards zero.
+- Blocks other than a whole row: scale[b] = amax(|w[b]|) / 448 (1 for an all-zero block). Smaller blocks track
+  the weights' magnitude more closely (fewer elements near the subnormal range) at 4 bytes of scale per block.
+- Per output channel: each row's scale is searched among amax / 448 * 2^(j / 64), j = 0 .. 63, for the least
+  squared error sum_k (w[k] - scale * data[k])^2 (quantize_rows: a histogram estimates every candidate's
+  error in one pass over the row, the exact error decides among the best few and amax / 448 itself).
+  E4M3's grid is logarithmic, so the relative error of an element depends on where it falls between two
+  grid points, and a scale that moves a row's largest elements closer to grid points lowers the row's
+  error; clipping (scales below amax / 448) does not pay with 3 mantissa bits. The storage and arithmetic
+  are those of any per-channel scale; tests/e2e/test_fp8_accuracy.py measures the effect on the default
+  model.
 
 Reference arithmetic (W8A16, what a weight-only FP8 kernel computes): the E4M3 values are converted to a
 wider dtype (exact: E4M3 is a subset of bf16, fp16 and fp32) and multiplied with the activations with fp32
@@ -113,13 +121,88 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8We
     if bn <= 0 or bk <= 0:
         raise ValueError(f"quantize_fp8: block sizes must be positive, got {bn}x{bk}")
     wf = w.float()
+    if bn == 1 and bk >= k:  # per output channel
+        data, scale = quantize_rows(wf)
+        return Fp8Weight(data, scale, (bn, bk))
     nb, kb = -(-n // bn), -(-k // bk)
     # zero padding to whole blocks leaves every block's amax as it is
     padded = torch.nn.functional.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
     amax = padded.view(nb, bn, kb, bk).amax(dim=(1, 3))  # [nb, kb]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).contiguous()
-    data = (wf / expand_scale(scale, (bn, bk), (n, k))).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).contiguous()
+    data = to_e4m3(wf, expand_scale(scale, (bn, bk), (n, k))).contiguous()
     return Fp8Weight(data, scale, (bn, bk))
+
+
+def to_e4m3(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w [N, K] fp32 / scale ([N, K] or [N, 1]) saturated at +-448 and rounded to E4M3 (nearest, ties to even)."""
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+SCALE_STEPS = 64  # candidate row scales amax / 448 * 2^(j / SCALE_STEPS), j = 0 .. SCALE_STEPS - 1
+SHORTLIST = 3  # candidates per row whose exact error is computed (the histogram's least estimates)
+MANTISSA_BINS = 256  # histogram bins of a row's |w| by its fp32 mantissa's leading 8 bits
+SEARCH_CHUNK = 1 << 22  # elements per row chunk of quantize_rows: bounds its temporaries (~40 bytes each)
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] fp32 -> (data [N, K] E4M3, scale [N, 1] fp32), one scale per row searched for the least squared
+    error (module docstring; _quantize_chunk), in chunks of rows."""
+    parts = [_quantize_chunk(part) for part in w.split(max(1, SEARCH_CHUNK // max(1, w.shape[1])))]
+    return torch.cat([d for d, _ in parts]).contiguous(), torch.cat([s for _, s in parts]).contiguous()
+
+
+def _quantize_chunk(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows of w [n, K]. With base = amax / 448 (1 for an all-zero row), v = |w| / base <= 448 and a
+    candidate scale = base * 2^t (0 <= t < 1: nothing clips), an element in E4M3's normal range has the squared
+    error (base * v)^2 * rho(m * 2^-t), where m in [1, 2) is v's mantissa and
+    rho(x) = (round(8 x') / (8 x') - 1)^2 with x' = x or 2x, whichever is in [1, 2): with 3 mantissa bits the
+    relative error depends on the mantissa only. One pass sums v^2 per row into MANTISSA_BINS bins of m, and a
+    [n, MANTISSA_BINS] @ [MANTISSA_BINS, SCALE_STEPS] product estimates every candidate's error (up to the
+    binning, which matters in rows that one element dominates, and E4M3's subnormals, v^2 below 2^-12). The
+    SHORTLIST candidates of least estimate and base itself are then quantized, and the one of least exact error
+    is kept: never a larger error than amax / 448's."""
+    n = w.shape[0]
+    amax = w.abs().amax(dim=1, keepdim=True)  # [n, 1]
+    base = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    v = (w / base).abs_()  # [n, K] fp32 in [0, 448]
+    # fp32 bits: 1 sign, 8 exponent, 23 mantissa; the mantissa's leading 8 bits are the bin (zeros weigh 0)
+    bins = (v.view(torch.int32) >> 15).bitwise_and_(MANTISSA_BINS - 1).long()
+    bins += torch.arange(0, n * MANTISSA_BINS, MANTISSA_BINS, device=w.device)[:, None]
+    # float64 sums: the order of a GPU bincount's additions cannot move the shortlist
+    hist = torch.bincount(bins.view(-1), weights=v.square_().view(-1).double(), minlength=n * MANTISSA_BINS)
+    estimate = hist.view(n, MANTISSA_BINS) @ _relative_error_table(w.device)  # [n, SCALE_STEPS], base^2 units
+    shortlist = estimate.topk(SHORTLIST, dim=1, largest=False).indices  # [n, SHORTLIST]
+    scale, data = base, to_e4m3(w, base).view(torch.uint8)
+    error = _squared_error(w, data, scale)
+    factors = _scale_factors(w.device)
+    for step in shortlist.unbind(dim=1):
+        candidate = base * factors[step][:, None]
+        candidate_data = to_e4m3(w, candidate).view(torch.uint8)
+        candidate_error = _squared_error(w, candidate_data, candidate)
+        better = candidate_error < error  # [n, 1]
+        scale, data = torch.where(better, candidate, scale), torch.where(better, candidate_data, data)
+        error = torch.where(better, candidate_error, error)
+    return data.view(FP8_DTYPE), scale
+
+
+def _scale_factors(device: torch.device) -> torch.Tensor:
+    """[SCALE_STEPS] fp32: 2^(j / SCALE_STEPS), each rounded once from float64 (the same bits on any device and
+    for any chunk of rows, which a vectorised fp32 exp2 does not promise)."""
+    return torch.exp2(torch.arange(SCALE_STEPS, dtype=torch.float64) / SCALE_STEPS).float().to(device)
+
+
+def _relative_error_table(device: torch.device) -> torch.Tensor:
+    """[MANTISSA_BINS, SCALE_STEPS] float64: rho(m * 2^(-j / SCALE_STEPS)) at each bin's centre m
+    (_quantize_chunk)."""
+    m = 1 + (torch.arange(MANTISSA_BINS, dtype=torch.float64, device=device) + 0.5) / MANTISSA_BINS
+    x = m[:, None] * torch.exp2(-torch.arange(SCALE_STEPS, dtype=torch.float64, device=device) / SCALE_STEPS)
+    x = torch.where(x < 1, 2 * x, x) * 8  # [8, 16): the 8 E4M3 mantissas of a binade are the integers
+    return (torch.round(x) / x - 1).square()
+
+
+def _squared_error(w: torch.Tensor, data: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[n, 1]: sum_k (w[k] - scale * e4m3 data[k])^2 per row; data [n, K] E4M3 bits as uint8, scale [n, 1]."""
+    return (data.view(FP8_DTYPE).float() * scale - w).square_().sum(dim=1, keepdim=True)
 
 
 def expand_scale(scale: torch.Tensor, block: tuple[int, int], shape: tuple[int, int]) -> torch.Tensor:

@@ -35,6 +35,7 @@ LOGIT_BIAS = 2
 PENALTIES = 4  # frequency / presence penalty (reads the output counts)
 MIN_P = 8
 REPETITION = 16  # a processed row's repetition penalty (only with another flag: then it moves out of the kernel)
+TOKEN_MASK = 32  # structured output: only the tokens of a mask the caller sets before each step (Engine.set_token_mask)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # logit -= presence_penalty if the token is in the output so far
     # (token id, bias) pairs, sorted by id; a mapping given here is converted. Added to the raw logits.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Structured output: each new token is drawn from the tokens a mask allows, set by the caller before every step
+    # that samples one (Engine.set_token_mask; the caller runs the grammar, e.g. worker/structured_output.py).
+    token_mask: bool = False
 
     def __post_init__(self):
         if isinstance(self.logit_bias, Mapping):
@@ -70,6 +74,8 @@ class SamplingParams:
             flags |= MIN_P
         if self.repetition_penalty != 1.0:
             flags |= REPETITION
+        if self.token_mask:
+            flags |= TOKEN_MASK
         return flags
 
     def validate(self, vocab_size: int, max_top_logprobs: int) -> None:

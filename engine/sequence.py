@@ -35,6 +35,7 @@ class Sequence:
     prompt_len: int = 0  # set when the prompt completes
     cached_prompt_tokens: int = 0  # leading prompt tokens whose KV came from the prefix cache
     finish_reason: FinishReason = FinishReason.NONE
+    mask_ready: bool = False  # a token mask was set for its next sampled token (sampling.token_mask)
 
     @property
     def prompt_done(self) -> bool:
@@ -144,6 +145,14 @@ class SequenceTable:
         if unknown:
             raise NotFound(f"unknown sequence ids: {unknown[:8]}")
         return [self._by_id[i] for i in seq_ids]
+
+    @staticmethod
+    def check_masks(seqs: list[Sequence]) -> None:
+        """Every sequence that samples under a token mask has had one set for the token it samples next."""
+        for seq in seqs:
+            if seq.sampling.token_mask and not seq.mask_ready:
+                raise FailedPrecondition(f"sequence {seq.seq_id} samples under a token mask (structured output): "
+                                         f"set its mask for the next token before each step (Engine.set_token_mask)")
 
     @staticmethod
     def check_running(seqs: list[Sequence]) -> None:

@@ -58,6 +58,13 @@ class SlotState:
         self.eos_ids = torch.tensor(eos, dtype=torch.int64, device=device)  # [E]
         small = 0 < max_seq_len <= COUNTS_INT16_MAX_SEQ_LEN
         self.output_counts = zeros(max_slots, vocab_size, dtype=torch.int16 if small else torch.int32)
+        # Structured output (TOKEN_MASK): the allowed-token mask of each slot's next sampled token, bit t % 32 of
+        # word t // 32 allowing token t (xgrammar's bitmask layout); read only for rows whose sequence uses one.
+        words = -(-vocab_size // 32)
+        self.token_mask = zeros(max_slots, words, dtype=torch.int32)
+        self._mask_host = torch.zeros((max_slots, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        vocab = torch.arange(vocab_size, device=device)
+        self.mask_word, self.mask_bit = vocab // 32, (vocab % 32).to(torch.int32)
 
     def mark_seen(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """seen[slots[i], token_ids[i]] = True, with device tensors only (capturable in a CUDA graph)."""
@@ -83,6 +90,14 @@ class SlotState:
             row = self.output_counts[slot]
             row.zero_()
             row.index_add_(0, out, torch.ones(out.shape, dtype=row.dtype, device=dev))
+
+    def set_token_mask(self, slot: int, words: np.ndarray) -> None:
+        """The slot's token mask (int32 [ceil(V / 32)]), copied through a pinned row on the current stream
+        without a host wait. The caller rewrites a slot's mask only once the step that read the last one has
+        finished (so the pinned row's last copy has run)."""
+        host = self._mask_host[slot]
+        host.numpy()[:] = words
+        self.token_mask[slot].copy_(host, non_blocking=True)
 
     def set_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
         """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its

@@ -42,6 +42,9 @@ class Verifier:
         vocab, max_drafts = self.rt.vocab_size, self.rt.config.max_draft_tokens
         self.sequences.check_running(seqs)
         for seq, it in zip(seqs, items):
+            if seq.sampling.token_mask:
+                raise InvalidArgument(f"sequence {seq.seq_id} samples under a token mask (structured output), which "
+                                      f"Verify does not take: decode it step by step")
             k = len(it.draft_token_ids)
             if k > max_drafts:
                 raise InvalidArgument(f"sequence {seq.seq_id}: {k} draft tokens, at most {max_drafts} "

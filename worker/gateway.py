@@ -4,7 +4,7 @@ port beside ModelWorker and on the same engine.
 smg detects the worker by calling HealthCheck on each engine service it knows, registers it with
 GetModelInfo and GetServerInfo, fetches GetTokenizer when it has no tokenizer of its own, polls GetLoads
 for load-aware routing, and sends each OpenAI request as one Generate of token ids (Abort when its client
-goes away). A Generate is a stream of the EngineRunner (start_stream): concurrent calls share decode
+goes away). A Generate is a stream of the EngineRunner (runner.streams.start): concurrent calls share decode
 steps with each other and with ModelWorker's Generate streams.
 
 Like ModelWorkerServicer, this only translates: conversions are in worker/gateway_convert.py, engine
@@ -26,6 +26,7 @@ import grpc
 from engine.engine import Engine
 from engine.errors import EngineError, FailedPrecondition
 from engine.kv_events import follow
+from engine.tokenizer import Tokenizer
 from worker import gateway_convert as convert
 from worker.aio import until_set
 from worker.errors import Unavailable, status_of
@@ -34,6 +35,8 @@ from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
 from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
+from worker.stop_strings import StopStringMatcher
+from worker.structured_output import Constraint, Grammars
 from worker.tokenizer_bundle import TokenizerBundle, chunks
 
 log = logging.getLogger(__name__)
@@ -69,12 +72,17 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._drain_started = asyncio.Event()
         self.requests = Requests()
         self.tokenizer: TokenizerBundle | None = None
+        self.text: Tokenizer | None = None
+        self.grammars: Grammars | None = None
         self._started = time.time()
         self._background: set[asyncio.Task] = set()
 
-    async def attach(self, runner: EngineRunner) -> None:
-        """Called once the engine has loaded: the service starts answering."""
-        self.facts = await runner.call(convert.model_facts)
+    async def attach(self, runner: EngineRunner, text: Tokenizer | None = None) -> None:
+        """Called once the engine has loaded: the service starts answering. text: the checkpoint's tokenizer
+        (None: it has none), which stop strings are matched with."""
+        self.text = text
+        self.facts = facts = await runner.call(convert.model_facts)
+        self.grammars = Grammars(facts.model_path, facts.vocab_size, facts.eos_token_ids)
         # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
         self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
         self.runner = runner
@@ -108,7 +116,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 self._check_loaded()
                 if self.draining:
                     raise Unavailable("the worker is draining (shutting down); send the request to another worker")
-                spec = convert.generate_spec(request, self.facts)
+                spec = convert.generate_spec(request, self.facts, self.text)
+                grammar = await asyncio.to_thread(self.grammars.compile, *spec.constraint) if spec.constraint else None
                 live = self.requests.add(rid, len(spec.prompt), spec.n)
             except EngineError as e:
                 call.code = status_of(e)
@@ -116,7 +125,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             done = False
             try:
                 started = time.perf_counter()
-                await self._start(live, spec)
+                await self._start(live, spec, grammar)
                 for choice in live.choices:
                     self.metrics.start_stream(choice.seq_id, started)
                 if live.aborted:  # Abort came while the sequences were starting
@@ -138,19 +147,25 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                         continue  # not started (refused, or a later choice of a refused call): nothing to free
                     self.metrics.end_stream(choice.seq_id)
                     if not done:  # the caller went away, or the call failed: free the sequence (ended ones: no-op)
-                        self._in_background(self.runner.stop_stream(choice.seq_id))
+                        self._in_background(self.runner.streams.stop(choice.seq_id))
 
-    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec) -> None:
+    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec, grammar=None) -> None:
         """Allocates and prefills each choice's sequence, one after another (its first token is then on its
         queue). A caller that goes away meanwhile leaves the start in progress to finish on the engine thread;
-        that sequence is stopped then."""
+        that sequence is stopped then. grammar: the compiled constraint (structured output), a Constraint of
+        its own for each choice, whose first token's mask is set with the allocation."""
         for choice in live.choices:
             request_id = live.request_id if spec.n == 1 else f"{live.request_id}/{choice.index}"
+            choice.constraint = Constraint(grammar, self.facts.vocab_size) if grammar is not None else None
 
-            def alloc(engine: Engine, sampling=spec.sampling_for(choice.index), request_id=request_id):
-                return engine.alloc_sequence(spec.max_total_tokens, sampling, spec.stopping, request_id)
+            def alloc(engine: Engine, sampling=spec.sampling_for(choice.index), request_id=request_id,
+                      constraint=choice.constraint):
+                result = engine.alloc_sequence(spec.max_total_tokens, sampling, spec.stopping, request_id)
+                if constraint is not None:
+                    engine.set_token_mask(result.seq_id, constraint.mask())
+                return result
 
-            start = asyncio.ensure_future(self.runner.start_stream(spec.prompt, alloc))
+            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint))
             try:
                 choice.seq_id, choice.out = await asyncio.shield(start)
             except asyncio.CancelledError:
@@ -159,7 +174,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     def _stop_orphan(self, start: asyncio.Future) -> None:
         if not start.cancelled() and start.exception() is None:
-            self._in_background(self.runner.stop_stream(start.result()[0]))
+            self._in_background(self.runner.streams.stop(start.result()[0]))
 
     def _in_background(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -170,9 +185,13 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
         tokens: list[list] = [[] for _ in live.choices]
         reasons: list[str] = [convert.ABORT] * len(live.choices)
+        matchers = [StopStringMatcher(spec.stop, self.text, spec.skip_special_tokens, spec.stopping.min_tokens)
+                    if spec.stop else None for _ in live.choices]
         async for choice, items in _choice_items(live.choices):
             i, end = choice.index, items[-1]
             new = items[:-1] if _ended(end) else items
+            if matchers[i] is not None:
+                new = await self._until_stop_string(choice, matchers[i], new, _ended(end))
             for item in new:
                 self.metrics.observe_stream_token(choice.seq_id, item)
             self.requests.count_tokens(len(new))
@@ -182,15 +201,32 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             if isinstance(end, BaseException):
                 raise end
             if end is None or end is ABORTED:  # the choice has ended
-                reasons[i] = convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
+                matched = matchers[i].matched if matchers[i] is not None else None
+                done_grammar = choice.constraint is not None and choice.constraint.terminated
+                reasons[i] = convert.STOP if matched is not None or done_grammar else \
+                    convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
                 if stream:
                     last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
                     cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, index=i)
+                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, i, matched)
         if not stream:
             for i, reason in enumerate(reasons):
                 cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, index=i)
+                matched = matchers[i].matched if matchers[i] is not None else None
+                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, i, matched)
+
+    async def _until_stop_string(self, choice: Choice, matcher: StopStringMatcher, new: list, ended: bool) -> list:
+        """The choice's new tokens up to the one that completes a stop string; at that one its sequence is
+        stopped and its queue ended (the tokens of steps launched behind it are dropped)."""
+        if matcher.matched is not None:
+            return []
+        for k, item in enumerate(new):
+            if matcher.feed(item.token_id):
+                if not ended:  # a sequence that ended with this delta was released by the runner
+                    await self.runner.streams.stop(choice.seq_id)
+                    choice.out.put_nowait(None)
+                return new[:k + 1]
+        return new
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
         """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not
@@ -209,7 +245,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """Stops the call's started sequences; each choice then ends with "abort" after the tokens already
         queued (one that had ended keeps its own finish reason)."""
         for choice in live.choices:
-            await self.runner.stop_stream(choice.seq_id)
+            await self.runner.streams.stop(choice.seq_id)
             choice.out.put_nowait(ABORTED)
 
     # ------------------------------------------------------------------ health and reports

@@ -5,22 +5,26 @@ Field semantics follow vLLM's SamplingParams as smg's reference vLLM servicer ma
 `max_tokens` generates until the context is full; min_p, frequency_penalty, presence_penalty, logit_bias
 and min_tokens are the engine's logits processors (engine/logits_processors.py, vLLM's semantics); `n`
 samples n sequences of the prompt, choice i seeded with seed + i when a seed is given (vLLM's
-parallel sampling). A field the engine cannot honour is refused with INVALID_ARGUMENT naming it, never
-ignored. Two fields are moot for a worker that returns token ids: `skip_special_tokens` and
-`spaces_between_special_tokens` shape detokenized text, which the gateway makes itself.
+parallel sampling); `stop` strings end a choice where its text completes one (worker/stop_strings.py,
+matched on text detokenized with `skip_special_tokens`); a structured-output `constraint` (JSON schema or
+object, regex, EBNF grammar, choice, structural tag) holds every token to its grammar
+(worker/structured_output.py). A field the engine cannot honour is refused with
+INVALID_ARGUMENT naming it, never ignored. Moot for a worker that returns token ids:
+`spaces_between_special_tokens` and `include_stop_str_in_output` shape the text the gateway makes itself.
 
 Response shapes (what smg reads, as smg's reference vLLM servicer sends them): a stream sends one
 GenerateStreamChunk per token (delta token ids, `completion_tokens` the delta's count, delta logprobs,
 `index` its choice), then, when a choice ends, a GenerateComplete of that index that repeats its last
 delta with the finish reason; chunks of different choices interleave. A non-streaming call sends, once
 every choice has ended, one GenerateComplete per choice, in index order, with all its output tokens.
-Finish reasons are vLLM's strings: "length", "stop" (EOS, or a stop token, then named in
-`matched_token_id`) and "abort".
+Finish reasons are vLLM's strings: "length", "stop" (EOS; a stop token, then named in `matched_token_id`;
+or a stop string, named in `matched_stop_str`) and "abort".
 """
 from __future__ import annotations
 
 import datetime
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from engine import api
@@ -28,12 +32,15 @@ from engine.config import SUPPORTED_ARCHITECTURES
 from engine.errors import InvalidArgument
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence import FinishReason
+from engine.tokenizer import Tokenizer
 from worker.gateway_pb import vpb
+from worker.stop_strings import check_stops
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 UNSET_TEMPERATURE = 1.0  # vLLM's default when the request leaves temperature unset
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.EOS: "stop", FinishReason.STOP_TOKEN: "stop"}
 ABORT = "abort"
+STOP = "stop"
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,9 @@ class GenerateSpec:
     max_total_tokens: int  # the KV reservation of each choice: prompt + max_tokens, or the whole context
     num_logprobs: int | None  # None: no logprobs; 0: the sampled token's; n: and the top n
     n: int = 1  # choices: sequences sampled from the prompt
+    stop: tuple[str, ...] = ()  # stop strings (worker/stop_strings.py)
+    skip_special_tokens: bool = True  # how the text stop strings are matched in is detokenized
+    constraint: tuple[str, str] | None = None  # structured output (worker/structured_output.py): (kind, its text)
 
     def sampling_for(self, index: int) -> SamplingParams:
         """Choice `index`'s parameters: with a seed, seed + index (mod 2**64; vLLM's parallel sampling seeds its
@@ -109,16 +119,11 @@ def _check_request(request: vpb.GenerateRequest) -> None:
 def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
     """Sampling fields the engine has no counterpart for yet: refused by name when set; and the fields whose
     vLLM limits are the gateway's to check."""
-    unsupported = [("stop", len(p.stop) > 0, list(p.stop)[:4]),
-                   ("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
+    unsupported = [("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
     for name, is_set, value in unsupported:
         if is_set:
             shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
             raise _refuse(f"sampling_params.{name}", f"is not supported by this worker yet (got {shown})")
-    constraint = p.WhichOneof("constraint")
-    if constraint is not None:
-        raise _refuse(f"sampling_params.{constraint}",
-                      "(structured output) is not supported by this worker yet")
     max_top_logprobs = facts.max_top_logprobs
     if p.HasField("logprobs") and not 0 <= p.logprobs <= max_top_logprobs:
         raise _refuse("sampling_params.logprobs", f"must be in [0, {max_top_logprobs}] on this worker "
@@ -135,8 +140,20 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
                       f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
 
 
-def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSpec:
-    """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument."""
+def constraint_of(p: vpb.SamplingParams) -> tuple[str, str] | None:
+    """The structured-output constraint a request sets, as (kind, text): the choices of `choice` as a JSON list,
+    "" for json_object (false: none)."""
+    kind = p.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not p.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(p.choice.choices))
+    return kind, "" if kind == "json_object" else getattr(p, kind)
+
+
+def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: Tokenizer | None = None) -> GenerateSpec:
+    """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument. tokenizer: the
+    checkpoint's (None: it has none), which stop strings need."""
     kind = request.WhichOneof("input")
     if kind == "text":
         raise _refuse("text", "input is not supported: this worker takes token ids (tokenized.input_ids); "
@@ -146,6 +163,8 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
     _check_request(request)
     p = request.sampling_params
     _check_sampling(p, facts)
+    stops = check_stops(list(p.stop), tokenizer)
+    constraint = constraint_of(p)
 
     prompt = list(request.tokenized.input_ids)
     if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
@@ -175,7 +194,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
         repetition_penalty=p.repetition_penalty if p.repetition_penalty else 1.0,
         top_logprobs=p.logprobs if p.HasField("logprobs") else 0,
         min_p=p.min_p, frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
-        logit_bias=tuple(sorted(p.logit_bias.items())))
+        logit_bias=tuple(sorted(p.logit_bias.items())), token_mask=constraint is not None)
     stopping = StoppingCriteria(max_new_tokens=p.max_tokens if p.HasField("max_tokens") else 0,
                                 stop_token_ids=frozenset(p.stop_token_ids), ignore_eos=p.ignore_eos,
                                 min_tokens=p.min_tokens)
@@ -185,7 +204,7 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts) -> GenerateSp
     except InvalidArgument as e:
         raise InvalidArgument(f"sampling_params.{e}") from None
     return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None,
-                        max(p.n, 1))
+                        max(p.n, 1), stops, p.skip_special_tokens, constraint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,13 +237,16 @@ def finish_reason(tokens: list[api.TokenResult]) -> str:
 
 
 def complete(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None, reason: str,
-             cached_tokens: int = 0, index: int = 0) -> vpb.GenerateResponse:
-    """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta."""
+             cached_tokens: int = 0, index: int = 0, matched_stop: str | None = None) -> vpb.GenerateResponse:
+    """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta; matched_stop:
+    the stop string that ended it (reason "stop")."""
     msg = vpb.GenerateComplete(
         output_ids=[t.token_id for t in tokens], finish_reason=reason, prompt_tokens=prompt_tokens,
         completion_tokens=len(tokens), cached_tokens=cached_tokens,
         output_logprobs=output_logprobs(tokens, num_logprobs), index=index)
-    if tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
+    if matched_stop is not None:
+        msg.matched_stop_str = matched_stop
+    elif tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:
         msg.matched_token_id = tokens[-1].token_id
     return vpb.GenerateResponse(complete=msg)
 

@@ -7,6 +7,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import InvalidArgument
 from worker.gateway_convert import GatewayLoad
@@ -22,7 +23,8 @@ class Choice:
 
     index: int
     seq_id: int | None = None  # set once the engine has started the sequence
-    out: asyncio.Queue | None = None  # its tokens (EngineRunner.start_stream's queue)
+    out: asyncio.Queue | None = None  # its tokens (GenerateStreams.start's queue)
+    constraint: Any = None  # structured output: its grammar's state (worker/structured_output.Constraint)
 
 
 @dataclass

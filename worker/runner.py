@@ -14,8 +14,8 @@ Every engine call goes through one FIFO queue, and exactly one runs at a time:
 A call cancelled before it starts (its deadline passed, the client went away) is skipped entirely; one that
 has started runs to its end (its result is dropped).
 
-The runner also decodes the Generate streams itself, batching every streaming sequence into one step, so
-concurrent Generate calls share steps."""
+The runner also decodes the Generate streams itself (`runner.streams`, worker/generate_streams.py), batching
+every streaming sequence into one step, so concurrent Generate calls share steps."""
 from __future__ import annotations
 
 import asyncio
@@ -30,7 +30,7 @@ from typing import Any, Callable
 from engine import api
 from engine.engine import Engine
 from engine.decode import PendingStep
-from engine.errors import EngineError
+from worker.generate_streams import GenerateStreams
 
 log = logging.getLogger(__name__)
 
@@ -55,24 +55,6 @@ class _Launched:
     times: list | None
 
 
-@dataclass
-class _Start:
-    """A Generate stream waiting for its sequence: allocated and prefilled with the others waiting then."""
-
-    prompt: list[int]
-    alloc: Callable[[Engine], api.AllocResult]
-    first: asyncio.Future  # its first TokenResult, or the exception that refused it
-
-
-@dataclass
-class _Stream:
-    """A Generate stream's sequence, decoded by the runner itself."""
-
-    seq_id: int
-    out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
-    in_flight: int = 0  # launched decode steps that include it, not yet answered
-
-
 class EngineRunner:
     def __init__(self, engine: Engine, thread: concurrent.futures.ThreadPoolExecutor):
         """Use EngineRunner.start(): it builds the engine on the engine thread."""
@@ -82,12 +64,10 @@ class EngineRunner:
         self._queue: collections.deque[_Work] = collections.deque()
         self._in_flight: collections.deque[_Launched] = collections.deque()  # launched, oldest first
         self._busy_since: float | None = None  # monotonic start of the call running on the engine thread
-        self._streams: dict[int, _Stream] = {}
-        self._starts: list[_Start] = []  # Generate streams whose prefill call is queued, not started yet
-        self._stream_task: asyncio.Task | None = None
         self._waiter = _DeviceWaiter(self._loop, self._pump)
         self._closed = False
         self.steps = 0  # engine calls run (steps, short and long calls)
+        self.streams = GenerateStreams(self)  # the Generate calls' sequences, decoded by the runner itself
         engine.runtime.dispatch.bind_thread()  # driver calls (graph replays) from the loop's thread need the context
 
     @classmethod
@@ -122,6 +102,20 @@ class EngineRunner:
         """fn(engine, *args) on the engine thread, in its turn (the loop keeps serving meanwhile)."""
         return await self._submit(_THREAD, fn, args)
 
+    def call_prepared(self, fn: Callable[..., Any], prepare: Callable[[], tuple]) -> asyncio.Future:
+        """call(), with fn's arguments made by prepare() on the loop just before it starts (what has gathered in
+        the queue meanwhile)."""
+        return self._submit(_THREAD, fn, (), prepare=prepare)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    @property
+    def closed(self) -> bool:
+        """shutdown() has begun: no call is taken any more."""
+        return self._closed
+
     def _submit(self, kind: str, fn: Callable, args: tuple, times: list | None = None,
                 prepare: Callable[[], tuple] | None = None) -> asyncio.Future:
         future = self._loop.create_future()
@@ -140,130 +134,6 @@ class EngineRunner:
         if self._busy_since is not None:
             return self._busy_since
         return self._in_flight[0].started if self._in_flight else None
-
-    # ------------------------------------------------------------------ Generate streams
-
-    async def start_stream(self, prompt: list[int],
-                           alloc: Callable[[Engine], api.AllocResult]) -> tuple[int, asyncio.Queue]:
-        """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
-        its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
-        nothing is left allocated.
-
-        Streams that start while their prefill call waits in the queue (behind the steps in flight, or
-        another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
-        as a router batches the prompts it admits together, instead of one call (and one drain of the steps
-        in flight) per stream."""
-        out: asyncio.Queue = asyncio.Queue()
-        start = _Start(prompt, alloc, self._loop.create_future())
-        self._starts.append(start)
-        if len(self._starts) == 1:  # the first since the last batch was taken: queue the call that takes them
-            taken: list[list[_Start]] = []
-
-            def take() -> tuple:  # the streams waiting now, less those whose caller went away meanwhile
-                taken.append([s for s in self._starts if not s.first.done()])
-                self._starts = []
-                return (taken[0],)
-
-            def answer(batch: asyncio.Future) -> None:
-                starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
-                error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
-                for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
-                    if isinstance(outcome, BaseException):
-                        if not s.first.done():
-                            s.first.set_exception(outcome)
-                    elif s.first.done():  # its caller went away while it started: nobody decodes it
-                        self._loop.create_task(self.run(lambda e, i=outcome.seq_id: e.release([i])))
-                    else:
-                        s.first.set_result(outcome)
-
-            self._submit(_THREAD, _start_streams, (), prepare=take).add_done_callback(answer)
-        first = await start.first
-        out.put_nowait(first)
-        if first.finish_reason:
-            await self.run(lambda engine: engine.release([first.seq_id]))
-            out.put_nowait(None)
-        else:
-            self._streams[first.seq_id] = _Stream(first.seq_id, out)
-            if self._stream_task is None or self._stream_task.done():
-                self._stream_task = self._loop.create_task(self._decode_streams())
-        return first.seq_id, out
-
-    async def stop_stream(self, seq_id: int) -> None:
-        """Ends a stream early (client gone): its sequence is released."""
-        if self._streams.pop(seq_id, None) is not None:
-            await self.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
-
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
-    async def _decode_streams(self) -> None:
-        """Decode steps over every Generate stream, up to config.max_steps_in_flight of them launched at once (the
-        next one queued on the device behind the running one, as a router keeps Decodes in flight). A stream
-        joins the next step launched after its prefill; a step includes only sequences the steps ahead of it
-        leave running by length; a step refused because one ahead ended a sequence by EOS or a stop token
-        changes nothing (its sequences go into the next one). A finished stream's sequence is released."""
-        engine = self.engine
-        depth = engine.config.max_steps_in_flight
-        pending: collections.deque[tuple[list[_Stream], asyncio.Future]] = collections.deque()
-        while not self._closed and (self._streams or pending):
-            while len(pending) < depth:
-                streams = self._launchable()
-                if not streams:
-                    break
-                ids = [s.seq_id for s in streams]
-                for s in streams:
-                    s.in_flight += 1
-                pending.append((streams, self.submit_step(lambda e, ids=ids: e.decode_launch(ids))))
-            if not pending:
-                break
-            streams, future = pending.popleft()
-            try:
-                result = await future
-            except EngineError:  # refused: an earlier step ended one of its sequences; the others roll back
-                result = None
-            except Exception as e:  # noqa: BLE001 - every stream of the step fails, the worker goes on
-                log.exception("decode step of %d Generate streams failed", len(streams))
-                ids = [s.seq_id for s in streams]
-                for s in streams:
-                    if self._streams.pop(s.seq_id, None) is not None:
-                        s.out.put_nowait(e)
-                await self.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
-                continue
-            finally:
-                for s in streams:
-                    s.in_flight -= 1
-            finished = []
-            for s, tok in zip(streams, result.tokens if result is not None else ()):
-                if self._streams.get(s.seq_id) is not s:
-                    continue  # stopped while the step ran (stop_stream released it)
-                s.out.put_nowait(tok)
-                if tok.finish_reason:
-                    del self._streams[s.seq_id]
-                    s.out.put_nowait(None)
-                    finished.append(s.seq_id)
-            if finished:
-                await self.run(lambda e: e.release([i for i in finished if i in e.sequences]))
-            # A step answered at once (a CPU step is done when launched) leaves every await above without a
-            # suspension: yield, so the streams' handlers send their tokens and other calls get served.
-            await asyncio.sleep(0)
-
-    def _launchable(self) -> list[_Stream]:
-        """The streams (at most max_batch_size) whose sequence is still running after the steps already launched
-        with it: one more step will not pass its reservation or max_new_tokens."""
-        engine, out = self.engine, []
-        for s in self._streams.values():
-            seq = engine.sequences[s.seq_id] if s.seq_id in engine.sequences else None
-            if seq is None or seq.finished:
-                continue
-            limit = seq.capacity
-            if seq.stopping.max_new_tokens:
-                limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
-            if seq.seq_len + s.in_flight < limit:
-                out.append(s)
-                if len(out) == engine.config.max_batch_size:
-                    break
-        return out
 
     # ------------------------------------------------------------------ the queue
 
@@ -366,11 +236,7 @@ class EngineRunner:
         while self._in_flight:
             self._in_flight[0].step.wait_device()
             self._answer_steps()
-        for stream in self._streams.values():
-            stream.out.put_nowait(None)
-        self._streams.clear()
-        if self._stream_task is not None:
-            self._stream_task.cancel()
+        self.streams.close()
         self._waiter.stop()
         await self._loop.run_in_executor(self._thread, self.engine.close)
         self._thread.shutdown(wait=True)
@@ -424,42 +290,3 @@ class _DeviceWaiter:
                 self._loop.call_soon_threadsafe(self._wake)
             except RuntimeError:  # the loop closed
                 return
-
-
-def _start_streams(engine: Engine, starts: list[_Start]) -> list:
-    """On the engine thread: allocates each start's sequence and prefills them together, max_batch_size to an
-    Engine.prefill. Returns one outcome per start, its first TokenResult or the exception that refused it (a
-    refused start leaves nothing allocated). Engine.prefill checks every item before it changes anything, so
-    when one prompt is refused the others of its call are prefilled one by one and only that one fails."""
-    outcomes: list = [None] * len(starts)
-    allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
-    for i, s in enumerate(starts):
-        try:
-            allocated.append((i, s.alloc(engine).seq_id))
-        except Exception as e:  # noqa: BLE001 - answered to that stream's caller
-            outcomes[i] = e
-    width = engine.config.max_batch_size  # the most sequences one Engine.prefill takes
-    for group in (allocated[g:g + width] for g in range(0, len(allocated), width)):
-        try:
-            tokens = engine.prefill([api.PrefillItem(seq, starts[i].prompt) for i, seq in group]).tokens
-        except EngineError:  # one prompt refused the call before it changed anything: each alone
-            for i, seq in group:
-                outcomes[i] = _start_one(engine, seq, starts[i].prompt)
-            continue
-        except Exception as e:  # noqa: BLE001 - a broken forward: this group's streams fail, nothing is left held
-            engine.release([seq for _, seq in group if seq in engine.sequences])
-            for i, _ in group:
-                outcomes[i] = e
-            continue
-        for (i, _), token in zip(group, tokens):
-            outcomes[i] = token
-    return outcomes
-
-
-def _start_one(engine: Engine, seq_id: int, prompt: list[int]):
-    """One stream's prefill alone: its first TokenResult, or the exception (its sequence released)."""
-    try:
-        return engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
-    except Exception as e:  # noqa: BLE001 - answered to that stream's caller
-        engine.release([seq_id])
-        return e

@@ -163,7 +163,7 @@ class Worker:
         # and never on the engine's path; None without tokenizer.json, a ConfigError when it cannot be read.
         self.servicer.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.runner.engine.model_path)
         self.servicer.runner = self.runner
-        await self.gateway.attach(self.runner)
+        await self.gateway.attach(self.runner, self.servicer.tokenizer)
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
         # reach: a full collection over it would pause every thread for tens of milliseconds.
@@ -236,7 +236,7 @@ class Worker:
         if self.servicer is not None:
             self.servicer.draining = self.gateway.draining = True
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
-            while time.monotonic() < deadline and (self.runner.engine.sequences or self.runner.num_streams):
+            while time.monotonic() < deadline and (self.runner.engine.sequences or len(self.runner.streams)):
                 await asyncio.sleep(0.05)
             self.servicer.end_streams()  # an open DecodeStream would otherwise hold the stop to the grace
         await self.stop(max(0.0, deadline - time.monotonic()))

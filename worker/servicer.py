@@ -254,7 +254,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                 total = len(prompt) + request.stopping.max_new_tokens
                 rid = request.request_id or request_id_of(context)
                 started = time.perf_counter()
-                seq_id, out = await self.runner.start_stream(
+                seq_id, out = await self.runner.streams.start(
                     prompt, lambda e: e.alloc_sequence(min(total, e.max_seq_len), sampling, stopping, rid))
             except EngineError as e:
                 call.code = status_of(e)
@@ -280,7 +280,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
             finally:
                 self.metrics.end_stream(seq_id)
                 if not done:  # the client went away, or the stream failed: free the sequence
-                    task = asyncio.get_running_loop().create_task(self.runner.stop_stream(seq_id))
+                    task = asyncio.get_running_loop().create_task(self.runner.streams.stop(seq_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
 

@@ -6,15 +6,18 @@ Engine.score gives the log-probs of every position; `pytest -s` prints the figur
 
 Issue 43's floors: FP8 agreement >= 0.90, and within 0.05 of the unquantized worker's own agreement; FP8
 perplexity within 3% of the unquantized worker's. Measured on the dev box (331 tokens, agreement /
-perplexity): fp32 1.000 / 19.90, bf16 0.970 / 19.86, fp8 0.918 / 20.83, fp8 + LM head 0.912 / 21.01,
-fp8 1x64 0.9485 / 20.38, fp8 1x32 0.952 / 20.18.
-Per-channel round-to-nearest E4M3 of every projection (3 mantissa bits) meets the absolute floor but not the
-two relative ones on this 135M model. No single projection is to blame (each alone costs 0.5-3 points of
-agreement), so for per-channel scales the relative floors are an xfail(strict), and regression bounds just
-outside the measured figures guard what is built. One scale per 64 input columns of each output row (1x64)
-meets the issue's floors against bf16 (agreement -0.021, perplexity +2.6%) and the perplexity floor against
-the fp32 worker (+2.4%), but misses its agreement floor by one token of 330 (0.9485 vs 0.95): an
-xfail(strict). 1x32 meets all of them."""
+perplexity): fp32 1.000 / 19.90, bf16 0.970 / 19.86, fp8 0.958 / 20.15, fp8 + LM head 0.903 / 20.59,
+fp8 1x64 0.9485 / 20.38, fp8 1x32 0.952 / 20.18; mean KL divergence from fp32 (1e-3 nats): bf16 0.85, fp8
+9.97, fp8 + LM head 20.9, fp8 1x64 11.1, fp8 1x32 8.9, fp8 kv 5.4.
+Per-channel E4M3 with each row's scale searched for the least squared error (engine/quant.py) meets all three
+floors against the bf16 worker (agreement -0.012, perplexity +1.4%) and the fp32 one (-0.042, +1.2%). A
+token is 0.003 of agreement, and quantizations of equal weight error differ by a few tokens on this text
+(their KL divergence from fp32 ranks them more steadily), so the regression bounds sit a few tokens outside
+the measured figures. Quantizing the tied LM head (49152 x 576) too costs more agreement than all the
+projections together and leaves it at the absolute floor (298 tokens of 330; 297 is 0.8999... in fp32).
+One scale per 64 input columns of each output row (1x64, amax scales) meets the issue's floors against bf16
+(agreement -0.021, perplexity +2.6%) and the perplexity floor against the fp32 worker (+2.4%), but misses its
+agreement floor by one token of 330 (0.9485 vs 0.95): an xfail(strict). 1x32 meets all of them."""
 from __future__ import annotations
 
 import math
@@ -61,6 +64,12 @@ def agreement_and_perplexity(logp: torch.Tensor, ref_logp: torch.Tensor, tokens:
     return agree, math.exp(nll)
 
 
+def kl_divergence(logp: torch.Tensor, ref_logp: torch.Tensor) -> float:
+    """Mean over rows 0 .. n-2 of KL(reference || engine), in nats: steadier than the top-1 agreement, which a
+    few rows near a tie decide."""
+    return (ref_logp.exp() * (ref_logp - logp)).sum(-1)[:-1].mean().item()
+
+
 @pytest.fixture(scope="module")
 def tokens(default_model) -> list[int]:
     ids = Tokenizer.from_dir(default_model).encode(TEXT)
@@ -92,7 +101,7 @@ def engine_scores(model, tokens: list[int], **changes) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
     """(agreement, perplexity) per engine setting; the unquantized fp32 engine is checked to be transformers."""
-    out = {}
+    out, kl = {}, {}
     for name, changes in (("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("fp8", {"quantization": "fp8"}),
                           ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True}),
                           ("fp8 1x64", {"quantization": "fp8", "fp8_weight_block": "1x64"}),
@@ -104,26 +113,31 @@ def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
         if name == "fp32":  # the unquantized engine is transformers, up to fp32 rounding
             assert (logp - reference).abs().max().item() < 1e-3
         out[name] = agreement_and_perplexity(logp, reference, tokens)
+        kl[name] = kl_divergence(logp, reference)
     _, ref_ppl = agreement_and_perplexity(reference, reference, tokens)
     print(f"\nSmolLM2-135M-Instruct, {len(tokens)} tokens, teacher-forced against transformers fp32 "
           f"(perplexity {ref_ppl:.4f}):")
     for name, (agree, ppl) in out.items():
-        print(f"  {name:14s} top-1 agreement {agree:.4f}  perplexity {ppl:.4f}")
+        print(f"  {name:17s} top-1 agreement {agree:.4f}  perplexity {ppl:.4f}  KL {kl[name] * 1e3:.2f}e-3 nats")
     return out
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8 + lm head", "fp8 1x64", "fp8 1x32"])
+# (largest agreement drop, largest perplexity rise) against the bf16 worker: just outside the measured figures
+# (module docstring)
+REGRESSION_BOUNDS = {"fp8": (0.03, 0.025), "fp8 + lm head": (0.08, 0.05), "fp8 1x64": (0.035, 0.035),
+                     "fp8 1x32": (0.035, 0.025)}
+
+
+@pytest.mark.parametrize("name", REGRESSION_BOUNDS)
 def test_fp8_agreement_floor_and_regression_bounds(figures, name):
     agree, ppl = figures[name]
     assert agree >= AGREEMENT_FLOOR, (name, agree)
-    # regression bounds just outside the measured figures (module docstring), against bf16
     base_agree, base_ppl = figures["bf16"]
-    assert agree >= base_agree - 0.07, (name, agree, base_agree)
-    assert ppl <= base_ppl * 1.07, (name, ppl, base_ppl)
+    max_drop, max_rise = REGRESSION_BOUNDS[name]
+    assert agree >= base_agree - max_drop, (name, agree, base_agree)
+    assert ppl <= base_ppl * (1 + max_rise), (name, ppl, base_ppl)
 
 
-@pytest.mark.xfail(strict=True, reason="per-channel E4M3 on SmolLM2-135M: agreement 0.918 vs 0.970 (bf16) and "
-                                       "1.000 (fp32), perplexity +4.9% (module docstring)")
 @pytest.mark.parametrize("base", ["fp32", "bf16"])
 def test_fp8_meets_the_relative_floors_of_issue_43(figures, base):
     base_agree, base_ppl = figures[base]

@@ -237,8 +237,9 @@ def test_abort_ends_the_stream_and_frees_the_sequence(tok_server, vllm):
 
 
 UNSUPPORTED = {
-    "stop": dict(stop=["w9"]), "prompt_logprobs": dict(prompt_logprobs=1), "json_schema": dict(json_schema="{}"),
-    "regex": dict(regex="w.*"), "logprobs": dict(logprobs=-1),
+    "stop": dict(stop=["w9", ""]), "prompt_logprobs": dict(prompt_logprobs=1), "logprobs": dict(logprobs=-1),
+    # Structured output that cannot be compiled (tests/e2e/test_structured_output.py has what can).
+    "json_schema": dict(json_schema='{"type": "nonsense"}'), "regex": dict(regex="(w"),
     # Values outside what the engine serves (vLLM's ranges, and this worker's limits).
     "min_p": dict(min_p=1.5), "frequency_penalty": dict(frequency_penalty=2.5),
     "presence_penalty": dict(presence_penalty=-3.0), "logit_bias": dict(logit_bias={i: 1.0 for i in range(65)}),
@@ -323,6 +324,64 @@ def test_n_choices_are_seeded_seed_plus_index_and_tagged_by_index(tok_server, vl
         assert [list(completes[i].output_ids) for i in range(3)] == expected
         assert [completes[i].completion_tokens for i in range(3)] == [len(e) for e in expected]
     assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def words_of(ids: list[int]) -> list[str]:
+    """The word tokenizer's text of each id (its decoder joins them with one space)."""
+    return [f"w{t}" for t in ids]
+
+
+def first_stop_at(words: list[str], start: int) -> tuple[int, str]:
+    """(k, stop): the first k >= start where the stop string "<last character of word k-1> <word k>", which
+    spans two tokens, appears in the text only as completed by token k."""
+    for k in range(max(start, 1), len(words)):
+        stop = f"{words[k - 1][-1]} {words[k]}"
+        if stop not in " ".join(words[:k]) and stop not in " ".join(words[:k + 1])[:-1]:
+            return k, stop
+    raise AssertionError(f"no usable stop string in {words}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_a_choice_at_the_token_that_completes_one(tok_server, vllm, stream):
+    """A stop string (vLLM's `stop`) ends a choice with the token whose text completes it: finish reason
+    "stop", the string in matched_stop_str, no token after it, and its sequence freed at once; before
+    min_tokens output tokens no string stops it; a choice whose string never appears runs to max_tokens."""
+    prompt = random_prompts([7], VOCAB, seed=16)[0]
+    ref = model_worker_tokens(tok_server, prompt, 16, dict(ignore_eos=True), temperature=0.0)
+    words = words_of(ref)
+    k, stop = first_stop_at(words, 3)
+
+    def run(rid: str, **sampling) -> tuple[list[int], vpb.GenerateComplete]:
+        responses = list(vllm.Generate(generate_request(prompt, rid, stream, temperature=0.0, max_tokens=16,
+                                                        ignore_eos=True, **sampling), timeout=60))
+        chunks, completes = split_by_index(responses)
+        assert list(completes) == [0]
+        return (chunks.get(0, []) if stream else list(completes[0].output_ids)), completes[0]
+
+    ids, done = run(f"stop-{stream}", stop=["never there", stop])
+    assert ids == ref[:k + 1]
+    assert (done.finish_reason, done.matched_stop_str, done.WhichOneof("matched_stop")) == \
+        ("stop", stop, "matched_stop_str")
+    assert done.completion_tokens == (1 if stream else k + 1)
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+    # min_tokens: a string that appears only in the first tokens does not stop the choice.
+    early = words[0]
+    assert all(early not in w for w in words[1:])
+    ids, done = run(f"stop-min-{stream}", stop=[early], min_tokens=2)
+    assert ids == ref and done.finish_reason == "length" and done.WhichOneof("matched_stop") is None
+    ids, done = run(f"stop-first-{stream}", stop=[early])
+    assert ids == ref[:1] and done.matched_stop_str == early
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+def test_stop_strings_need_the_checkpoints_tokenizer(server):
+    stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(server.address))
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generate_request([5, 6, 7], "no-tok", max_tokens=4, stop=["w9"]), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling_params.stop needs the checkpoint's tokenizer" in e.value.details()
+    assert live_sequences(server) == 0
 
 
 def test_abort_ends_every_choice(tok_server, vllm):

@@ -457,6 +457,53 @@ def test_completions_answer_as_transformers_greedy(rr, oracle, default_model):
     assert streamed == oracle.text(answer)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, oracle, default_model, stream):
+    """OpenAI `stop` strings: the worker ends the sequence at the token whose text completes one (so
+    completion_tokens counts up to it), smg trims the text before the string, finish_reason "stop"."""
+    text = "The capital of France is"
+    answer = oracle.greedy(oracle.text_ids(text), MAX_NEW_TOKENS)
+    full = oracle.text(answer)
+    words = full.split()
+    stop = next(w for w in words[2:] if full.count(w) == 1)  # a word of the answer's middle, there once
+    k = next(k for k in range(1, len(answer) + 1) if stop in oracle.text(answer[:k]))  # the completing token
+    assert k < len(answer)
+    request = dict(model=default_model.name, prompt=text, max_tokens=MAX_NEW_TOKENS, temperature=0,
+                   stop=["a string never said", stop])
+    if stream:
+        sse = rr.stream("/v1/completions", dict(request, stream_options={"include_usage": True}))
+        events = list(sse.events())
+        sse.close()
+        got = "".join(c["text"] for e in events for c in e.get("choices", []))
+        reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
+        usage = [e["usage"] for e in events if e.get("usage")][-1]
+    else:
+        reply = rr.post("/v1/completions", request)
+        assert reply.status == 200, reply.body
+        choice = reply.body["choices"][0]
+        got, reasons, usage = choice["text"], [choice["finish_reason"]], reply.body["usage"]
+    assert got == full[:full.index(stop)]
+    assert reasons == ["stop"]
+    assert usage["completion_tokens"] == k
+    assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
+
+
+def test_json_schema_response_format(rr, workers, default_model):
+    """OpenAI structured output (response_format json_schema) through smg: the reply is JSON of the schema
+    (tests/e2e/test_structured_output.py holds the worker's constrained tokens against transformers')."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name a big city in Japan as JSON."}]
+    reply = rr.post("/v1/chat/completions", chat_request(default_model.name, messages, max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "place", "schema": schema}}))
+    assert reply.status == 200, reply.body
+    choice = reply.body["choices"][0]
+    value = json.loads(choice["message"]["content"])
+    assert set(value) == {"city", "country"} and all(isinstance(v, str) for v in value.values())
+    assert choice["finish_reason"] == "stop"
+    assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
+
+
 def test_requests_are_spread_over_both_workers(rr, workers, default_model):
     pair = [workers["a"], workers["b"]]
     before = [(w.generates("OK"), w.info().prefix_cache.queries) for w in pair]
@@ -537,9 +584,9 @@ def test_bad_input_is_a_4xx_with_the_workers_message_and_the_worker_keeps_servin
             ("/v1/completions", dict(model=model, prompt=at_context)),
         f"max_tokens (600) need {len(oracle.chat_ids(hello)) + 600} tokens; this worker's context length is 512":
             ("/v1/chat/completions", chat_request(model, hello, max_tokens=600)),
-        "sampling_params.json_schema (structured output) is not supported by this worker":
+        'sampling_params.json_schema cannot be compiled: Unsupported type "colour"':
             ("/v1/chat/completions", chat_request(model, hello, response_format={
-                "type": "json_schema", "json_schema": {"name": "colour", "schema": {"type": "object"}}})),
+                "type": "json_schema", "json_schema": {"name": "colour", "schema": {"type": "colour"}}})),
     }
     for words, (path, body) in refused_by_worker.items():
         reply = rr.post(path, body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -208,3 +209,48 @@ def test_a_stop_token_refusal_rolls_the_penalty_counts_back_on_gpu(ckpt, monkeyp
         temperature=0.9, top_k=40, repetition_penalty=1.3, top_logprobs=2, seed=5, frequency_penalty=0.8,
         presence_penalty=0.6, min_p=0.02))
     pipeline_checks.check_stop_token_refusal(lambda reference=False: gpu_engine(ckpt), VOCAB)
+
+
+def token_mask(engine: Engine, allowed) -> np.ndarray:
+    words = np.zeros(engine.runtime.state.token_mask.shape[1], dtype=np.uint32)
+    for t in allowed:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+    return words.view(np.int32)
+
+
+def test_token_masks_hold_in_graphs_and_leave_other_rows_untouched_on_gpu(ckpt):
+    """Structured output's token masks (Engine.set_token_mask) through the sampling kernels and replayed graphs:
+    each masked row (greedy or sampled) draws only from its mask of that step, and the plain rows of the batch
+    give what they give alone."""
+    engine = gpu_engine(ckpt, capture_after=1)
+    ps = prompts([9, 14, 6, 21], seed=3)
+    g = torch.Generator().manual_seed(11)
+
+    def run(masked: bool) -> tuple[list[list[int]], list[list[set]]]:
+        params = PLAIN + ([SamplingParams(token_mask=True), SamplingParams(temperature=1.0, seed=3, token_mask=True)]
+                          if masked else [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+        ids = [engine.alloc_sequence(100, p, IGNORE_EOS).seq_id for p in params]
+        allowed: list[list[set]] = [[], []]
+
+        def set_masks():
+            for k, i in enumerate(ids[2:]):
+                choice = set(torch.randint(0, VOCAB, (1 + 5 * k,), generator=g).tolist())
+                allowed[k].append(choice)
+                if masked:
+                    engine.set_token_mask(i, token_mask(engine, choice))
+
+        set_masks()
+        out = {t.seq_id: [t.token_id] for t in engine.prefill([PrefillItem(i, p) for i, p in zip(ids, ps)]).tokens}
+        for _ in range(24):
+            set_masks()
+            for t in engine.decode(ids).tokens:
+                out[t.seq_id].append(t.token_id)
+        engine.release(ids)
+        return [out[i] for i in ids], allowed
+
+    mixed, allowed = run(True)
+    plain, _ = run(False)
+    assert mixed[:2] == plain[:2]
+    for k in range(2):
+        assert all(tok in allowed[k][step] for step, tok in enumerate(mixed[2 + k])), k
+    assert engine.runtime.dispatch.graphs.stats.hits > 10

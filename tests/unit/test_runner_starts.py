@@ -1,4 +1,4 @@
-"""EngineRunner.start_stream: Generate streams that start while their prefill call waits in the runner's queue
+"""GenerateStreams.start (worker/generate_streams.py): Generate streams that start while their prefill call waits in the runner's queue
 share one engine call and one Engine.prefill, a refused prompt fails alone, and nothing stays allocated."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ async def started(tiny_model, prompts: list[list[int]], **changes):
     runner.engine.prefill = lambda items: calls.append(len(items)) or prefill(items)
     busy = asyncio.ensure_future(runner.call(lambda e: gate.wait(30)))  # the engine thread, busy
     await asyncio.sleep(0)
-    starts = [asyncio.ensure_future(runner.start_stream(p, alloc(len(p) + 8))) for p in prompts]
+    starts = [asyncio.ensure_future(runner.streams.start(p, alloc(len(p) + 8))) for p in prompts]
     await asyncio.sleep(0.05)  # every start queued behind the busy call
     gate.set()
     await busy

@@ -1,0 +1,252 @@
+"""GenerateStreams: the Generate calls' sequences, which the EngineRunner decodes itself, batching every streaming
+sequence into one step so that concurrent Generate calls (of ModelWorker and of the gateway service) share steps.
+
+A stream is allocated and prefilled with the others that start while its prefill call waits in the runner's queue
+(one engine call, as a router batches the prompts it admits together), then joins the next decode step; up to
+config.max_steps_in_flight steps are launched at once. A structured-output stream (a constraint: its grammar's
+state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
+and sets the next token's mask before the step that samples it. Event-loop only, like the runner."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from engine import api
+from engine.decode import PendingStep
+from engine.engine import Engine
+from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from worker.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Start:
+    """A Generate stream waiting for its sequence: allocated and prefilled with the others waiting then."""
+
+    prompt: list[int]
+    alloc: Callable[[Engine], api.AllocResult]
+    first: asyncio.Future  # its first TokenResult, or the exception that refused it
+
+
+@dataclass
+class _Stream:
+    """A Generate stream's sequence, decoded by the runner itself."""
+
+    seq_id: int
+    out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
+    in_flight: int = 0  # launched decode steps that include it, not yet answered
+    constraint: Any = None  # structured output (a worker/structured_output.Constraint): its grammar's state
+
+
+def _accepts(stream: _Stream, token: api.TokenResult) -> bool:
+    """Advances a constrained stream's grammar by its new token (of a running sequence); False when the stream
+    ends there: its grammar has terminated while the sequence would run on (ignore_eos). A token the grammar
+    refuses is a bug (RuntimeError)."""
+    if not stream.constraint.accept(token.token_id):
+        raise RuntimeError(f"sequence {stream.seq_id}: token {token.token_id} was sampled outside its token mask")
+    return not stream.constraint.terminated
+
+
+class GenerateStreams:
+    def __init__(self, runner: "EngineRunner"):
+        self.runner = runner
+        self._streams: dict[int, _Stream] = {}
+        self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
+        self._stream_task: asyncio.Task | None = None
+
+    async def start(self, prompt: list[int], alloc: Callable[[Engine], api.AllocResult],
+                    constraint=None) -> tuple[int, asyncio.Queue]:
+        """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
+        its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
+        nothing is left allocated. constraint: structured output's grammar state (worker/structured_output.py)
+        for a sequence allocated with sampling.token_mask, whose alloc also set the first token's mask: the
+        runner advances it by each token and sets the next mask before each step (one step in flight at most).
+
+        Streams that start while their prefill call waits in the queue (behind the steps in flight, or
+        another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
+        as a router batches the prompts it admits together, instead of one call (and one drain of the steps
+        in flight) per stream."""
+        out: asyncio.Queue = asyncio.Queue()
+        start = _Start(prompt, alloc, self.runner.loop.create_future())
+        self._starts.append(start)
+        if len(self._starts) == 1:  # the first since the last batch was taken: queue the call that takes them
+            taken: list[list[_Start]] = []
+
+            def take() -> tuple:  # the streams waiting now, less those whose caller went away meanwhile
+                taken.append([s for s in self._starts if not s.first.done()])
+                self._starts = []
+                return (taken[0],)
+
+            def answer(batch: asyncio.Future) -> None:
+                starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
+                error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
+                for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
+                    if isinstance(outcome, BaseException):
+                        if not s.first.done():
+                            s.first.set_exception(outcome)
+                    elif s.first.done():  # its caller went away while it started: nobody decodes it
+                        self.runner.loop.create_task(self.runner.run(lambda e, i=outcome.seq_id: e.release([i])))
+                    else:
+                        s.first.set_result(outcome)
+
+            self.runner.call_prepared(_start_streams, take).add_done_callback(answer)
+        first = await start.first
+        out.put_nowait(first)
+        stream = _Stream(first.seq_id, out, constraint=constraint)
+        try:
+            running = not first.finish_reason and (constraint is None or _accepts(stream, first))
+        except RuntimeError as e:
+            out.put_nowait(e)
+            running = False
+        if not running:
+            await self.runner.run(lambda engine: engine.release([first.seq_id]) if first.seq_id in engine.sequences else 0)
+            out.put_nowait(None)
+        else:
+            self._streams[first.seq_id] = stream
+            if self._stream_task is None or self._stream_task.done():
+                self._stream_task = self.runner.loop.create_task(self._decode())
+        return first.seq_id, out
+
+    async def stop(self, seq_id: int) -> None:
+        """Ends a stream early (client gone): its sequence is released."""
+        if self._streams.pop(seq_id, None) is not None:
+            await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    async def _decode(self) -> None:
+        """Decode steps over every Generate stream, up to config.max_steps_in_flight of them launched at once (the
+        next one queued on the device behind the running one, as a router keeps Decodes in flight). A stream
+        joins the next step launched after its prefill; a step includes only sequences the steps ahead of it
+        leave running by length; a step refused because one ahead ended a sequence by EOS or a stop token
+        changes nothing (its sequences go into the next one). A finished stream's sequence is released."""
+        engine = self.runner.engine
+        depth = engine.config.max_steps_in_flight
+        pending: collections.deque[tuple[list[_Stream], asyncio.Future]] = collections.deque()
+        while not self.runner.closed and (self._streams or pending):
+            while len(pending) < depth:
+                streams = self._launchable()
+                if not streams:
+                    break
+                ids = [s.seq_id for s in streams]
+                for s in streams:
+                    s.in_flight += 1
+                masked = [s for s in streams if s.constraint is not None]
+                pending.append((streams, self.runner.submit_step(_launch_streams, ids, masked)))
+            if not pending:
+                break
+            streams, future = pending.popleft()
+            try:
+                result = await future
+            except EngineError:  # refused: an earlier step ended one of its sequences; the others roll back
+                result = None
+            except Exception as e:  # noqa: BLE001 - every stream of the step fails, the worker goes on
+                log.exception("decode step of %d Generate streams failed", len(streams))
+                ids = [s.seq_id for s in streams]
+                for s in streams:
+                    if self._streams.pop(s.seq_id, None) is not None:
+                        s.out.put_nowait(e)
+                await self.runner.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
+                continue
+            finally:
+                for s in streams:
+                    s.in_flight -= 1
+            finished = []
+            for s, tok in zip(streams, result.tokens if result is not None else ()):
+                if self._streams.get(s.seq_id) is not s:
+                    continue  # stopped while the step ran (stop() released it)
+                s.out.put_nowait(tok)
+                try:
+                    running = not tok.finish_reason and (s.constraint is None or _accepts(s, tok))
+                except RuntimeError as e:
+                    s.out.put_nowait(e)
+                    running = False
+                if not running:
+                    del self._streams[s.seq_id]
+                    s.out.put_nowait(None)
+                    finished.append(s.seq_id)
+            if finished:
+                await self.runner.run(lambda e: e.release([i for i in finished if i in e.sequences]))
+            # A step answered at once (a CPU step is done when launched) leaves every await above without a
+            # suspension: yield, so the streams' handlers send their tokens and other calls get served.
+            await asyncio.sleep(0)
+
+    def _launchable(self) -> list[_Stream]:
+        """The streams (at most max_batch_size) whose sequence is still running after the steps already launched
+        with it: one more step will not pass its reservation or max_new_tokens."""
+        engine, out = self.runner.engine, []
+        for s in self._streams.values():
+            seq = engine.sequences[s.seq_id] if s.seq_id in engine.sequences else None
+            if seq is None or seq.finished:
+                continue
+            limit = seq.capacity
+            if seq.stopping.max_new_tokens:
+                limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
+            if s.constraint is not None and s.in_flight:
+                continue  # its next token's mask waits for the token the step in flight samples
+            if seq.seq_len + s.in_flight < limit:
+                out.append(s)
+                if len(out) == engine.config.max_batch_size:
+                    break
+        return out
+
+    def close(self) -> None:
+        """Ends every stream (the runner shuts down; its steps have finished)."""
+        for stream in self._streams.values():
+            stream.out.put_nowait(None)
+        self._streams.clear()
+        if self._stream_task is not None:
+            self._stream_task.cancel()
+
+
+def _launch_streams(engine: Engine, ids: list[int], masked: list[_Stream]) -> PendingStep:
+    """A decode step of the Generate streams `ids`; the constrained ones (`masked`) get their next token's mask."""
+    for s in masked:
+        engine.set_token_mask(s.seq_id, s.constraint.mask())
+    return engine.decode_launch(ids)
+
+
+def _start_streams(engine: Engine, starts: list[_Start]) -> list:
+    """On the engine thread: allocates each start's sequence and prefills them together, max_batch_size to an
+    Engine.prefill. Returns one outcome per start, its first TokenResult or the exception that refused it (a
+    refused start leaves nothing allocated). Engine.prefill checks every item before it changes anything, so
+    when one prompt is refused the others of its call are prefilled one by one and only that one fails."""
+    outcomes: list = [None] * len(starts)
+    allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
+    for i, s in enumerate(starts):
+        try:
+            allocated.append((i, s.alloc(engine).seq_id))
+        except Exception as e:  # noqa: BLE001 - answered to that stream's caller
+            outcomes[i] = e
+    width = engine.config.max_batch_size  # the most sequences one Engine.prefill takes
+    for group in (allocated[g:g + width] for g in range(0, len(allocated), width)):
+        try:
+            tokens = engine.prefill([api.PrefillItem(seq, starts[i].prompt) for i, seq in group]).tokens
+        except EngineError:  # one prompt refused the call before it changed anything: each alone
+            for i, seq in group:
+                outcomes[i] = _start_one(engine, seq, starts[i].prompt)
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken forward: this group's streams fail, nothing is left held
+            engine.release([seq for _, seq in group if seq in engine.sequences])
+            for i, _ in group:
+                outcomes[i] = e
+            continue
+        for (i, _), token in zip(group, tokens):
+            outcomes[i] = token
+    return outcomes
+
+
+def _start_one(engine: Engine, seq_id: int, prompt: list[int]):
+    """One stream's prefill alone: its first TokenResult, or the exception (its sequence released)."""
+    try:
+        return engine.prefill([api.PrefillItem(seq_id, prompt)]).tokens[0]
+    except Exception as e:  # noqa: BLE001 - answered to that stream's caller
+        engine.release([seq_id])
+        return e

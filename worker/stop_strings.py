@@ -1,0 +1,62 @@
+"""String stops (vLLM's SamplingParams.stop) for the gateway's Generate: a choice ends at the first output
+token whose text completes one of the strings.
+
+The match is vLLM's (StopChecker.check_stop_strings): the output text is the detokenized output tokens (the
+request's skip_special_tokens); after each token that adds characters, each stop string in the request's
+order is looked for where it would overlap those new characters, and the first one found ends the choice,
+with that token as its last. No string matches before min_tokens output tokens (vLLM checks min_tokens
+first). The text itself stays the gateway's: smg detokenizes the token ids it receives and trims the stop
+string (or keeps it, include_stop_str_in_output) itself, so only the token ids and the matched string
+(GenerateComplete.matched_stop_str) go back.
+
+It runs on the event loop over each choice's tokens as they stream, off the engine's step path, as vLLM v1
+matches stop strings in its front end: the steps already launched behind the matching one are discarded
+when the choice's sequence is stopped.
+"""
+from __future__ import annotations
+
+from engine.errors import InvalidArgument
+from engine.tokenizer import Tokenizer
+
+
+def check_stops(stops: list[str], tokenizer: Tokenizer | None) -> tuple[str, ...]:
+    """The request's stop strings, checked: none empty (vLLM refuses an empty one), and a tokenizer to match
+    them with."""
+    if not stops:
+        return ()
+    if any(not s for s in stops):
+        raise InvalidArgument("sampling_params.stop cannot contain an empty string")
+    if tokenizer is None:
+        raise InvalidArgument("sampling_params.stop needs the checkpoint's tokenizer (tokenizer.json), which this "
+                              "worker's checkpoint lacks; send stop_token_ids instead")
+    return tuple(stops)
+
+
+class StopStringMatcher:
+    """One choice's output tokens -> whether a stop string has appeared in its text."""
+
+    def __init__(self, stops: tuple[str, ...], tokenizer: Tokenizer, skip_special_tokens: bool, min_tokens: int = 0):
+        self.stops = stops
+        self.min_tokens = min_tokens
+        self.matched: str | None = None  # the stop string that ended the choice
+        self._detokenizer = tokenizer.detokenizer(skip_special_tokens)
+        self._longest = max(len(s) for s in stops)
+        self._tail = ""  # the text's last (longest stop - 1) characters: all a match can overlap besides new text
+        self._tokens = 0
+
+    def feed(self, token_id: int) -> bool:
+        """Takes the next output token; True when its text completes a stop string (self.matched says which)."""
+        self._tokens += 1
+        new = self._detokenizer.step(token_id)
+        if not new:
+            return False
+        window = self._tail + new
+        self._tail = window[max(0, len(window) - (self._longest - 1)):]
+        if self._tokens < self.min_tokens:
+            return False
+        for stop in self.stops:
+            # A match must end inside the new characters: it starts at most len(stop) - 1 characters before them.
+            if window.find(stop, max(0, len(window) - len(new) - len(stop) + 1)) != -1:
+                self.matched = stop
+                return True
+        return False
