@@ -292,6 +292,19 @@ async def gateway_level(gateway: Gateway, requests: list[Request], texts: list[s
 
 # --------------------------------------------------------------------------------------------------
 
+def worker_work(before, after, seconds: float) -> dict:
+    """What the worker did over a level, from two Infos' step counters: decode steps per second, their mean batch,
+    the device's busy share in decode and in prefill. Fewer steps at the same batch: the worker's host side paced
+    them; smaller batches: the requests came in slower."""
+    a, b = before.steps, after.steps
+    steps = b.decode_steps - a.decode_steps
+    return {"decode_steps_per_s": round(steps / seconds, 1) if seconds else None,
+            "mean_batch": round((b.decode_sequences - a.decode_sequences) / steps, 2) if steps else None,
+            "decode_busy": round((b.decode_device_ns - a.decode_device_ns) / 1e9 / seconds, 3) if seconds else None,
+            "prefill_busy": round((b.prefill_device_ns - a.prefill_device_ns) / 1e9 / seconds, 3) if seconds else None,
+            "prefill_tokens": b.prefill_tokens - a.prefill_tokens}
+
+
 def compare(concurrency: int, direct: dict, gateway: dict) -> dict:
     """A level's row: both paths' figures and gateway / direct."""
     ratios = {key: round(gateway[key] / direct[key], 3) if direct[key] else None
@@ -302,6 +315,10 @@ def compare(concurrency: int, direct: dict, gateway: dict) -> dict:
           f"ITL p50 {direct['itl_p50_ms']:.2f} / {gateway['itl_p50_ms']:.2f} ms; "
           f"TPOT p50 {direct['tpot_p50_ms']:.2f} / {gateway['tpot_p50_ms']:.2f} ms; output tokens "
           f"{direct['output_tokens']} / {gateway['output_tokens']}")
+    for name, level in (("direct", direct), ("gateway", gateway)):
+        w = level.get("worker") or {}
+        print(f"  {name}: {w.get('decode_steps_per_s')} decode steps/s, mean batch {w.get('mean_batch')}, device busy "
+              f"{w.get('decode_busy')} decode + {w.get('prefill_busy')} prefill")
     return {"concurrency": concurrency, "requests": gateway["requests"], "direct": direct, "gateway": gateway,
             "gateway_over_direct": ratios}
 
@@ -326,11 +343,15 @@ def run(args, model: str, target: str, proc, engine_flags: list[str], out_dir: p
             warm = min(n, 2 * c)
             load.run_level(backend, requests[:warm], c, 0, pipeline=depth)
             backend.flush_cache()
+            before = backend.client.info()
             level = load.run_level(backend, requests, c, 0, pipeline=depth)
             direct = {**level.summary(), "requests": len(level.first_tokens)}
+            direct["worker"] = worker_work(before, backend.client.info(), direct["seconds"])
             asyncio.run(gateway_level(gateway, requests[:warm], texts[:warm], c))
             backend.flush_cache()
+            before = backend.client.info()
             through = asyncio.run(gateway_level(gateway, requests, texts, c))
+            through["worker"] = worker_work(before, backend.client.info(), through["seconds"])
             rows.append(compare(c, direct, through))
     finally:
         if gateway is not None:

@@ -85,6 +85,18 @@ class PrefixCacheStats:
 
 
 @dataclass
+class StepCounters:
+    """Work done since start: what a load test divides by its wall time (steps per second, sequences per step,
+    the device's busy share)."""
+    decode_steps: int = 0  # decode steps finished (refused ones not counted)
+    decode_sequences: int = 0  # their sequences, summed (sequences / steps: the mean batch)
+    decode_device_ns: int = 0  # their device time, summed
+    prefill_calls: int = 0
+    prefill_tokens: int = 0  # prompt tokens computed (cached ones not counted)
+    prefill_device_ns: int = 0
+
+
+@dataclass
 class EngineInfo:
     model_id: str
     architecture: str
@@ -112,3 +124,4 @@ class EngineInfo:
     checkpoint_quantization: str = ""  # an FP8 checkpoint's layout (Fp8Layout.description); "" for 16/32-bit
     kv_cache_dtype: str = ""  # the KV cache's element type: the model dtype's name, or "float8_e4m3fn"
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split over (EngineConfig.tensor_parallel_size)
+    steps: StepCounters = field(default_factory=StepCounters)

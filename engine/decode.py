@@ -90,6 +90,7 @@ class DecodePipeline:
         self.slot_io = SlotIO.for_ops(rt.ops, rt.state, rt.block_size)
         self.in_flight: collections.deque[PendingStep] = collections.deque()  # launched, not finished; oldest first
         self.refused_steps = 0  # launched steps refused because an earlier step ended one of their sequences
+        self.counters = api.StepCounters()  # decode and prefill work since start (the Prefiller counts its own)
         self._next_ring = 0  # the pinned buffers and timer the next launched step uses (of max_steps_in_flight)
         self._last_plan: BatchPlan | None = None
 
@@ -228,6 +229,10 @@ class DecodePipeline:
         if not plan.in_slot_order:
             results = in_request_order(results, plan.order)
         step.result = api.StepResult(results, step.timer.elapsed_ns())
+        counters = self.counters
+        counters.decode_steps += 1
+        counters.decode_sequences += len(results)
+        counters.decode_device_ns += step.result.forward_ns
 
     def _register_full_blocks(self, seqs: list[Sequence]) -> None:
         """Registers the blocks the committed tokens filled in the prefix cache: positions below seq_len - 1

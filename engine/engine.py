@@ -51,7 +51,7 @@ class Engine:
         self.slots = SlotTable(config.max_slots)
         self.sequences = SequenceTable(rt.vocab_size, config.max_batch_size)
         self.decoder = DecodePipeline(rt, self.sequences)
-        self.prefiller = Prefiller(rt, self.sequences, self.decoder.num_top)
+        self.prefiller = Prefiller(rt, self.sequences, self.decoder.num_top, self.decoder.counters)
         self.verifier = Verifier(rt, self.sequences, self.decoder.num_top)
         self.scorer = Scorer(rt, self.sequences, self.slots, self.blocks)
 
@@ -214,7 +214,8 @@ class Engine:
             prefix_cache=self._prefix_cache_stats(), quantization=rt.quantization,
             quantized_lm_head=isinstance(rt.weights.lm_head, Fp8Weight), fp8_weight_block=rt.fp8_weight_block,
             checkpoint_quantization=mc.fp8_layout.description if mc.fp8_layout else "",
-            kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."), tensor_parallel_size=rt.shard.size)
+            kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."), tensor_parallel_size=rt.shard.size,
+            steps=dataclasses.replace(self.decoder.counters))
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats

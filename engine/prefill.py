@@ -28,9 +28,11 @@ PREFILL_GRAPH_SEQS = 16
 
 
 class Prefiller:
-    def __init__(self, rt: Runtime, sequences: SequenceTable, num_top):
-        """num_top(seqs): how many top-logprob candidates a step over seqs computes (DecodePipeline.num_top)."""
+    def __init__(self, rt: Runtime, sequences: SequenceTable, num_top, counters: api.StepCounters | None = None):
+        """num_top(seqs): how many top-logprob candidates a step over seqs computes (DecodePipeline.num_top);
+        counters: where prefill calls, tokens and device time are counted."""
         self.rt = rt
+        self.counters = counters if counters is not None else api.StepCounters()
         self.sequences = sequences
         self.num_top = num_top
         config = rt.config
@@ -62,12 +64,17 @@ class Prefiller:
         with self.rt.dispatch.on_device() as timer:
             for seq, it in zip(seqs, items):
                 self._extend(seq, it)
+            computed = sum(seq.seq_len - seq.num_cached for seq in seqs)
             sampled = self._run(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
         for seq in seqs:  # the forwards have completed: the sampled tokens were read back
             if seq.prompt_done and seq.blocks.num_registered * self.rt.block_size < seq.num_final:
                 seq.blocks.register(seq.token_ids, seq.num_final)
-        return api.StepResult(tokens, timer.elapsed_ns())
+        result = api.StepResult(tokens, timer.elapsed_ns())
+        self.counters.prefill_calls += 1
+        self.counters.prefill_tokens += computed
+        self.counters.prefill_device_ns += result.forward_ns
+        return result
 
     def _extend(self, seq: Sequence, item: api.PrefillItem) -> None:
         """Appends the chunk's tokens; on the first chunk matches the cached prefix (its tokens count as

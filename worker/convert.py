@@ -162,7 +162,7 @@ def kv_event_batch(b: KvEventBatch, messages=pb):
 def info_response(i: api.EngineInfo, tokenizer: Tokenizer | None = None) -> pb.InfoResponse:
     """tokenizer: the worker's (None: the checkpoint has none); Info says whether there is one and its
     chat template."""
-    g, c = i.graph_cache, i.prefix_cache
+    g, c, s = i.graph_cache, i.prefix_cache, i.steps
     return pb.InfoResponse(
         has_tokenizer=tokenizer is not None, chat_template=(tokenizer and tokenizer.chat_template) or "",
         model_id=i.model_id, architecture=i.architecture, dtype=i.dtype, device=i.device, vocab_size=i.vocab_size,
@@ -179,4 +179,7 @@ def info_response(i: api.EngineInfo, tokenizer: Tokenizer | None = None) -> pb.I
                                         evictable_blocks=c.evictable_blocks, queries=c.queries,
                                         query_tokens=c.query_tokens, hit_tokens=c.hit_tokens,
                                         stored_blocks=c.stored_blocks, evicted_blocks=c.evicted_blocks,
-                                        flushed_blocks=c.flushed_blocks, last_event_batch=c.last_event_batch))
+                                        flushed_blocks=c.flushed_blocks, last_event_batch=c.last_event_batch),
+        steps=pb.StepCounters(decode_steps=s.decode_steps, decode_sequences=s.decode_sequences,
+                              decode_device_ns=s.decode_device_ns, prefill_calls=s.prefill_calls,
+                              prefill_tokens=s.prefill_tokens, prefill_device_ns=s.prefill_device_ns))

@@ -25,6 +25,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# A stream whose caller has not yet taken this many of its tokens sits out the next steps: the host's time goes to
+# sending what the running streams have (each token a message written on the event loop) rather than to steps
+# that only pile up more, and the steps stay wide instead of running ever smaller batches of the streams that
+# are ahead.
+MAX_UNSENT_TOKENS = 4
+
+
+class _TokenQueue(asyncio.Queue):
+    """A stream's queue of tokens; each take tells the decode loop (a held-back stream may go on)."""
+
+    def __init__(self, on_take: Callable[[], None]):
+        super().__init__()
+        self._on_take = on_take
+
+    def _get(self):  # asyncio.Queue's hook for subclasses: every get() and get_nowait() takes through it
+        item = super()._get()
+        self._on_take()
+        return item
+
+
 @dataclass
 class _Start:
     """A Generate stream waiting for its sequence: allocated and prefilled with the others waiting then."""
@@ -59,6 +79,7 @@ class GenerateStreams:
         self._streams: dict[int, _Stream] = {}
         self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
         self._stream_task: asyncio.Task | None = None
+        self._taken = asyncio.Event()  # a caller took tokens from its queue (a held-back stream may go on)
 
     async def start(self, prompt: list[int], alloc: Callable[[Engine], api.AllocResult],
                     constraint=None) -> tuple[int, asyncio.Queue]:
@@ -72,7 +93,7 @@ class GenerateStreams:
         another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
         as a router batches the prompts it admits together, instead of one call (and one drain of the steps
         in flight) per stream."""
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = _TokenQueue(self._taken.set)
         start = _Start(prompt, alloc, self.runner.loop.create_future())
         self._starts.append(start)
         if len(self._starts) == 1:  # the first since the last batch was taken: queue the call that takes them
@@ -109,6 +130,7 @@ class GenerateStreams:
             out.put_nowait(None)
         else:
             self._streams[first.seq_id] = stream
+            self._taken.set()  # a decode loop waiting on held-back streams takes this one at once
             if self._stream_task is None or self._stream_task.done():
                 self._stream_task = self.runner.loop.create_task(self._decode())
         return first.seq_id, out
@@ -116,6 +138,7 @@ class GenerateStreams:
     async def stop(self, seq_id: int) -> None:
         """Ends a stream early (client gone): its sequence is released."""
         if self._streams.pop(seq_id, None) is not None:
+            self._taken.set()  # the decode loop may have been waiting on this stream's caller
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
 
     def __len__(self) -> int:
@@ -141,7 +164,11 @@ class GenerateStreams:
                 masked = [s for s in streams if s.constraint is not None]
                 pending.append((streams, self.runner.submit_step(_launch_streams, ids, masked)))
             if not pending:
-                break
+                if not self._streams:
+                    break
+                self._taken.clear()  # every stream is held back: wait for a caller to take its tokens
+                await self._taken.wait()
+                continue
             streams, future = pending.popleft()
             try:
                 result = await future
@@ -191,6 +218,8 @@ class GenerateStreams:
                 limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
             if s.constraint is not None and s.in_flight:
                 continue  # its next token's mask waits for the token the step in flight samples
+            if s.out.qsize() >= MAX_UNSENT_TOKENS:
+                continue  # its caller is behind: held back until it takes them
             if seq.seq_len + s.in_flight < limit:
                 out.append(s)
                 if len(out) == engine.config.max_batch_size:

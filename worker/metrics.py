@@ -105,6 +105,17 @@ class _EngineCollector:
                                   "launched decode steps refused (FAILED_PRECONDITION) because an earlier step ended "
                                   "one of their sequences (EOS or a stop token); their slot state was rolled back",
                                   value=info.refused_steps)
+        s = info.steps
+        for name, value, doc in (
+                ("decode_steps", s.decode_steps, "decode steps finished, of every caller (Decode, DecodeStream, Generate "
+                                                 "streams of both services)"),
+                ("decode_step_sequences", s.decode_sequences, "sequences of those steps, summed (over decode_steps: "
+                                                              "the mean batch)"),
+                ("decode_device_seconds", s.decode_device_ns / 1e9, "device time of those steps, summed"),
+                ("prefill_calls", s.prefill_calls, "prefill engine calls"),
+                ("prefill_tokens", s.prefill_tokens, "prompt tokens computed (not those taken from the prefix cache)"),
+                ("prefill_device_seconds", s.prefill_device_ns / 1e9, "device time of the prefill calls, summed")):
+            yield CounterMetricFamily(f"metrale_{name}", doc, value=value)
         g = info.graph_cache
         for name, value, doc in (("hits", g.hits, "decode steps replayed from a CUDA graph"),
                                  ("misses", g.misses, "decode steps run eagerly (no graph held for their key)"),

@@ -32,6 +32,7 @@ def test_metrics_follow_the_calls(tiny_model):
         assert server.worker.metrics_port == port
         base = scrape(port)
         client = WorkerClient(server.address)
+        base_info = client.info()
         stop, scrapes = threading.Event(), []
 
         def scraper():
@@ -52,6 +53,12 @@ def test_metrics_follow_the_calls(tiny_model):
             pass
         live = client.info().live_sequences
         used = client.info().total_blocks - client.info().free_blocks
+        steps = client.info().steps  # 9 steps of 3 sequences, one prefill of 9 tokens
+        assert steps.decode_steps - base_info.steps.decode_steps == 9
+        assert steps.decode_sequences - base_info.steps.decode_sequences == 27
+        assert (steps.prefill_calls - base_info.steps.prefill_calls, steps.prefill_tokens - base_info.steps.prefill_tokens) \
+            == (1, 9)
+        assert steps.decode_device_ns > base_info.steps.decode_device_ns and steps.prefill_device_ns > 0
         for s in sessions:
             s.release()
         stop.set()
@@ -70,6 +77,14 @@ def test_metrics_follow_the_calls(tiny_model):
         assert value(m, "metrale_step_batch_size_sum", kind="decode") - \
             value(base, "metrale_step_batch_size_sum", kind="decode") == 27
         assert value(m, "metrale_generated_tokens_total") - value(base, "metrale_generated_tokens_total") == 30
+        assert value(m, "metrale_decode_steps_total") - value(base, "metrale_decode_steps_total") == 9
+        assert value(m, "metrale_decode_step_sequences_total") - value(base, "metrale_decode_step_sequences_total") == 27
+        assert value(m, "metrale_prefill_tokens_total") - value(base, "metrale_prefill_tokens_total") == 9
+        # A Generate stream's steps count with every other caller's.
+        list(client.generate([5, 6], max_new_tokens=4, ignore_eos=True))
+        after = client.info().steps
+        assert (after.decode_steps - steps.decode_steps, after.decode_sequences - steps.decode_sequences) == (3, 3)
+        assert (after.prefill_calls - steps.prefill_calls, after.prefill_tokens - steps.prefill_tokens) == (1, 2)
         assert live == 3 and used == 3 * 4
         assert value(m, "metrale_live_sequences") == 0
         assert value(m, "metrale_kv_blocks_used") == 0

@@ -1,0 +1,53 @@
+"""GenerateStreams' backpressure (worker/generate_streams.py): a stream whose caller has not taken
+MAX_UNSENT_TOKENS of its tokens sits out the steps while the others go on, resumes when its caller takes them,
+and a runner whose every stream is held back waits instead of spinning or ending."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from conftest import engine_config
+from engine.engine import Engine
+from engine.sampling import SamplingParams, StoppingCriteria
+from worker.generate_streams import MAX_UNSENT_TOKENS
+from worker.runner import EngineRunner
+
+NEW_TOKENS = 24
+
+
+def alloc(total: int):
+    return lambda e: e.alloc_sequence(total, SamplingParams(), StoppingCriteria(max_new_tokens=NEW_TOKENS,
+                                                                                ignore_eos=True))
+
+
+async def take_all(out: asyncio.Queue) -> list[int]:
+    got = []
+    while (item := await out.get()) is not None:
+        got.append(item.token_id)
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_whose_caller_lags_is_held_back_and_resumes(tiny_model):
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            engine = runner.engine
+            (slow_id, slow), (fast_id, fast) = [await runner.streams.start(p, alloc(len(p) + NEW_TOKENS + 1))
+                                                for p in ([1, 2, 3], [4, 5, 6, 7])]
+            fast_tokens = await take_all(fast)  # the fast caller reads everything; the slow one nothing yet
+            assert len(fast_tokens) == NEW_TOKENS
+            held = engine.sequences[slow_id].num_generated
+            assert slow.qsize() == held >= MAX_UNSENT_TOKENS  # stopped at the limit (plus the steps in flight)
+            assert held < MAX_UNSENT_TOKENS + engine.config.max_steps_in_flight + 1
+            await asyncio.sleep(0.05)
+            assert engine.sequences[slow_id].num_generated == held  # held back: no step took it meanwhile
+            assert len(runner.streams) == 1  # and the decode loop waits for it instead of ending
+            slow_tokens = await take_all(slow)  # taking resumes it, to its end
+            assert len(slow_tokens) == NEW_TOKENS
+            assert fast_id not in engine.sequences and slow_id not in engine.sequences
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
