@@ -294,7 +294,7 @@ def long_context_rows(ops, dev, dt) -> list[tuple]:
                 d_us = device_us(fn, calls=copies)
                 rows.append((batch, f"d{d} ctx{ctx} splits={splits}{tag}", d_us, 0.0,
                              f"{kv_bytes / d_us / 1e3:8.0f} GB/s KV"))
-            del kc, vc
+            kc = vc = None  # the caches go before the next shape's are made
             torch.cuda.empty_cache()
     return rows
 

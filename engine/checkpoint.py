@@ -2,7 +2,8 @@
 
 No weights can be downloaded here, so tests, benchmarks and the built-in default model use these.
 The files are what transformers' save_pretrained writes for the same architecture, so transformers
-loads them as the correctness oracle."""
+loads them as the correctness oracle. With an FP8 layout (FP8_LAYOUTS) the random weights are quantized into
+that published layout (engine/fp8_checkpoint.py), as its quantizer would write them."""
 from __future__ import annotations
 
 import json
@@ -15,9 +16,11 @@ import zlib
 import torch
 from safetensors.torch import save_file
 
-from engine.loader import LM_HEAD, tensor_shapes
+from engine.loader import LM_HEAD, is_linear, scale_name, tensor_shapes
 from engine.config import ModelConfig
 from engine.errors import ConfigError
+from engine.fp8_checkpoint import Fp8Layout
+from engine.quant import quantize_fp8
 
 ARCH_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM"}
@@ -44,6 +47,63 @@ STAGING_PREFIX = ".make-model-"
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
                     STAGING_PREFIX + "*")
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _compressed_tensors(strategy: str, dynamic_input: bool, ignore: list[str], block=None) -> dict:
+    """llm-compressor's FP8 / FP8_DYNAMIC quantization_config (compressed-tensors float-quantized)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
+               "group_size": None, "block_structure": block, "actorder": None, "observer": "minmax",
+               "observer_kwargs": {}}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": dynamic_input,
+              "strategy": "token" if dynamic_input else "tensor", "group_size": None, "block_structure": None,
+              "actorder": None, "observer": None if dynamic_input else "minmax", "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
+                                          "output_activations": None}},
+            "ignore": ignore, "kv_cache_scheme": None}
+
+
+# The FP8 layouts write_checkpoint(fp8_layout=...) and make-model --fp8-layout write: config.json's
+# quantization_config for each.
+FP8_LAYOUTS: dict[str, dict] = {
+    # Hugging Face fine-grained FP8 as Qwen3-*-FP8 ships it (lm_head unquantized, not listed).
+    "fp8": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": None},
+    # The same with blocks that divide a tiny model's fused parts (q/k/v and gate/up concatenate as they are).
+    "fp8-32x32": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                  "modules_to_not_convert": ["lm_head"]},
+    # The per-tensor variant (no weight_block_size: one scalar weight_scale_inv) with static activation scales.
+    "fp8-tensor-static": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "static",
+                          "weight_block_size": None, "modules_to_not_convert": None},
+    # compressed-tensors FP8_DYNAMIC: per-channel weights, dynamic per-token inputs; lm_head FP8 too (not ignored).
+    "ct-channel": _compressed_tensors("channel", True, []),
+    # compressed-tensors FP8: per-tensor weights, static per-tensor input scales (input_scale); lm_head ignored.
+    "ct-tensor-static": _compressed_tensors("tensor", False, ["lm_head"]),
+}
+STATIC_INPUT_SCALE = 0.02  # the input_scale a static layout's writer stores (the engine does not use it)
+
+
+def fp8_tensors(tensors: dict[str, torch.Tensor], layout: Fp8Layout) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in `layout`: each linear weight it quantizes as E4M3 data plus fp32 scales
+    (quantize_fp8 per block, channel or tensor) under the layout's names, a static input scale beside it in a
+    static layout (input_scale [1] for compressed-tensors, a scalar activation_scale for fp8); lm_head only for
+    compressed-tensors (transformers' fp8 never converts it)."""
+    out = {}
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if not (is_linear(name) and layout.quantizes(module) and (name != LM_HEAD or layout.method != "fp8")):
+            out[name] = t
+            continue
+        n, k = t.shape
+        block = layout.block if layout.strategy == "block" else (1, k) if layout.strategy == "channel" else (n, k)
+        q = quantize_fp8(t, block)
+        out[name] = q.data
+        hf = layout.method == "fp8"
+        out[scale_name(layout, name)] = q.scale.reshape(() if hf else 1) if layout.strategy == "tensor" else q.scale
+        if layout.static_input:
+            out[f"{module}.activation_scale" if hf else f"{module}.input_scale"] = \
+                torch.tensor(STATIC_INPUT_SCALE).reshape(() if hf else 1)
+    return out
 
 
 def make_config(arch: str, shape: str = "tiny", **overrides) -> dict:
@@ -104,8 +164,9 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
 
 def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: str = "tiny", seed: int = 0,
                      dtype: str | None = None, device: str = "cpu", max_shard_bytes: int = 4 << 30,
-                     replace: bool = False, **overrides) -> pathlib.Path:
-    """Writes config.json and model.safetensors (or shards plus an index) to out_dir.
+                     replace: bool = False, fp8_layout: str = "", **overrides) -> pathlib.Path:
+    """Writes config.json and model.safetensors (or shards plus an index) to out_dir; fp8_layout (a key of
+    FP8_LAYOUTS): the linear weights in that published FP8 layout, with its quantization_config.
 
     A non-empty out_dir is refused (ConfigError) unless `replace`, which removes its checkpoint files
     (CHECKPOINT_FILES) and keeps every other file. The files are written to a staging folder inside
@@ -117,11 +178,17 @@ def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: st
     if out.is_dir() and any(out.iterdir()) and not replace:
         raise ConfigError(f"{out} is not empty: writing into it would mix two checkpoints; choose a new or empty "
                           f"directory, or pass --force to replace its checkpoint files")
+    if fp8_layout and fp8_layout not in FP8_LAYOUTS:
+        raise ConfigError(f"fp8_layout must be one of {sorted(FP8_LAYOUTS)}, got {fp8_layout!r}")
     raw = make_config(arch, shape, **overrides)
     if dtype:
         raw["torch_dtype"] = dtype
+    if fp8_layout:
+        raw["quantization_config"] = FP8_LAYOUTS[fp8_layout]
     cfg = ModelConfig.from_dict(raw)
     tensors = random_weights(cfg, seed, TORCH_DTYPES[raw["torch_dtype"]], device)
+    if cfg.fp8_layout:
+        tensors = fp8_tensors(tensors, cfg.fp8_layout)
     try:
         out.mkdir(parents=True, exist_ok=True)
         staging = pathlib.Path(tempfile.mkdtemp(dir=out, prefix=STAGING_PREFIX))

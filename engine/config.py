@@ -8,6 +8,7 @@ import pathlib
 from dataclasses import dataclass, field
 
 from engine.errors import ConfigError
+from engine.fp8_checkpoint import Fp8Layout, parse_layout
 from engine.quant import CHANNEL, KV_CACHE_DTYPES, QUANTIZATIONS, parse_block
 
 SUPPORTED_ARCHITECTURES = {
@@ -40,7 +41,10 @@ class EngineConfig:
         "help": "fp8: the projection weights (qkv, o_proj, gate_up, down) of a 16/32-bit checkpoint are quantized "
                 "at load to FP8 E4M3 with fp32 scales per --fp8-weight-block (engine/quant.py); embeddings and "
                 "norms keep the model dtype; needs an FP8 GPU (compute capability >= 8.9) or the CPU; none: as "
-                "loaded",
+                "loaded. A published FP8 checkpoint (config.json's quantization_config: Hugging Face 'fp8' block "
+                "scales or compressed-tensors FP8, engine/fp8_checkpoint.py) loads its FP8 weights with their own "
+                "scales under either value (never re-quantized or dequantized; Info reports fp8); with fp8, its "
+                "16-bit projections and (--quantize-lm-head) a 16-bit LM head are quantized at load as well",
         "choices": QUANTIZATIONS})
     quantize_lm_head: bool = field(default=False, metadata={
         "help": "with --quantization fp8, quantize the LM head too (a head tied to the embedding gets its own "
@@ -50,7 +54,8 @@ class EngineConfig:
                 "ROWSxCOLS of the [out, in] weight per scale, e.g. 1x64 or 128x128 (a partial last block where "
                 "they do not divide the shape); smaller blocks are more accurate (tests/e2e/test_fp8_accuracy.py). "
                 "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
-                "exists"})
+                "exists. An FP8 checkpoint's weights keep the checkpoint's blocks; this applies to what is "
+                "quantized at load"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto: the KV cache in the model's dtype; fp8: E4M3 with a scale of 1 (half the bytes of a 16-bit "
                 "cache, so twice the blocks in the same memory; engine/quant.py fp8_kv). fp8 runs on the CPU and, on a "
@@ -85,12 +90,16 @@ class EngineConfig:
     warm_up_widths: int = field(default=-1, metadata={
         "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
                 "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "help": "processes the model is split over (tensor parallelism: attention heads, the MLP's intermediate "
+                "dimension and the vocabulary; engine/shard.py): one per GPU on CUDA (NCCL), gloo on CPU; the "
+                "worker starts ranks 1..N-1 itself and serves gRPC from rank 0; must divide the attention heads"})
     max_steps_in_flight: int = field(default=2, metadata={
         "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
                 "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
 
     def __post_init__(self):
-        positive = ("max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
+        positive = ("tensor_parallel_size", "max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
                     "max_graphs", "capture_after", "max_steps_in_flight")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -165,6 +174,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: str = "float32"
+    fp8_layout: Fp8Layout | None = None  # an FP8 checkpoint's layout (quantization_config); None: 16/32-bit
 
     def __post_init__(self):
         for name, key in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size"),
@@ -255,6 +265,7 @@ class ModelConfig:
                 eos_token_ids=eos_ids,
                 bos_token_id=raw.get("bos_token_id"),
                 torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
+                fp8_layout=parse_layout(raw.get("quantization_config")),
             )
         except KeyError as e:
             raise ConfigError(f"config.json lacks {e.args[0]!r}") from e

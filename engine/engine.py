@@ -6,7 +6,11 @@ every sequence, slot and block as it was. The work itself lives in one module pe
   prefill.py   Prefiller: chunked, bucketed prefill (CUDA graphs for short forwards)
   decode.py    DecodePipeline: decode steps launched behind the running one, finished or refused
   verify.py    Verifier: speculative drafts scored in one forward, rejected positions rolled back
-and the parts they share (model, KV cache, slot state, op backend, graphs and streams) in runtime.py."""
+and the parts they share (model, KV cache, slot state, op backend, graphs and streams) in runtime.py.
+
+Under tensor parallelism every rank holds an Engine over its shard; the methods marked @mirrored are the calls
+rank 0 broadcasts to the others before running them (engine/parallel.py): every call that changes engine state
+or runs a forward."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +23,10 @@ from engine.config import EngineConfig
 from engine.decode import DecodePipeline, PendingStep
 from engine.errors import InvalidArgument, ResourceExhausted
 from engine.kv_events import KvEventLog
+from engine.parallel import ParallelGroup, mirrored
 from engine.prefill import Prefiller
 from engine.prefix_cache import BlockPool, extra_key
+from engine.quant import Fp8Weight
 from engine.runtime import Runtime
 from engine.scoring import Scorer
 from engine.sampling import SamplingParams, StoppingCriteria
@@ -32,9 +38,11 @@ VERSION = "0.1.0"
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None):
+    def __init__(self, config: EngineConfig | None = None, parallel: ParallelGroup | None = None):
+        """parallel: this process's tensor-parallel group (engine/parallel.py), None without one."""
         self.config = config = config or EngineConfig()
-        self.runtime = rt = Runtime.create(config)
+        self.parallel = parallel
+        self.runtime = rt = Runtime.create(config, parallel)
         self.blocks = BlockPool(rt.kv.num_blocks, config.block_size, KvEventLog())
         # Prefix caching: off for dynamic NTK RoPE, whose K/V at a position depend on the sequence's length.
         self.prefix_caching = config.prefix_caching and not rt.dynamic_rope
@@ -62,12 +70,20 @@ class Engine:
         """Reserves a slot and the KV blocks of max_total_tokens tokens (prompt, new tokens and speculative
         lookahead), so a sequence never runs out of KV mid-generation. prefix_caching False: the sequence
         neither reuses nor registers cached blocks (scratch work such as warm-up)."""
-        vocab, block_size = self.runtime.vocab_size, self.block_size
+        vocab = self.runtime.vocab_size
         if not 2 <= max_total_tokens <= self.max_seq_len:
             raise InvalidArgument(f"max_total_tokens must be in [2, {self.max_seq_len}] (a prompt token and a new "
                                   f"one at least; the limit is --max-seq-len), got {max_total_tokens}")
         sampling.validate(vocab, self.config.max_top_logprobs)
         stopping.validate(vocab)
+        if sampling.seed is None:  # drawn here, before the call is mirrored: every rank samples alike
+            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
+        return self._alloc_sequence(max_total_tokens, sampling, stopping, request_id, prefix_caching)
+
+    @mirrored
+    def _alloc_sequence(self, max_total_tokens: int, sampling: SamplingParams, stopping: StoppingCriteria,
+                        request_id: str, prefix_caching: bool) -> api.AllocResult:
+        block_size = self.block_size
         num_blocks = -(-max_total_tokens // block_size)
         if not self.slots.can_allocate():
             raise ResourceExhausted(f"all {self.config.max_slots} sequence slots are in use (--max-slots)")
@@ -76,8 +92,6 @@ class Engine:
                 f"{max_total_tokens} tokens need {num_blocks} KV blocks of {block_size} tokens; "
                 f"{self.blocks.num_free_blocks} of {self.blocks.num_usable_blocks} are free (raise "
                 f"--num-kv-blocks or --kv-cache-memory, or release sequences)")
-        if sampling.seed is None:
-            sampling = dataclasses.replace(sampling, seed=secrets.randbits(64))
         # Blocks are reserved here and taken by the first prefill (after it matched the cached prefix); the slot's
         # device row is written then too: an upload from pageable memory here would wait for the steps in flight.
         blocks = SequenceBlocks(self.blocks, num_blocks, self._cache_extra,
@@ -88,6 +102,7 @@ class Engine:
         self.sequences.add(seq)
         return api.AllocResult(seq.seq_id, slot, max_total_tokens)
 
+    @mirrored
     def release(self, seq_ids: list[int]) -> int:
         seqs = self.sequences.check_ids(seq_ids, limit=False)
         if self.decoder.holds_any(seqs):
@@ -101,6 +116,7 @@ class Engine:
         self.blocks.events.publish()
         return len(seqs)
 
+    @mirrored
     def flush_cache(self) -> int:
         """Drops every cached block no sequence references (referenced ones stay cached: nothing a live
         sequence holds changes). Returns how many were dropped."""
@@ -110,6 +126,7 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
 
+    @mirrored
     def prefill(self, items: list[api.PrefillItem]) -> api.StepResult:
         seqs = self.sequences.check_ids([it.seq_id for it in items])
         self.prefiller.check(seqs, items)
@@ -118,15 +135,18 @@ class Engine:
         self.blocks.events.publish()
         return result
 
+    @mirrored
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         """One decode step of seq_ids; waits for it (decode_launch, then finish)."""
         return self.finish(self.decode_launch(seq_ids, input_token_ids))
 
+    @mirrored
     def decode_launch(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> PendingStep:
         """Validates a decode step and queues its device work without waiting for it (engine/decode.py);
         finish(step) returns its result or raises the error that refused it."""
         return self.decoder.launch(seq_ids, input_token_ids)
 
+    @mirrored
     def finish(self, step: PendingStep) -> api.StepResult:
         try:
             return self.decoder.finish(step)
@@ -142,6 +162,7 @@ class Engine:
         """Decode steps launched and not yet finished."""
         return len(self.decoder.in_flight)
 
+    @mirrored
     def verify(self, items: list[api.VerifyItem]) -> api.VerifyStepResult:
         seqs = self.sequences.check_ids([it.seq_id for it in items])
         self.decoder.finish_all()  # its checks need every sequence's committed state
@@ -149,6 +170,7 @@ class Engine:
         self.blocks.events.publish()
         return result
 
+    @mirrored
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced log-softmax rows [len(token_ids), vocab] (fp32, CPU) of a token sequence that is no
         live sequence (engine/scoring.py): row i scores the token after token_ids[:i + 1]."""
@@ -170,10 +192,10 @@ class Engine:
             live_sequences=len(self.sequences), kernel_backend=rt.ops.name, version=VERSION,
             steps_in_flight=len(self.decoder.in_flight), refused_steps=self.decoder.refused_steps,
             graph_cache=dataclasses.replace(graphs.stats) if graphs is not None else api.GraphStats(),
-            prefix_cache=self._prefix_cache_stats(), quantization=self.config.quantization,
-            quantized_lm_head=self.config.quantize_lm_head,
-            fp8_weight_block=self.config.fp8_weight_block if self.config.quantization == "fp8" else "",
-            kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."))
+            prefix_cache=self._prefix_cache_stats(), quantization=rt.quantization,
+            quantized_lm_head=isinstance(rt.weights.lm_head, Fp8Weight), fp8_weight_block=rt.fp8_weight_block,
+            checkpoint_quantization=mc.fp8_layout.description if mc.fp8_layout else "",
+            kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."), tensor_parallel_size=rt.shard.size)
 
     def _prefix_cache_stats(self) -> api.PrefixCacheStats:
         pool, s = self.blocks, self.blocks.stats
@@ -183,10 +205,15 @@ class Engine:
 
     def close(self) -> None:
         """Waits for the device, drops every step and sequence, then the buffers and streams (pinned buffers
-        torch copied into on the compute stream go before the stream)."""
+        torch copied into on the compute stream go before the stream). On rank 0 of a tensor-parallel group,
+        the other ranks are told to close theirs first."""
+        if self.parallel is not None:
+            self.parallel.stop_followers()
         self.runtime.dispatch.synchronize()  # launched steps end before their buffers go; nobody finishes them
         self.decoder.clear()
         self.sequences.clear()
         self.verifier.outputs.drop_hosts()
         self.prefiller.staging = None
         self.runtime.close()
+        if self.parallel is not None:
+            self.parallel.close()

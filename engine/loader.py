@@ -1,4 +1,8 @@
-"""Hugging Face safetensors checkpoint -> ModelWeights on the device (q/k/v and gate/up fused)."""
+"""Hugging Face safetensors checkpoint -> ModelWeights on the device (q/k/v and gate/up fused).
+
+A 16/32-bit checkpoint's weights load in the model dtype (their projections quantized at load with
+--quantization fp8); an FP8 checkpoint's (config.json's quantization_config, engine/fp8_checkpoint.py) load
+as engine.quant.Fp8Weight with the checkpoint's own scales, whatever --quantization says."""
 from __future__ import annotations
 
 import json
@@ -12,6 +16,8 @@ from safetensors import SafetensorError, safe_open
 from engine.config import ModelConfig
 from engine.errors import ConfigError, LoadCancelled
 from engine.models.llama import LayerWeights, ModelWeights
+from engine.fp8_checkpoint import (FP8_SAFETENSORS_DTYPE, SCALE_DTYPES, Fp8Layout, check_scale_values, fuse,
+                                   to_device)
 from engine.quant import Fp8Weight, quantize_fp8
 
 # Checkpoint tensor names, per LayerWeights field. A list is concatenated along dim 0 (fused).
@@ -30,6 +36,8 @@ LAYER_PREFIX = "model.layers.{i}."
 EMBED, NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 # The LayerWeights fields --quantization fp8 quantizes (the projections; never norms, biases or embeddings).
 QUANTIZED_FIELDS = frozenset({"qkv", "o_proj", "gate_up", "down"})
+# The checkpoint tensors that may be FP8 in an FP8 checkpoint: the projections' weights and lm_head's.
+LINEAR_SUFFIXES = tuple(n for f in sorted(QUANTIZED_FIELDS) for n in LAYER_TENSORS[f])
 
 
 def optional_fields(cfg: ModelConfig) -> set[str]:
@@ -128,14 +136,23 @@ class _Tensors:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._where[name]].get_slice(name).get_shape())
 
-    def get(self, name: str) -> torch.Tensor:
+    def dtype(self, name: str) -> str:
+        """safetensors' name of the tensor's dtype: "F32", "BF16", "F8_E4M3", ..."""
+        return self._handles[self._where[name]].get_slice(name).get_dtype()
+
+    def get(self, name: str, part=None) -> torch.Tensor:
+        """The tensor, or only its engine.shard.Slice `part` (read through get_slice: the rest is never read)."""
         if _cancelled.is_set():
             raise LoadCancelled("the weight load was cancelled")
         if name not in self._where:
             raise ConfigError(f"checkpoint lacks tensor {name!r}")
         f = self._where[name]
         try:
-            return self._handles[f].get_tensor(name)
+            if part is None:
+                return self._handles[f].get_tensor(name)
+            view = self._handles[f].get_slice(name)
+            pieces = [view[a:b] if part.dim == 0 else view[:, a:b] for a, b in part.ranges]
+            return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=part.dim)
         except (SafetensorError, OSError) as e:
             raise _unreadable(f, e) from e
 
@@ -162,17 +179,72 @@ def check_checkpoint(path: str | pathlib.Path, cfg: ModelConfig) -> _Tensors:
         if tensors.shape(name) != shape:
             raise ConfigError(f"{tensors.file_of(name)}: tensor {name!r} has shape {tensors.shape(name)}, "
                               f"config.json implies {shape}")
+    _check_fp8(tensors, cfg, shapes)
     return tensors
+
+
+def is_linear(name: str) -> bool:
+    """Whether checkpoint tensor `name` is a linear layer's weight (a projection or lm_head)."""
+    return name == LM_HEAD or name.endswith(LINEAR_SUFFIXES)
+
+
+def scale_name(layout: Fp8Layout, weight: str) -> str:
+    """The checkpoint name of FP8 weight `weight`'s scales ("...q_proj.weight" -> "...q_proj.weight_scale_inv")."""
+    return f"{weight.removesuffix('.weight')}.{layout.scale_suffix}"
+
+
+def _check_fp8(tensors: _Tensors, cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Headers only: every linear weight config.json's quantization_config makes FP8 is E4M3 with scales of
+    a float dtype and the layout's shape; no other tensor is FP8. lm_head is FP8 only where the checkpoint
+    stores it so (transformers' fp8 leaves it unquantized without listing it)."""
+    layout = cfg.fp8_layout
+    for name, shape in shapes.items():
+        dtype, where = tensors.dtype(name), tensors.file_of(name)
+        fp8_here = is_linear(name) and layout is not None and layout.quantizes(name.removesuffix(".weight"))
+        if fp8_here and (name != LM_HEAD or dtype == FP8_SAFETENSORS_DTYPE):
+            if dtype != FP8_SAFETENSORS_DTYPE:
+                raise ConfigError(f"{where}: tensor {name!r} is {dtype}, but config.json's quantization_config "
+                                  f"({layout.description}) makes it FP8 ({FP8_SAFETENSORS_DTYPE})")
+            scale = scale_name(layout, name)
+            if scale not in tensors:
+                raise ConfigError(f"checkpoint lacks tensor {scale!r}, the scales of FP8 weight {name!r} "
+                                  f"(quantization_config: {layout.description})")
+            if tensors.dtype(scale) not in SCALE_DTYPES:
+                raise ConfigError(f"{tensors.file_of(scale)}: FP8 scale tensor {scale!r} is {tensors.dtype(scale)}; "
+                                  f"scales are {'/'.join(SCALE_DTYPES)}")
+            if tensors.shape(scale) not in layout.scale_shapes(*shape):
+                raise ConfigError(f"{tensors.file_of(scale)}: FP8 scale tensor {scale!r} has shape "
+                                  f"{tensors.shape(scale)}; weight {list(shape)} with {layout.description} scales "
+                                  f"needs {' or '.join(map(str, layout.scale_shapes(*shape)))}")
+        elif dtype.startswith("F8"):
+            why = ("config.json has no quantization_config" if layout is None
+                   else "only linear weights can be FP8" if not is_linear(name)
+                   else f"quantization_config ({layout.description}) does not quantize it (its ignore list)")
+            raise ConfigError(f"{where}: tensor {name!r} is {dtype} (FP8), but {why}")
+    for i in range(cfg.num_layers):
+        for field in ("qkv", "gate_up"):
+            names = [LAYER_PREFIX.format(i=i) + n for n in LAYER_TENSORS[field]]
+            if len({tensors.dtype(n) == FP8_SAFETENSORS_DTYPE for n in names}) > 1:
+                raise ConfigError(f"checkpoint tensors {names} are fused into one projection and must be all FP8 or "
+                                  f"none: quantization_config's ignore list splits them")
 
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none", quantize_lm_head: bool = False,
-                 fp8_block: tuple[int, int] | None = None) -> ModelWeights:
+                 fp8_block: tuple[int, int] | None = None, shard=None) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
     checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
-    Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    An FP8 checkpoint's FP8 weights load with their own scales (engine/fp8_checkpoint.py) whatever
+    `quantization` says; with "fp8" its 16-bit projections (an ignore list's) and, with quantize_lm_head, a
+    16-bit LM head are quantized as above.
+    shard: an engine.shard.ShardPlan (tensor parallelism): only this rank's slices of each tensor are read
+    (16/32-bit checkpoints: an FP8 one is refused with tensor parallelism for now). Raises LoadCancelled, between tensors, once cancel_loading() was called."""
+    if shard is not None and cfg.fp8_layout:
+        raise ConfigError(f"an FP8 checkpoint ({cfg.fp8_layout.description}) is not split for tensor parallelism yet "
+                          f"(its scale blocks would need slicing with the weights): serve it with "
+                          f"--tensor-parallel-size 1")
     tensors = check_checkpoint(path, cfg)
     shapes = tensor_shapes(cfg)
     element = torch.empty((), dtype=dtype).element_size()
@@ -180,12 +252,21 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     loaded = 0
     fp8 = quantization == "fp8"
 
-    def fetch(names: list[str], quantize: bool = False):
+    def read_fp8(name: str) -> Fp8Weight:
+        scale = tensors.get(scale_name(cfg.fp8_layout, name))
+        check_scale_values(scale_name(cfg.fp8_layout, name), scale)
+        return cfg.fp8_layout.weight(tensors.get(name), scale)
+
+    def fetch(names: list[str], quantize: bool = False, part=None):
         nonlocal loaded
-        parts = [tensors.get(n) for n in names]
-        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         try:
-            t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
+            if tensors.dtype(names[0]) == FP8_SAFETENSORS_DTYPE:
+                t = to_device(fuse([read_fp8(n) for n in names]), device)
+            else:
+                slices = [part or (shard.slice_for(n) if shard else None) for n in names]
+                parts = [tensors.get(n) if p is None else tensors.get(n, p) for n, p in zip(names, slices)]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+                t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
         except torch.OutOfMemoryError as e:
             raise ConfigError(f"the weights ({total / 2**30:.2f} GiB as {dtype}) do not fit in {device} memory: "
                               f"out of memory at {names[0]!r} after {loaded / 2**30:.2f} GiB") from e
@@ -201,7 +282,13 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])
     head = LM_HEAD if not cfg.tie_word_embeddings else EMBED
-    lm_head = fetch([head], True) if fp8 and quantize_lm_head else embed if cfg.tie_word_embeddings else fetch([head])
+    head_part = shard.lm_head_slice() if shard else None
+    if fp8 and quantize_lm_head:
+        lm_head = fetch([head], True, head_part)
+    elif cfg.tie_word_embeddings:  # a vocab-parallel head tied to the (whole) embedding: a view of its rows
+        lm_head = embed if head_part is None else embed[slice(*head_part.ranges[0])]
+    else:
+        lm_head = fetch([head], part=head_part)
     return ModelWeights(embed=embed, layers=layers, norm=fetch([NORM]), lm_head=lm_head)
 
 

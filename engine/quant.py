@@ -159,16 +159,19 @@ def finish_linear(y: torch.Tensor, bias: torch.Tensor | None, add_to: torch.Tens
     return y.to(out_dtype)
 
 
-def check_device(quantization: str, device: torch.device) -> None:
-    """FP8 weights on a GPU need FP8 support (sm_89 / sm_90 on); the CPU runs the reference path."""
+def check_device(quantization: str, device: torch.device, checkpoint: str = "") -> None:
+    """FP8 weights on a GPU need FP8 support (sm_89 / sm_90 on); the CPU runs the reference path.
+    checkpoint: an FP8 checkpoint's layout (Fp8Layout.description), "" for --quantization fp8."""
     if quantization != "fp8" or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < FP8_MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"--quantization fp8 needs a GPU with FP8 support (compute capability >= "
+        what = f"an FP8 checkpoint ({checkpoint})" if checkpoint else "--quantization fp8"
+        fix = "a 16/32-bit copy of the model, or the CPU" if checkpoint else "--quantization none"
+        raise ConfigError(f"{what} needs a GPU with FP8 support (compute capability >= "
                           f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}: Ada or Hopper); {device} ({name}) has "
-                          f"{capability[0]}.{capability[1]}: serve it with --quantization none")
+                          f"{capability[0]}.{capability[1]}: serve it with {fix}")
 
 
 def fp8_kv(x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,9 @@ from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
-from engine.quant import FP8_DTYPE, check_device
+from engine.parallel import Collectives, ParallelGroup
+from engine.quant import FP8_DTYPE, Fp8Weight, check_device
+from engine.shard import ShardPlan
 from engine.state import SlotState
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class Runtime:
     dispatch: StepDispatch
     outputs: StepOutputs
     eos_token_ids: frozenset[int]
+    shard: ShardPlan  # what this rank holds (everything without tensor parallelism)
 
     @property
     def block_size(self) -> int:
@@ -61,23 +64,43 @@ class Runtime:
         return self.model_config.rope.rope_type == "dynamic"
 
     @property
+    def quantization(self) -> str:
+        """What the projection weights are: "fp8" (quantized at load, or an FP8 checkpoint's own) or "none"."""
+        return "fp8" if self.model_config.fp8_layout or self.config.quantization == "fp8" else "none"
+
+    @property
+    def fp8_weight_block(self) -> str:
+        """The projections' FP8 scale blocks ("channel" or "RxC", EngineConfig.fp8_weight_block's spelling): an
+        FP8 checkpoint's, else --fp8-weight-block's; "" without FP8."""
+        layout = self.model_config.fp8_layout
+        return layout.fp8_weight_block if layout else self.config.fp8_weight_block if self.quantization == "fp8" else ""
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.block_size)
 
     @classmethod
-    def create(cls, config: EngineConfig) -> "Runtime":
+    def create(cls, config: EngineConfig, parallel: ParallelGroup | None = None) -> "Runtime":
         """Loads the checkpoint onto the device, sizes and allocates the KV cache, and starts the op backend.
-        Raises ConfigError naming what cannot run."""
+        parallel: this rank's tensor-parallel group; it loads only its shard (engine/shard.py), and every rank
+        takes the smallest KV block count of all. Raises ConfigError naming what cannot run."""
         model_path = resolve_model_dir(config.model)  # the default model, a directory, or a .gguf's conversion
         mc = ModelConfig.from_dir(model_path)
         device = select_device(config)
         dtype = select_dtype(config, mc, device)
-        check_device(config.quantization, device)
+        check_device("fp8" if mc.fp8_layout else config.quantization, device,
+                     mc.fp8_layout.description if mc.fp8_layout else "")
+        kv_dtype = kv_cache_dtype(config, dtype, device)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         t0 = time.perf_counter()
+        shard = ShardPlan(mc, parallel.rank, parallel.size) if parallel else ShardPlan(mc)
         weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
-                               config.fp8_block)
-        kv = _allocate_kv(config, mc, kv_cache_dtype(config, dtype, device), device)
+                               config.fp8_block, shard if shard.size > 1 else None)
+        num_blocks = _num_kv_blocks(config, mc, kv_dtype, device, shard.num_kv_heads)
+        if parallel is not None:  # block ids are the same on every rank: the smallest cache of all
+            num_blocks = parallel.min_int(num_blocks)
+            parallel.collectives = Collectives(shard.size, shard.vocab_widths)
+        kv = _allocate_kv(config, mc, kv_dtype, device, num_blocks, shard.num_kv_heads)
         max_blocks = -(-max_seq_len // config.block_size)
         state = SlotState(config.max_slots, max_blocks, mc.vocab_size, device, mc.eos_token_ids, max_seq_len)
         ops, streams = _backend(config, device, max_seq_len)
@@ -88,18 +111,21 @@ class Runtime:
             graphs = GraphCache(TorchGraphBackend(streams), config.max_graphs, config.capture_after)
         dispatch = StepDispatch(device, streams, graphs, config.max_batch_size, config.max_steps_in_flight,
                                 config.fallback_graphs)
-        model = LlamaModel(mc, weights, kv, ops, max_seq_len + 1)
+        model = LlamaModel(mc, weights, kv, ops, max_seq_len + 1, shard,
+                           parallel.collectives if parallel is not None and shard.size > 1 else None)
         outputs = StepOutputs(config.max_batch_size, config.max_top_logprobs, config.max_slots, device,
                               config.max_steps_in_flight)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # all set-up writes (default stream) land before any step
+        rt = cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
+                 outputs, frozenset(mc.eos_token_ids), shard)
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s (quantization %s%s) in %.1fs; KV cache %d blocks "
                  "x %d tokens (%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6,
-                 device, dtype, config.quantization, (f", {config.fp8_weight_block} blocks" if config.fp8_block else "")
-                 + (", LM head too" if config.quantize_lm_head else ""),
+                 device, dtype, rt.quantization, (f", {rt.fp8_weight_block} blocks" if rt.fp8_weight_block else "")
+                 + (f", from a {mc.fp8_layout.description} checkpoint" if mc.fp8_layout else "")
+                 + (", LM head too" if isinstance(weights.lm_head, Fp8Weight) else ""),
                  time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)
-        return cls(config, model_path, mc, device, dtype, max_seq_len, weights, kv, state, ops, model, dispatch,
-                   outputs, frozenset(mc.eos_token_ids))
+        return rt
 
     def close(self) -> None:
         self.dispatch.close(self.outputs)
@@ -130,12 +156,13 @@ def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     return FP8_DTYPE
 
 
-def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> KVCache:
-    num_blocks = _num_kv_blocks(config, mc, dtype, device)
+def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 num_kv_heads: int) -> KVCache:
+    """num_kv_heads: the KV heads this rank holds (mc.num_kv_heads without tensor parallelism)."""
     try:
-        return KVCache(mc.num_layers, num_blocks, config.block_size, mc.num_kv_heads, mc.head_dim, dtype, device)
+        return KVCache(mc.num_layers, num_blocks, config.block_size, num_kv_heads, mc.head_dim, dtype, device)
     except (torch.OutOfMemoryError, RuntimeError) as e:
-        need = num_blocks * KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim,
+        need = num_blocks * KVCache.bytes_per_block(mc.num_layers, config.block_size, num_kv_heads, mc.head_dim,
                                                     dtype)
         raise ConfigError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens, {need / 2**30:.2f} GiB; "
                           f"--num-kv-blocks {config.num_kv_blocks}, --kv-cache-memory {config.kv_cache_memory}) does "
@@ -143,10 +170,11 @@ def _allocate_kv(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, devi
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
 
 
-def _num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device) -> int:
+def _num_kv_blocks(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, device: torch.device,
+                   num_kv_heads: int) -> int:
     if config.num_kv_blocks:
         return config.num_kv_blocks
-    per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    per_block = KVCache.bytes_per_block(mc.num_layers, config.block_size, num_kv_heads, mc.head_dim, dtype)
     if config.kv_cache_memory > 1:
         budget = config.kv_cache_memory * (1 << 30)
     elif device.type == "cuda":

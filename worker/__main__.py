@@ -1,7 +1,8 @@
 """metrale-worker command line: `serve` and `make-model` (same as `python -m worker ...`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, during start-up too); 2 for a start-up problem (a bad
-flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines."""
+flag, file, port or checkpoint), reported as one line on stderr, the last one, after any log lines; 3 when a
+tensor-parallel rank ended while the worker served (worker/ranks.py), also with one line."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ import logging
 import sys
 
 from engine import env
-from engine.checkpoint import ARCH_CLASSES, SHAPES, write_checkpoint
+from engine.checkpoint import ARCH_CLASSES, FP8_LAYOUTS, SHAPES, write_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from worker.config import WorkerConfig, config_from_args, serve_parser
@@ -28,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                       help="dtype on disk (default: float32 for tiny, bfloat16 otherwise)")
+    make.add_argument("--fp8-layout", choices=sorted(FP8_LAYOUTS), default="",
+                      help="write the linear weights in a published FP8 layout (engine/checkpoint.py FP8_LAYOUTS): "
+                           "fp8 / fp8-32x32 / fp8-tensor-static (Hugging Face fine-grained FP8, weight_scale_inv per "
+                           "block or tensor), ct-channel "
+                           "/ ct-tensor-static (compressed-tensors float-quantized, weight_scale)")
     make.add_argument("--device", default="cpu", help="where to draw the random weights (cuda is faster)")
     make.add_argument("--force", action="store_true",
                       help="write into a non-empty OUT_DIR: replaces its checkpoint files (config.json, "
@@ -36,12 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["tp-rank"]:  # ranks 1..N-1 of --tensor-parallel-size N, started by the worker itself
+        from worker.ranks import rank_main
+
+        logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s [tp rank]: %(message)s")
+        return rank_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=env.LOG_LEVEL, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         if args.command == "make-model":
             print(write_checkpoint(args.out_dir, arch=args.arch, shape=args.shape, seed=args.seed, dtype=args.dtype,
-                                   device=args.device, replace=args.force))
+                                   device=args.device, replace=args.force, fp8_layout=args.fp8_layout))
             return 0
         from worker.server import serve  # imports grpc and the generated stubs
 

@@ -91,6 +91,8 @@ class _EngineCollector:
         weights.add_metric([info.model_id, info.dtype, info.quantization, str(info.quantized_lm_head).lower(),
                             info.fp8_weight_block], 1)
         yield weights
+        yield GaugeMetricFamily("metrale_tensor_parallel_size", "processes (GPUs) the model is split over",
+                                value=info.tensor_parallel_size)
         used = info.total_blocks - info.free_blocks
         yield GaugeMetricFamily("metrale_kv_blocks_used", "KV-cache blocks reserved by live sequences", value=used)
         yield GaugeMetricFamily("metrale_kv_blocks_free", "KV-cache blocks free", value=info.free_blocks)

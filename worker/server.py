@@ -29,7 +29,7 @@ from engine.errors import LoadCancelled
 from engine.loader import cancel_loading
 from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
-from worker import preflight
+from worker import preflight, ranks
 from worker.config import WorkerConfig
 from worker.gateway import SERVICE_NAME as GATEWAY_SERVICE_NAME
 from worker.gateway import VllmEngineServicer
@@ -46,6 +46,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # After a signal during start-up: how long start-up may take to stop (the weight load checks between
 # tensors; kernel compilation and graph capture do not stop) before the process exits without waiting.
 START_STOP_GRACE_S = 5.0
+# A tensor-parallel rank that ends ends the worker: its exit code, and how long health says NOT_SERVING first.
+RANK_EXIT_CODE = 3
+RANK_EXIT_DELAY_S = 1.0
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -112,6 +115,7 @@ class Worker:
                            ("--metrics-port", cfg.metrics_port)):
             preflight.check_port(cfg.host, port, flag)
         preflight.check_model(self.engine_config.model)
+        ranks.check(self.engine_config)
 
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
                    ("grpc.max_send_message_length", cfg.max_message_bytes),
@@ -151,7 +155,8 @@ class Worker:
         # The engine loads on its own thread while health answers NOT_SERVING and calls get UNAVAILABLE.
         t0 = time.perf_counter()
         log.info("loading %s", self.engine_config.model or "the built-in default model")
-        self.runner = await EngineRunner.start(lambda: Engine(self.engine_config))
+        self._loop = asyncio.get_running_loop()
+        self.runner = await EngineRunner.start(lambda: ranks.start_engine(self.engine_config, self._rank_exited))
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
         # Generate's text and chat prompts (people with grpcurl): the checkpoint's tokenizer, read once here
@@ -169,6 +174,20 @@ class Worker:
         log.info("serving %s on %s (port %d) in %.1fs; metrics port %s", self.runner.engine.model_path, cfg.host,
                  self.port, time.perf_counter() - t0, self.metrics_port or "off")
         return self.port
+
+    def _rank_exited(self, message: str) -> None:
+        """A tensor-parallel rank ended (worker/ranks.py, on its watcher thread): health NOT_SERVING, then the
+        process exits with RANK_EXIT_CODE and `message` as its last line, whatever the engine was doing (a
+        collective waiting for the lost rank included)."""
+        log.error("%s: health NOT_SERVING, exiting", message)
+        try:
+            asyncio.run_coroutine_threadsafe(self._set_health(NOT_SERVING), self._loop).result(RANK_EXIT_DELAY_S)
+            time.sleep(RANK_EXIT_DELAY_S)  # probes see NOT_SERVING before the port closes
+        except Exception:  # noqa: BLE001 - the loop is stuck or gone: exit all the same
+            pass
+        print(f"metrale-worker: {message}", file=sys.stderr, flush=True)
+        logging.shutdown()
+        os._exit(RANK_EXIT_CODE)
 
     async def _set_health(self, status) -> None:
         for service in ("", SERVICE_NAME, GATEWAY_SERVICE_NAME):

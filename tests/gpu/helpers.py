@@ -33,3 +33,18 @@ def attention_meta(H, Hkv, D, cos_sin, positions, slot_mapping, block_tables=Non
 
     spec = AttentionSpec(H, Hkv, D, D ** -0.5, eps, window)
     return AttentionMeta(spec, cos_sin, positions, slot_mapping, block_tables, seq_lens, decode, [], [])
+
+
+def greedy_run(engine, ps: list[list[int]], n: int) -> list[list[int]]:
+    """n greedy tokens of each prompt in ps, decoded together (one prefill, then n - 1 decode steps)."""
+    from engine.api import PrefillItem
+    from engine.sampling import SamplingParams, StoppingCriteria
+
+    stop = StoppingCriteria(ignore_eos=True)
+    ids = [engine.alloc_sequence(len(p) + n + 1, SamplingParams(), stop).seq_id for p in ps]
+    out = {t.seq_id: [t.token_id] for t in engine.prefill([PrefillItem(i, p) for i, p in zip(ids, ps)]).tokens}
+    for _ in range(n - 1):
+        for t in engine.decode(ids).tokens:
+            out[t.seq_id].append(t.token_id)
+    engine.release(ids)
+    return [out[i] for i in ids]

@@ -16,6 +16,7 @@ from engine.engine import Engine
 from engine.errors import ConfigError
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.warm_up import warm_up_decode
+from gpu.helpers import greedy_run
 
 pytestmark = pytest.mark.gpu
 GREEDY = StoppingCriteria(ignore_eos=True)
@@ -41,16 +42,6 @@ def gpu_engine(path, **kw) -> Engine:
 def prompts(lengths, vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def greedy_run(engine: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
-    ids = [engine.alloc_sequence(len(p) + n + 1, SamplingParams(), GREEDY).seq_id for p in ps]
-    out = {t.seq_id: [t.token_id] for t in engine.prefill([PrefillItem(i, p) for i, p in zip(ids, ps)]).tokens}
-    for _ in range(n - 1):
-        for t in engine.decode(ids).tokens:
-            out[t.seq_id].append(t.token_id)
-    engine.release(ids)
-    return [out[i] for i in ids]
 
 
 @pytest.mark.parametrize("batch", [4, 16])

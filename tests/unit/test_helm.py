@@ -838,3 +838,20 @@ def test_network_policy_lets_the_gateway_call_the_workers(rendered, helm):
     assert {"podSelector": {"matchLabels": gateway_selector}} in grpc_rule["from"]
     alone = one(render("--set", "networkPolicy.enabled=true"), "NetworkPolicy")["spec"]["ingress"][0]
     assert len(alone["from"]) == 1, "without the gateway only the router peer may call the gRPC port"
+
+
+def test_tensor_parallel_requests_that_many_gpus_and_a_memory_shm(helm):
+    docs = render("--set", "worker.tensorParallelSize=2")
+    container = worker_container(docs)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 2
+    assert parse_args(container["args"]).tensor_parallel_size == 2
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    shm = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/dev/shm"]
+    assert {v["name"]: v for v in pod["volumes"]}[shm]["emptyDir"] == {"medium": "Memory"}
+    for version in K8S_VERSIONS:
+        kv.validate(one(docs, "Deployment"), version, strict=True)
+    single = worker_container(render())
+    assert single["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "/dev/shm" not in {m["mountPath"] for m in single["volumeMounts"]}
+    assert parse_args(single["args"]).tensor_parallel_size == 1
