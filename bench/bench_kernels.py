@@ -10,7 +10,9 @@ Llama-3.2-1B and Llama-3.1-8B for 1, 5, 8, 16 and 32 tokens, next to torch's F.l
 shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
 and the plain skinny_store, and the fused kernel again at the block width the wrapper did not pick
 (w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
-enough weight copies (>= 256 MiB) that no call finds its weight in L2.
+enough weight copies (>= 256 MiB) that no call finds its weight in L2. Then the FP8 rows (fp8_skinny_rows):
+at the 8B shapes and up to 8 tokens, per-channel E4M3 weights through the skinny _fp8 kernels (fused and
+store) next to the torch W8A16 fallback CudaOps used before them and the bf16 kernels on bf16 weights.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from engine import sampling  # noqa: E402
 from engine.cuda.library import KernelLibrary  # noqa: E402
 from engine.cuda.ops import CudaOps  # noqa: E402
 from engine.cuda.wrappers import decode_attention, rms_norm, skinny_linear  # noqa: E402
+from engine.quant import Fp8Weight, finish_linear, quantize_fp8  # noqa: E402
 from engine.cuda.wrappers import sampling as sample_kernels  # noqa: E402
 from engine.quant import FP8_DTYPE  # noqa: E402
 
@@ -95,12 +98,21 @@ def rotating(fn, weights: list[torch.Tensor]):
     return lambda: fn(next(ring))
 
 
-def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[torch.Tensor]) -> dict:
-    """{name: fn} for one shape and token count: torch's F.linear, skinny_store, and the fused epilogue."""
+def w8a16_fallback(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """CudaOps.linear's torch W8A16 path for <= 8 rows before the FP8 skinny kernels (the weight converted to x's
+    dtype on every call)."""
+    acc = torch.mm(x, w.data.to(x.dtype).t(), out_dtype=torch.float32)
+    return finish_linear(acc * w.row_scale, None, None, x.dtype)
+
+
+def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -> dict:
+    """{name: fn} for one shape and token count: torch's F.linear (Fp8Weight: the torch W8A16 fallback),
+    skinny_store, and the fused epilogue."""
     x = torch.randn(M, K, device=dev, dtype=dt)
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
-    cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
+    torch_case = ("torch W8A16", w8a16_fallback) if isinstance(weights[0], Fp8Weight) else ("F.linear", F.linear)
+    cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
     if ep == "f32":
         logits = torch.empty(M, N, device=dev)
@@ -152,6 +164,30 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
         torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
+    """The 8B shapes at up to 8 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels and the
+    torch W8A16 fallback) beside the bf16 kernels on bf16 weights (rows "bf16 ..."). GB/s: the weight's bytes
+    (1 per element for FP8, 2 for bf16) over the device time; the floor is those bytes at HBM bandwidth."""
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        if not label.startswith("8B"):
+            continue
+        for kind in ("bf16", "fp8"):
+            elem = 1 if kind == "fp8" else 2
+            copies = max(1, min(20, -(-ROTATE_BYTES // (N * K * elem))))
+            weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+            if kind == "fp8":
+                weights = [quantize_fp8(w) for w in weights]
+            for M in (m for m in tokens if m <= 8):
+                for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
+                    d_us = device_us(fn)
+                    rows.append((M, f"{kind} {name} {label}", d_us, host_us(fn),
+                                 f"{N * K * elem / d_us / 1e3:8.0f} GB/s weights"))
+            del weights
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -345,7 +381,8 @@ def main() -> int:
     attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
     them; --shapes 8x8192,1x32768: only those batch x context points), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
-    --tokens 1,8 with --skinny: only those token counts;
+    --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
+    --skinny --fp8 only those;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -410,7 +447,8 @@ def main() -> int:
             libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
                                                                         kernel_dir=pathlib.Path(src))))
         for tag, lib in libs:
-            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt, **only):
+            rows = [] if "--fp8" in sys.argv else skinny_rows(lib, dev, dt, **only)
+            for batch, name, d_us, h_us, extra in rows + fp8_skinny_rows(lib, dev, dt, **only):
                 print(f"{batch:>5}  {tag + name:<34} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
         return 0
     rows = []

@@ -57,13 +57,16 @@ DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query ro
 
 
 def skinny_fits(x: torch.Tensor, weight: Weight, span: int) -> bool:
-    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a 16-bit weight [N, K]
-    they can cut into 16-row tiles of row pairs (r, r + span / 2). Never an Fp8Weight (no FP8 skinny kernel yet:
-    CudaOps.linear takes those)."""
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows of 16-bit x, and a weight
+    [N, K] they can cut into 16-row tiles of row pairs (r, r + span / 2): 16-bit, or an Fp8Weight with per-channel
+    scales (the _fp8 kernels; other blocks keep CudaOps.linear's torch paths)."""
     if isinstance(weight, Fp8Weight):
+        if not weight.per_channel or weight.data.dtype != FP8_DTYPE or not weight.data.is_contiguous():
+            return False
+    elif weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
-    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
+    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
@@ -211,14 +214,17 @@ class CudaOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.linear; an Fp8Weight (engine/quant.py) runs through torch until FP8 kernels exist:
+        """TorchOps.linear; an Fp8Weight (engine/quant.py):
+        - per-channel scales, up to SKINNY_TOKENS rows that skinny_fits: the skinny FP8 kernel (skinny_store /
+          skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
+          the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
+          residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
         - per-channel scales, more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit
           output and a shape _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale
           (fp8_scaled_mm);
-        - other per-channel cases (decode up to SKINNY_TOKENS rows, fp16 activations, fp32 logits): W8A16, the
-          reference arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads
-          and writes a 16-bit copy of the weight per call; a skinny FP8 kernel (dequantizing in registers) will
-          replace it;
+        - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
+          arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
+          a 16-bit copy of the weight per call;
         - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
           weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
           fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
@@ -228,6 +234,11 @@ class CudaOps(TorchOps):
         out = add_to.dtype if add_to is not None else out_dtype or x.dtype
         if not weight.per_channel:
             return fp8_linear(x, weight, bias, add_to, out)
+        if skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype):
+            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype if out == x.dtype and add_to is None
+                            else torch.float32, device=x.device)
+            skinny_linear.store(self.lib, y, x, weight, bias)
+            return finish_linear(y, None, add_to, out)
         if x.shape[0] > SKINNY_TOKENS and out != torch.float32 and scaled_mm_fits(x, weight):
             return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
         acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation

@@ -142,14 +142,15 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
     return found
 
 
-def decode_launches(model_dir, batch_size: int, monkeypatch, kv_dtype: torch.dtype = torch.bfloat16
-                   ) -> list[tuple[str, dict]]:
+def decode_launches(model_dir, batch_size: int, monkeypatch, kv_dtype: torch.dtype = torch.bfloat16,
+                    quantization: str = "none", quantize_lm_head: bool = False) -> list[tuple[str, dict]]:
     """The launches of one decode step of batch_size sequences through CudaOps and KernelSlotIO, as
     DecodePipeline._step_into_outputs issues them: decode_prepare, the model's forward, the sampling chain,
-    decode_commit. kv_dtype: the KV cache's (bf16, or E4M3: --kv-cache-dtype fp8)."""
+    decode_commit. kv_dtype: the KV cache's (bf16, or E4M3: --kv-cache-dtype fp8). quantization "fp8":
+    per-channel FP8 projections (the skinny kernels' _fp8 entries)."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
-    weights = load_weights(model_dir, cfg, dt, dev)
+    weights = load_weights(model_dir, cfg, dt, dev, quantization=quantization, quantize_lm_head=quantize_lm_head)
     block_size, blocks_per_seq = 16, 4
     B, S = batch_size, batch_size + 2
     kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dev)
@@ -186,6 +187,19 @@ def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name,
         assert {"skinny_linear.rope_kv", "skinny_linear.residual", "skinny_linear.silu",
                 "skinny_linear.store"} <= set(names)
     assert violations(launches) == []
+
+
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_fp8_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, monkeypatch):
+    """Per-channel FP8 projections (and LM head) take the same skinny launches (their _fp8 entries read the
+    weight's scale before the wait, like the weight: written once at load) in the same order."""
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, quantization="fp8", quantize_lm_head=True)
+    names = [n for n, _ in launches]
+    assert {"skinny_linear.residual", "skinny_linear.silu", "skinny_linear.store"} <= set(names)
+    assert violations(launches) == []
+    if "qwen3" not in name:  # (Qwen3's composed QKV path runs its FP8 projection as one more skinny_store)
+        assert names == [n for n, _ in decode_launches(checkpoints[name], batch_size, monkeypatch)]
 
 
 def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints, monkeypatch):
