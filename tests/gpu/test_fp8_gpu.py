@@ -10,10 +10,11 @@ import torch
 
 from engine.checkpoint import write_checkpoint
 from engine.config import EngineConfig
+from engine.cuda.wrappers import skinny_linear
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
-from engine.quant import FP8_MIN_CAPABILITY, Fp8Weight, dequantize, quantize_fp8
-from gpu.helpers import dev, greedy_run, randn
+from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, Fp8Weight, dequantize, fp8_linear, quantize_fp8
+from gpu.helpers import dev, greedy_run, nan, randn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY,
@@ -114,21 +115,31 @@ def fp8_engine(path, **kw) -> Engine:
     return Engine(EngineConfig(**base))
 
 
-@pytest.mark.parametrize("head", [False, True])
-def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
+@pytest.mark.parametrize("head, kv", [(False, "auto"), (True, "auto"), (False, "fp8")])
+def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head, kv, monkeypatch):
     """Teacher-forced log-probs of a 200-token sequence and greedy decoding of 4 and 16 sequences, the FP8
-    engine on the kernels against the FP8 torch-ops engine (the W8A16 reference).
+    engine on the kernels against the FP8 torch-ops engine (the W8A16 reference), on a 16-bit KV cache or, all three
+    engines alike, an FP8 one (kv "fp8": decode batches of up to 8 then take the skinny QKV kernel with both E4M3s,
+    skinny_rope_kvfp8_bf16_fp8_m8; its launches are recorded).
 
     Decode of up to 8 rows runs the reference's own arithmetic (W8A16): greedy tokens equal the reference's
     except at near-ties. Prefill and 16-row decode run W8A8 (activations quantized per row): a different
     arithmetic, so the bar there is measured, not assumed: the W8A8 engine must stay as close to the
     reference as the reference is to the unquantized bf16 engine (activation quantization may cost no more
     than weight quantization did), in top-1 agreement (0.05 of slack) and in the largest log-prob gap."""
-    ref = fp8_engine(ckpt, kernels="torch", quantize_lm_head=head)
-    fast = fp8_engine(ckpt, quantize_lm_head=head)
-    base = fp8_engine(ckpt, quantization="none")
+    launched = set()
+    launch = skinny_linear._launch
+
+    def recording(lib, ep, sfx, *args, **kwargs):
+        launched.add(f"{ep}_{sfx}")
+        return launch(lib, ep, sfx, *args, **kwargs)
+    monkeypatch.setattr(skinny_linear, "_launch", recording)
+    ref = fp8_engine(ckpt, kernels="torch", quantize_lm_head=head, kv_cache_dtype=kv)
+    fast = fp8_engine(ckpt, quantize_lm_head=head, kv_cache_dtype=kv)
+    base = fp8_engine(ckpt, quantization="none", kv_cache_dtype=kv)
     assert fast.runtime.ops.name == "cuda" and fast.info().quantization == "fp8"
     assert isinstance(fast.runtime.weights.layers[0].qkv, Fp8Weight)
+    assert (fast.runtime.kv.k.dtype == FP8_DTYPE) == (kv == "fp8")
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
     a, b, c = fast.score(tokens), ref.score(tokens), base.score(tokens)
@@ -149,6 +160,7 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
             print(f"batch {batch}: divergence after {j} tokens: kernels {x[j]} vs reference {y[j]}, gap {gap:.4f}")
             # the first token comes from the prefill (W8A8) and batch 16 decodes W8A8: the measured bound above
             assert gap < (0.1 if batch <= 8 and j > 0 else weights_only[1]), f"not a near-tie: gap {gap}"
+    assert ("rope_kvfp8_bf16_fp8" if kv == "fp8" else "rope_kv_bf16_fp8") in launched, sorted(launched)
     for e in (fast, ref, base):
         e.close()
 
@@ -159,10 +171,6 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
 # (fp32 accumulation of x * data, then * scale, then the epilogue) and the torch forms of the fused ops. Outputs
 # are NaN-filled first, so an unwritten element fails. Without the NORM prologue the kernel's arithmetic is the
 # reference's up to the order of the fp32 sums; with it, up to the norm's roundings (as the bf16 kernels).
-
-from engine.cuda.wrappers import skinny_linear  # noqa: E402
-from engine.quant import FP8_DTYPE, fp8_linear  # noqa: E402
-from gpu.helpers import nan  # noqa: E402
 
 SKINNY_TOKENS = [1, 3, 8]
 EPS = 1e-5

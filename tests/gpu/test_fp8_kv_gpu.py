@@ -1,8 +1,9 @@
 """The FP8 KV cache (--kv-cache-dtype fp8) on the CUDA kernels: the _kvfp8 entries against the torch reference
 (engine/ops/torch_ops.py on the same E4M3 cache), and the engine on them against the torch-ops engine.
 
-- the cache writers (rope_cache_write, the skinny QKV kernel, decode attention's fused RoPE) store exactly
-  engine/quant.py fp8_kv's bytes: E4M3 of the value the 16-bit cache would hold, saturated at +-448;
+- the cache writers (rope_cache_write, the skinny QKV kernel with 16-bit or FP8 weights, decode attention's fused
+  RoPE) store exactly engine/quant.py fp8_kv's bytes: E4M3 of the value the 16-bit cache would hold, saturated at
+  +-448;
 - decode attention (split-K, clusters, GQA, head dims 16..128, scattered blocks, sliding windows) and prefill
   attention (fresh prompts, chunks continuing a cached prefix, key splits and their merge, the fused-SDPA path)
   read it: relative error <= 1e-2 against the reference on the upcast cache, as the 16-bit kernels; every E4M3
@@ -22,7 +23,7 @@ from engine.api import PrefillItem, VerifyItem
 from engine.checkpoint import write_checkpoint
 from engine.cuda.wrappers import decode_attention, prefill_attention, rope_cache_write, skinny_linear
 from engine.ops.torch_ops import LayerKV, TorchOps
-from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, fp8_kv
+from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, fp8_kv, quantize_fp8
 from engine.sampling import SamplingParams, StoppingCriteria
 from gpu.helpers import attention_layer, attention_meta, dev, greedy_run, nan, randn
 from gpu.test_engine_gpu import churn_workload, gpu_engine, prompts, verify_workload
@@ -132,6 +133,45 @@ def test_skinny_rope_kvfp8_stores_the_bytes_of_rope_kv(lib, gen, dtype, M, H, Hk
     skinny_linear.rope_kv(lib, q8, x, w, bias, norm_w, cos_sin, rope_index, k8, v8, slots, H, Hkv)
     skinny_linear.rope_kv(lib, q16, x, w, bias, norm_w, cos_sin, rope_index, k16, v16, slots, H, Hkv)
     assert torch.equal(q8, q16)
+    rows = slots[slots >= 0]
+    for c8, c16 in ((k8, k16), (v8, v16)):
+        assert torch.equal(as_bytes(c8.view(-1, Hkv, D)[rows]), as_bytes(fp8_kv(c16.view(-1, Hkv, D)[rows])))
+        untouched = torch.ones(num_blocks * bs, dtype=torch.bool, device=dev())
+        untouched[rows] = False
+        assert (as_bytes(c8.view(-1, Hkv, D)[untouched]) == 0x7F).all(), "a write outside slot_mapping"
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["8warps", "16warps"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 5, 8])
+@pytest.mark.parametrize("H,Hkv,D,with_bias", [(32, 8, 64, False), (32, 8, 128, True), (4, 2, 16, False)])
+def test_skinny_rope_kvfp8_with_fp8_weights_stores_the_bytes_of_rope_kv(lib, gen, wide, dtype, M, H, Hkv, D,
+                                                                        with_bias):
+    """FP8 weights and an FP8 KV cache together (skinny_rope_kvfp8_<dt>_fp8_m8[_w16]): q_out equals that of the
+    FP8-weight kernel into a 16-bit cache (skinny_rope_kv_<dt>_fp8_m8, tests/gpu/test_fp8_gpu.py holds it to the
+    reference), and the cache rows are fp8_kv of what it writes, byte for byte; padding tokens write nothing."""
+    K = 512
+    x = randn(M, K, dtype=dtype)
+    w = quantize_fp8(randn((H + 2 * Hkv) * D, K) * 20.0)  # outputs of std ~450: k and v values past +-448 too
+    bias = randn((H + 2 * Hkv) * D, dtype=dtype) if with_bias else None
+    norm_w = (1 + 0.1 * randn(K)).to(dtype)
+    cos_sin = rope_table(1024, D)
+    rope_index = torch.randint(0, 1024, (M,), device=dev())
+    num_blocks, bs = -(-M // 16) + 2, 16
+    slots = torch.randperm(num_blocks * bs, device=dev())[:M]
+    if M > 1:
+        slots[M // 2] = -1
+    q8, q16 = nan((M, H, D), dtype), nan((M, H, D), dtype)
+    k8, v8 = poisoned_fp8(num_blocks, bs, Hkv, D), poisoned_fp8(num_blocks, bs, Hkv, D)
+    k16, v16 = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
+    saved = lib.skinny_wide_tiles  # grids of at most this many tiles take 16-warp blocks
+    lib.skinny_wide_tiles = 1 << 30 if wide else 0
+    try:
+        skinny_linear.rope_kv(lib, q8, x, w, bias, norm_w, cos_sin, rope_index, k8, v8, slots, H, Hkv)
+        skinny_linear.rope_kv(lib, q16, x, w, bias, norm_w, cos_sin, rope_index, k16, v16, slots, H, Hkv)
+    finally:
+        lib.skinny_wide_tiles = saved
+    assert not torch.isnan(q16).any() and torch.equal(q8, q16)
     rows = slots[slots >= 0]
     for c8, c16 in ((k8, k16), (v8, v16)):
         assert torch.equal(as_bytes(c8.view(-1, Hkv, D)[rows]), as_bytes(fp8_kv(c16.view(-1, Hkv, D)[rows])))

@@ -242,3 +242,60 @@ def test_the_fp8_kv_entries_size_their_splits_by_their_own_occupancy():
     # 8B at batch 8: 64 blocks a split; about two a SM (5 splits) where 3 fit, 2 where 1 fits
     assert decode_attention.key_splits(lib, 8, 32, 8, 128, 32768) == 5
     assert decode_attention.key_splits(lib, 8, 32, 8, 128, 32768, fp8_kv=True) == 2
+
+
+class EntryRecorder:
+    """Stands in for the KernelLibrary under the skinny wrappers: records the entry each launch names and its
+    argument count."""
+
+    skinny_wide_tiles = 132
+
+    def __init__(self):
+        self.launched: list[tuple[str, int]] = []
+        recorder = self
+
+        class Kernels:
+            def __getitem__(self, name):
+                return lambda grid, block, smem, stream, *args, pdl=False: recorder.launched.append((name, len(args)))
+        self.kernels = Kernels()
+
+    def stream(self) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["w16", "w_fp8"])
+@pytest.mark.parametrize("fp8_cache", [False, True], ids=["kv16", "kv_fp8"])
+@pytest.mark.parametrize("wide_tiles", [0, 1000], ids=["8warps", "16warps"])
+def test_the_skinny_qkv_wrapper_names_a_built_entry_for_every_weight_and_cache(monkeypatch, dtype, fp8_weight,
+                                                                                fp8_cache, wide_tiles):
+    """skinny_linear.rope_kv with a 16-bit or per-channel FP8 weight and a 16-bit or E4M3 cache names an entry the
+    library declares (and tests/unit/test_kernels_build.py finds in every fatbin), with its argument count: FP8
+    weights with an FP8 KV cache take skinny_rope_kvfp8_<dt>_fp8_m8. The device check of tensor_arg is stubbed
+    (CPU tensors); every other check runs."""
+    from engine.cuda import checks
+    from engine.cuda.wrappers import skinny_linear
+    from engine.quant import quantize_fp8
+
+    def cpu_tensor_arg(t, what, dtype, ndim=None, contiguous=True, align=True, host_mapped=False):
+        ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
+        assert ok and (ndim is None or t.dim() == ndim) and (not contiguous or t.is_contiguous()), what
+        return t.data_ptr()
+    for module in (checks, skinny_linear):
+        monkeypatch.setattr(module, "tensor_arg", cpu_tensor_arg)
+    H, Hkv, D, K, M = 4, 2, 16, 64, 3
+    N = (H + 2 * Hkv) * D
+    w = torch.randn(N, K).to(dtype)
+    weight = quantize_fp8(w) if fp8_weight else w
+    cache = torch.zeros(4, 16, Hkv, D, dtype=FP8_DTYPE if fp8_cache else dtype)
+    lib = EntryRecorder()
+    lib.skinny_wide_tiles = wide_tiles  # grids of at most this many tiles take 16-warp blocks
+    skinny_linear.rope_kv(lib, torch.empty(M, H, D, dtype=dtype), torch.randn(M, K).to(dtype), weight, None, None,
+                          torch.zeros(64, D), torch.zeros(M, dtype=torch.long), cache, cache.clone(),
+                          torch.arange(M), H, Hkv)
+    specs = {s.name: s.args for s in MODULES["skinny_linear"]}
+    (name, num_args), = lib.launched
+    dt = "bf16" if dtype == torch.bfloat16 else "fp16"
+    want = (f"skinny_rope_kv{'fp8' if fp8_cache else ''}_{dt}{'_fp8' if fp8_weight else ''}_m8"
+            f"{'_w16' if N // 16 <= wide_tiles else ''}")
+    assert name == want and name in specs and num_args == len(specs[name])

@@ -189,17 +189,25 @@ def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name,
     assert violations(launches) == []
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize("batch_size", [1, 8])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_fp8_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, monkeypatch):
+def test_fp8_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, kv_dtype,
+                                                                   monkeypatch):
     """Per-channel FP8 projections (and LM head) take the same skinny launches (their _fp8 entries read the
-    weight's scale before the wait, like the weight: written once at load) in the same order."""
-    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, quantization="fp8", quantize_lm_head=True)
+    weight's scale before the wait, like the weight: written once at load) in the same order, on a 16-bit or an
+    E4M3 KV cache (FP8 weights and FP8 KV together: the skinny QKV kernel's rope_kvfp8 _fp8 entries)."""
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, kv_dtype, quantization="fp8",
+                               quantize_lm_head=True)
     names = [n for n, _ in launches]
     assert {"skinny_linear.residual", "skinny_linear.silu", "skinny_linear.store"} <= set(names)
     assert violations(launches) == []
     if "qwen3" not in name:  # (Qwen3's composed QKV path runs its FP8 projection as one more skinny_store)
-        assert names == [n for n, _ in decode_launches(checkpoints[name], batch_size, monkeypatch)]
+        assert "skinny_linear.rope_kv" in names
+        assert names == [n for n, _ in decode_launches(checkpoints[name], batch_size, monkeypatch, kv_dtype)]
+    if kv_dtype == FP8_DTYPE:
+        caches = [t for _, ts in launches for k, t in ts.items() if k in ("k_cache", "v_cache")]
+        assert caches and all(t.dtype == FP8_DTYPE for t in caches)
 
 
 def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints, monkeypatch):
