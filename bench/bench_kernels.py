@@ -12,7 +12,8 @@ and the plain skinny_store, and the fused kernel again at the block width the wr
 (w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
 enough weight copies (>= 256 MiB) that no call finds its weight in L2. Then the FP8 rows (fp8_skinny_rows):
 at the 8B shapes and up to 8 tokens, per-channel E4M3 weights through the skinny _fp8 kernels (fused and
-store) next to the torch W8A16 fallback CudaOps used before them and the bf16 kernels on bf16 weights.
+store) next to the torch W8A16 fallback CudaOps used before them and the bf16 kernels on bf16 weights; at the qkv
+shape also into an FP8 KV cache (skinny_rope_kvfp8: FP8 weights and FP8 KV together).
 """
 from __future__ import annotations
 
@@ -112,6 +113,7 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
     torch_case = ("torch W8A16", w8a16_fallback) if isinstance(weights[0], Fp8Weight) else ("F.linear", F.linear)
+    kvfp8 = None
     cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
     if ep == "f32":
@@ -134,9 +136,15 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
         slots = torch.arange(M, dtype=torch.int64, device=dev)
         fused = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
+        if isinstance(weights[0], Fp8Weight):  # FP8 weights into an FP8 KV cache too (skinny_rope_kvfp8_*_fp8_m8)
+            kc8, vc8 = kc.to(FP8_DTYPE), vc.to(FP8_DTYPE)
+            kvfp8 = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc8, vc8, slots, H,
+                                                             Hkv), weights)
     cases[f"skinny_{ep}"] = fused
     wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
     cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
+    if kvfp8 is not None:
+        cases["skinny_rope_kvfp8"] = kvfp8
     return cases
 
 
