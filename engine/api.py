@@ -85,6 +85,15 @@ class PrefixCacheStats:
 
 
 @dataclass
+class PromptLogprobs:
+    """A prompt's teacher-forced log-probabilities (Engine.prompt_logprobs), for its tokens from the second on:
+    values[i] is token i + 1's, and top_ids[i] / top_values[i] the most likely tokens there, best first."""
+    values: list[float]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+
+@dataclass
 class StepCounters:
     """Work done since start: what a load test divides by its wall time (steps per second, sequences per step,
     the device's busy share)."""

@@ -196,6 +196,17 @@ class Engine:
         self.decoder.finish_all()
         return self.scorer.score(token_ids)
 
+    @mirrored
+    def prompt_logprobs(self, token_ids: list[int], num_top: int = 0) -> api.PromptLogprobs:
+        """vLLM's prompt_logprobs of a token sequence that is no live sequence: each token's log-probability
+        after the ones before it (from the second token on) and the num_top (<= max_top_logprobs) most likely
+        tokens there, from the raw logits (engine/scoring.py; a forward of its own, no prefix cache)."""
+        if not 0 <= num_top <= self.config.max_top_logprobs:
+            raise InvalidArgument(f"prompt logprobs: the top alternatives must be 0 to {self.config.max_top_logprobs} "
+                                  f"(--max-top-logprobs), got {num_top}")
+        self.decoder.finish_all()
+        return self.scorer.prompt_logprobs(token_ids, num_top)
+
     # ------------------------------------------------------------------ state
 
     def info(self) -> api.EngineInfo:

@@ -87,8 +87,8 @@ class ProcessorRows:
     # consumes them)
     token_mask: torch.Tensor | None = None  # [R, ceil(V / 32)] int32: the rows' token masks (TOKEN_MASK) ...
     masked: torch.Tensor | None = None  # [R] bool: ... of the rows whose sequence uses one
-    mask_word: torch.Tensor | None = None  # [V]: token t's word in a mask (SlotState.mask_word) ...
-    mask_bit: torch.Tensor | None = None  # [V]: ... and its bit
+    mask_byte: torch.Tensor | None = None  # [V]: token t's byte in a mask read as bytes (SlotState.mask_byte) ...
+    mask_bit: torch.Tensor | None = None  # [V]: ... and its bit there
 
     @classmethod
     def gather(cls, state: SlotState, slots: torch.Tensor, position: torch.Tensor, flags: int) -> ProcessorRows:
@@ -113,11 +113,11 @@ class ProcessorRows:
             token_mask, masked = state.token_mask[slots], (processors & TOKEN_MASK) != 0
         return cls(flags, processors != 0, state.min_p[slots], state.frequency_penalty[slots],
                    state.presence_penalty[slots], bias_ids, bias_values, stop_ids, stop_values, counts, token_mask,
-                   masked, state.mask_word, state.mask_bit)
+                   masked, state.mask_byte, state.mask_bit)
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits with -inf where a masked row's token mask disallows the token (other rows as they are)."""
-        bits = (self.token_mask[:, self.mask_word] >> self.mask_bit) & 1  # [R, V]
+        bits = (self.token_mask.view(torch.uint8)[:, self.mask_byte] >> self.mask_bit) & 1  # [R, V] uint8
         return logits.float().masked_fill((bits == 0) & self.masked[:, None], float("-inf"))
 
     def count_tokens(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:

@@ -257,6 +257,16 @@ def check_device(quantization: str, device: torch.device, checkpoint: str = "") 
                           f"{capability[0]}.{capability[1]}: serve it with {fix}")
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (16- or 32-bit) -> (E4M3 [M, K], fp32 scales [M, 1]) with x ~ data * scale, each row scaled by its
+    amax / 448 (the dynamic per-token activation scale of W8A8). Three passes over x: its amax (computed in fp32),
+    the division (in fp32) and the cast; x / scale never exceeds 448 in magnitude, so the cast needs no clamp. A zero
+    row gets a tiny scale and zeros."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
+    scale = amax.clamp_min(1e-12) / FP8_MAX
+    return (x / scale).to(FP8_DTYPE), scale
+
+
 def fp8_kv(x: torch.Tensor) -> torch.Tensor:
     """K or V rows as an FP8 KV cache holds them: E4M3 with a scale of 1 (as vLLM's uncalibrated FP8 cache),
     saturated at +-448 (a plain cast would make NaN of larger values). Keys and values of the models served

@@ -1,5 +1,6 @@
-"""Scorer: teacher-forced log-probabilities of a whole token sequence (what perplexity and top-1 agreement
-against a reference model are measured with), like vLLM's prompt_logprobs.
+"""Scorer: teacher-forced log-probabilities of a whole token sequence: every row (score: what perplexity and top-1
+agreement against a reference model are measured with), or each token's own and the top alternatives
+(prompt_logprobs: vLLM's prompt_logprobs, from the raw logits, reduced on the device).
 
 One call prefills the tokens into a scratch slot and KV blocks of its own (no prefix cache: nothing is
 shared or registered), with logits for every row, and gives the slot and blocks back before it returns.
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from engine import api
 from engine.batch import build_extend_batch
 from engine.errors import InvalidArgument, ResourceExhausted
 from engine.prefix_cache import BlockPool
 from engine.runtime import Runtime
 from engine.sequence import SequenceTable, SlotTable
 from engine.sequence_blocks import SequenceBlocks
+
+
+PROMPT_LOGPROBS_CHUNK = 1024  # tokens a forward of prompt_logprobs: its fp32 log-softmax block is chunk x vocab
 
 
 class Scorer:
@@ -29,6 +34,31 @@ class Scorer:
         token after token_ids[:i + 1], so row i's entry at token_ids[i + 1] is that token's log-probability.
         Raises InvalidArgument (empty, too long, ids outside the vocabulary) or ResourceExhausted (no free
         slot or too few KV blocks) before anything changes."""
+        return torch.cat(self._rows(token_ids, self.rt.config.max_prefill_tokens,
+                                    lambda lp, start: lp.cpu()))
+
+    def prompt_logprobs(self, token_ids: list[int], num_top: int) -> api.PromptLogprobs:
+        """Each token's log-probability after the ones before it (from the second on) and the num_top most
+        likely tokens there, reduced on the device (forwards of at most PROMPT_LOGPROBS_CHUNK tokens: a
+        [chunk, vocab] fp32 block at a time). Refuses as score() does."""
+        nxt = torch.tensor(token_ids[1:] + [0], device=self.rt.device)
+
+        def reduce(lp: torch.Tensor, start: int):
+            chosen = lp.gather(1, nxt[start:start + lp.shape[0], None])[:, 0]
+            top = lp.topk(num_top, dim=-1) if num_top else None
+            return chosen.cpu(), top.indices.cpu() if top else None, top.values.cpu() if top else None
+
+        parts = self._rows(token_ids, min(self.rt.config.max_prefill_tokens, PROMPT_LOGPROBS_CHUNK), reduce)
+        last = len(token_ids) - 1  # the last row predicts a token that is not there
+        values = torch.cat([c for c, _, _ in parts])[:last]
+        if not num_top:
+            return api.PromptLogprobs(values.tolist(), [[] for _ in range(last)], [[] for _ in range(last)])
+        return api.PromptLogprobs(values.tolist(), torch.cat([i for _, i, _ in parts])[:last].tolist(),
+                                  torch.cat([v for _, _, v in parts])[:last].tolist())
+
+    def _rows(self, token_ids: list[int], chunk: int, reduce) -> list:
+        """reduce(fp32 log-softmax rows of a forward over token_ids[start:start + chunk], start) for each chunk,
+        the forwards continuing one another's KV in a scratch slot (see score())."""
         rt = self.rt
         if not 1 <= len(token_ids) <= rt.max_seq_len:
             raise InvalidArgument(f"a scored sequence holds 1 to {rt.max_seq_len} tokens (--max-seq-len), "
@@ -40,15 +70,14 @@ class Scorer:
         slot = self.slots.allocate()
         try:
             rt.state.set_blocks(slot, 0, blocks.grow_all())
-            rows = []
-            chunk = rt.config.max_prefill_tokens
+            out = []
             with rt.dispatch.on_device():
                 for start in range(0, len(token_ids), chunk):
                     tokens = token_ids[start:start + chunk]
                     batch = build_extend_batch(rt.state.block_table, [slot], [start], [tokens],
                                                [list(range(len(tokens)))], rt.block_size, rt.device, rt.dynamic_rope)
-                    rows.append(torch.log_softmax(rt.model.forward(batch).float(), dim=-1).cpu())
-            return torch.cat(rows)
+                    out.append(reduce(torch.log_softmax(rt.model.forward(batch).float(), dim=-1), start))
+            return out
         finally:
             blocks.release()
             self.slots.free(slot)

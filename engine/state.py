@@ -63,8 +63,10 @@ class SlotState:
         words = -(-vocab_size // 32)
         self.token_mask = zeros(max_slots, words, dtype=torch.int32)
         self._mask_host = torch.zeros((max_slots, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        # Token t's byte in a mask read as bytes (little-endian words: bit t % 8 of byte t // 8) and its bit there:
+        # a step unpacks masks one byte per token, not four.
         vocab = torch.arange(vocab_size, device=device)
-        self.mask_word, self.mask_bit = vocab // 32, (vocab % 32).to(torch.int32)
+        self.mask_byte, self.mask_bit = vocab // 8, (vocab % 8).to(torch.uint8)
 
     def mark_seen(self, slots: torch.Tensor, token_ids: torch.Tensor) -> None:
         """seen[slots[i], token_ids[i]] = True, with device tensors only (capturable in a CUDA graph)."""

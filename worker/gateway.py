@@ -125,12 +125,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             done = False
             try:
                 started = time.perf_counter()
+                prompt_lp = None
+                if spec.prompt_logprobs is not None:
+                    lp = await self.runner.call(lambda e: e.prompt_logprobs(spec.prompt, spec.prompt_logprobs))
+                    prompt_lp = convert.input_logprobs(spec.prompt, lp)
                 await self._start(live, spec, grammar)
                 for choice in live.choices:
                     self.metrics.start_stream(choice.seq_id, started)
                 if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
-                async for response in self._responses(live, spec, request.stream):
+                async for response in self._responses(live, spec, request.stream, prompt_lp):
                     yield response
                 done = True
             except EngineError as e:
@@ -181,7 +185,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _responses(self, live: LiveRequest, spec: convert.GenerateSpec, stream: bool):
+    async def _responses(self, live: LiveRequest, spec: convert.GenerateSpec, stream: bool, prompt_lp=None):
         prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
         tokens: list[list] = [[] for _ in live.choices]
         reasons: list[str] = [convert.ABORT] * len(live.choices)
@@ -197,7 +201,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
             self.requests.count_tokens(len(new))
             tokens[i] += new
             if stream and new:
-                yield convert.chunk(new, prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, index=i)
+                first = len(tokens[i]) == len(new)  # the choice's first chunk carries the prompt's logprobs
+                yield convert.chunk(new, prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, i,
+                                    prompt_lp if first else None)
             if isinstance(end, BaseException):
                 raise end
             if end is None or end is ABORTED:  # the choice has ended
@@ -208,12 +214,12 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if stream:
                     last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
                     cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, i, matched)
+                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, i, matched, prompt_lp)
         if not stream:
             for i, reason in enumerate(reasons):
                 cached = tokens[i][0].cached_tokens if tokens[i] else 0
                 matched = matchers[i].matched if matchers[i] is not None else None
-                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, i, matched)
+                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, i, matched, prompt_lp)
 
     async def _until_stop_string(self, choice: Choice, matcher: StopStringMatcher, new: list, ended: bool) -> list:
         """The choice's new tokens up to the one that completes a stop string; at that one its sequence is

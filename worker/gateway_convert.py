@@ -18,7 +18,9 @@ GenerateStreamChunk per token (delta token ids, `completion_tokens` the delta's 
 delta with the finish reason; chunks of different choices interleave. A non-streaming call sends, once
 every choice has ended, one GenerateComplete per choice, in index order, with all its output tokens.
 Finish reasons are vLLM's strings: "length", "stop" (EOS; a stop token, then named in `matched_token_id`;
-or a stop string, named in `matched_stop_str`) and "abort".
+or a stop string, named in `matched_stop_str`) and "abort". `prompt_logprobs` (each prompt token's log-probability
+and the top k there, from a forward of its own: Engine.prompt_logprobs) come in each choice's first chunk and in
+every Complete.
 """
 from __future__ import annotations
 
@@ -90,6 +92,7 @@ class GenerateSpec:
     stop: tuple[str, ...] = ()  # stop strings (worker/stop_strings.py)
     skip_special_tokens: bool = True  # how the text stop strings are matched in is detokenized
     constraint: tuple[str, str] | None = None  # structured output (worker/structured_output.py): (kind, its text)
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the top k there
 
     def sampling_for(self, index: int) -> SamplingParams:
         """Choice `index`'s parameters: with a seed, seed + index (mod 2**64; vLLM's parallel sampling seeds its
@@ -119,15 +122,11 @@ def _check_request(request: vpb.GenerateRequest) -> None:
 def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
     """Sampling fields the engine has no counterpart for yet: refused by name when set; and the fields whose
     vLLM limits are the gateway's to check."""
-    unsupported = [("prompt_logprobs", p.HasField("prompt_logprobs"), p.prompt_logprobs)]
-    for name, is_set, value in unsupported:
-        if is_set:
-            shown = f"{value:.6g}" if isinstance(value, float) else repr(value)  # float32 on the wire
-            raise _refuse(f"sampling_params.{name}", f"is not supported by this worker yet (got {shown})")
     max_top_logprobs = facts.max_top_logprobs
-    if p.HasField("logprobs") and not 0 <= p.logprobs <= max_top_logprobs:
-        raise _refuse("sampling_params.logprobs", f"must be in [0, {max_top_logprobs}] on this worker "
-                                                  f"(-1, all of the vocabulary, is not served), got {p.logprobs}")
+    for name in ("logprobs", "prompt_logprobs"):
+        if p.HasField(name) and not 0 <= getattr(p, name) <= max_top_logprobs:
+            raise _refuse(f"sampling_params.{name}", f"must be in [0, {max_top_logprobs}] on this worker "
+                                                     f"(-1, all of the vocabulary, is not served), got {getattr(p, name)}")
     if p.n > facts.max_running:
         raise _refuse("sampling_params.n", f"must be at most {facts.max_running} (the sequences this worker runs "
                                            f"at once), got {p.n}")
@@ -204,7 +203,8 @@ def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: To
     except InvalidArgument as e:
         raise InvalidArgument(f"sampling_params.{e}") from None
     return GenerateSpec(prompt, sampling, stopping, total, p.logprobs if p.HasField("logprobs") else None,
-                        max(p.n, 1), stops, p.skip_special_tokens, constraint)
+                        max(p.n, 1), stops, p.skip_special_tokens, constraint,
+                        p.prompt_logprobs if p.HasField("prompt_logprobs") else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,11 +224,26 @@ def output_logprobs(tokens: list[api.TokenResult], num_logprobs: int | None) -> 
     return msg
 
 
+def input_logprobs(prompt: list[int], lp: api.PromptLogprobs) -> vpb.InputLogProbs:
+    """The prompt's logprobs as smg's reference vLLM servicer sends them: one entry per prompt token, the first
+    without a value (nothing predicts it) and with no alternatives; the top alternatives best first."""
+    msg = vpb.InputLogProbs(token_ids=prompt)
+    msg.token_logprobs.add()
+    msg.top_logprobs.add()
+    for value, ids, values in zip(lp.values, lp.top_ids, lp.top_values):
+        msg.token_logprobs.add(value=value)
+        msg.top_logprobs.add(values=values, token_ids=ids)
+    return msg
+
+
 def chunk(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None,
-          cached_tokens: int = 0, index: int = 0) -> vpb.GenerateResponse:
+          cached_tokens: int = 0, index: int = 0, prompt_logprobs: vpb.InputLogProbs | None = None
+          ) -> vpb.GenerateResponse:
+    """prompt_logprobs: on a choice's first chunk only."""
     return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
         token_ids=[t.token_id for t in tokens], prompt_tokens=prompt_tokens, completion_tokens=len(tokens),
-        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs), index=index))
+        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs),
+        input_logprobs=prompt_logprobs, index=index))
 
 
 def finish_reason(tokens: list[api.TokenResult]) -> str:
@@ -237,13 +252,14 @@ def finish_reason(tokens: list[api.TokenResult]) -> str:
 
 
 def complete(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None, reason: str,
-             cached_tokens: int = 0, index: int = 0, matched_stop: str | None = None) -> vpb.GenerateResponse:
+             cached_tokens: int = 0, index: int = 0, matched_stop: str | None = None,
+             prompt_logprobs: vpb.InputLogProbs | None = None) -> vpb.GenerateResponse:
     """tokens: all output tokens of choice `index` (non-streaming) or its stream's last delta; matched_stop:
-    the stop string that ended it (reason "stop")."""
+    the stop string that ended it (reason "stop"); prompt_logprobs: the prompt's (every Complete carries them)."""
     msg = vpb.GenerateComplete(
         output_ids=[t.token_id for t in tokens], finish_reason=reason, prompt_tokens=prompt_tokens,
         completion_tokens=len(tokens), cached_tokens=cached_tokens,
-        output_logprobs=output_logprobs(tokens, num_logprobs), index=index)
+        output_logprobs=output_logprobs(tokens, num_logprobs), input_logprobs=prompt_logprobs, index=index)
     if matched_stop is not None:
         msg.matched_stop_str = matched_stop
     elif tokens and tokens[-1].finish_reason == FinishReason.STOP_TOKEN:

@@ -48,7 +48,7 @@ from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps, kv_rows
-from engine.quant import FP8_DTYPE, FP8_MAX, Fp8Weight, Weight, finish_linear, fp8_linear
+from engine.quant import FP8_DTYPE, Fp8Weight, Weight, finish_linear, fp8_linear, quantize_activations
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -420,10 +420,7 @@ def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a
     zero row) to E4M3, then one FP8 GEMM with both scales applied to the fp32 accumulators:
     [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=1, keepdim=True)
-    a_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))  # [M, 1] fp32
-    x_fp8 = (xf / a_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    x_fp8, a_scale = quantize_activations(x)
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
     return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
                             out_dtype=torch.bfloat16)

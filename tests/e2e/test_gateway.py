@@ -20,6 +20,7 @@ import zipfile
 
 import grpc
 import pytest
+import torch
 
 from conftest import random_prompts, start_server
 from engine.checkpoint import write_checkpoint
@@ -237,7 +238,7 @@ def test_abort_ends_the_stream_and_frees_the_sequence(tok_server, vllm):
 
 
 UNSUPPORTED = {
-    "stop": dict(stop=["w9", ""]), "prompt_logprobs": dict(prompt_logprobs=1), "logprobs": dict(logprobs=-1),
+    "stop": dict(stop=["w9", ""]), "prompt_logprobs": dict(prompt_logprobs=-1), "logprobs": dict(logprobs=-1),
     # Structured output that cannot be compiled (tests/e2e/test_structured_output.py has what can).
     "json_schema": dict(json_schema='{"type": "nonsense"}'), "regex": dict(regex="(w"),
     # Values outside what the engine serves (vLLM's ranges, and this worker's limits).
@@ -372,6 +373,37 @@ def test_stop_strings_end_a_choice_at_the_token_that_completes_one(tok_server, v
     assert ids == ref and done.finish_reason == "length" and done.WhichOneof("matched_stop") is None
     ids, done = run(f"stop-first-{stream}", stop=[early])
     assert ids == ref[:1] and done.matched_stop_str == early
+    assert wait_until_no_live_sequences(tok_server) == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_logprobs_are_transformers(tok_server, tok_model, vllm, stream):
+    """prompt_logprobs=k: one entry per prompt token, the first without a value; each later one the token's
+    log-probability after the ones before it and the k most likely tokens there, as transformers computes them
+    on the same checkpoint (fp32); in a stream on each choice's first chunk and on every Complete."""
+    from tests.oracle import hf_logits
+
+    prompt = random_prompts([12], VOCAB, seed=21)[0]
+    ref = torch.log_softmax(hf_logits(tok_model, prompt), dim=-1)
+    responses = list(vllm.Generate(generate_request(prompt, f"plp-{stream}", stream, temperature=0.0, max_tokens=3,
+                                                    ignore_eos=True, prompt_logprobs=3, n=2, seed=1), timeout=60))
+    carriers = [r.chunk if r.WhichOneof("response") == "chunk" else r.complete for r in responses
+                if (r.chunk if r.WhichOneof("response") == "chunk" else r.complete).HasField("input_logprobs")]
+    chunks = [r.chunk for r in responses if r.WhichOneof("response") == "chunk"]
+    if stream:  # each choice's first chunk, and its Complete
+        assert len(carriers) == 4 and sum(c.HasField("input_logprobs") for c in chunks) == 2
+        assert sorted(c.index for c in chunks if c.HasField("input_logprobs")) == [0, 1]
+    else:
+        assert len(carriers) == 2 and not chunks
+    for c in carriers:
+        lp = c.input_logprobs
+        assert list(lp.token_ids) == prompt and len(lp.token_logprobs) == len(lp.top_logprobs) == len(prompt)
+        assert not lp.token_logprobs[0].HasField("value") and not lp.top_logprobs[0].token_ids
+        for i in range(1, len(prompt)):
+            assert lp.token_logprobs[i].value == pytest.approx(ref[i - 1, prompt[i]].item(), abs=1e-4)
+            top = ref[i - 1].topk(3)
+            assert list(lp.top_logprobs[i].token_ids) == top.indices.tolist()
+            assert list(lp.top_logprobs[i].values) == pytest.approx(top.values.tolist(), abs=1e-4)
     assert wait_until_no_live_sequences(tok_server) == 0
 
 

@@ -447,3 +447,28 @@ def test_score_refuses_bad_input_and_changes_nothing(tiny_model):
         assert engine.info().free_slots == 1 and engine.info().live_sequences == 0
     finally:
         engine.close()
+
+
+def test_activation_quantization_is_the_former_formula_in_three_passes():
+    """quantize_activations (W8A8's dynamic per-token scales): the same bits as x.float() / (amax / 448), clamped
+    and cast, for bf16, fp16 and fp32 rows of every magnitude; a zero row gives zeros (and a scale that makes
+    them zeros again); nothing reaches NaN."""
+    from engine.quant import FP8_DTYPE, FP8_MAX, quantize_activations
+
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randn(64, 512, generator=g) * torch.logspace(-6, 4, 64)[:, None]
+    rows[5] = 0.0
+    rows[9, 17] = 3e4  # one outlier
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = rows.to(dtype)
+        data, scale = quantize_activations(x)
+        assert data.dtype == FP8_DTYPE and scale.shape == (64, 1) and scale.dtype == torch.float32
+        xf = x.float()
+        amax = xf.abs().amax(dim=1, keepdim=True)
+        want_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        want = (xf / want_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        nonzero = amax[:, 0] > 0
+        assert torch.equal(data.view(torch.uint8)[nonzero], want.view(torch.uint8)[nonzero]), dtype
+        assert torch.equal(scale[nonzero], want_scale[nonzero])
+        assert not data.float().isnan().any() and data.float().abs().max() <= FP8_MAX
+        assert torch.equal(data[5].float(), torch.zeros(512)) and (data[5].float() * scale[5]).abs().max() == 0

@@ -6,7 +6,7 @@ import pytest
 
 from engine.errors import InvalidArgument
 from engine.tokenizer import Tokenizer
-from worker.stop_strings import StopStringMatcher, check_stops
+from worker.stop_strings import MAX_STOP_CHARS, MAX_STOP_STRINGS, StopStringMatcher, check_stops
 
 SPECIAL = ("<unk>", "<s>", "</s>")
 
@@ -73,6 +73,11 @@ def test_check_stops(words):
         check_stops(["a", ""], words)
     with pytest.raises(InvalidArgument, match="tokenizer"):
         check_stops(["a"], None)
+    assert len(check_stops(["s"] * MAX_STOP_STRINGS, words)) == MAX_STOP_STRINGS
+    with pytest.raises(InvalidArgument, match="at most 64 strings"):
+        check_stops(["s"] * (MAX_STOP_STRINGS + 1), words)
+    with pytest.raises(InvalidArgument, match="1024 characters"):
+        check_stops(["x" * (MAX_STOP_CHARS + 1)], words)
 
 
 def test_multibyte_characters_are_matched_whole(default_model):
