@@ -15,6 +15,7 @@ class FinishReason(enum.IntEnum):  # values match the proto's FinishReason
     LENGTH = 1
     EOS = 2
     STOP_TOKEN = 3
+    STOP_STRING = 4  # set by the worker's Generate (worker/stop_strings.py), never by the engine
 
 
 @dataclass

@@ -5,6 +5,7 @@ bug: logged with the request id and answered INTERNAL, and the worker keeps serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -16,6 +17,7 @@ from engine import api
 from engine.engine import Engine
 from engine.errors import EngineError, InvalidArgument, OutOfRange
 from engine.kv_events import follow
+from engine.sequence import FinishReason
 from worker.aio import until_set
 from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2 as pb
@@ -25,6 +27,7 @@ from worker.errors import Unavailable, status_of
 from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
+from worker.stop_strings import StopStringMatcher, check_stops
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
@@ -243,6 +246,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     raise Unavailable("the worker is draining (shutting down)")
                 if request.stopping.max_new_tokens == 0:
                     raise InvalidArgument("Generate needs stopping.max_new_tokens > 0")
+                stops = check_stops(list(request.stop), self.tokenizer, "stop")
                 detokenizer = None
                 if convert.has_text_prompt(request):
                     prompt = await asyncio.to_thread(convert.generate_prompt, request, self.tokenizer)
@@ -260,18 +264,25 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
             self.metrics.start_stream(seq_id, started)
+            matcher = StopStringMatcher(stops, self.tokenizer, True, stopping.min_tokens) if stops else None
             done = False
             try:
                 while (item := await out.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
                     self.metrics.observe_stream_token(seq_id, item)
+                    stopped = matcher is not None and matcher.feed(item.token_id)
                     text = ""
                     if detokenizer is not None:
                         text = detokenizer.step(item.token_id)
-                        if item.finish_reason:
+                        if item.finish_reason or stopped:
                             text += detokenizer.flush()
+                    if stopped:
+                        await self.runner.streams.stop(seq_id)  # the steps launched behind it are dropped
+                        item = dataclasses.replace(item, finish_reason=FinishReason.STOP_STRING)
                     yield convert.generate_response(item, text)
+                    if stopped:
+                        break
                 done = True
             except Exception:
                 call.code = grpc.StatusCode.INTERNAL

@@ -25,18 +25,18 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 
 
-def check_stops(stops: list[str], tokenizer: Tokenizer | None) -> tuple[str, ...]:
-    """The request's stop strings, checked: none empty (vLLM refuses an empty one), within the limits, and a
-    tokenizer to match them with."""
+def check_stops(stops: list[str], tokenizer: Tokenizer | None, field: str = "sampling_params.stop") -> tuple[str, ...]:
+    """The request's stop strings (its field named `field` in the messages), checked: none empty (vLLM refuses an
+    empty one), within the limits, and a tokenizer to match them with."""
     if not stops:
         return ()
     if any(not s for s in stops):
-        raise InvalidArgument("sampling_params.stop cannot contain an empty string")
+        raise InvalidArgument(f"{field} cannot contain an empty string")
     if len(stops) > MAX_STOP_STRINGS or max(map(len, stops)) > MAX_STOP_CHARS:
-        raise InvalidArgument(f"sampling_params.stop takes at most {MAX_STOP_STRINGS} strings of at most "
+        raise InvalidArgument(f"{field} takes at most {MAX_STOP_STRINGS} strings of at most "
                               f"{MAX_STOP_CHARS} characters each, got {len(stops)} of up to {max(map(len, stops))}")
     if tokenizer is None:
-        raise InvalidArgument("sampling_params.stop needs the checkpoint's tokenizer (tokenizer.json), which this "
+        raise InvalidArgument(f"{field} needs the checkpoint's tokenizer (tokenizer.json), which this "
                               "worker's checkpoint lacks; send stop_token_ids instead")
     return tuple(stops)
 

@@ -149,6 +149,8 @@ def test_text_to_a_worker_without_a_tokenizer_fails_precondition_and_leaks_nothi
         message = err.details()
         assert "no tokenizer" in message and "prompt_token_ids" in message and "\n" not in message
         assert str(server.engine.model_path) not in message and "Traceback" not in message
+    err = refusal(server, prompt_token_ids=[1, 2, 3], stop=["w"])  # stop strings need the tokenizer too
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("stop needs the checkpoint's tokenizer")
     assert usage(server) == before
     assert len(generate(server, 3, prompt_token_ids=[1, 2, 3])) == 3  # token ids are served as before
 
@@ -169,3 +171,27 @@ def test_tokenizer_without_chat_template(default_model, tmp_path, hf_tokenizer):
         assert srv.stub().Info(pb.InfoRequest()).live_sequences == 0
     finally:
         srv.stop()
+
+
+def test_stop_strings_end_the_stream_at_the_token_that_completes_one(real, hf_tokenizer):
+    """Generate's `stop`: the stream ends with the token whose text completes a stop string
+    (FINISH_REASON_STOP_STRING), its text whole (not trimmed); a string that needs a later token waits for it;
+    nothing stays allocated; an empty one is refused (and without a tokenizer, any: the test above)."""
+    full = generate(real, chat=chat(("user", FRANCE)))
+    text = text_of(full)
+    assert "Paris" in text
+    k = next(k for k in range(1, len(full) + 1) if "Paris" in hf_tokenizer.decode(ids_of(full[:k])))
+    before = usage(real)
+    out = generate(real, chat=chat(("user", FRANCE)), stop=["no such words", "Paris"])
+    assert ids_of(out) == ids_of(full[:k])
+    assert out[-1].token.finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert [r.token.finish_reason for r in out[:-1]] == [pb.FINISH_REASON_NONE] * (k - 1)
+    assert text_of(out) == hf_tokenizer.decode(ids_of(out), skip_special_tokens=True) and text_of(out).endswith("Paris")
+    assert usage(real) == before
+    # Token ids in, the same stop on the model's text.
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": FRANCE}], add_generation_prompt=True,
+                                              tokenize=True)["input_ids"]
+    by_ids = generate(real, prompt_token_ids=prompt, stop=["Paris"])
+    assert ids_of(by_ids) == ids_of(out) and by_ids[-1].token.finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert refusal(real, text="x", stop=[""]).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert usage(real) == before
