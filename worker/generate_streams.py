@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 # that only pile up more, and the steps stay wide instead of running ever smaller batches of the streams that
 # are ahead.
 MAX_UNSENT_TOKENS = 4
+# ... for at most this long: a caller that stops reading (without going away) must not hold its sequence's slot and
+# KV blocks for good; past it the stream runs to its end, its tokens waiting in its queue.
+MAX_HOLD_S = 2.0
 
 
 class _TokenQueue(asyncio.Queue):
@@ -62,6 +66,7 @@ class _Stream:
     out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
     in_flight: int = 0  # launched decode steps that include it, not yet answered
     constraint: Any = None  # structured output (a worker/structured_output.Constraint): its grammar's state
+    held_since: float | None = None  # monotonic time it was first held back for its caller (MAX_UNSENT_TOKENS)
 
 
 def _accepts(stream: _Stream, token: api.TokenResult) -> bool:
@@ -167,7 +172,10 @@ class GenerateStreams:
                 if not self._streams:
                     break
                 self._taken.clear()  # every stream is held back: wait for a caller to take its tokens
-                await self._taken.wait()
+                try:
+                    await asyncio.wait_for(self._taken.wait(), MAX_HOLD_S)
+                except asyncio.TimeoutError:
+                    pass  # a stream held for MAX_HOLD_S goes on
                 continue
             streams, future = pending.popleft()
             try:
@@ -218,8 +226,13 @@ class GenerateStreams:
                 limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
             if s.constraint is not None and s.in_flight:
                 continue  # its next token's mask waits for the token the step in flight samples
-            if s.out.qsize() >= MAX_UNSENT_TOKENS:
-                continue  # its caller is behind: held back until it takes them
+            if s.out.qsize() >= MAX_UNSENT_TOKENS:  # its caller is behind: held back until it takes them ...
+                now = time.monotonic()
+                s.held_since = s.held_since or now
+                if now - s.held_since < MAX_HOLD_S:  # ... or for MAX_HOLD_S
+                    continue
+            else:
+                s.held_since = None
             if seq.seq_len + s.in_flight < limit:
                 out.append(s)
                 if len(out) == engine.config.max_batch_size:
