@@ -3,7 +3,9 @@ sequence into one step so that concurrent Generate calls (of ModelWorker and of 
 
 A stream is allocated and prefilled with the others that start while its prefill call waits in the runner's queue
 (one engine call, as a router batches the prompts it admits together), then joins the next decode step; up to
-config.max_steps_in_flight steps are launched at once. A structured-output stream (a constraint: its grammar's
+config.max_steps_in_flight steps are launched at once. A stream whose caller is behind (MAX_UNSENT_TOKENS of its
+tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes to sending tokens rather
+than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
 state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
 and sets the next token's mask before the step that samples it. Event-loop only, like the runner."""
 from __future__ import annotations
