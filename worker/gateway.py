@@ -134,8 +134,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     self.metrics.start_stream(choice.seq_id, started)
                 if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
-                async for response in gateway_stream.responses(live, spec, request.stream, prompt_lp, self.runner.streams,
-                                                               self.metrics, self.requests, self.text):
+                responses = gateway_stream.responses(live, spec, request.stream, prompt_lp, self.runner.streams,
+                                                     self.metrics, self.requests, self.text)
+                async for response in responses:
                     yield response
                 done = True
             except EngineError as e:

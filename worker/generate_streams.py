@@ -133,7 +133,8 @@ class GenerateStreams:
             out.put_nowait(e)
             running = False
         if not running:
-            await self.runner.run(lambda engine: engine.release([first.seq_id]) if first.seq_id in engine.sequences else 0)
+            seq_id = first.seq_id
+            await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
             out.put_nowait(None)
         else:
             self._streams[first.seq_id] = stream
