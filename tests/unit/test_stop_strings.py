@@ -89,3 +89,40 @@ def test_multibyte_characters_are_matched_whole(default_model):
         k, matched = first_match(tok, (stop,), ids)
         assert matched == stop
         assert stop in tok.decode(ids[:k + 1]) and stop not in tok.decode(ids[:k])
+
+
+def reference_match(tokenizer: Tokenizer, stops: tuple[str, ...], ids: list[int], min_tokens: int):
+    """vLLM's rule with the whole text decoded afresh after each token (no incremental decoding, no window)."""
+    before = ""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        new = len(text) - len(before)
+        if new > 0 and k >= min_tokens:
+            for stop in stops:
+                if text.find(stop, max(0, len(text) - new - len(stop) + 1)) != -1:
+                    return k - 1, stop
+        before = text
+    return None, None
+
+
+def test_the_matcher_is_the_rule_on_random_streams(words):
+    """Random token streams and stop strings cut from their own text (so that they do match, across tokens and
+    inside them): the incremental matcher ends where the rule applied to the whole text ends, with the same
+    string."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(3, 99), min_size=1, max_size=12), st.data(), st.integers(0, 4))
+    def check(ids, data, min_tokens):
+        text = words.decode(ids)
+        stops = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            a = data.draw(st.integers(0, len(text) - 1))
+            b = data.draw(st.integers(a + 1, min(len(text), a + 9)))
+            stops.append(text[a:b])
+        if data.draw(st.booleans()):
+            stops.append("w1000")  # never in the text
+        stops = tuple(stops)
+        assert first_match(words, stops, ids, min_tokens) == reference_match(words, stops, ids, min_tokens)
+
+    check()
