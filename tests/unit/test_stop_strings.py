@@ -126,3 +126,33 @@ def test_the_matcher_is_the_rule_on_random_streams(words):
         assert first_match(words, stops, ids, min_tokens) == reference_match(words, stops, ids, min_tokens)
 
     check()
+
+
+def test_streamed_text_stops_before_the_stop_string(words):
+    """StopTextBuffer over random streams (the property test's): the pieces sent before the match never hold a
+    stop string's first character that the match then cuts; all pieces together are the text up to the matched
+    string (or the whole text when none matches)."""
+    from hypothesis import given, settings, strategies as st
+
+    from worker.stop_strings import StopTextBuffer
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(3, 99), min_size=1, max_size=12), st.data())
+    def check(ids, data):
+        text = words.decode(ids)
+        a = data.draw(st.integers(0, len(text) - 1))
+        stops = (text[a:data.draw(st.integers(a + 1, min(len(text), a + 9)))], "w1000")
+        matcher = StopStringMatcher(stops, words, True)
+        detok, buffer, sent = words.detokenizer(), StopTextBuffer(stops), []
+        for k, t in enumerate(ids):
+            piece = detok.step(t)
+            if matcher.feed(t):
+                sent.append(buffer.stop(piece, matcher.matched))
+                full = words.decode(ids[:k + 1])
+                assert "".join(sent) == full[:full.index(matcher.matched)]
+                return
+            sent.append(buffer.push(piece))
+        sent.append(buffer.push(detok.flush()) + buffer.flush())
+        assert "".join(sent) == text
+
+    check()
