@@ -62,10 +62,10 @@ async def _until_stop_string(choice: Choice, matcher: StopStringMatcher, new: li
     for k, item in enumerate(new):
         if matcher.feed(item.token_id):
             if not ended:  # a sequence that ended with this delta was released by the runner
-                await streams.stop(choice.seq_id)
-                choice.out.put_nowait(None)
+                await streams.stop(choice.seq_id)  # (its queue ends there)
             return new[:k + 1]
     return new
+
 
 def _ended(item) -> bool:
     """Whether a choice's queue item is its last: None (finished), ABORTED, or an exception."""

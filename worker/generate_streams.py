@@ -144,8 +144,11 @@ class GenerateStreams:
         return first.seq_id, out
 
     async def stop(self, seq_id: int) -> None:
-        """Ends a stream early (client gone): its sequence is released."""
-        if self._streams.pop(seq_id, None) is not None:
+        """Ends a stream early (client gone, Abort, a stop string): its queue ends (None after the tokens already
+        in it) and its sequence is released."""
+        stream = self._streams.pop(seq_id, None)
+        if stream is not None:
+            stream.out.put_nowait(None)
             self._taken.set()  # the decode loop may have been waiting on this stream's caller
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
 
