@@ -77,3 +77,20 @@ def test_a_caller_that_never_reads_holds_its_stream_only_for_a_while(tiny_model,
             await runner.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_streams_queue_ends(tiny_model):
+    """GenerateStreams.stop: the tokens already queued, then None; the sequence released."""
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+            await runner.streams.stop(seq_id)
+            got = await asyncio.wait_for(take_all(out), 5)  # ends: no wait for tokens that cannot come
+            assert 1 <= len(got) < NEW_TOKENS
+            assert seq_id not in runner.engine.sequences and len(runner.streams) == 0
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
