@@ -28,14 +28,14 @@ from engine.errors import EngineError, FailedPrecondition
 from engine.kv_events import follow
 from engine.tokenizer import Tokenizer
 from worker import gateway_convert as convert
+from worker import gateway_stream
 from worker.aio import until_set
 from worker.errors import Unavailable, status_of
 from worker.convert import kv_event_batch
 from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
-from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
+from worker.gateway_requests import ABORTED, LiveRequest, Requests
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
-from worker.stop_strings import StopStringMatcher
 from worker.structured_output import Constraint, Grammars
 from worker.tokenizer_bundle import TokenizerBundle, chunks
 
@@ -134,7 +134,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     self.metrics.start_stream(choice.seq_id, started)
                 if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
-                async for response in self._responses(live, spec, request.stream, prompt_lp):
+                responses = gateway_stream.responses(live, spec, request.stream, prompt_lp, self.runner.streams,
+                                                     self.metrics, self.requests, self.text)
+                async for response in responses:
                     yield response
                 done = True
             except EngineError as e:
@@ -184,55 +186,6 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _responses(self, live: LiveRequest, spec: convert.GenerateSpec, stream: bool, prompt_lp=None):
-        prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
-        tokens: list[list] = [[] for _ in live.choices]
-        reasons: list[str] = [convert.ABORT] * len(live.choices)
-        matchers = [StopStringMatcher(spec.stop, self.text, spec.skip_special_tokens, spec.stopping.min_tokens)
-                    if spec.stop else None for _ in live.choices]
-        async for choice, items in _choice_items(live.choices):
-            i, end = choice.index, items[-1]
-            new = items[:-1] if _ended(end) else items
-            if matchers[i] is not None:
-                new = await self._until_stop_string(choice, matchers[i], new, _ended(end))
-            for item in new:
-                self.metrics.observe_stream_token(choice.seq_id, item)
-            self.requests.count_tokens(len(new))
-            tokens[i] += new
-            if stream and new:
-                first = len(tokens[i]) == len(new)  # the choice's first chunk carries the prompt's logprobs
-                yield convert.chunk(new, prompt_tokens, num_logprobs, tokens[i][0].cached_tokens, i,
-                                    prompt_lp if first else None)
-            if isinstance(end, BaseException):
-                raise end
-            if end is None or end is ABORTED:  # the choice has ended
-                matched = matchers[i].matched if matchers[i] is not None else None
-                done_grammar = choice.constraint is not None and choice.constraint.terminated
-                reasons[i] = convert.STOP if matched is not None or done_grammar else \
-                    convert.ABORT if end is ABORTED else convert.finish_reason(tokens[i])
-                if stream:
-                    last = tokens[i][-1:] if reasons[i] != convert.ABORT else []
-                    cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                    yield convert.complete(last, prompt_tokens, num_logprobs, reasons[i], cached, i, matched, prompt_lp)
-        if not stream:
-            for i, reason in enumerate(reasons):
-                cached = tokens[i][0].cached_tokens if tokens[i] else 0
-                matched = matchers[i].matched if matchers[i] is not None else None
-                yield convert.complete(tokens[i], prompt_tokens, num_logprobs, reason, cached, i, matched, prompt_lp)
-
-    async def _until_stop_string(self, choice: Choice, matcher: StopStringMatcher, new: list, ended: bool) -> list:
-        """The choice's new tokens up to the one that completes a stop string; at that one its sequence is
-        stopped and its queue ended (the tokens of steps launched behind it are dropped)."""
-        if matcher.matched is not None:
-            return []
-        for k, item in enumerate(new):
-            if matcher.feed(item.token_id):
-                if not ended:  # a sequence that ended with this delta was released by the runner
-                    await self.runner.streams.stop(choice.seq_id)
-                    choice.out.put_nowait(None)
-                return new[:k + 1]
-        return new
 
     async def Abort(self, request: vpb.AbortRequest, context) -> vpb.AbortResponse:
         """Ends the named calls with finish reason "abort" and frees their sequences; ids that are not
@@ -363,44 +316,3 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         with self.metrics.rpc(f"VllmEngine.{name}") as call:
             call.code = grpc.StatusCode.UNIMPLEMENTED
             await context.abort(call.code, f"{name} is not served by this worker: {why}")
-
-
-def _ended(item) -> bool:
-    """Whether a choice's queue item is its last: None (finished), ABORTED, or an exception."""
-    return item is None or item is ABORTED or isinstance(item, BaseException)
-
-
-def _with_queued(choice: Choice, item) -> list:
-    """item and the items already waiting behind it on the choice's queue, up to and including an ending one: a
-    handler that fell behind the steps sends what it has in one chunk (as vLLM merges a lagging stream's deltas)
-    instead of one write per token, each costing the event loop that also launches the steps."""
-    items = [item]
-    while not _ended(items[-1]) and not choice.out.empty():
-        items.append(choice.out.get_nowait())
-    return items
-
-
-async def _choice_items(choices: list[Choice]):
-    """(choice, items) as the choices' token queues deliver them (_with_queued: one item, or several that were
-    waiting together), until every queue has ended (_ended: that item is the last of its list). One choice reads
-    its queue directly; several wait on all their queues at once."""
-    if len(choices) == 1:
-        choice = choices[0]
-        while True:
-            items = _with_queued(choice, await choice.out.get())
-            yield choice, items
-            if _ended(items[-1]):
-                return
-    pending = {asyncio.ensure_future(c.out.get()): c for c in choices}
-    try:
-        while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for get in sorted(done, key=lambda f: pending[f].index):
-                choice = pending.pop(get)
-                items = _with_queued(choice, get.result())
-                yield choice, items
-                if not _ended(items[-1]):
-                    pending[asyncio.ensure_future(choice.out.get())] = choice
-    finally:
-        for get in pending:
-            get.cancel()

@@ -124,9 +124,10 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
     vLLM limits are the gateway's to check."""
     max_top_logprobs = facts.max_top_logprobs
     for name in ("logprobs", "prompt_logprobs"):
-        if p.HasField(name) and not 0 <= getattr(p, name) <= max_top_logprobs:
+        value = getattr(p, name)
+        if p.HasField(name) and not 0 <= value <= max_top_logprobs:
             raise _refuse(f"sampling_params.{name}", f"must be in [0, {max_top_logprobs}] on this worker "
-                                                     f"(-1, all of the vocabulary, is not served), got {getattr(p, name)}")
+                                                     f"(-1, all of the vocabulary, is not served), got {value}")
     if p.n > facts.max_running:
         raise _refuse("sampling_params.n", f"must be at most {facts.max_running} (the sequences this worker runs "
                                            f"at once), got {p.n}")

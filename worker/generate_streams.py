@@ -3,7 +3,9 @@ sequence into one step so that concurrent Generate calls (of ModelWorker and of 
 
 A stream is allocated and prefilled with the others that start while its prefill call waits in the runner's queue
 (one engine call, as a router batches the prompts it admits together), then joins the next decode step; up to
-config.max_steps_in_flight steps are launched at once. A structured-output stream (a constraint: its grammar's
+config.max_steps_in_flight steps are launched at once. A stream whose caller is behind (MAX_UNSENT_TOKENS of its
+tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes to sending tokens rather
+than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
 state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
 and sets the next token's mask before the step that samples it. Event-loop only, like the runner."""
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 # that only pile up more, and the steps stay wide instead of running ever smaller batches of the streams that
 # are ahead.
 MAX_UNSENT_TOKENS = 4
+# ... for at most this long: a caller that stops reading (without going away) must not hold its sequence's slot and
+# KV blocks for good; past it the stream runs to its end, its tokens waiting in its queue.
+MAX_HOLD_S = 2.0
 
 
 class _TokenQueue(asyncio.Queue):
@@ -62,6 +68,7 @@ class _Stream:
     out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
     in_flight: int = 0  # launched decode steps that include it, not yet answered
     constraint: Any = None  # structured output (a worker/structured_output.Constraint): its grammar's state
+    held_since: float | None = None  # monotonic time it was first held back for its caller (MAX_UNSENT_TOKENS)
 
 
 def _accepts(stream: _Stream, token: api.TokenResult) -> bool:
@@ -126,7 +133,8 @@ class GenerateStreams:
             out.put_nowait(e)
             running = False
         if not running:
-            await self.runner.run(lambda engine: engine.release([first.seq_id]) if first.seq_id in engine.sequences else 0)
+            seq_id = first.seq_id
+            await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
             out.put_nowait(None)
         else:
             self._streams[first.seq_id] = stream
@@ -136,8 +144,11 @@ class GenerateStreams:
         return first.seq_id, out
 
     async def stop(self, seq_id: int) -> None:
-        """Ends a stream early (client gone): its sequence is released."""
-        if self._streams.pop(seq_id, None) is not None:
+        """Ends a stream early (client gone, Abort, a stop string): its queue ends (None after the tokens already
+        in it) and its sequence is released."""
+        stream = self._streams.pop(seq_id, None)
+        if stream is not None:
+            stream.out.put_nowait(None)
             self._taken.set()  # the decode loop may have been waiting on this stream's caller
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
 
@@ -167,7 +178,10 @@ class GenerateStreams:
                 if not self._streams:
                     break
                 self._taken.clear()  # every stream is held back: wait for a caller to take its tokens
-                await self._taken.wait()
+                try:
+                    await asyncio.wait_for(self._taken.wait(), MAX_HOLD_S)
+                except asyncio.TimeoutError:
+                    pass  # a stream held for MAX_HOLD_S goes on
                 continue
             streams, future = pending.popleft()
             try:
@@ -218,8 +232,13 @@ class GenerateStreams:
                 limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
             if s.constraint is not None and s.in_flight:
                 continue  # its next token's mask waits for the token the step in flight samples
-            if s.out.qsize() >= MAX_UNSENT_TOKENS:
-                continue  # its caller is behind: held back until it takes them
+            if s.out.qsize() >= MAX_UNSENT_TOKENS:  # its caller is behind: held back until it takes them ...
+                now = time.monotonic()
+                s.held_since = s.held_since or now
+                if now - s.held_since < MAX_HOLD_S:  # ... or for MAX_HOLD_S
+                    continue
+            else:
+                s.held_since = None
             if seq.seq_len + s.in_flight < limit:
                 out.append(s)
                 if len(out) == engine.config.max_batch_size:

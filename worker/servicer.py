@@ -27,7 +27,7 @@ from worker.errors import Unavailable, status_of
 from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
-from worker.stop_strings import StopStringMatcher, check_stops
+from worker.stop_strings import StopStringMatcher, StopTextBuffer, check_stops
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
@@ -265,6 +265,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                 await context.abort(call.code, str(e))
             self.metrics.start_stream(seq_id, started)
             matcher = StopStringMatcher(stops, self.tokenizer, True, stopping.min_tokens) if stops else None
+            held = StopTextBuffer(stops) if stops and detokenizer is not None else None
             done = False
             try:
                 while (item := await out.get()) is not None:
@@ -277,6 +278,9 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                         text = detokenizer.step(item.token_id)
                         if item.finish_reason or stopped:
                             text += detokenizer.flush()
+                    if held is not None:  # text that may begin a stop string waits; a stop string is not sent
+                        text = held.stop(text, matcher.matched) if stopped else \
+                            held.push(text) + (held.flush() if item.finish_reason else "")
                     if stopped:
                         await self.runner.streams.stop(seq_id)  # the steps launched behind it are dropped
                         item = dataclasses.replace(item, finish_reason=FinishReason.STOP_STRING)

@@ -69,3 +69,35 @@ class StopStringMatcher:
                 self.matched = stop
                 return True
         return False
+
+
+class StopTextBuffer:
+    """The streamed text of a stream with stop strings, as vLLM streams it: the last (longest stop - 1) characters
+    are held back, since a stop string may begin there; once a stop string ends the stream, the text stops just
+    before it (the string itself is not sent)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self._hold = max(len(s) for s in stops) - 1
+        self._sent = 0  # characters of the text sent so far
+        self._text = ""  # the text so far: sent, then held back
+
+    def push(self, piece: str) -> str:
+        """A token's text piece in; what may be sent now."""
+        self._text += piece
+        upto = max(self._sent, len(self._text) - self._hold)
+        out, self._sent = self._text[self._sent:upto], upto
+        return out
+
+    def stop(self, piece: str, stop: str) -> str:
+        """The last token's piece, whose text completed `stop` (overlapping the piece's characters): what is left
+        to send, up to the string's start."""
+        self._text += piece
+        start = self._text.find(stop, max(0, len(self._text) - len(piece) - len(stop) + 1))
+        out = self._text[self._sent:max(start, self._sent)]
+        self._sent = len(self._text)
+        return out
+
+    def flush(self) -> str:
+        """The stream ended otherwise: everything held back."""
+        out, self._sent = self._text[self._sent:], len(self._text)
+        return out

@@ -105,7 +105,7 @@ def test_load_gateway_direct_and_through_smg(tmp_path):
     assert direct["requests"] == gateway["requests"] == row["requests"] == 9
     assert direct["output_tokens"] == gateway["output_tokens"] > 9
     assert direct["prompt_tokens"] == gateway["prompt_tokens"] > 0 and gateway["prompt_token_mismatches"] == 0
-    # one SSE event per word, or per several where the worker's handler fell behind (gateway._with_queued)
+    # one SSE event per word, or per several where the worker's handler fell behind (gateway_stream._with_queued)
     assert gateway["requests"] <= gateway["token_events"] <= gateway["output_tokens"]
     for level in (direct, gateway):
         assert level["tokens_per_s"] > 0 and level["ttft_p50_ms"] > 0 and level["itl_p50_ms"] > 0

@@ -147,7 +147,7 @@ def test_greedy_generate_equals_model_worker(tok_server, vllm, stream):
         if stream:
             assert all(r.WhichOneof("response") == "chunk" for r in chunks)
             assert [t for r in chunks for t in r.chunk.token_ids] == want
-            # a chunk per token, or several where the handler fell behind the steps (gateway._with_queued)
+            # a chunk per token, or several where the handler fell behind the steps (gateway_stream._with_queued)
             assert all(r.chunk.completion_tokens == len(r.chunk.token_ids) >= 1 and r.chunk.prompt_tokens == len(prompt)
                        for r in chunks)
             assert list(done.output_ids) == want[-1:] and done.completion_tokens == 1  # repeats the last delta

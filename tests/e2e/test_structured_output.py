@@ -217,3 +217,14 @@ def test_engine_token_mask_contract(default_model):
     engine.release([free, masked, alone])
     assert len(engine.sequences) == 0
     engine.close()
+
+
+def test_sampled_choices_each_follow_the_grammar(vllm, srv, text):
+    """n = 4 choices sampled at temperature 1 (seeded): each has a grammar state of its own and ends inside it."""
+    prompt = chat_prompt(text, "Pick a number between one and nine, in words.")
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+    out = generate(vllm, prompt, "n4", n=4, temperature=1.0, seed=5,
+                   choice=vpb.ChoiceConstraint(choices=words))
+    assert [reason for _, reason in out] == ["stop"] * 4
+    assert all(text.decode(ids) in words for ids, _ in out)
+    assert srv.engine_call(lambda e: len(e.sequences)) == 0

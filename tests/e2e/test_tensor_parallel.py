@@ -179,3 +179,39 @@ def test_a_start_up_error_on_every_rank_is_rank_0s_one_line(tmp_path):
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("metrale-worker: the KV cache budget") and "--kv-cache-memory" in last
+
+
+def test_gateway_extras_under_tp_match_tp1(default_model):
+    """The gateway service's per-step host work under TP = 3 (the real model): a structured-output stream (its
+    token masks set on every rank), prompt logprobs (a forward of their own) and a stop string give what TP = 1
+    gives."""
+    pytest.importorskip("xgrammar")
+    from engine.tokenizer import Tokenizer
+    from worker.gateway_pb import vpb, vpb_grpc
+
+    tok = Tokenizer.from_dir(default_model)
+    prompt = tok.encode_chat(DEFAULT_MODEL_CHATS[0])
+
+    def run(tp: int):
+        srv = start_server(default_model, tensor_parallel_size=tp, max_seq_len=256)
+        try:
+            stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+            out = []
+            for rid, extra in (("regex", dict(regex=r"The capital is [A-Z][a-z]+\.")),
+                               ("plp", dict(prompt_logprobs=2)), ("stop", dict(stop=[" of"]))):
+                req = vpb.GenerateRequest(request_id=rid, tokenized=vpb.TokenizedInput(input_ids=prompt),
+                                          sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=12, **extra))
+                done = list(stub.Generate(req, timeout=120))[-1].complete
+                lp = [round(e.value, 3) for e in done.input_logprobs.token_logprobs[1:]]
+                out.append((list(done.output_ids), done.finish_reason, done.matched_stop_str, lp,
+                            [list(t.token_ids) for t in done.input_logprobs.top_logprobs]))
+            return out
+        finally:
+            srv.stop()
+
+    want, got = run(1), run(3)
+    assert want[0][1] == "stop" and tok.decode(want[0][0]).startswith("The capital is ")
+    assert want[1][3] and want[2][2] == " of"
+    assert [g[:3] + (g[4],) for g in got] == [w[:3] + (w[4],) for w in want]
+    for g, w in zip(got, want):  # logprobs: the same up to the all-reduce's float order
+        assert g[3] == pytest.approx(w[3], abs=2e-3)

@@ -5,8 +5,8 @@ import asyncio
 
 
 def test_a_lagging_gateway_stream_sends_what_is_queued_in_one_chunk():
-    """worker.gateway._with_queued: the items already waiting behind the one received, up to an ending one."""
-    from worker.gateway import ABORTED, _with_queued
+    """worker.gateway_stream._with_queued: the items already waiting behind the one received, up to an ending one."""
+    from worker.gateway_stream import ABORTED, _with_queued
     from worker.gateway_requests import Choice
 
     async def main():

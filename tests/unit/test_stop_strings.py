@@ -89,3 +89,70 @@ def test_multibyte_characters_are_matched_whole(default_model):
         k, matched = first_match(tok, (stop,), ids)
         assert matched == stop
         assert stop in tok.decode(ids[:k + 1]) and stop not in tok.decode(ids[:k])
+
+
+def reference_match(tokenizer: Tokenizer, stops: tuple[str, ...], ids: list[int], min_tokens: int):
+    """vLLM's rule with the whole text decoded afresh after each token (no incremental decoding, no window)."""
+    before = ""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k])
+        new = len(text) - len(before)
+        if new > 0 and k >= min_tokens:
+            for stop in stops:
+                if text.find(stop, max(0, len(text) - new - len(stop) + 1)) != -1:
+                    return k - 1, stop
+        before = text
+    return None, None
+
+
+def test_the_matcher_is_the_rule_on_random_streams(words):
+    """Random token streams and stop strings cut from their own text (so that they do match, across tokens and
+    inside them): the incremental matcher ends where the rule applied to the whole text ends, with the same
+    string."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(3, 99), min_size=1, max_size=12), st.data(), st.integers(0, 4))
+    def check(ids, data, min_tokens):
+        text = words.decode(ids)
+        stops = []
+        for _ in range(data.draw(st.integers(1, 3))):
+            a = data.draw(st.integers(0, len(text) - 1))
+            b = data.draw(st.integers(a + 1, min(len(text), a + 9)))
+            stops.append(text[a:b])
+        if data.draw(st.booleans()):
+            stops.append("w1000")  # never in the text
+        stops = tuple(stops)
+        assert first_match(words, stops, ids, min_tokens) == reference_match(words, stops, ids, min_tokens)
+
+    check()
+
+
+def test_streamed_text_stops_before_the_stop_string(words):
+    """StopTextBuffer over random streams (the property test's): the pieces sent before the match never hold a
+    stop string's first character that the match then cuts; all pieces together are the text up to the matched
+    string (or the whole text when none matches)."""
+    from hypothesis import given, settings, strategies as st
+
+    from worker.stop_strings import StopTextBuffer
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.integers(3, 99), min_size=1, max_size=12), st.data())
+    def check(ids, data):
+        text = words.decode(ids)
+        a = data.draw(st.integers(0, len(text) - 1))
+        stops = (text[a:data.draw(st.integers(a + 1, min(len(text), a + 9)))], "w1000")
+        matcher = StopStringMatcher(stops, words, True)
+        detok, buffer, sent = words.detokenizer(), StopTextBuffer(stops), []
+        for k, t in enumerate(ids):
+            piece = detok.step(t)
+            if matcher.feed(t):
+                sent.append(buffer.stop(piece, matcher.matched))
+                full = words.decode(ids[:k + 1])
+                assert "".join(sent) == full[:full.index(matcher.matched)]
+                return
+            sent.append(buffer.push(piece))
+        sent.append(buffer.push(detok.flush()) + buffer.flush())
+        assert "".join(sent) == text
+
+    check()

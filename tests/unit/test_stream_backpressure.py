@@ -51,3 +51,46 @@ def test_a_stream_whose_caller_lags_is_held_back_and_resumes(tiny_model):
             await runner.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_caller_that_never_reads_holds_its_stream_only_for_a_while(tiny_model, monkeypatch):
+    """A caller that stops reading without going away: its stream is held back for MAX_HOLD_S, then runs to its
+    end (tokens queued), so its sequence's slot and KV blocks are not held for good."""
+    from worker import generate_streams
+
+    monkeypatch.setattr(generate_streams, "MAX_HOLD_S", 0.3)
+
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+            await asyncio.sleep(0.1)
+            assert seq_id in runner.engine.sequences  # held back
+            for _ in range(100):
+                if seq_id not in runner.engine.sequences:
+                    break
+                await asyncio.sleep(0.05)
+            assert seq_id not in runner.engine.sequences  # ran on and ended, released
+            assert len(await take_all(out)) == NEW_TOKENS
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_streams_queue_ends(tiny_model):
+    """GenerateStreams.stop: the tokens already queued, then None; the sequence released."""
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+            await runner.streams.stop(seq_id)
+            got = await asyncio.wait_for(take_all(out), 5)  # ends: no wait for tokens that cannot come
+            assert 1 <= len(got) < NEW_TOKENS
+            assert seq_id not in runner.engine.sequences and len(runner.streams) == 0
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
