@@ -162,8 +162,9 @@ class Worker:
         # Generate's text and chat prompts (people with grpcurl): the checkpoint's tokenizer, read once here
         # and never on the engine's path; None without tokenizer.json, a ConfigError when it cannot be read.
         self.servicer.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.runner.engine.model_path)
-        self.servicer.runner = self.runner
         await self.gateway.attach(self.runner, self.servicer.tokenizer)
+        self.servicer.grammars = self.gateway.grammars  # one compiler (and its cache) for both services
+        self.servicer.runner = self.runner  # ModelWorker answers from here on
         self._tasks.append(asyncio.create_task(self._housekeeping()))
         # Everything alive after start-up (torch, the model, ~200k objects) moves out of the collector's
         # reach: a full collection over it would pause every thread for tens of milliseconds.

@@ -28,6 +28,7 @@ from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
 from worker.stop_strings import StopStringMatcher, StopTextBuffer, check_stops
+from worker.structured_output import Constraint, Grammars
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
@@ -92,6 +93,7 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
         # The checkpoint's tokenizer, for Generate's text and chat prompts and Info (set once with the
         # runner by worker/server.py; None when the checkpoint has none). Never on the token-id path.
         self.tokenizer: Tokenizer | None = None
+        self.grammars: Grammars | None = None  # structured output (set with the tokenizer)
         self.draining = False
         self._background: set[asyncio.Task] = set()
         self._decode_streams: set[asyncio.Queue] = set()  # the step queue of each open DecodeStream
@@ -255,11 +257,20 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     prompt = list(request.prompt_token_ids)
                 sampling = convert.sampling_params(request.sampling)
                 stopping = convert.stopping_criteria(request.stopping)
+                constraint = await self._constraint(request)
+                if constraint is not None:
+                    sampling = dataclasses.replace(sampling, token_mask=True)
                 total = len(prompt) + request.stopping.max_new_tokens
                 rid = request.request_id or request_id_of(context)
                 started = time.perf_counter()
-                seq_id, out = await self.runner.streams.start(
-                    prompt, lambda e: e.alloc_sequence(min(total, e.max_seq_len), sampling, stopping, rid))
+
+                def alloc(engine: Engine) -> api.AllocResult:
+                    result = engine.alloc_sequence(min(total, engine.max_seq_len), sampling, stopping, rid)
+                    if constraint is not None:  # the first token's mask, with the allocation
+                        engine.set_token_mask(result.seq_id, constraint.mask())
+                    return result
+
+                seq_id, out = await self.runner.streams.start(prompt, alloc, constraint)
             except EngineError as e:
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
@@ -298,6 +309,15 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                     task = asyncio.get_running_loop().create_task(self.runner.streams.stop(seq_id))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
+
+    async def _constraint(self, request: pb.GenerateRequest) -> Constraint | None:
+        """Generate's structured-output constraint, compiled off the event loop (None: the request has none)."""
+        kind = request.WhichOneof("constraint")
+        if kind is None or (kind == "json_object" and not request.json_object):
+            return None
+        value = "" if kind == "json_object" else getattr(request, kind)
+        grammar = await asyncio.to_thread(self.grammars.compile, kind, value, kind)
+        return Constraint(grammar, self.runner.engine.model_config.vocab_size)
 
     @rpc
     async def FlushCache(self, request: pb.FlushCacheRequest, context) -> pb.FlushCacheResponse:

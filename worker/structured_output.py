@@ -42,11 +42,12 @@ class Grammars:
         self._compiler = None
         self._lock = threading.Lock()
 
-    def compile(self, kind: str, value: str):
+    def compile(self, kind: str, value: str, field: str = ""):
         """The compiled grammar of a request's constraint (kind: one of KINDS; value: its text, for a choice the
-        JSON list of choices). Blocking (call it off the event loop); InvalidArgument when it cannot be served."""
-        compiler = self._compiler_or_refuse(kind)
-        field = f"sampling_params.{kind}"
+        JSON list of choices). Blocking (call it off the event loop); InvalidArgument when it cannot be served,
+        naming `field` (default: the gateway's sampling_params.<kind>)."""
+        field = field or f"sampling_params.{kind}"
+        compiler = self._compiler_or_refuse(field)
         try:
             if kind == "json_schema":
                 return compiler.compile_json_schema(value, any_whitespace=True)
@@ -82,14 +83,13 @@ class Grammars:
                  for s in tag["structures"]]
         return compiler.compile_structural_tag(items, tag["triggers"])
 
-    def _compiler_or_refuse(self, kind: str):
+    def _compiler_or_refuse(self, field: str):
         with self._lock:
             if self._compiler is None:
-                self._compiler = self._make_compiler(kind)
+                self._compiler = self._make_compiler(field)
             return self._compiler
 
-    def _make_compiler(self, kind: str):
-        field = f"sampling_params.{kind}"
+    def _make_compiler(self, field: str):
         try:
             import xgrammar
             from transformers import PreTrainedTokenizerFast

@@ -196,3 +196,35 @@ def test_stop_strings_end_the_stream_at_the_token_that_completes_one(real, hf_to
     assert ids_of(by_ids) == ids_of(out) and by_ids[-1].token.finish_reason == pb.FINISH_REASON_STOP_STRING
     assert refusal(real, text="x", stop=[""]).code() == grpc.StatusCode.INVALID_ARGUMENT
     assert usage(real) == before
+
+
+def test_structured_output_on_generate(real, hf_tokenizer):
+    """Generate's constraint: a JSON schema, and a regular expression; the same greedy tokens the gateway service's
+    Generate gives with that constraint (tests/e2e/test_structured_output.py holds those against transformers);
+    an uncompilable one is INVALID_ARGUMENT naming Generate's field; nothing stays allocated."""
+    pytest.importorskip("xgrammar")
+    import json
+    import re
+
+    from worker.gateway_pb import vpb, vpb_grpc
+
+    gateway = vpb_grpc.VllmEngineStub(grpc.insecure_channel(real.address))
+    prompt = hf_tokenizer.apply_chat_template([{"role": "user", "content": "Give me a JSON object with a cat's name."}],
+                                              add_generation_prompt=True, tokenize=True)["input_ids"]
+    before = usage(real)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "enum": ["Tom", "Kitty", "Felix"]}},
+              "required": ["name"], "additionalProperties": False}
+    cases = (("json_schema", json.dumps(schema), lambda t: json.loads(t)["name"] in ("Tom", "Kitty", "Felix")),
+             ("regex", r'\{"name": "[A-Z][a-z]{1,8}"\}', lambda t: re.fullmatch(r'\{"name": "[A-Z][a-z]{1,8}"\}', t)))
+    for field, value, check in cases:
+        out = generate(real, 48, prompt_token_ids=prompt, **{field: value})
+        assert out[-1].token.finish_reason == pb.FINISH_REASON_EOS, field
+        text = hf_tokenizer.decode(ids_of(out), skip_special_tokens=True)
+        assert check(text), (field, text)
+        via_gateway = list(gateway.Generate(vpb.GenerateRequest(
+            request_id=f"sg-{field}", tokenized=vpb.TokenizedInput(input_ids=prompt),
+            sampling_params=vpb.SamplingParams(temperature=0.0, max_tokens=48, **{field: value})), timeout=120))
+        assert list(via_gateway[-1].complete.output_ids) == ids_of(out), field
+    err = refusal(real, prompt_token_ids=prompt, regex="(unclosed")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("regex cannot be compiled")
+    assert usage(real) == before
