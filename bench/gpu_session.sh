@@ -33,6 +33,7 @@
 #   stash / realmodel  the default model's GPU test over two calls (its wheel split in two; see the stage)
 #   fp8        the FP8 GPU tests, then scale_bench 8B with FP8 weights (batches 1-128, contexts 128 and 8k, 8 x 512)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
+#   rpcpoll    rpc_rtt.py twice, the worker with METRALE_STEP_WAIT=thread then poll (issue 38's batch-1 overhead)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
@@ -145,6 +146,9 @@ for what in "$@"; do
     fp8)        stage gpu-fp8-tests 300 python3 -m pytest tests/gpu/test_fp8_gpu.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4
                 stage scale-8b-fp8 420 python3 bench/scale_bench.py --shape 8b --quantization fp8 --batches 1 8 32 128 --contexts 128 8192 --prefill 8x512 --out "$OUT/fp8" ;;
     rpc)        stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
+    rpcpoll)    for wait in thread poll thread poll; do
+                  METRALE_STEP_WAIT=$wait stage rpc-rtt-$wait 120 python3 bench/rpc_rtt.py --rounds 3
+                done ;;
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;
     ttft)       stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
