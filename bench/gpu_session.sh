@@ -43,6 +43,7 @@
 #              runs out), then the floors: bench_kernels --skinny --fp8 (8B shapes, 1 and 8 tokens: FP8 weight
 #              GB/s beside bf16) and --long at three batch x context points (bf16 and FP8 KV rows)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
+#   rpcpoll    rpc_rtt.py twice, the worker with METRALE_STEP_WAIT=thread then poll (issue 38's batch-1 overhead)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
@@ -162,6 +163,9 @@ for what in "$@"; do
                 TAIL=${TAIL:-70} stage pending-skinny-fp8 75 python3 bench/bench_kernels.py --skinny --fp8 --tokens 1,8
                 TAIL=${TAIL:-70} stage pending-long-fp8kv 75 python3 bench/bench_kernels.py --long --shapes 8x8192,32x8192,8x32768 ;;
     rpc)        stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
+    rpcpoll)    for wait in thread poll thread poll; do
+                  METRALE_STEP_WAIT=$wait stage rpc-rtt-$wait 120 python3 bench/rpc_rtt.py --rounds 3
+                done ;;
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;
     ttft)       stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;

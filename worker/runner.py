@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import api
+from engine import api, env
 from engine.engine import Engine
 from engine.decode import PendingStep
 from worker.generate_streams import GenerateStreams
@@ -65,6 +65,8 @@ class EngineRunner:
         self._in_flight: collections.deque[_Launched] = collections.deque()  # launched, oldest first
         self._busy_since: float | None = None  # monotonic start of the call running on the engine thread
         self._waiter = _DeviceWaiter(self._loop, self._pump)
+        self._poll_steps = env.STEP_WAIT == "poll" and engine.device.type == "cuda"  # (a CPU step ends at launch)
+        self._polling = False
         self._closed = False
         self.steps = 0  # engine calls run (steps, short and long calls)
         self.streams = GenerateStreams(self)  # the Generate calls' sequences, decoded by the runner itself
@@ -151,7 +153,7 @@ class EngineRunner:
                 self._queue.popleft()
                 continue
             if work.kind == _STEP and engine.num_in_flight >= engine.config.max_steps_in_flight:
-                self._waiter.watch(self._in_flight[0].step if self._in_flight else None)
+                self._watch(self._in_flight[0].step if self._in_flight else None)
                 return
             self._queue.popleft()
             if work.prepare is not None:
@@ -162,7 +164,25 @@ class EngineRunner:
             self._run_inline(work)
             self._answer_steps()
         if self._in_flight:
-            self._waiter.watch(self._in_flight[0].step)
+            self._watch(self._in_flight[0].step)
+
+    def _watch(self, step: PendingStep | None) -> None:
+        """Has _pump run again once step's device work has ended: through the waiter thread, or
+        (METRALE_STEP_WAIT=poll) by querying it from the loop between the loop's other callbacks."""
+        if not self._poll_steps:
+            self._waiter.watch(step)
+        elif step is not None and not self._polling:
+            self._polling = True
+            self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        self._polling = False
+        if self._closed or (self._in_flight and not self.engine.step_ready(self._in_flight[0].step)):
+            if not self._closed:
+                self._polling = True
+                self._loop.call_soon(self._poll)  # the loop runs its ready I/O (select, timeout 0) in between
+            return
+        self._pump()
 
     def _run_inline(self, work: _Work) -> None:
         self.steps += 1

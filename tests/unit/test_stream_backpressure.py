@@ -94,3 +94,36 @@ def test_a_stopped_streams_queue_ends(tiny_model):
             await runner.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_polled_steps_give_the_same_tokens(tiny_model):
+    """METRALE_STEP_WAIT=poll's path (forced on here: on CPU a step ends at launch, so it would be off): Decode
+    steps and Generate streams through a runner whose loop polls the steps give the tokens of one that does not."""
+    from engine.api import PrefillItem
+
+    async def run(poll: bool) -> list:
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        runner._poll_steps = poll
+        if poll:  # each step reads as still running for its first 3 queries (a CPU step has ended at launch)
+            ready, polled = runner.engine.step_ready, [0]
+
+            def slow_ready(step) -> bool:
+                step.test_queries = getattr(step, "test_queries", 0) + 1
+                polled[0] += step.test_queries <= 3
+                return step.test_queries > 3 and ready(step)
+            runner.engine.step_ready = slow_ready
+        try:
+            ids = [await runner.run(lambda e: e.alloc_sequence(40, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id)
+                   for _ in range(2)]
+            await runner.call(lambda e: e.prefill([PrefillItem(i, [3 + i, 5, 7]) for i in ids]))
+            steps = [runner.submit_step(lambda e: e.decode_launch(ids)) for _ in range(6)]
+            tokens = [[t.token_id for t in (await s).tokens] for s in steps]
+            _, out = await runner.streams.start([9, 8, 7], alloc(3 + NEW_TOKENS + 1))
+            if poll:
+                assert polled[0] >= 6 * 3  # the loop did poll (every Decode step was queried 4 times at least)
+            return tokens + [await take_all(out)]
+        finally:
+            await runner.shutdown()
+
+    assert asyncio.run(run(True)) == asyncio.run(run(False))
