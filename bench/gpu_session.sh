@@ -33,7 +33,7 @@
 #   stash / realmodel  the default model's GPU test over two calls (its wheel split in two; see the stage)
 #   fp8        the FP8 GPU tests, then scale_bench 8B with FP8 weights (batches 1-128, contexts 128 and 8k, 8 x 512)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
-#   rpcpoll    rpc_rtt.py twice, the worker with METRALE_STEP_WAIT=thread then poll (issue 38's batch-1 overhead)
+#   rpcpoll    rpc_rtt.py four times, the worker with METRALE_STEP_WAIT thread, poll, thread, poll (issue 38)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
