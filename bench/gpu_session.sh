@@ -43,7 +43,7 @@
 #              runs out), then the floors: bench_kernels --skinny --fp8 (8B shapes, 1 and 8 tokens: FP8 weight
 #              GB/s beside bf16) and --long at three batch x context points (bf16 and FP8 KV rows)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
-#   rpcpoll    rpc_rtt.py twice, the worker with METRALE_STEP_WAIT=thread then poll (issue 38's batch-1 overhead)
+#   rpcpoll    rpc_rtt.py four times, the worker with METRALE_STEP_WAIT thread, poll, thread, poll (issue 38)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
