@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import datetime
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from engine import api
@@ -37,6 +36,7 @@ from engine.sequence import FinishReason
 from engine.tokenizer import Tokenizer
 from worker.gateway_pb import vpb
 from worker.stop_strings import check_stops
+from worker.structured_output import constraint_of
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature below it samples greedily
 UNSET_TEMPERATURE = 1.0  # vLLM's default when the request leaves temperature unset
@@ -138,17 +138,6 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
     if p.HasField("truncate_prompt_tokens") and not (p.truncate_prompt_tokens >= 1 or p.truncate_prompt_tokens == -1):
         raise _refuse("sampling_params.truncate_prompt_tokens",
                       f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
-
-
-def constraint_of(p: vpb.SamplingParams) -> tuple[str, str] | None:
-    """The structured-output constraint a request sets, as (kind, text): the choices of `choice` as a JSON list,
-    "" for json_object (false: none)."""
-    kind = p.WhichOneof("constraint")
-    if kind is None or (kind == "json_object" and not p.json_object):
-        return None
-    if kind == "choice":
-        return kind, json.dumps(list(p.choice.choices))
-    return kind, "" if kind == "json_object" else getattr(p, kind)
 
 
 def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: Tokenizer | None = None) -> GenerateSpec:

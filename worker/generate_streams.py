@@ -71,12 +71,18 @@ class _Stream:
     held_since: float | None = None  # monotonic time it was first held back for its caller (MAX_UNSENT_TOKENS)
 
 
-def _accepts(stream: _Stream, token: api.TokenResult) -> bool:
-    """Advances a constrained stream's grammar by its new token (of a running sequence); False when the stream
-    ends there: its grammar has terminated while the sequence would run on (ignore_eos). A token the grammar
-    refuses is a bug (RuntimeError)."""
+def _runs_on(stream: _Stream, token: api.TokenResult) -> bool:
+    """Whether the stream goes on after its new token (already on its queue): not when the token finished the
+    sequence, nor when it completed a constrained stream's grammar while the sequence would run on (ignore_eos).
+    A token the grammar refuses is a bug: the exception goes on the queue and the stream ends."""
+    if token.finish_reason:
+        return False
+    if stream.constraint is None:
+        return True
     if not stream.constraint.accept(token.token_id):
-        raise RuntimeError(f"sequence {stream.seq_id}: token {token.token_id} was sampled outside its token mask")
+        stream.out.put_nowait(RuntimeError(f"sequence {stream.seq_id}: token {token.token_id} was sampled outside "
+                                           f"its token mask"))
+        return False
     return not stream.constraint.terminated
 
 
@@ -127,12 +133,7 @@ class GenerateStreams:
         first = await start.first
         out.put_nowait(first)
         stream = _Stream(first.seq_id, out, constraint=constraint)
-        try:
-            running = not first.finish_reason and (constraint is None or _accepts(stream, first))
-        except RuntimeError as e:
-            out.put_nowait(e)
-            running = False
-        if not running:
+        if not _runs_on(stream, first):
             seq_id = first.seq_id
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
             out.put_nowait(None)
@@ -204,12 +205,7 @@ class GenerateStreams:
                 if self._streams.get(s.seq_id) is not s:
                     continue  # stopped while the step ran (stop() released it)
                 s.out.put_nowait(tok)
-                try:
-                    running = not tok.finish_reason and (s.constraint is None or _accepts(s, tok))
-                except RuntimeError as e:
-                    s.out.put_nowait(e)
-                    running = False
-                if not running:
+                if not _runs_on(s, tok):
                     del self._streams[s.seq_id]
                     s.out.put_nowait(None)
                     finished.append(s.seq_id)

@@ -28,7 +28,7 @@ from worker.leases import Leases
 from worker.metrics import Metrics
 from worker.runner import EngineRunner
 from worker.stop_strings import StopStringMatcher, StopTextBuffer, check_stops
-from worker.structured_output import Constraint, Grammars
+from worker.structured_output import Constraint, Grammars, constraint_of
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["ModelWorker"].full_name
@@ -312,11 +312,10 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
 
     async def _constraint(self, request: pb.GenerateRequest) -> Constraint | None:
         """Generate's structured-output constraint, compiled off the event loop (None: the request has none)."""
-        kind = request.WhichOneof("constraint")
-        if kind is None or (kind == "json_object" and not request.json_object):
+        constraint = constraint_of(request)
+        if constraint is None:
             return None
-        value = "" if kind == "json_object" else getattr(request, kind)
-        grammar = await asyncio.to_thread(self.grammars.compile, kind, value, kind)
+        grammar = await asyncio.to_thread(self.grammars.compile, *constraint, constraint[0])
         return Constraint(grammar, self.runner.engine.model_config.vocab_size)
 
     @rpc

@@ -26,6 +26,17 @@ _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 
 
+def constraint_of(msg) -> tuple[str, str] | None:
+    """The constraint a request sets in its `constraint` oneof (the gateway's SamplingParams, ModelWorker's
+    GenerateRequest), as (kind, text): a choice's list as JSON, "" for json_object (false: none)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "choice":
+        return kind, json.dumps(list(msg.choice.choices))
+    return kind, "" if kind == "json_object" else getattr(msg, kind)
+
+
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar of exactly one of `choices` (vLLM's choice_as_grammar)."""
     escaped = (re.sub(r'(["\\])', r"\\\1", c) for c in choices)
