@@ -10,7 +10,10 @@ Llama-3.2-1B and Llama-3.1-8B for 1, 5, 8, 16 and 32 tokens, next to torch's F.l
 shape: the fused kernel of the layer (rope_kv / residual / silu / f32 logits with the NORM prologue)
 and the plain skinny_store, and the fused kernel again at the block width the wrapper did not pick
 (w8 / w16: 8- or 16-warp blocks). Note: weight bytes read / device time. Each timed graph cycles through
-enough weight copies (>= 256 MiB) that no call finds its weight in L2.
+enough weight copies (>= 256 MiB) that no call finds its weight in L2. Then the FP8 rows (fp8_skinny_rows):
+at the 8B shapes and up to 8 tokens, per-channel E4M3 weights through the skinny _fp8 kernels (fused and
+store) next to the torch W8A16 fallback CudaOps used before them and the bf16 kernels on bf16 weights; at the qkv
+shape also into an FP8 KV cache (skinny_rope_kvfp8: FP8 weights and FP8 KV together).
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from engine import sampling  # noqa: E402
 from engine.cuda.library import KernelLibrary  # noqa: E402
 from engine.cuda.ops import CudaOps  # noqa: E402
 from engine.cuda.wrappers import decode_attention, rms_norm, skinny_linear  # noqa: E402
+from engine.quant import Fp8Weight, finish_linear, quantize_fp8  # noqa: E402
 from engine.cuda.wrappers import sampling as sample_kernels  # noqa: E402
+from engine.quant import FP8_DTYPE  # noqa: E402
 
 HIDDEN, H, HKV, D, INTER, VOCAB, BS = 2048, 32, 8, 64, 8192, 128256, 16
 
@@ -94,12 +99,22 @@ def rotating(fn, weights: list[torch.Tensor]):
     return lambda: fn(next(ring))
 
 
-def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[torch.Tensor]) -> dict:
-    """{name: fn} for one shape and token count: torch's F.linear, skinny_store, and the fused epilogue."""
+def w8a16_fallback(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """CudaOps.linear's torch W8A16 path for <= 8 rows before the FP8 skinny kernels (the weight converted to x's
+    dtype on every call)."""
+    acc = torch.mm(x, w.data.to(x.dtype).t(), out_dtype=torch.float32)
+    return finish_linear(acc * w.row_scale, None, None, x.dtype)
+
+
+def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -> dict:
+    """{name: fn} for one shape and token count: torch's F.linear (Fp8Weight: the torch W8A16 fallback),
+    skinny_store, and the fused epilogue."""
     x = torch.randn(M, K, device=dev, dtype=dt)
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
-    cases = {"F.linear": rotating(lambda w: F.linear(x, w), weights),
+    torch_case = ("torch W8A16", w8a16_fallback) if isinstance(weights[0], Fp8Weight) else ("F.linear", F.linear)
+    kvfp8 = None
+    cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
     if ep == "f32":
         logits = torch.empty(M, N, device=dev)
@@ -121,9 +136,15 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list[to
         slots = torch.arange(M, dtype=torch.int64, device=dev)
         fused = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc, vc, slots, H, Hkv),
                          weights)
+        if isinstance(weights[0], Fp8Weight):  # FP8 weights into an FP8 KV cache too (skinny_rope_kvfp8_*_fp8_m8)
+            kc8, vc8 = kc.to(FP8_DTYPE), vc.to(FP8_DTYPE)
+            kvfp8 = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc8, vc8, slots, H,
+                                                             Hkv), weights)
     cases[f"skinny_{ep}"] = fused
     wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
     cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
+    if kvfp8 is not None:
+        cases["skinny_rope_kvfp8"] = kvfp8
     return cases
 
 
@@ -151,6 +172,30 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
                 rows.append((M, f"{name} {label}", d_us, host_us(fn), f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
         torch.cuda.empty_cache()
+    return rows
+
+
+def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
+    """The 8B shapes at up to 8 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels and the
+    torch W8A16 fallback) beside the bf16 kernels on bf16 weights (rows "bf16 ..."). GB/s: the weight's bytes
+    (1 per element for FP8, 2 for bf16) over the device time; the floor is those bytes at HBM bandwidth."""
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        if not label.startswith("8B"):
+            continue
+        for kind in ("bf16", "fp8"):
+            elem = 1 if kind == "fp8" else 2
+            copies = max(1, min(20, -(-ROTATE_BYTES // (N * K * elem))))
+            weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+            if kind == "fp8":
+                weights = [quantize_fp8(w) for w in weights]
+            for M in (m for m in tokens if m <= 8):
+                for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
+                    d_us = device_us(fn)
+                    rows.append((M, f"{kind} {name} {label}", d_us, host_us(fn),
+                                 f"{N * K * elem / d_us / 1e3:8.0f} GB/s weights"))
+            del weights
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -220,16 +265,20 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
-def long_context_rows(ops, dev, dt) -> list[tuple]:
+def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None) -> list[tuple]:
     """Decode attention from DRAM at long contexts, 32 query heads over 8 KV heads at head_dim 64 (1B) and 128
     (8B): batches 1, 8, 32 by contexts 2k, 8k, 32k, with the shipped key splits (*, max_seq_len 32k + 64) and
     with half, twice and four times as many, and the shipped count again over blocks scattered at random
     through the cache (as a long-running server's free list hands them out). Each graph cycles through
-    enough distinct caches (>= 512 MiB together) that no call finds its keys in L2, as the layers of a step
-    do. Shows the KV bytes read over the device time."""
+    enough distinct caches (>= 512 MiB together in bf16) that no call finds its keys in L2, as the layers of a
+    step do. Shows the KV bytes read over the device time.
+    The same shapes over an E4M3 cache (--kv-cache-dtype fp8: the _kvfp8 entries, half the bytes; rows "fp8"),
+    the same copies of the same values converted, with the E4M3 entries' own shipped splits (and half and twice
+    as many): KV bytes read, GB/s, and the speed-up over the bf16 row of the same blocks and shipped splits (x).
+    shapes: [(batch, context)] to run (default: all nine)."""
     lib, rows = ops.lib, []
     for d in (64, 128):
-        for batch, ctx in itertools.product((1, 8, 32), (2048, 8192, 32768)):
+        for batch, ctx in shapes or itertools.product((1, 8, 32), (2048, 8192, 32768)):
             blocks = -(-ctx // BS)
             kv_bytes = batch * ctx * HKV * d * 2 * 2
             copies = max(1, min(32, -(-(512 << 20) // kv_bytes)))
@@ -244,20 +293,36 @@ def long_context_rows(ops, dev, dt) -> list[tuple]:
             ordered = torch.arange(num_blocks, device=dev, dtype=torch.int32).view(copies, batch, blocks)
             scattered = torch.randperm(num_blocks, device=dev).to(torch.int32).view(copies, batch, blocks)
             shipped = decode_attention.key_splits(lib, batch, H, HKV, d, 32768 + 64)
-            variants = [(shipped, ordered, "*"), (shipped, scattered, "* scattered")]
-            variants += [(s, ordered, "") for s in (shipped // 2, shipped * 2, shipped * 4)
-                         if 1 <= s <= lib.decode_max_splits and (s <= lib.decode_cluster or s % lib.decode_cluster == 0)]
-            for splits, tables, tag in variants:
-                po = torch.empty(batch, H, splits, d, device=dev)
-                pl = torch.empty(batch, H, splits, device=dev)
-                calls = iter(itertools.cycle(range(copies)))
+            bf16_us = {}  # "*" / "* scattered" -> the bf16 time at the shipped splits (the fp8 rows' speed-up)
 
-                def fn(po=po, pl=pl, splits=splits, tables=tables):
-                    decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, tables[next(calls)],
-                                            seq_lens, d ** -0.5, 0, splits)
-                d_us = device_us(fn, calls=copies)
-                rows.append((batch, f"d{d} ctx{ctx} splits={splits}{tag}", d_us, 0.0,
-                             f"{kv_bytes / d_us / 1e3:8.0f} GB/s KV"))
+            def usable(s):
+                return 1 <= s <= lib.decode_max_splits and (s <= lib.decode_cluster or s % lib.decode_cluster == 0)
+
+            for kv_name in kv_dtypes:
+                fp8 = kv_name == "fp8"
+                k8, v8 = (kc.to(FP8_DTYPE), vc.to(FP8_DTYPE)) if fp8 else (kc, vc)
+                shipped = decode_attention.key_splits(lib, batch, H, HKV, d, 32768 + 64, fp8_kv=fp8)
+                variants = [(shipped, ordered, "*"), (shipped, scattered, "* scattered")]
+                variants += [(s, ordered, "") for s in ((shipped // 2, shipped * 2) if fp8 else
+                                                        (shipped // 2, shipped * 2, shipped * 4)) if usable(s)]
+                nbytes = kv_bytes // 2 if fp8 else kv_bytes
+                for splits, tables, tag in variants:
+                    po = torch.empty(batch, H, splits, d, device=dev)
+                    pl = torch.empty(batch, H, splits, device=dev)
+                    calls = iter(itertools.cycle(range(copies)))
+
+                    def fn(po=po, pl=pl, splits=splits, tables=tables, k8=k8, v8=v8):
+                        decode_attention.launch(lib, out, po, pl, ops._split_counters, q, k8, v8, tables[next(calls)],
+                                                seq_lens, d ** -0.5, 0, splits)
+                    d_us = device_us(fn, calls=copies)
+                    note = f"{nbytes / d_us / 1e3:8.0f} GB/s KV, {nbytes / 1e6:.0f} MB"
+                    if not fp8 and tag:
+                        bf16_us[tag] = d_us
+                    if fp8 and (tag or "*") in bf16_us:  # other splits: against bf16's shipped ones
+                        note += f", x{bf16_us[tag or '*'] / d_us:.2f} vs bf16 splits{tag or '*'}"
+                    rows.append((batch, f"d{d} ctx{ctx}{' fp8' if fp8 else ''} splits={splits}{tag}", d_us, 0.0,
+                                 note))
+                k8 = v8 = None
             kc = vc = None  # the caches go before the next shape's are made
             torch.cuda.empty_cache()
     return rows
@@ -321,9 +386,11 @@ def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
-    attention from DRAM at long contexts, long_context_rows), --topk (only the
+    attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
+    them; --shapes 8x8192,1x32768: only those batch x context points), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
-    --tokens 1,8 with --skinny: only those token counts;
+    --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
+    --skinny --fp8 only those;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
     (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -334,7 +401,12 @@ def main() -> int:
         ncu_targets(ops, dev, dt)
         return 0
     if "--long" in sys.argv:
-        for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt):
+        kv = (sys.argv[sys.argv.index("--kv") + 1],) if "--kv" in sys.argv else ("bf16", "fp8")
+        shapes = None
+        if "--shapes" in sys.argv:
+            spec = sys.argv[sys.argv.index("--shapes") + 1]
+            shapes = [tuple(int(x) for x in bc.split("x")) for bc in spec.split(",")]
+        for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes):
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--attention" in sys.argv:
@@ -383,7 +455,8 @@ def main() -> int:
             libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
                                                                         kernel_dir=pathlib.Path(src))))
         for tag, lib in libs:
-            for batch, name, d_us, h_us, extra in skinny_rows(lib, dev, dt, **only):
+            rows = [] if "--fp8" in sys.argv else skinny_rows(lib, dev, dt, **only)
+            for batch, name, d_us, h_us, extra in rows + fp8_skinny_rows(lib, dev, dt, **only):
                 print(f"{batch:>5}  {tag + name:<34} {d_us:>10.2f} {h_us:>9.1f}  {extra}")
         return 0
     rows = []

@@ -18,6 +18,7 @@ from engine.cuda.ops import CudaOps  # noqa: E402
 from engine.cuda.wrappers import decode_step  # noqa: E402
 from engine.models.llama import LayerWeights  # noqa: E402
 from engine.ops.torch_ops import AttentionMeta, AttentionSpec, LayerKV  # noqa: E402
+from engine.quant import FP8_DTYPE, quantize_fp8  # noqa: E402
 
 
 def decode_step_state(ops, dev, vocab: int) -> None:
@@ -66,8 +67,16 @@ def main() -> int:
         torch.cuda.synchronize()
         print("sanitize_kernels: the decode step kernels ran")
         return 0
-    for dt, D in ((torch.bfloat16, 64), (torch.float16, 64), (torch.bfloat16, 16), (torch.bfloat16, 80),
-                  (torch.bfloat16, 128)):
+    # (activations, head_dim, KV cache, weights): 16-bit caches, and E4M3 ones (--kv-cache-dtype fp8: the _kvfp8
+    # entries); 16-bit weights, and per-channel FP8 ones (--quantization fp8: the skinny kernels' _fp8 entries)
+    fp8 = FP8_DTYPE
+    for dt, D, kv_dt, fp8_weights in (
+            (torch.bfloat16, 64, None, False), (torch.float16, 64, None, False), (torch.bfloat16, 16, None, False),
+            (torch.bfloat16, 80, None, False), (torch.bfloat16, 128, None, False), (torch.bfloat16, 64, fp8, False),
+            (torch.float16, 80, fp8, False), (torch.bfloat16, 16, fp8, False), (torch.bfloat16, 128, fp8, False),
+            (torch.bfloat16, 64, None, True), (torch.bfloat16, 64, fp8, True), (torch.float16, 80, fp8, True)):
+        kv_dt = kv_dt or dt
+        weight = quantize_fp8 if fp8_weights else (lambda t: t)
         B, H, Hkv, bs, hidden, inter = 3, 8, 2, 16, 512, 256
         ids = torch.randint(0, vocab, (B,), device=dev)
         emb = torch.randn(vocab, hidden, device=dev).to(dt)
@@ -77,21 +86,21 @@ def main() -> int:
         for T in (B, 40):  # the skinny kernels, and the cuBLAS composition
             ops.begin_forward(T, decode=True)
             hr = ops.embedding(torch.randint(0, vocab, (T,), device=dev), emb)
-            wq = torch.randn((H + 2 * Hkv) * D, hidden, device=dev).to(dt) * 0.05
-            kc0 = torch.zeros(T + 16, 16, Hkv, D, device=dev, dtype=dt)
+            wq = weight(torch.randn((H + 2 * Hkv) * D, hidden, device=dev).to(dt) * 0.05)
+            kc0 = torch.zeros(T + 16, 16, Hkv, D, device=dev, dtype=kv_dt)
             slots_t = torch.arange(T, device=dev) * 3
             layer = LayerWeights(w, wq, None, None, None, None, None, None, None)
             spec = AttentionSpec(H, Hkv, D, 0.125, 1e-6)
             meta = AttentionMeta(spec, torch.randn(512, D, device=dev), torch.arange(T, device=dev), slots_t, None,
                                  None, True, [], [])
             qf = ops.norm_qkv_rope(hr, layer, meta, LayerKV(kc0, kc0.clone()))
-            ops.linear_add(hr, qf.reshape(T, H * D), torch.randn(hidden, H * D, device=dev).to(dt) * 0.05)
-            act = ops.norm_gate_up(hr, w, torch.randn(2 * inter, hidden, device=dev).to(dt) * 0.05, 1e-6)
-            ops.linear_add(hr, act, torch.randn(hidden, inter, device=dev).to(dt) * 0.05)
-            ops.norm_logits(hr, None, w, emb, 1e-6)
+            ops.linear_add(hr, qf.reshape(T, H * D), weight(torch.randn(hidden, H * D, device=dev).to(dt) * 0.05))
+            act = ops.norm_gate_up(hr, w, weight(torch.randn(2 * inter, hidden, device=dev).to(dt) * 0.05), 1e-6)
+            ops.linear_add(hr, act, weight(torch.randn(hidden, inter, device=dev).to(dt) * 0.05))
+            ops.norm_logits(hr, None, w, weight(emb), 1e-6)
             # A decode layer's attention half: RoPE and the K/V write fused into decode attention at T = 40
             tbl = (torch.arange(2 * T, device=dev, dtype=torch.int32) + 1).view(T, 2)
-            kc1 = torch.zeros(2 * T + 1, 16, Hkv, D, device=dev, dtype=dt)
+            kc1 = torch.zeros(2 * T + 1, 16, Hkv, D, device=dev, dtype=kv_dt)
             meta = AttentionMeta(spec, torch.randn(512, D, device=dev), torch.full((T,), 19, device=dev),
                                  tbl[:, 1].long() * 16 + 3, tbl, torch.full((T,), 20, dtype=torch.int32, device=dev),
                                  True, [], [])
@@ -110,8 +119,8 @@ def main() -> int:
             table[b, :n] = torch.arange(at, at + n, dtype=torch.int32)
             at += n
         table = table.to(dev)
-        kc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(dt)
-        vc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(dt)
+        kc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(kv_dt)
+        vc = torch.randn(num_blocks, bs, Hkv, D, device=dev).to(kv_dt)
         pos = torch.tensor([s - 1 for s in seq_lens], device=dev)
         slots = table[torch.arange(B, device=dev), pos // bs].long() * bs + pos % bs
         cos_sin = torch.randn(512, D, device=dev)

@@ -53,7 +53,7 @@ from engine.device import select_dtype  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.kv_cache import KVCache  # noqa: E402
 from engine.loader import weight_bytes  # noqa: E402
-from engine.quant import Fp8Weight  # noqa: E402
+from engine.quant import FP8_DTYPE, Fp8Weight  # noqa: E402
 
 BATCHES, CONTEXTS, PREFILL = [1, 8, 32, 64, 128, 256], [128, 2048, 8192, 32768], [(1, 32768), (8, 512)]
 QUICK_BATCHES, QUICK_CONTEXTS, QUICK_PREFILL = [1, 4], [64, 256], [(1, 128), (2, 32)]
@@ -113,13 +113,15 @@ def matmul_peak(device: torch.device, n: int, dtype: torch.dtype) -> float:
 
 
 def randomize_kv(engine: Engine) -> None:
-    """Random values in every KV block (what fill_context's positions hold); layer by layer. An 8-bit cache
-    stays zero (normal_ has no fp8 kernel); the kernels read it the same."""
+    """Random values in every KV block (what fill_context's positions hold); layer by layer. An E4M3 cache
+    (--kv-cache-dtype fp8; normal_ has no fp8 kernel) gets normal values converted from a 16-bit layer."""
     kv = engine.runtime.kv
-    if kv.k.element_size() >= 2:
-        for t in (kv.k, kv.v):
-            for layer in t:
+    for t in (kv.k, kv.v):
+        for layer in t:
+            if t.element_size() >= 2:
                 layer.normal_()
+            else:
+                layer.copy_(torch.empty(layer.shape, dtype=torch.bfloat16, device=layer.device).normal_())
     sync(engine.device)
 
 
@@ -232,11 +234,12 @@ def make_engine(model_dir: str, device: torch.device, args, max_seq_len: int) ->
     cfg = EngineConfig(model=model_dir, device=device.type, max_slots=max_batch, max_batch_size=max_batch,
                        max_seq_len=max_seq_len, max_prefill_tokens=args.max_prefill_tokens, capture_after=CAPTURE_AFTER,
                        prefix_caching=False, kv_cache_memory=0.8 if device.type == "cuda" else 0.9,
-                       quantization=args.quantization, quantize_lm_head=args.quantize_lm_head)
+                       quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
+                       kv_cache_dtype=args.kv_cache_dtype)
     if args.kv_memory_gib:
         mc = ModelConfig.from_dir(model_dir)
-        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim,
-                                            select_dtype(cfg, mc, device))
+        kv_dtype = FP8_DTYPE if args.kv_cache_dtype == "fp8" else select_dtype(cfg, mc, device)
+        per_block = KVCache.bytes_per_block(mc.num_layers, cfg.block_size, mc.num_kv_heads, mc.head_dim, kv_dtype)
         cfg = cfg.replace(num_kv_blocks=max(2, int(args.kv_memory_gib * 2 ** 30 // per_block)))
     return Engine(cfg)
 
@@ -248,6 +251,7 @@ def run_shape(label: str, model_dir: str, device: torch.device, args, bandwidth:
     mc, log = engine.model_config, {}
     out: dict = {"meta": {
         "model": model_dir, "dtype": str(engine.dtype), "kernel_backend": engine.runtime.ops.name,
+        "kv_cache_dtype": str(engine.runtime.kv.k.dtype).removeprefix("torch."),
         "weight_bytes": weight_bytes(engine.runtime.weights), "kv_token_bytes": kv_token_bytes(engine),
         "kv_cache_gib": engine.blocks.num_usable_blocks * kv_token_bytes(engine) * engine.block_size / 2 ** 30,
         "max_seq_len": max_seq_len, "max_prefill_tokens": engine.config.max_prefill_tokens,
@@ -288,9 +292,10 @@ def run_shape(label: str, model_dir: str, device: torch.device, args, bandwidth:
 
 def table(label: str, r: dict, meta: dict) -> str:
     m = r["meta"]
-    lines = [f"== {label} ({m['dtype']}, {m['kernel_backend']}) | weights {m['weight_bytes'] / 1e9:.3g} GB | KV cache "
-             f"{m['kv_cache_gib']:.3g} GiB | {meta['copy_bandwidth_TBps']:.3g} TB/s, {meta['matmul_TFLOPs']:.3g} "
-             f"TFLOP/s | {m['steps_in_flight']} steps in flight",
+    lines = [f"== {label} ({m['dtype']}, KV {m['kv_cache_dtype']}, {m['kernel_backend']}) | weights "
+             f"{m['weight_bytes'] / 1e9:.3g} GB | KV cache {m['kv_cache_gib']:.3g} GiB | "
+             f"{meta['copy_bandwidth_TBps']:.3g} TB/s, {meta['matmul_TFLOPs']:.3g} TFLOP/s | "
+             f"{m['steps_in_flight']} steps in flight",
              f"{'context':>8} {'batch':>6} {'step ms':>9} {'floor ms':>9} {'share':>6}  bound"]
     for p in r["points"]:
         head = f"{p['context']:>8} {p['batch']:>6}"
@@ -367,6 +372,8 @@ def parse_args(argv):
     p.add_argument("--matmul-size", type=int, default=8192, help="the matmul whose FLOP/s is the prefill's peak")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's weight quantization")
     p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8, the LM head too")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the engine's KV cache: the model dtype, or E4M3 (half the KV bytes a step reads)")
     p.add_argument("--profile", action="store_true", help="profile the points of lowest share")
     p.add_argument("--profile-points", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=5)
@@ -432,7 +439,8 @@ def main(argv=None) -> int:
         results["shapes"][label] = r
         print(table(label, r, results["meta"]), flush=True)
         free_device_memory(device)  # the engine's, before the next one's
-    path = results_path(results, args.out, "scale-" + "-".join(results["shapes"]))
+    kv = "-kvfp8" if args.kv_cache_dtype == "fp8" else ""
+    path = results_path(results, args.out, "scale-" + "-".join(results["shapes"]) + kv)
     results["plot"] = plot(results, path.with_suffix(".png"))
     return write_results(results, args, path)
 

@@ -58,8 +58,9 @@ class EngineConfig:
                 "quantized at load"})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto: the KV cache in the model's dtype; fp8: E4M3 with a scale of 1 (half the bytes of a 16-bit "
-                "cache, so twice the blocks in the same memory; engine/quant.py fp8_kv). fp8 runs on the CPU and, on a "
-                "GPU, with --kernels torch until the attention kernels read FP8",
+                "cache, so twice the blocks in the same memory, and half the KV bytes a long-context decode step "
+                "reads; engine/quant.py fp8_kv). fp8 runs on the CPU, on the CUDA kernels of a GPU with FP8 "
+                "support (compute capability >= 8.9), and with --kernels torch on any GPU",
         "choices": KV_CACHE_DTYPES})
     max_slots: int = field(default=256, metadata={"help": "most live sequences"})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})

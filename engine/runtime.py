@@ -24,7 +24,7 @@ from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
 from engine.parallel import Collectives, ParallelGroup
-from engine.quant import FP8_DTYPE, Fp8Weight, check_device
+from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, Fp8Weight, check_device
 from engine.shard import ShardPlan
 from engine.state import SlotState
 
@@ -146,13 +146,18 @@ def _backend(config: EngineConfig, device: torch.device, max_seq_len: int):
 
 
 def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The KV cache's dtype: the model's, or E4M3 with --kv-cache-dtype fp8, which only the torch ops read so
-    far (the CUDA attention kernels read 16-bit caches): on a GPU it needs --kernels torch."""
+    """The KV cache's dtype: the model's, or E4M3 with --kv-cache-dtype fp8. On a GPU the CUDA kernels read and
+    write an E4M3 cache (their _kvfp8 entries) from compute capability 8.9 on (Ada, Hopper: the GPUs with FP8, as
+    --quantization fp8 needs); an older GPU serves it only with --kernels torch."""
     if config.kv_cache_dtype != "fp8":
         return dtype
     if device.type == "cuda" and config.kernels != "torch":
-        raise ConfigError("--kv-cache-dtype fp8 needs --kernels torch on a GPU: the CUDA attention kernels read "
-                          "16-bit KV caches only (FP8 KV kernels are not built yet); or use --kv-cache-dtype auto")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_MIN_CAPABILITY:
+            raise ConfigError(f"--kv-cache-dtype fp8 needs a GPU with FP8 support (compute capability >= "
+                              f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]}: Ada or Hopper) for the CUDA kernels; "
+                              f"{device} ({torch.cuda.get_device_name(device)}) has {capability[0]}.{capability[1]}: "
+                              f"use --kv-cache-dtype auto, or --kernels torch")
     return FP8_DTYPE
 
 

@@ -183,6 +183,124 @@ __device__ __forceinline__ float gumbel_noise(u64 seed, i64 position, u32 index)
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP8 E4M3: the --kv-cache-dtype fp8 cache (engine/quant.py fp8_kv: scale 1, saturated at +-448), one byte per
+// value. Kernels that read or write it take it as `unsigned char*` (entry names with a `kvfp8` part).
+//
+// Reading, E4M3 -> T exactly on every architecture (no FP8 conversion instruction before sm_89, and the sm_80
+// cubin also serves sm_86 / sm_89 devices), two values per step: prmt picks the two bytes, each followed by a byte
+// of its sign bit (prmt's sign-replicating select), one shift and one mask move their sign, exponent and mantissa
+// bits into T's fields, which gives |v| * 2^-120 as bf16 (exponent bias 127 vs 7) or |v| * 2^-8 as fp16 (bias 15
+// vs 7) for every finite v, E4M3's subnormals included (they land on T's subnormals with the same 3 mantissa
+// bits), and one fma.rn by the power of two (c = -0: the sign of zeros kept; no .ftz: subnormal inputs kept)
+// fixes the bias exactly; |v| <= 448 fits both types. 4 instructions per 2 values. The NaN codes 0x7f / 0xff come
+// out as +-480, not NaN: the writers below saturate, so only a NaN k or v puts one in the cache.
+// Writing, fp32 -> E4M3 rounded to nearest even and saturated at +-448 (fp8_kv's clamp, then torch's cast):
+// cvt.rn.satfinite.e4m3x2.f32 from sm_89 on; before, the same rounding in integer arithmetic
+// (fp8_bits_from_float, c10's fp8e4m3fn_from_fp32_value after the clamp), which the sm_80 cubin carries.
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+// The prmt selector of x = {byte lo, its sign x 8, byte hi, its sign x 8} (bits 0..31) from bytes lo and hi of
+// {b, a} (0..3: a's bytes, 4..7: b's; byte 0 is the lowest address).
+__host__ __device__ constexpr u32 fp8_sel(u32 lo, u32 hi) { return lo | (8u | lo) << 4 | hi << 8 | (8u | hi) << 12; }
+
+// The integer half of the read: x as fp8_sel builds it -> the bit patterns of the T pair (byte lo's value in
+// bits 0..15), each the E4M3 value / SCALE (a power of two).
+template <class T>
+struct Fp8Bits;
+template <>
+struct Fp8Bits<Bf16> {
+  static constexpr u32 SCALE = 0x7B807B80u;  // 2^120, twice
+  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x << 4) & 0x87f087f0u; }
+};
+template <>
+struct Fp8Bits<Fp16> {
+  static constexpr u32 SCALE = 0x5C005C00u;  // 2^8, twice
+  static __host__ __device__ __forceinline__ u32 pair(u32 x) { return (x << 7) & 0xbf80bf80u; }
+};
+template <class T>
+struct FmaPair;
+template <>
+struct FmaPair<Bf16> {
+  static __device__ __forceinline__ u32 run(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+};
+template <>
+struct FmaPair<Fp16> {
+  static __device__ __forceinline__ u32 run(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+  }
+};
+// E4M3 bytes lo and hi of {b, a} (SEL = fp8_sel(lo, hi)) -> one register of two T values (lo's in bits 0..15).
+template <class T, u32 SEL>
+__device__ __forceinline__ u32 fp8_pair(u32 a, u32 b) {
+  return FmaPair<T>::run(Fp8Bits<T>::pair(prmt(a, b, SEL)), Fp8Bits<T>::SCALE, 0x80008000u);
+}
+// Four E4M3 bytes w (byte 0 at the lowest address) -> T pairs (b0, b1) and (b2, b3).
+template <class T>
+__device__ __forceinline__ void fp8x4_to_pairs(u32 w, u32& p01, u32& p23) {
+  p01 = fp8_pair<T, fp8_sel(0, 1)>(w, 0u);
+  p23 = fp8_pair<T, fp8_sel(2, 3)>(w, 0u);
+}
+// The same bytes -> T pairs (b0, b2) and (b1, b3) (fragments whose order is free).
+template <class T>
+__device__ __forceinline__ void fp8x4_to_pairs_02_13(u32 w, u32& p02, u32& p13) {
+  p02 = fp8_pair<T, fp8_sel(0, 2)>(w, 0u);
+  p13 = fp8_pair<T, fp8_sel(1, 3)>(w, 0u);
+}
+
+// fp32 -> E4M3 bits (0..255) in integer arithmetic: NaN -> 0x7f | sign; |f| >= 448 -> 0x7e | sign (saturated,
+// inf included); below 2^-6 the subnormals, |f| + 2^14 rounding |f| to a multiple of 2^-9 in the fp32 add;
+// else 3 mantissa bits rounded to nearest even (a carry moves into the exponent).
+__host__ __device__ __forceinline__ u32 fp8_bits_from_float(float f) {
+#ifdef __CUDA_ARCH__
+  const u32 x = __float_as_uint(f);
+#else
+  u32 x;
+  __builtin_memcpy(&x, &f, 4);
+#endif
+  const u32 sign = (x >> 24) & 0x80u;
+  const u32 a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7fu;
+  if (a >= 0x43e00000u) return sign | 0x7eu;
+  if (a < 0x3c800000u) {
+#ifdef __CUDA_ARCH__
+    const u32 s = __float_as_uint(__fadd_rn(__uint_as_float(a), 16384.0f));
+#else
+    float af, s_f;
+    __builtin_memcpy(&af, &a, 4);
+    s_f = af + 16384.0f;
+    u32 s;
+    __builtin_memcpy(&s, &s_f, 4);
+#endif
+    return sign | (s - 0x46800000u);
+  }
+  return sign | (((a + 0xc407ffffu + ((a >> 20) & 1u)) >> 20) & 0xffu);
+}
+// Two floats -> two E4M3 bytes: lo in bits 0..7 (the lower address), hi in bits 8..15.
+__device__ __forceinline__ u32 fp8x2_from_floats(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  u16 d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  return d;
+#else
+  return fp8_bits_from_float(lo) | (fp8_bits_from_float(hi) << 8);
+#endif
+}
+// Four floats -> four E4M3 bytes (f[0] in bits 0..7).
+__device__ __forceinline__ u32 fp8x4_from_floats(float f0, float f1, float f2, float f3) {
+  return fp8x2_from_floats(f0, f1) | (fp8x2_from_floats(f2, f3) << 16);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Ampere+ data movement and tensor-core helpers (sm_80 and later).
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {

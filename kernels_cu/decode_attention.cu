@@ -38,10 +38,32 @@
 // (STAGES deep); warp w scores tokens [16 w, 16 w + 16) of each tile with mma.m16n8k16 (fp32
 // accumulation), keeps its own online softmax, and the 4 warps merge at the end.
 //
-// Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}):
+//
+// E4M3 tiles (FP8 KV cache): the tiles stream through shared memory as the cache holds them, one byte per
+// value (16-byte cp.async: 16 values per copy, half the bytes of a 16-bit row), STAGES8 = 2 STAGES - 1 deep
+// (the bytes in flight per block of the 16-bit tiles), rows of LD8 bytes (D + 16 where D / 16 is even, else D:
+// every fragment load below is free of bank conflicts). No 16-bit copy of a tile is made: each lane loads the
+// bytes of its own mma fragments as 32-bit words and converts them to T in registers (common.cuh fp8_pair:
+// exact), fp32 accumulation as before. The fragment orders (mma.m16n8k16 with groupID g = lane >> 2, t = lane & 3:
+// B "col" b0b1 = (k rows 2t, 2t+1; col g), b2b3 = (k rows 2t+8, 2t+9; col g)) use permutations the results do
+// not depend on (a dot product is the same sum in any order; the output columns are put back in the merge):
+//   S = q K^T, per 16 head dims ks: lane (g, t) loads the word at byte 16 ks + 4t of key row g (and g + 8); its
+//     bytes 0 / 2 are the k slots 2t, 2t + 1 (b0b1) and bytes 1 / 3 the slots 2t + 8, 2t + 9 (b2b3), so q's A
+//     fragments take q[16 ks + 4t + {0, 2}] and q[16 ks + 4t + {1, 3}] (two byte permutes of a 64-bit load).
+//   O += P V, per 32 head dims (n-tiles 4m .. 4m + 3): lane (g, t) loads the word at byte 32 m + 4g of key rows
+//     2t, 2t + 1, 2t + 8, 2t + 9 (its P columns); byte i of those words is output column (n-tile 4m + i, col g), i.e.
+//     head dim 32 m + 4 c + i is accumulated as (n-tile 4m + i, col c). D % 32 == 16 (D = 16, 80): the last 16 head
+//     dims as 2 n-tiles from 16-bit words at byte D - 16 + 2g (head dim D - 16 + 2 c + i as (n-tile, col c)).
+// The fused RoPE's new token: its unrotated k and its v (T) land in a staging row of shared memory instead of the
+// tile, are rotated there, and converted into the tile row and the cache (head chunk 0) before that tile is read.
+// The merge of the 4 warps, of the splits and of the cluster is the 16-bit kernel's (fp32 in shared memory).
+//
+// Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8]):
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
-//   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3
+//   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3;
+//   _kvfp8: 16 * (D + 8) * 2 + 2 * STAGES8 * 64 * LD8 bytes, plus 2 * D * 2 + D * 4 (the new token's k and v
+//   rows, and cos / sin) for the fused-RoPE entries
 //   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at
 //   load). A deeper pipeline (6 stages at D = 64) was faster with the keys in L2 and slower from DRAM:
 //   dropped.
@@ -59,6 +81,8 @@
 //   tile has landed, and its head chunk 0 writes both rows to the cache at slot_mapping[b] (negative: no
 //   write, and the row is read from the cache as usual).
 //   Results equal rope_cache_write followed by this kernel bit for bit.
+//   FP8 KV cache (the _kvfp8 entries: k_cache / v_cache hold E4M3 bytes, engine/quant.py fp8_kv): see "E4M3
+//   tiles" below; the fused RoPE writes fp8(rotated k) and fp8(v) (rope_cache_write_*_kvfp8's bits).
 //   Programmatic dependent launch (the launch attribute; a no-op without it): fresh < 0 reads nothing
 //   before griddepcontrol.wait. fresh >= 0 promises that the kernel just before wrote none of seq_lens,
 //   block_tables, rope_index, slot_mapping and no cache row of a position < seq_len - fresh (a decode or
@@ -74,6 +98,10 @@ struct DecodeCfg {
   static constexpr int STAGES = D >= 128 ? 2 : 3;
   static constexpr int LD = D + 8;  // padded smem row (u16): conflict-free ldmatrix
   static constexpr int VPR = D / 8;  // 16-byte vectors per row
+  // E4M3 tiles (the _kvfp8 entries): stages, bytes per smem row, 16-byte vectors per row.
+  static constexpr int STAGES8 = 2 * STAGES - 1;
+  static constexpr int LD8 = D % 32 ? D : D + 16;
+  static constexpr int VPR8 = D / 16;
 };
 
 // acc[0..7] += w * (lo, hi): one split's 8 partial outputs into a merge, in a fixed order.
@@ -172,10 +200,11 @@ __device__ __forceinline__ void rope_pair(u16* x1p, u16* x2p, const float* c, co
   *reinterpret_cast<Vec16*>(x2p) = pack8<T>(o2);
 }
 
-template <class T, int D, bool ROPE>
+// KV: the cache's element, u16 (T) or unsigned char (E4M3: the _kvfp8 entries).
+template <class T, int D, bool ROPE, class KV>
 __device__ __forceinline__ void decode_attention_impl(
     u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
-    const u16* __restrict__ q, u16* __restrict__ k_cache, u16* __restrict__ v_cache,
+    const u16* __restrict__ q, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H,
     int Hkv, int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,
     const u16* __restrict__ k_new,
@@ -183,12 +212,25 @@ __device__ __forceinline__ void decode_attention_impl(
     const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping, int fresh) {
   TRACE_SCOPE;
   typedef DecodeCfg<D> C;
+  constexpr bool KV8 = sizeof(KV) == 1;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
+  constexpr int LD8 = C::LD8, VPR8 = C::VPR8;
+  constexpr int NS = KV8 ? C::STAGES8 : STAGES;  // pipeline depth
   extern __shared__ Vec16 smem_raw[];
   u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [16][LD]
   u16* k_s = q_s + 16 * LD;                     // [STAGES][TILE][LD]
   u16* v_s = k_s + STAGES * DA_TILE * LD;       // [STAGES][TILE][LD]
   float* cs_s = reinterpret_cast<float*>(v_s + STAGES * DA_TILE * LD);  // [D]: cos then sin (fused RoPE)
+  // E4M3 tiles: k8_s, v8_s [STAGES8][TILE][LD8] bytes from k_s on, then (fused RoPE) the new token's k and v rows
+  // nk_s, nv_s [D] (T) and cos / sin.
+  unsigned char* k8_s = reinterpret_cast<unsigned char*>(k_s);
+  unsigned char* v8_s = k8_s + C::STAGES8 * DA_TILE * LD8;
+  u16* nk_s = reinterpret_cast<u16*>(v8_s + C::STAGES8 * DA_TILE * LD8);
+  u16* nv_s = nk_s + D;
+  if (KV8) cs_s = reinterpret_cast<float*>(nv_s + D);
+  // the merge below reuses the tiles' memory for 4 x 16 rows of D fp32, their statistics and the cluster's
+  static_assert(!KV8 || 2 * C::STAGES8 * DA_TILE * LD8 >= (5 * 16 * D + 2 * 4 * 16 + 16) * 4,
+                "decode attention: the E4M3 tiles are too small for the merge");
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int b = blockIdx.z;
@@ -257,13 +299,40 @@ __device__ __forceinline__ void decode_attention_impl(
   // part 0: every row; 1: the rows before `late` only (before the wait); 2: the rows from `late` on.
   auto load_tile = [&](int tile, int stage, int part) {
     const int base = t0 + tile * DA_TILE;
+    if constexpr (KV8) {  // 16 E4M3 values per copy; the new token's k and v (T) to their staging rows
+      for (int i = tid; i < DA_TILE * VPR8; i += DA_THREADS) {
+        const int tok = i / VPR8, c = i - tok * VPR8;
+        const int pos = base + tok;
+        if (part != 0 && (pos < late) != (part == 1)) continue;
+        const bool valid = pos < t1;
+        if (new_slot >= 0 && pos == seq_len - 1) {
+          const i64 at = b * kv_stride + (i64)hkv * D + c * 16;
+          cp_async16(nk_s + c * 16, k_new + at, 16);
+          cp_async16(nk_s + c * 16 + 8, k_new + at + 8, 16);
+          cp_async16(nv_s + c * 16, v_new + at, 16);
+          cp_async16(nv_s + c * 16 + 8, v_new + at + 8, 16);
+          continue;
+        }
+        const unsigned char* ksrc = k_cache;
+        const unsigned char* vsrc = v_cache;
+        if (valid) {
+          const i64 blk = table[pos >> bs_log2];
+          const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
+          ksrc = k_cache + row * D + c * 16;
+          vsrc = v_cache + row * D + c * 16;
+        }
+        const int off = (stage * DA_TILE + tok) * LD8 + c * 16;
+        cp_async16(k8_s + off, ksrc, valid ? 16 : 0);
+        cp_async16(v8_s + off, vsrc, valid ? 16 : 0);
+      }
+    } else {
     for (int i = tid; i < DA_TILE * VPR; i += DA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
       if (part != 0 && (pos < late) != (part == 1)) continue;
       const bool valid = pos < t1;
-      const u16* ksrc = k_cache;
-      const u16* vsrc = v_cache;
+      const KV* ksrc = k_cache;
+      const KV* vsrc = v_cache;
       if (new_slot >= 0 && pos == seq_len - 1) {  // the new token's unrotated k (rotated in place later) and v
         ksrc = k_new + b * kv_stride + (i64)hkv * D + c * 8;
         vsrc = v_new + b * kv_stride + (i64)hkv * D + c * 8;
@@ -276,6 +345,7 @@ __device__ __forceinline__ void decode_attention_impl(
       const int off = (stage * DA_TILE + tok) * LD + c * 8;
       cp_async16(k_s + off, ksrc, valid ? 16 : 0);
       cp_async16(v_s + off, vsrc, valid ? 16 : 0);
+    }
     }
   };
 
@@ -294,19 +364,19 @@ __device__ __forceinline__ void decode_attention_impl(
   // d32 entries.)
   if (early) {  // the first tiles' older rows, the wait, then q and the rest of those tiles: one group
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
+    for (int s = 0; s < NS - 1; ++s)
       if (s < num_tiles) load_tile(s, s, 1);
     wait_then_allow_dependents();
     load_q();
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < NS - 1; ++s) {
       if (s < num_tiles) load_tile(s, s, 2);
       cp_async_commit();
     }
   } else {
     load_q();
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
+    for (int s = 0; s < NS - 1; ++s) {
       if (s < num_tiles) load_tile(s, s, 0);
       cp_async_commit();
     }
@@ -320,15 +390,16 @@ __device__ __forceinline__ void decode_attention_impl(
   const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix x4 addressing (A and trans-B)
   const int ld_col = (lane >> 4) * 8;
   const int t4 = lane & 3;
+  const int fg = lane >> 2;  // the mma fragments' groupID (E4M3 tiles)
 
   for (int it = 0; it < num_tiles; ++it) {
-    const int nxt = it + STAGES - 1;
-    if (nxt < num_tiles) load_tile(nxt, nxt % STAGES, 0);
+    const int nxt = it + NS - 1;
+    if (nxt < num_tiles) load_tile(nxt, nxt % NS, 0);
     cp_async_commit();
-    cp_async_wait<STAGES - 1>();
+    cp_async_wait<NS - 1>();
     __syncthreads();
     if (it == 0) TRACE_MARK(0);  // the first tile (and q) landed
-    const int stage = it % STAGES;
+    const int stage = it % NS;
     // Fused RoPE (block-uniform): the q rows are rotated in place in the first tile's iteration, and the new
     // token's k row in the last tile's (then k and v go to the cache from shared memory).
     const bool new_row = new_slot >= 0 && it == num_tiles - 1;
@@ -338,27 +409,76 @@ __device__ __forceinline__ void decode_attention_impl(
       const int row_off = (stage * DA_TILE + ((seq_len - 1 - t0) & (DA_TILE - 1))) * LD;
       for (int i = tid; i < nq + (new_row ? D / 16 : 0); i += DA_THREADS) {
         const int r = i / (D / 16), c = i - r * (D / 16);
-        u16* x = i < nq ? q_s + r * LD : k_s + row_off;
+        u16* x = i < nq ? q_s + r * LD : KV8 ? nk_s : k_s + row_off;
         rope_pair<T>(x + c * 8, x + D / 2 + c * 8, cs_s + c * 8, cs_s + D / 2 + c * 8);
       }
       __syncthreads();
-      if (new_row && hc == 0 && tid < 2 * VPR) {  // threads [0, VPR): k's vectors; [VPR, 2 VPR): v's
-        const bool is_k = tid < VPR;
-        const int c = is_k ? tid : tid - VPR;
-        u16* dst = (is_k ? k_cache : v_cache) + (new_slot * Hkv + hkv) * D;
-        const u16* src = (is_k ? k_s : v_s) + row_off;
-        reinterpret_cast<Vec16*>(dst)[c] = reinterpret_cast<const Vec16*>(src)[c];
+      if constexpr (KV8) {  // the new token's rotated k and its v -> E4M3, into the tile row and the cache
+        if (new_row) {
+          if (tid < 2 * VPR8) {  // threads [0, VPR8): k's 16-value vectors; [VPR8, 2 VPR8): v's
+            const bool is_k = tid < VPR8;
+            const int c = is_k ? tid : tid - VPR8;
+            const Vec16* src = reinterpret_cast<const Vec16*>((is_k ? nk_s : nv_s) + c * 16);
+            float f[2][8];
+            unpack8<T>(src[0], f[0]);
+            unpack8<T>(src[1], f[1]);
+            Vec16 e;
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+              e.w[w] = fp8x4_from_floats(f[w >> 1][4 * (w & 1)], f[w >> 1][4 * (w & 1) + 1],
+                                         f[w >> 1][4 * (w & 1) + 2], f[w >> 1][4 * (w & 1) + 3]);
+            const int row_off8 = (stage * DA_TILE + ((seq_len - 1 - t0) & (DA_TILE - 1))) * LD8;
+            *reinterpret_cast<Vec16*>((is_k ? k8_s : v8_s) + row_off8 + c * 16) = e;
+            if (hc == 0)
+              *reinterpret_cast<Vec16*>((is_k ? k_cache : v_cache) + (new_slot * Hkv + hkv) * D + c * 16) = e;
+          }
+          __syncthreads();
+        }
+      } else {
+        if (new_row && hc == 0 && tid < 2 * VPR) {  // threads [0, VPR): k's vectors; [VPR, 2 VPR): v's
+          const bool is_k = tid < VPR;
+          const int c = is_k ? tid : tid - VPR;
+          u16* dst = (is_k ? k_cache : v_cache) + (new_slot * Hkv + hkv) * D;
+          const u16* src = (is_k ? k_s : v_s) + row_off;
+          reinterpret_cast<Vec16*>(dst)[c] = reinterpret_cast<const Vec16*>(src)[c];
+        }
       }
     }
     if (it == 0) {
+      if constexpr (KV8) {  // q in the E4M3 key fragments' order (header): rows fg and fg + 8
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + ld_row * LD + ks * 16 + ld_col);
+        for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const Vec8 w = *reinterpret_cast<const Vec8*>(q_s + (fg + 8 * r) * LD + ks * 16 + 4 * t4);
+            qa[ks][r] = prmt(w.w[0], w.w[1], 0x5410u);      // k slots 2t, 2t + 1: head dims 4t, 4t + 2
+            qa[ks][2 + r] = prmt(w.w[0], w.w[1], 0x7632u);  // k slots 2t + 8, 2t + 9: head dims 4t + 1, 4t + 3
+          }
+        }
+      } else {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + ld_row * LD + ks * 16 + ld_col);
+      }
     }
     const int tok0 = t0 + it * DA_TILE + warp * 16;
     if (tok0 < t1) {
       const u16* kb = k_s + (stage * DA_TILE + warp * 16) * LD;
       const u16* vb = v_s + (stage * DA_TILE + warp * 16) * LD;
       float s[2][4];
+      if constexpr (KV8) {  // key rows fg and fg + 8: one word per 16 head dims, converted in registers
+        const unsigned char* kb8 = k8_s + (stage * DA_TILE + warp * 16) * LD8 + 4 * t4;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+          const unsigned char* krow = kb8 + (j * 8 + fg) * LD8;
+#pragma unroll
+          for (int ks = 0; ks < D / 16; ++ks) {
+            u32 b02, b13;
+            fp8x4_to_pairs_02_13<T>(*reinterpret_cast<const u32*>(krow + ks * 16), b02, b13);
+            Mma<T>::run(s[j], qa[ks], b02, b13);
+          }
+        }
+      } else {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
@@ -374,6 +494,7 @@ __device__ __forceinline__ void decode_attention_impl(
           ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
           Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
         }
+      }
       }
       float mx[2] = {NEG_INF, NEG_INF};
 #pragma unroll
@@ -416,12 +537,37 @@ __device__ __forceinline__ void decode_attention_impl(
       pa[1] = T::pack(s[0][2], s[0][3]);
       pa[2] = T::pack(s[1][0], s[1][1]);
       pa[3] = T::pack(s[1][2], s[1][3]);
+      if constexpr (KV8) {  // value rows 2t, 2t + 1, 2t + 8, 2t + 9 (this lane's P columns), head dims per header
+        const unsigned char* r0 = v8_s + (stage * DA_TILE + warp * 16 + 2 * t4) * LD8;
+        const unsigned char* r2 = r0 + 8 * LD8;
+#pragma unroll
+        for (int m = 0; m < D / 32; ++m) {
+          const int at = 32 * m + 4 * fg;
+          const u32 w0 = *reinterpret_cast<const u32*>(r0 + at), w1 = *reinterpret_cast<const u32*>(r0 + LD8 + at);
+          const u32 w2 = *reinterpret_cast<const u32*>(r2 + at), w3 = *reinterpret_cast<const u32*>(r2 + LD8 + at);
+          // n-tile 4m + i: b0b1 = byte i of rows 2t, 2t + 1; b2b3 = byte i of rows 2t + 8, 2t + 9
+          Mma<T>::run(o[4 * m], pa, fp8_pair<T, fp8_sel(0, 4)>(w0, w1), fp8_pair<T, fp8_sel(0, 4)>(w2, w3));
+          Mma<T>::run(o[4 * m + 1], pa, fp8_pair<T, fp8_sel(1, 5)>(w0, w1), fp8_pair<T, fp8_sel(1, 5)>(w2, w3));
+          Mma<T>::run(o[4 * m + 2], pa, fp8_pair<T, fp8_sel(2, 6)>(w0, w1), fp8_pair<T, fp8_sel(2, 6)>(w2, w3));
+          Mma<T>::run(o[4 * m + 3], pa, fp8_pair<T, fp8_sel(3, 7)>(w0, w1), fp8_pair<T, fp8_sel(3, 7)>(w2, w3));
+        }
+        if (D % 32) {  // head_dim = 32 m + 16: the last 2 n-tiles from 16-bit words
+          const int at = D - 16 + 2 * fg;
+          const u32 h0 = *reinterpret_cast<const unsigned short*>(r0 + at);
+          const u32 h1 = *reinterpret_cast<const unsigned short*>(r0 + LD8 + at);
+          const u32 h2 = *reinterpret_cast<const unsigned short*>(r2 + at);
+          const u32 h3 = *reinterpret_cast<const unsigned short*>(r2 + LD8 + at);
+          Mma<T>::run(o[D / 8 - 2], pa, fp8_pair<T, fp8_sel(0, 4)>(h0, h1), fp8_pair<T, fp8_sel(0, 4)>(h2, h3));
+          Mma<T>::run(o[D / 8 - 1], pa, fp8_pair<T, fp8_sel(1, 5)>(h0, h1), fp8_pair<T, fp8_sel(1, 5)>(h2, h3));
+        }
+      } else {
 #pragma unroll
       for (int nn = 0; nn < D / 16; ++nn) {
         u32 vf[4];
         ldmatrix_x4_trans(vf, vb + ld_row * LD + nn * 16 + ld_col);
         Mma<T>::run(o[2 * nn], pa, vf[0], vf[1]);
         Mma<T>::run(o[2 * nn + 1], pa, vf[2], vf[3]);
+      }
       }
     }
     __syncthreads();
@@ -441,6 +587,19 @@ __device__ __forceinline__ void decode_attention_impl(
   float* cm_o = l_s + 4 * 16;                   // [16][D]: this split's result, read by the cluster's leader
   float* cm_lse = cm_o + 16 * D;                // [16]
   const int g = lane >> 2;
+  if constexpr (KV8) {  // accumulator (n-tile n, cols 2t, 2t + 1) back to its head dims (header)
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      const bool full = n < D / 32 * 4;
+      const int d0 = full ? 32 * (n >> 2) + 8 * t4 + (n & 3) : D - 16 + 4 * t4 + (n - D / 32 * 4);
+      const int d1 = d0 + (full ? 4 : 2);
+      float* base = o_s + (warp * 16 + g) * D;
+      base[d0] = o[n][0];
+      base[d1] = o[n][1];
+      base[8 * D + d0] = o[n][2];
+      base[8 * D + d1] = o[n][3];
+    }
+  } else {
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) {
     float* base = o_s + (warp * 16 + g) * D + n * 8 + 2 * t4;
@@ -448,6 +607,7 @@ __device__ __forceinline__ void decode_attention_impl(
     base[1] = o[n][1];
     base[8 * D] = o[n][2];
     base[8 * D + 1] = o[n][3];
+  }
   }
   if (t4 == 0) {
     m_s[warp * 16 + g] = m[0];
@@ -529,22 +689,25 @@ __device__ __forceinline__ void decode_attention_impl(
                     used, D);
 }
 
-#define DECODE_ENTRY1(NAME, T, D, ROPE)                                                                     \
+#define DECODE_ENTRY1(NAME, T, D, ROPE, KV)                                                                 \
   extern "C" __global__ void __launch_bounds__(DA_THREADS) NAME(                                            \
-      u16* out, float* part_o, float* part_lse, int* counters, const u16* q, u16* k_cache, u16* v_cache,    \
+      u16* out, float* part_o, float* part_lse, int* counters, const u16* q, KV* k_cache, KV* v_cache,      \
       const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,            \
       int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,               \
       const u16* k_new, const u16* v_new, i64 kv_stride, const float* cos_sin, const i64* rope_index,       \
       const i64* slot_mapping, int fresh) {                                                                 \
-    decode_attention_impl<T, D, ROPE>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables,   \
+    decode_attention_impl<T, D, ROPE, KV>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables, \
                                       seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2,          \
                                       num_splits, window, scale_log2, cluster, k_new, v_new, kv_stride,     \
                                       cos_sin, rope_index, slot_mapping, fresh);                            \
   }
-// decode_attention_*: q rotated, the new token's K/V in the cache; decode_attention_rope_*: the fused RoPE.
-#define DECODE_ENTRY(SUFFIX, T, D)                                 \
-  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D, T, D, false)     \
-  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D, T, D, true)
+// decode_attention_*: q rotated, the new token's K/V in the cache; decode_attention_rope_*: the fused RoPE;
+// *_kvfp8: the same over an E4M3 cache.
+#define DECODE_ENTRY(SUFFIX, T, D)                                                                  \
+  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D, T, D, false, u16)                                 \
+  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D, T, D, true, u16)                             \
+  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_kvfp8, T, D, false, unsigned char)               \
+  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_kvfp8, T, D, true, unsigned char)
 
 DECODE_ENTRY(bf16, Bf16, 16)
 DECODE_ENTRY(bf16, Bf16, 32)

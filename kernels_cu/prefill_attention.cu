@@ -26,8 +26,15 @@
 // softmax per row (FlashAttention-2 structure). Tiles entirely outside a warp's causal/window range
 // are skipped by that warp.
 //
-// Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}):
-//   grid (num_work, H, splits), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes;
+// FP8 KV cache (the _kvfp8 entries: k_cache / v_cache hold E4M3 bytes, engine/quant.py fp8_kv): the tiles stream
+// through shared memory as the cache holds them (16-byte cp.async, 16 values per copy: half the bytes of a 16-bit
+// tile), 2 stages; after its wait each thread converts the 16-byte pieces it copied itself to T (common.cuh
+// fp8x4_to_pairs: exact) into one 16-bit K and V tile, which the barrier before the mmas publishes, and from there
+// everything is the 16-bit kernel's (the 4 warps share each converted tile: one conversion per value and block).
+//
+// Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8]):
+//   grid (num_work, H, splits), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes
+//   (_kvfp8: (64 + 2 * 64) * (D + 8) * 2 + 2 * 2 * 64 * D: one 16-bit K and V tile, two stages of E4M3 ones);
 //   part_o / part_ml used (and needed) only when splits > 1 (at most 16). Merge
 //   (prefill_attention_merge_{dt}_d{D}): grid (num_work, H, 64 / 16), block (128), the same work list; it writes
 //   out.
@@ -40,17 +47,22 @@
 #define PA_TILE 64
 #define PA_STAGES 2
 
-template <class T, int D>
+// KV: the cache's element, u16 (T) or unsigned char (E4M3: the _kvfp8 entries).
+template <class T, int D, class KV>
 __device__ __forceinline__ void prefill_attention_impl(
-    u16* __restrict__ out, const u16* __restrict__ q, const u16* __restrict__ k_cache,
-    const u16* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ work,
+    u16* __restrict__ out, const u16* __restrict__ q, const KV* __restrict__ k_cache,
+    const KV* __restrict__ v_cache, const int* __restrict__ block_tables, const int* __restrict__ work,
     i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* __restrict__ part_o,
     float* __restrict__ part_ml, int num_q) {
-  constexpr int LD = D + 8, VPR = D / 8;
+  constexpr bool KV8 = sizeof(KV) == 1;
+  constexpr int LD = D + 8, VPR = D / 8, VPR8 = D / 16;
+  constexpr int KV_STAGES = KV8 ? 1 : PA_STAGES;  // 16-bit tiles (KV8: the converted one)
   extern __shared__ Vec16 smem_raw[];
   u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [64][LD]
-  u16* k_s = q_s + PA_ROWS * LD;                // [STAGES][TILE][LD]
-  u16* v_s = k_s + PA_STAGES * PA_TILE * LD;    // [STAGES][TILE][LD]
+  u16* k_s = q_s + PA_ROWS * LD;                // [KV_STAGES][TILE][LD]
+  u16* v_s = k_s + KV_STAGES * PA_TILE * LD;    // [KV_STAGES][TILE][LD]
+  unsigned char* k8_s = reinterpret_cast<unsigned char*>(v_s + KV_STAGES * PA_TILE * LD);  // KV8: [STAGES][TILE][D]
+  unsigned char* v8_s = k8_s + PA_STAGES * PA_TILE * D;                                   // KV8: [STAGES][TILE][D]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const Vec16 item = reinterpret_cast<const Vec16*>(work)[blockIdx.x];
@@ -76,12 +88,30 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int bs_mask = (1 << bs_log2) - 1;
   auto load_tile = [&](int tile, int stage) {
     const int base = kv_lo + (tile_begin + tile) * PA_TILE;
+    if constexpr (KV8) {  // 16 E4M3 values per copy
+      for (int i = tid; i < PA_TILE * VPR8; i += PA_THREADS) {
+        const int tok = i / VPR8, c = i - tok * VPR8;
+        const int pos = base + tok;
+        const bool valid = pos < kv_hi;
+        const unsigned char* ksrc = k_cache;
+        const unsigned char* vsrc = v_cache;
+        if (valid) {
+          const i64 blk = table[pos >> bs_log2];
+          const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
+          ksrc = k_cache + row * D + c * 16;
+          vsrc = v_cache + row * D + c * 16;
+        }
+        const int off = (stage * PA_TILE + tok) * D + c * 16;
+        cp_async16(k8_s + off, ksrc, valid ? 16 : 0);
+        cp_async16(v8_s + off, vsrc, valid ? 16 : 0);
+      }
+    } else {
     for (int i = tid; i < PA_TILE * VPR; i += PA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
       const bool valid = pos < kv_hi;
-      const u16* ksrc = k_cache;
-      const u16* vsrc = v_cache;
+      const KV* ksrc = k_cache;
+      const KV* vsrc = v_cache;
       if (valid) {
         const i64 blk = table[pos >> bs_log2];
         const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
@@ -91,6 +121,27 @@ __device__ __forceinline__ void prefill_attention_impl(
       const int off = (stage * PA_TILE + tok) * LD + c * 8;
       cp_async16(k_s + off, ksrc, valid ? 16 : 0);
       cp_async16(v_s + off, vsrc, valid ? 16 : 0);
+    }
+    }
+  };
+  // KV8: this thread's own 16-byte E4M3 pieces of stage `stage` (complete after its cp.async wait) -> T, into the
+  // 16-bit tile (the same pieces load_tile gave it: no barrier needed before).
+  auto convert_tile = [&](int stage) {
+    for (int i = tid; i < PA_TILE * VPR8; i += PA_THREADS) {
+      const int tok = i / VPR8, c = i - tok * VPR8;
+      const int off8 = (stage * PA_TILE + tok) * D + c * 16;
+#pragma unroll
+      for (int kv = 0; kv < 2; ++kv) {
+        const Vec16 w = *reinterpret_cast<const Vec16*>((kv ? v8_s : k8_s) + off8);
+        Vec16 lo, hi;  // values 0..7 and 8..15
+        fp8x4_to_pairs<T>(w.w[0], lo.w[0], lo.w[1]);
+        fp8x4_to_pairs<T>(w.w[1], lo.w[2], lo.w[3]);
+        fp8x4_to_pairs<T>(w.w[2], hi.w[0], hi.w[1]);
+        fp8x4_to_pairs<T>(w.w[3], hi.w[2], hi.w[3]);
+        Vec16* dst = reinterpret_cast<Vec16*>((kv ? v_s : k_s) + tok * LD + c * 16);
+        dst[0] = lo;
+        dst[1] = hi;
+      }
     }
   };
 
@@ -114,6 +165,7 @@ __device__ __forceinline__ void prefill_attention_impl(
     if (it + 1 < num_tiles) load_tile(it + 1, (it + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
+    if constexpr (KV8) convert_tile(it & 1);  // (the previous iteration's last barrier: no warp reads the tile)
     __syncthreads();
     if (it == 0) {
 #pragma unroll
@@ -124,8 +176,8 @@ __device__ __forceinline__ void prefill_attention_impl(
     const bool in_future = tile_start > warp_qmax;
     const bool too_old = window > 0 && tile_start + PA_TILE - 1 <= warp_qmin - window;
     if (!in_future && !too_old) {
-      const u16* kb = k_s + stage * PA_TILE * LD;
-      const u16* vb = v_s + stage * PA_TILE * LD;
+      const u16* kb = k_s + (KV8 ? 0 : stage) * PA_TILE * LD;
+      const u16* vb = v_s + (KV8 ? 0 : stage) * PA_TILE * LD;
       float s[PA_TILE / 8][4];
 #pragma unroll
       for (int j = 0; j < PA_TILE / 8; ++j) {
@@ -279,14 +331,18 @@ __device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ o
   }
 }
 
-#define PREFILL_ENTRY(SUFFIX, T, D)                                                                         \
-  extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_##SUFFIX##_d##D(               \
-      u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables, const int* work, \
+#define PREFILL_ENTRY1(NAME, T, D, KV)                                                                      \
+  extern "C" __global__ void __launch_bounds__(PA_THREADS) NAME(                                            \
+      u16* out, const u16* q, const KV* k_cache, const KV* v_cache, const int* block_tables, const int* work, \
       i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* part_o,  \
       float* part_ml, int num_q) {                                                                          \
-    prefill_attention_impl<T, D>(out, q, k_cache, v_cache, block_tables, work, q_stride, bt_stride, H, Hkv,   \
-                                 bs_log2, window, scale_log2, part_o, part_ml, num_q);                      \
-  }                                                                                                          \
+    prefill_attention_impl<T, D, KV>(out, q, k_cache, v_cache, block_tables, work, q_stride, bt_stride, H,   \
+                                     Hkv, bs_log2, window, scale_log2, part_o, part_ml, num_q);             \
+  }
+// prefill_attention_*: a 16-bit cache; *_kvfp8: E4M3 (the merge does not read the cache: one per dtype and D).
+#define PREFILL_ENTRY(SUFFIX, T, D)                                                                         \
+  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D, T, D, u16)                                               \
+  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D##_kvfp8, T, D, unsigned char)                             \
   extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_merge_##SUFFIX##_d##D(         \
       u16* out, const float* part_o, const float* part_ml, const int* work, int num_q, int H, int splits) {   \
     prefill_attention_merge_impl<T, D>(out, part_o, part_ml, work, num_q, H, splits);                       \

@@ -7,6 +7,15 @@
 //     inv_rms[m]: RMSNorm applied after the dot product instead of before (the same value in exact
 //     arithmetic; roundings differ from transformers' LlamaRMSNorm within bf16 resolution).
 //   value[m, r] = acc[m, r] (* inv_rms[m]) + bias[r]   (bias optional; fp32)
+//   E4M3 weights (entries …_fp8_m8, per-output-channel scales): W holds E4M3 bytes, converted exactly to T in
+//     registers (common.cuh's E4M3 read: fp8x4_to_pairs), so acc[m, r] = sum_k x'[m, k] * data[r, k] in fp32 on
+//     the same tensor cores, and the epilogue first multiplies it by w_scale[r]:
+//     value[m, r] = (acc[m, r] * w_scale[r]) (* inv_rms[m]) + bias[r].
+//     Without NORM that is engine.quant.fp8_linear's arithmetic (fp32 accumulation of x * data, then * scale,
+//     then + bias and the epilogue) up to the order of the fp32 sums; silu scales the gate row and the up row by
+//     their own scales, rope_kv and rope_kvfp8 scale before rounding and rotating. NORM is as above
+//     (x' = T(norm_w * x)). The two E4M3s are independent: skinny_rope_kvfp8_<dt>_fp8_m8 reads E4M3 weights and
+//     writes an E4M3 KV cache.
 //   epilogues:
 //     store     out[m, r] = T(value)                                                   out [M, N] T
 //     f32       out[m, r] = value                                                      out [M, N] fp32
@@ -18,6 +27,8 @@
 //               heads rotate-half with cs = cos_sin[rope_index[m]] (rope_cache_write.cu's numerics:
 //               products and sums rounded one by one, no FMA); q -> q_out[m, h], k and v ->
 //               k_cache / v_cache at slot_mapping[m] (negative: no cache write for that token)
+//     rope_kvfp8 rope_kv into an E4M3 cache (engine/quant.py fp8_kv): the cache rows get fp8(the values rope_kv
+//               writes), rounded to nearest even and saturated at +-448 (rope_cache_write_*_kvfp8's bits)
 //
 // Tensor-core mapping (PTX ISA "Matrix Fragments for mma.m16n8k16 with floating point type",
 // .bf16/.f16 A and B; groupID g = lane >> 2, threadID_in_group t = lane & 3):
@@ -25,7 +36,9 @@
 //                      a4a5 = (row g, cols 2t+8, 2t+9) a6a7 = (row g+8, cols 2t+8, 2t+9)
 //   B (16 x 8, col):   b0b1 = (rows 2t, 2t+1, col g)  b2b3 = (rows 2t+8, 2t+9, col g)
 //   C/D (16 x 8 fp32): c0c1 = (row g, cols 2t, 2t+1)   c2c3 = (row g+8, cols 2t, 2t+1)
-// A = 16 rows of W, B = x^T (8 tokens per "n-tile"), C[row, token]. A dot product does not depend
+// A = 16 rows of W, B = x^T (8 tokens per "n-tile"), C[row, token]. E4M3 weights: lane (g, t) loads 8 bytes
+// (8 E4M3 values) of rows g / g + 8 at the same k0 + 8t .. k0 + 8t + 7 and converts them into the same 4
+// registers of T pairs (E4M3::operand), so everything below holds for both. A dot product does not depend
 // on the order of k, so A and B use the same permutation of the 16 k slots of each mma: the k slot
 // owned by thread t maps to a k that depends only on t. Lane (g, t) loads 16 bytes of W row g at
 // k0 + 8t .. k0 + 8t + 7 (wa), the same of row g + 8 (wb), and per n-tile j the 16 bytes of token
@@ -54,9 +67,9 @@
 // tiles on 132 SMs), where 8-warp blocks would leave each SM one block and half the loads in flight.
 // Programmatic dependent launch (common.cuh; the engine launches these kernels with it): each warp
 // issues its first group's W loads, then waits for the previous kernel, then loads x and norm_w. Warp 0
-// of the _m8 entries also loads the epilogue's operands before the wait (bias; the residual's old values;
-// RoPE's rope_index, cos / sin row and slot_mapping): the kernel launched just before must not write them
-// (launch contract). Nothing is written before the wait (the batch-1 gains: bench/RESULTS.md).
+// of the _m8 entries also loads the epilogue's operands before the wait (bias; E4M3's w_scale; the residual's
+// old values; RoPE's rope_index, cos / sin row and slot_mapping): the kernel launched just before must not write
+// them (launch contract). Nothing is written before the wait (the batch-1 gains: bench/RESULTS.md).
 // Measured and left out: prefetching a block's W rows into L2 before the wait (slower). A "staged" variant
 // for 9..32 tokens (x staged once per block in shared memory, one 16-row tile per warp, K split over a
 // thread-block cluster and reduced in distributed shared memory) was slower than cuBLAS at every 1B and 8B
@@ -65,32 +78,35 @@
 // 16-warp block per SM.
 //
 // Layouts (all contiguous; T = bf16 (…_bf16) or fp16 (…_fp16), storage u16):
-//   x [M, K] T; W [N, K] T; bias [N] T; norm_w [K] T.
+//   x [M, K] T; W [N, K] T, or E4M3 bytes (…_fp8) with w_scale [N] fp32; bias [N] T; norm_w [K] T.
 //   rope_kv: N = (H + 2 Hkv) D; q_out [M, H, D] T; cos_sin [P, D] fp32 (cos of the D/2 frequencies,
 //     then their sin); rope_index [M] int64; k_cache / v_cache [num_blocks * block_size, Hkv, D] T
-//     (element offset slot * Hkv * D + kh * D + i); slot_mapping [M] int64.
+//     (element offset slot * Hkv * D + kh * D + i; rope_kvfp8: E4M3 bytes); slot_mapping [M] int64.
 //   residual: residual [M, N] T (in/out).
-// Launch contract (skinny_{store,f32,silu,residual,rope_kv}_{bf16,fp16}_m{8,16,32}[_w16]):
+// Launch contract (skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_m{8,16,32}[_w16] and
+// skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_fp8_m8[_w16], `w_scale` right after `w`):
 //   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
-//   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must not overlap
-//   x or W. Launched with programmatic dependent launch, the kernel just before it in the stream must not
-//   write bias, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv): they are read
-//   before the wait. (In a decode forward the residual's last writer is two or more launches back: o after
-//   attention, down after gate_up; rope_index and slot_mapping come from decode_prepare or earlier.)
+//   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned (E4M3 W: 8-byte); out / residual must
+//   not overlap x or W. Launched with programmatic dependent launch, the kernel just before it in the stream
+//   must not write bias, w_scale, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv*): they
+//   are read before the wait (w_scale, like W, is written once at load). (In a decode forward the residual's
+//   last writer is two or more launches back: o after attention, down after gate_up; rope_index and
+//   slot_mapping come from decode_prepare or earlier.)
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
 #include "common.cuh"
 
 #define SK_CHUNK 32  // k elements per warp per step (two mmas)
 #define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
 
-enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4 };
+enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4, EP_ROPE_KV8 = 5 };
 
 // Every operand of every epilogue (unused ones null / zero).
 struct SkinnyArgs {
   void* out;             // store / silu: T; f32: fp32; residual: the residual (in/out); rope_kv: q_out
   const u16* x;          // [M, K]
-  const u16* w;          // [N, K]
+  const void* w;         // [N, K] T (W16) or E4M3 bytes (E4M3)
+  const float* wscale;   // [N] fp32, E4M3 only: per-row (output channel) scale
   const u16* bias;       // [N] or null
   const u16* norm_w;     // [K] or null (no NORM prologue)
   const float* cos_sin;  // rope_kv
@@ -101,6 +117,8 @@ struct SkinnyArgs {
   int M, N, K, half;  // half = S / 2, the distance between the two rows of a pair
   int H, Hkv, D;      // rope_kv
   float eps;          // NORM
+  unsigned char* k_cache8;  // rope_kvfp8: the E4M3 caches
+  unsigned char* v_cache8;
 };
 
 // 16-byte loads. W is streamed once (no L1 allocation, 256-byte L2 prefetch: the 8 warps of a block
@@ -124,6 +142,49 @@ __device__ __forceinline__ Vec16 zero16() {
   Vec16 v = {{0u, 0u, 0u, 0u}};
   return v;
 }
+__device__ __forceinline__ Vec8 ld_weight8(const unsigned char* p) {
+  Vec8 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.w[0]), "=r"(v.w[1]) : "l"(p));
+  return v;
+}
+
+// The weight storage of a kernel: W16 (W in the activation dtype T) or E4M3 (one byte per element, converted
+// to T in registers; the per-row scale is applied to the fp32 accumulators in the epilogue). Raw = what one
+// lane loads per row per 32-element chunk (its 8 elements at k0 + 8t); operand<T> = those 8 elements as the
+// mma's four T pairs (register i: elements 2i, 2i + 1).
+struct W16 {
+  typedef u16 Elem;
+  typedef Vec16 Raw;
+  static constexpr bool SCALED = false;
+  static __device__ __forceinline__ Raw load(const Elem* p) { return ld_weight16(p); }
+  static __device__ __forceinline__ Raw zero() { return zero16(); }
+  template <class T>
+  static __device__ __forceinline__ Vec16 operand(const Raw& r) { return r; }
+};
+// 8-byte loads: half the weight bytes in flight per lane of the 16-bit kernels for the same k positions (the
+// simplest mapping, one set of fragments for both). If the H200 measures these entries short of the weight-read
+// floor, the next step is a 16-byte-per-lane mapping (one load covering this lane's slots of two consecutive
+// chunks, x loaded to match) or a larger SK_GROUP for E4M3 (the raw W registers are half as many).
+// operand: common.cuh's exact E4M3 read (the KV cache's too), 4 instructions per T pair, no FP8 cvt (the sm_80
+// cubin serves sm_86 / sm_89 too). The NaN codes 0x7f / 0xff would come out as +-480: engine.quant.quantize_fp8
+// saturates, so a weight holds none.
+struct E4M3 {
+  typedef unsigned char Elem;
+  typedef Vec8 Raw;
+  static constexpr bool SCALED = true;
+  static __device__ __forceinline__ Raw load(const Elem* p) { return ld_weight8(p); }
+  static __device__ __forceinline__ Raw zero() {
+    Vec8 v = {{0u, 0u}};
+    return v;
+  }
+  template <class T>
+  static __device__ __forceinline__ Vec16 operand(const Raw& r) {
+    Vec16 v;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) fp8x4_to_pairs<T>(r.w[i], v.w[2 * i], v.w[2 * i + 1]);  // elements 4i .. 4i + 3
+    return v;
+  }
+};
 // Packed multiply of two T pairs, one rounding each (fma with -0: exact sign of zero products).
 template <class T>
 struct Mul2;
@@ -152,10 +213,10 @@ __device__ __forceinline__ float add_squares(float s, u32 x) {
 }
 
 // Per-lane operand pointers of the main loop.
-template <int NT>
+template <class W, int NT>
 struct LaneOperands {
-  const u16* wa;      // W row r0, + 8t
-  const u16* wb;      // W row r1, + 8t
+  const typename W::Elem* wa;  // W row r0, + 8t
+  const typename W::Elem* wb;  // W row r1, + 8t
   const u16* x;       // token g, + 8t; token 8j + g is at x + j * xstride (read only where xv[j])
   i64 xstride;        // 8 K
   bool xv[NT];        // token 8j + g < M
@@ -165,20 +226,21 @@ struct LaneOperands {
 // U chunks c, c + WARPS, ..., c + WARPS (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
 // (warp-uniform: c depends on the warp only). load_weight_group issues the group's W loads; mma_group then
 // loads x (and norm_w) and runs the group's mmas.
-template <int NT, int U, bool FULL, int WARPS>
-__device__ __forceinline__ void load_weight_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<NT>& L, int c,
-                                                  int C) {
+template <class W, int NT, int U, bool FULL, int WARPS>
+__device__ __forceinline__ void load_weight_group(typename W::Raw (&wa)[U], typename W::Raw (&wb)[U],
+                                                  const LaneOperands<W, NT>& L, int c, int C) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const bool on = FULL || c + WARPS * u < C;
     const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
-    wa[u] = on ? ld_weight16(L.wa + k) : zero16();
-    wb[u] = on ? ld_weight16(L.wb + k) : zero16();
+    wa[u] = on ? W::load(L.wa + k) : W::zero();
+    wb[u] = on ? W::load(L.wb + k) : W::zero();
   }
 }
-template <class T, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
-__device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                          const Vec16 (&wa)[U], const Vec16 (&wb)[U], int c, int C) {
+template <class T, class W, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
+__device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<W, NT>& L,
+                                          const typename W::Raw (&wa_raw)[U], const typename W::Raw (&wb_raw)[U],
+                                          int c, int C) {
   Vec16 xb[U][NT], nw[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -191,6 +253,7 @@ __device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[N
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (!FULL && c + WARPS * u >= C) continue;
+    const Vec16 wa = W::template operand<T>(wa_raw[u]), wb = W::template operand<T>(wb_raw[u]);
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       if (NORM) {  // tokens >= M: x = 0, so the operand and the sum stay 0
@@ -200,8 +263,8 @@ __device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[N
           xb[u][j].w[i] = Mul2<T>::run(xb[u][j].w[i], nw[u].w[i]);
         }
       }
-      const u32 a_lo[4] = {wa[u].w[0], wb[u].w[0], wa[u].w[1], wb[u].w[1]};
-      const u32 a_hi[4] = {wa[u].w[2], wb[u].w[2], wa[u].w[3], wb[u].w[3]};
+      const u32 a_lo[4] = {wa.w[0], wb.w[0], wa.w[1], wb.w[1]};
+      const u32 a_hi[4] = {wa.w[2], wb.w[2], wa.w[3], wb.w[3]};
       Mma<T>::run(acc[u % CH][j], a_lo, xb[u][j].w[0], xb[u][j].w[1]);
       Mma<T>::run(acc[u % CH][j], a_hi, xb[u][j].w[2], xb[u][j].w[3]);
     }
@@ -209,34 +272,34 @@ __device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[N
 }
 
 // The first group's W loads of this warp (chunks warp, warp + WARPS, ...): full0 = all U chunks exist.
-template <int NT, int U, int WARPS>
-__device__ __forceinline__ void load_first_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<NT>& L, int warp,
-                                                 int C, bool full0) {
+template <class W, int NT, int U, int WARPS>
+__device__ __forceinline__ void load_first_group(typename W::Raw (&wa)[U], typename W::Raw (&wb)[U],
+                                                 const LaneOperands<W, NT>& L, int warp, int C, bool full0) {
   if (full0)
-    load_weight_group<NT, U, true, WARPS>(wa, wb, L, warp, C);
+    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, warp, C);
   else
-    load_weight_group<NT, U, false, WARPS>(wa, wb, L, warp, C);
+    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, warp, C);
 }
 
 // One tile's main loop for this warp, its first group's W already loaded into wa0 / wb0 (load_first_group).
-template <class T, int NT, int U, int CH, bool NORM, int WARPS>
-__device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<NT>& L,
-                                                const Vec16 (&wa0)[U], const Vec16 (&wb0)[U], int warp, int C,
-                                                bool full0) {
+template <class T, class W, int NT, int U, int CH, bool NORM, int WARPS>
+__device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT],
+                                                const LaneOperands<W, NT>& L, const typename W::Raw (&wa0)[U],
+                                                const typename W::Raw (&wb0)[U], int warp, int C, bool full0) {
   if (!full0) {  // the first group is this warp's only one (possibly empty: K < 32 WARPS)
-    mma_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa0, wb0, warp, C);
+    mma_group<T, W, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa0, wb0, warp, C);
     return;
   }
-  mma_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa0, wb0, warp, C);
+  mma_group<T, W, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa0, wb0, warp, C);
   int c = warp + WARPS * U;
-  Vec16 wa[U], wb[U];
+  typename W::Raw wa[U], wb[U];
   for (; c + WARPS * (U - 1) < C; c += WARPS * U) {
-    load_weight_group<NT, U, true, WARPS>(wa, wb, L, c, C);
-    mma_group<T, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa, wb, c, C);
+    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, c, C);
+    mma_group<T, W, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa, wb, c, C);
   }
   if (c < C) {
-    load_weight_group<NT, U, false, WARPS>(wa, wb, L, c, C);
-    mma_group<T, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa, wb, c, C);
+    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, c, C);
+    mma_group<T, W, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa, wb, c, C);
   }
 }
 
@@ -248,14 +311,20 @@ __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (
 // completed when this one starts).
 template <int NT>
 struct EpilogueIn {
+  float ws0, ws1;  // E4M3: the weight scales of rows r0 / r1
   float b0, b1;
   float in0[NT][2], in1[NT][2];
   i64 slot[NT][2];
 };
-template <class T, int NT, int EP>
+template <class T, class W, int NT, int EP>
 __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyArgs& a, int p, int r0, int r1, int t) {
   const int M = a.M, half = a.half;
   const int head = p / half, i = p % half;  // rope_kv
+  e.ws0 = e.ws1 = 1.f;
+  if (W::SCALED) {
+    e.ws0 = a.wscale[r0];
+    e.ws1 = a.wscale[r1];
+  }
   e.b0 = e.b1 = 0.f;
   if (EP != EP_SILU && EP != EP_RESIDUAL && a.bias) {
     e.b0 = T::to_float(a.bias[r0]);
@@ -273,7 +342,7 @@ __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyA
         const u16* res = (const u16*)a.out + (i64)m * a.N;
         e.in0[j][s] = T::to_float(res[r0]);
         e.in1[j][s] = T::to_float(res[r1]);
-      } else if (EP == EP_ROPE_KV) {
+      } else if (EP == EP_ROPE_KV || EP == EP_ROPE_KV8) {
         if (head >= a.H) e.slot[j][s] = a.slot_mapping[m];
         if (head < a.H + a.Hkv) {
           const float* cs = a.cos_sin + a.rope_index[m] * (i64)a.D;
@@ -286,13 +355,14 @@ __device__ __forceinline__ void epilogue_inputs(EpilogueIn<NT>& e, const SkinnyA
 }
 
 // The epilogue of one 16-row tile (pairs p = 8 tile + g of rows r0 / r1) held in fragment layout:
-// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). scale[j][s]: the
-// NORM prologue's inv_rms of that token (1 without NORM); e: epilogue_inputs' operands,
+// acc[j][s] -> (row r0, token 8j + 2t + s); acc[j][2 + s] -> (row r1, the same token). E4M3: first
+// acc *= the row's weight scale (e.ws0 / e.ws1), as engine.quant.fp8_linear scales its fp32 accumulators.
+// scale[j][s]: the NORM prologue's inv_rms of that token (1 without NORM); e: epilogue_inputs' operands,
 // loaded before the first store (the compiler cannot move a global load above a store it may alias, so
 // loads between the stores would cost one memory round trip per token).
 // rope_kv: q -> q_out, k (heads H .. H + Hkv - 1) -> k_cache, v -> v_cache, all 8 pairs of a tile in one
 // head (half % 8 == 0); v0 / v1 rounded to T first, RoPE with rope_cache_write.cu's numerics.
-template <class T, int NT, int EP>
+template <class T, class W, int NT, int EP>
 __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float (&acc)[NT][4], const EpilogueIn<NT>& e,
                                                 int p, int r0, int r1, int t, const float (&scale)[NT][2]) {
   const int M = a.M, half = a.half;
@@ -303,7 +373,12 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
     for (int s = 0; s < 2; ++s) {
       const int m = 8 * j + 2 * t + s;
       if (m >= M) continue;
-      const float v0 = acc[j][s] * scale[j][s] + e.b0, v1 = acc[j][2 + s] * scale[j][s] + e.b1;
+      float c0 = acc[j][s], c1 = acc[j][2 + s];
+      if (W::SCALED) {
+        c0 *= e.ws0;
+        c1 *= e.ws1;
+      }
+      const float v0 = c0 * scale[j][s] + e.b0, v1 = c1 * scale[j][s] + e.b1;
       if (EP == EP_STORE) {
         u16* out = (u16*)a.out + (i64)m * a.N;
         out[r0] = T::from_float(v0);
@@ -320,6 +395,27 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
         u16* res = (u16*)a.out + (i64)m * a.N;
         res[r0] = T::from_float(e.in0[j][s] + v0);
         res[r1] = T::from_float(e.in1[j][s] + v1);
+      } else if (EP == EP_ROPE_KV8) {  // rope_kv's values; the cache rows as E4M3 (rounded to T first)
+        const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
+        const int D = a.D;
+        float y0 = x0, y1 = x1;
+        if (head < a.H + a.Hkv) {
+          const float c = e.in0[j][s], sn = e.in1[j][s];
+          y0 = round_to<T>(__fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn)));
+          y1 = round_to<T>(__fadd_rn(__fmul_rn(x1, c), __fmul_rn(x0, sn)));
+        }
+        if (head < a.H) {
+          u16* dst = (u16*)a.out + ((i64)m * a.H + head) * D;
+          dst[i] = T::from_float(y0);
+          dst[half + i] = T::from_float(y1);
+        } else {
+          if (e.slot[j][s] < 0) continue;
+          unsigned char* dst = head < a.H + a.Hkv ? a.k_cache8 + (e.slot[j][s] * a.Hkv + (head - a.H)) * (i64)D
+                                                  : a.v_cache8 + (e.slot[j][s] * a.Hkv + (head - a.H - a.Hkv)) * (i64)D;
+          const u32 pair = fp8x2_from_floats(y0, y1);
+          dst[i] = (unsigned char)(pair & 0xffu);
+          dst[half + i] = (unsigned char)(pair >> 8);
+        }
       } else {  // EP_ROPE_KV
         const float x0 = round_to<T>(v0), x1 = round_to<T>(v1);
         const int D = a.D;
@@ -344,7 +440,7 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
   }
 }
 
-template <class T, int NT, int EP, int WARPS>
+template <class T, class W, int NT, int EP, int WARPS>
 __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   TRACE_SCOPE;
   constexpr int U = SK_GROUP;
@@ -363,9 +459,10 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   const int r0 = (p / half) * 2 * half + p % half;
   const int r1 = r0 + half;
 
-  LaneOperands<NT> L;
-  L.wa = a.w + (i64)r0 * K + 8 * t;
-  L.wb = a.w + (i64)r1 * K + 8 * t;
+  LaneOperands<W, NT> L;
+  const typename W::Elem* w = (const typename W::Elem*)a.w;
+  L.wa = w + (i64)r0 * K + 8 * t;
+  L.wb = w + (i64)r1 * K + 8 * t;
   L.nw = a.norm_w + 8 * t;
   L.x = a.x + (i64)g * K + 8 * t;
   L.xstride = (i64)8 * K;
@@ -375,11 +472,11 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   // The first group's W loads, then warp 0's epilogue operands at NT = 1 (up to 8 tokens: the engine's skinny
   // forwards), then the wait for the previous kernel; the 16- and 32-token entries load the epilogue's operands
   // after the reduction (held through the main loop they would spill there).
-  Vec16 wa0[U], wb0[U];
-  load_first_group<NT, U, WARPS>(wa0, wb0, L, warp, C, full0);
+  typename W::Raw wa0[U], wb0[U];
+  load_first_group<W, NT, U, WARPS>(wa0, wb0, L, warp, C, full0);
   constexpr bool EARLY_EPI = NT == 1;
   EpilogueIn<NT> epi;
-  if (EARLY_EPI && warp == 0) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
+  if (EARLY_EPI && warp == 0) epilogue_inputs<T, W, NT, EP>(epi, a, p, r0, r1, t);
   wait_then_allow_dependents();
 
   float chains[CH][NT][4];
@@ -394,9 +491,9 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
     }
   }
   if (norm)
-    skinny_mainloop<T, NT, U, CH, true, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
+    skinny_mainloop<T, W, NT, U, CH, true, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
   else
-    skinny_mainloop<T, NT, U, CH, false, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
+    skinny_mainloop<T, W, NT, U, CH, false, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
   TRACE_MARK(0);  // warp 0's share of W consumed
   float acc[NT][4];
 #pragma unroll
@@ -453,60 +550,82 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       }
     }
   }
-  if (!EARLY_EPI) epilogue_inputs<T, NT, EP>(epi, a, p, r0, r1, t);
-  skinny_epilogue<T, NT, EP>(a, acc, epi, p, r0, r1, t, scale);
+  if (!EARLY_EPI) epilogue_inputs<T, W, NT, EP>(epi, a, p, r0, r1, t);
+  skinny_epilogue<T, W, NT, EP>(a, acc, epi, p, r0, r1, t, scale);
 }
 
 // ---------------------------------------------------------------------------------------------
 // Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
-// per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs).
+// per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs); E4M3 weights:
+// skinny_<ep>_<dt>_fp8_m8[_w16], the same with `w` E4M3 bytes and `w_scale` [N] fp32 right after it. Every
+// epilogue exists for both weight storages, rope_kvfp8 (an E4M3 KV cache) included.
+// SK_<W>_PARAMS / SK_<W>_SET: the weight's parameters and how they enter SkinnyArgs.
+#define SK_W16_PARAMS const u16* w
+#define SK_W16_SET a.w = w;
+#define SK_E4M3_PARAMS const unsigned char* w, const float* w_scale
+#define SK_E4M3_SET a.w = w; a.wscale = w_scale;
 
-#define SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, WARPS, MINB, WSFX)                                                       \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(                 \
-      u16* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {   \
+#define SKINNY_ENTRIES_W(SUFFIX, T, W, WPARAMS, WSET, MB, NT, WARPS, MINB, WSFX)                                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(               \
+      u16* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {        \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
+    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_STORE, WARPS>(a);                                                                         \
+    skinny_impl<T, W, NT, EP_STORE, WARPS>(a);                                                                      \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                   \
-      float* out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) { \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                 \
+      float* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {      \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                                \
+    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_F32, WARPS>(a);                                                                           \
+    skinny_impl<T, W, NT, EP_F32, WARPS>(a);                                                                        \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                  \
-      u16* out, const u16* x, const u16* w, const u16* norm_w, int M, int I, int K, float eps) {                    \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                \
+      u16* out, const u16* x, WPARAMS, const u16* norm_w, int M, int I, int K, float eps) {                         \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; a.w = w; a.norm_w = norm_w;                                                               \
+    a.out = out; a.x = x; WSET a.norm_w = norm_w;                                                                   \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
-    skinny_impl<T, NT, EP_SILU, WARPS>(a);                                                                          \
+    skinny_impl<T, W, NT, EP_SILU, WARPS>(a);                                                                       \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(              \
-      u16* residual, const u16* x, const u16* w, int M, int N, int K) {                                             \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(            \
+      u16* residual, const u16* x, WPARAMS, int M, int N, int K) {                                                  \
     SkinnyArgs a = {};                                                                                              \
-    a.out = residual; a.x = x; a.w = w; a.M = M; a.N = N; a.K = K; a.half = N / 2;                                  \
-    skinny_impl<T, NT, EP_RESIDUAL, WARPS>(a);                                                                      \
+    a.out = residual; a.x = x; WSET a.M = M; a.N = N; a.K = K; a.half = N / 2;                                      \
+    skinny_impl<T, W, NT, EP_RESIDUAL, WARPS>(a);                                                                   \
   }                                                                                                                 \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(               \
-      u16* q_out, const u16* x, const u16* w, const u16* bias, const u16* norm_w, const float* cos_sin,             \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(             \
+      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
       const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
       int K, float eps) {                                                                                           \
     SkinnyArgs a = {};                                                                                              \
-    a.out = q_out; a.x = x; a.w = w; a.bias = bias; a.norm_w = norm_w;                                              \
+    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
-    skinny_impl<T, NT, EP_ROPE_KV, WARPS>(a);                                                                       \
+    skinny_impl<T, W, NT, EP_ROPE_KV, WARPS>(a);                                                                    \
+  }                                                                                                                 \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kvfp8_##SUFFIX##_m##MB##WSFX(          \
+      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
+      const i64* rope_index, unsigned char* k_cache, unsigned char* v_cache, const i64* slot_mapping, int M, int H, \
+      int Hkv, int D, int K, float eps) {                                                                           \
+    SkinnyArgs a = {};                                                                                              \
+    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
+    a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache8 = k_cache; a.v_cache8 = v_cache;                     \
+    a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
+    a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
+    skinny_impl<T, W, NT, EP_ROPE_KV8, WARPS>(a);                                                                   \
   }
-#define SKINNY_ENTRIES(SUFFIX, T, MB, NT)     \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 8, 2, ) \
-  SKINNY_ENTRIES_W(SUFFIX, T, MB, NT, 16, 1, _w16)
+#define SKINNY_ENTRIES(SUFFIX, T, W, MB, NT)                                    \
+  SKINNY_ENTRIES_W(SUFFIX, T, W, SK_##W##_PARAMS, SK_##W##_SET, MB, NT, 8, 2, ) \
+  SKINNY_ENTRIES_W(SUFFIX, T, W, SK_##W##_PARAMS, SK_##W##_SET, MB, NT, 16, 1, _w16)
 
-SKINNY_ENTRIES(bf16, Bf16, 8, 1)
-SKINNY_ENTRIES(bf16, Bf16, 16, 2)
-SKINNY_ENTRIES(bf16, Bf16, 32, 4)
-SKINNY_ENTRIES(fp16, Fp16, 8, 1)
-SKINNY_ENTRIES(fp16, Fp16, 16, 2)
-SKINNY_ENTRIES(fp16, Fp16, 32, 4)
+SKINNY_ENTRIES(bf16, Bf16, W16, 8, 1)
+SKINNY_ENTRIES(bf16, Bf16, W16, 16, 2)
+SKINNY_ENTRIES(bf16, Bf16, W16, 32, 4)
+SKINNY_ENTRIES(fp16, Fp16, W16, 8, 1)
+SKINNY_ENTRIES(fp16, Fp16, W16, 16, 2)
+SKINNY_ENTRIES(fp16, Fp16, W16, 32, 4)
+// E4M3 weights: decode batches of up to 8 tokens only (CudaOps.SKINNY_TOKENS; more rows go to W8A8 GEMMs).
+SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 8, 1)
+SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 8, 1)
+

@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from engine.cuda.driver import KernelArgError
+from engine.quant import FP8_DTYPE
 
 DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+KV_FP8_SUFFIX = "_kvfp8"  # the entries that read / write an E4M3 KV cache (--kv-cache-dtype fp8)
 ATTENTION_HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # any multiple of 16 up to 128 could be added
 
 
@@ -52,8 +54,19 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def cache_dtype(k_cache: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype the paged K and V caches of a kernel with `dtype` activations must both have: `dtype`, or E4M3 (an
+    FP8 KV cache, engine/quant.py fp8_kv) when k_cache holds E4M3."""
+    return FP8_DTYPE if isinstance(k_cache, torch.Tensor) and k_cache.dtype == FP8_DTYPE else dtype
+
+
+def kv_suffix(k_cache: torch.Tensor) -> str:
+    """The entry-name suffix of the kernels for this cache: KV_FP8_SUFFIX for E4M3, "" for a 16-bit cache."""
+    return KV_FP8_SUFFIX if k_cache.dtype == FP8_DTYPE else ""
+
+
 def kv_cache_arg(cache: torch.Tensor, what: str, dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> int:
-    """A paged K or V cache [num_blocks, block_size (a power of two), num_kv_heads, head_dim]."""
+    """A paged K or V cache [num_blocks, block_size (a power of two), num_kv_heads, head_dim] of `dtype`."""
     ptr = tensor_arg(cache, what, dtype, 4)
     if cache.shape[2] != num_kv_heads or cache.shape[3] != head_dim:
         raise KernelArgError(f"{what}: expected [num_blocks, block_size, {num_kv_heads}, {head_dim}], got "
@@ -69,7 +82,7 @@ def rope_operands(cos_sin: torch.Tensor, rope_index: torch.Tensor, slot_mapping:
                   dtype: torch.dtype) -> tuple[int, int, int, int, int]:
     """Checks what RoPE with a KV-cache write reads besides q/k/v (rope_cache_write, and the same fused into
     decode attention and the skinny QKV kernel): cos_sin [P, D] fp32, rope_index and slot_mapping [T] int64,
-    the two caches. Returns their pointers."""
+    the two caches (both `dtype`, or both E4M3). Returns their pointers."""
     cs = tensor_arg(cos_sin, "cos_sin", torch.float32, 2)
     if cos_sin.shape[1] != D:
         raise KernelArgError(f"cos_sin: expected [P, {D}], got {tuple(cos_sin.shape)}")
@@ -78,16 +91,18 @@ def rope_operands(cos_sin: torch.Tensor, rope_index: torch.Tensor, slot_mapping:
     if rope_index.shape[0] != T or slot_mapping.shape[0] != T:
         raise KernelArgError(f"rope_index / slot_mapping: expected [{T}], got {tuple(rope_index.shape)} / "
                              f"{tuple(slot_mapping.shape)}")
-    kc = kv_cache_arg(k_cache, "k_cache", dtype, Hkv, D)
-    vc = kv_cache_arg(v_cache, "v_cache", dtype, Hkv, D)
+    kv_dtype = cache_dtype(k_cache, dtype)
+    kc = kv_cache_arg(k_cache, "k_cache", kv_dtype, Hkv, D)
+    vc = kv_cache_arg(v_cache, "v_cache", kv_dtype, Hkv, D)
     expect_shape(v_cache, "v_cache", k_cache.shape)
     return cs, ri, sm, kc, vc
 
 
 def attention_inputs(what: str, q: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> tuple[str, int, int, int, int, int, int]:
+                     v_cache: torch.Tensor) -> tuple[str, int, int, int, int, int, int, str]:
     """Checks q [*, H, D] (contiguous heads) and the paged caches of decode / prefill attention
-    (what = "decode" / "prefill"). Returns (suffix, H, D, Hkv, q, k_cache, v_cache pointers)."""
+    (what = "decode" / "prefill"), both q's dtype or both E4M3. Returns (dtype suffix, H, D, Hkv, q, k_cache,
+    v_cache pointers, kv_suffix)."""
     sfx = dtype_suffix(q.dtype, f"{what} q")
     if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.stride(0) % 8:
         rows = "B" if what == "decode" else "T"
@@ -100,7 +115,8 @@ def attention_inputs(what: str, q: torch.Tensor, k_cache: torch.Tensor,
     if Hkv <= 0 or H % Hkv:
         raise KernelArgError(f"{what} attention: {H} query heads and k_cache {tuple(k_cache.shape)}")
     qp = tensor_arg(q, f"{what} q", q.dtype, contiguous=False)
-    kc = kv_cache_arg(k_cache, "k_cache", q.dtype, Hkv, D)
-    vc = kv_cache_arg(v_cache, "v_cache", q.dtype, Hkv, D)
+    kv_dtype = cache_dtype(k_cache, q.dtype)
+    kc = kv_cache_arg(k_cache, "k_cache", kv_dtype, Hkv, D)
+    vc = kv_cache_arg(v_cache, "v_cache", kv_dtype, Hkv, D)
     expect_shape(v_cache, "v_cache", k_cache.shape)
-    return sfx, H, D, Hkv, qp, kc, vc
+    return sfx, H, D, Hkv, qp, kc, vc, kv_suffix(k_cache)

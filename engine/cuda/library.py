@@ -22,10 +22,10 @@ import torch
 
 from engine import env
 from engine.cuda import build
-from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX
+from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX, KV_FP8_SUFFIX
 from engine.cuda.driver import Kernel, KernelLoadError, check, cuda_driver, error_text
 from engine.cuda.wrappers import decode_attention, prefill_attention
-from engine.cuda.wrappers.skinny_linear import SKINNY_EPILOGUE_ARGS, SKINNY_M_BUCKETS
+from engine.cuda.wrappers.skinny_linear import SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS, SKINNY_M_BUCKETS
 
 log = logging.getLogger(__name__)
 
@@ -45,21 +45,26 @@ def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
     return [KernelSpec(fmt.format(dt=dt), args) for dt in ("bf16", "fp16")]
 
 
+KV_SUFFIXES = ("", KV_FP8_SUFFIX)  # the attention and cache-write entries: a 16-bit KV cache, an E4M3 one
+
 MODULES: dict[str, list[KernelSpec]] = {
     "embedding": _per_dtype("embedding_{dt}", "pppil"),
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif") + _per_dtype("residual_norm_{dt}", "pppipiif"),
-    "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}", "ppppppppplllii" + "i")
-                         for dt in ("bf16", "fp16") for v in (8, 4)],
-    "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
+    "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}{kv}", "ppppppppplllii" + "i")
+                         for dt in ("bf16", "fp16") for v in (8, 4) for kv in KV_SUFFIXES],
+    "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}{kv}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
                                      + "ppl" + "ppp" + "i")
-                         for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
-    "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
-                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS]
+                         for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS
+                         for kv in KV_SUFFIXES],
+    "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}{kv}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
+                          for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES]
     + [KernelSpec(f"prefill_attention_merge_{dt}_d{d}", "pppp" + "iii")
        for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
-                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
+                      for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
+    + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m8{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
+       for dt in ("bf16", "fp16") for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
@@ -159,10 +164,12 @@ class KernelLibrary:
             raise KernelLoadError("kernels missing from the loaded modules: " + ", ".join(missing))
         smem_attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         for dt in DTYPE_SUFFIX.values():
-            for d in ATTENTION_HEAD_DIMS:
-                for name, size in ((f"decode_attention_{dt}_d{d}", decode_attention.smem_bytes(d)),
-                                   (f"decode_attention_rope_{dt}_d{d}", decode_attention.smem_bytes(d, rope=True)),
-                                   (f"prefill_attention_{dt}_d{d}", prefill_attention.smem_bytes(d))):
+            for d, kv in ((d, kv) for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES):
+                fp8 = kv == KV_FP8_SUFFIX
+                for name, size in ((f"decode_attention_{dt}_d{d}{kv}", decode_attention.smem_bytes(d, fp8_kv=fp8)),
+                                   (f"decode_attention_rope_{dt}_d{d}{kv}",
+                                    decode_attention.smem_bytes(d, rope=True, fp8_kv=fp8)),
+                                   (f"prefill_attention_{dt}_d{d}{kv}", prefill_attention.smem_bytes(d, fp8))):
                     if size > self.max_smem_optin:
                         raise KernelLoadError(f"{name} needs {size} bytes of shared memory; the device "
                                               f"allows {self.max_smem_optin}")
@@ -173,13 +180,15 @@ class KernelLibrary:
         self.topk_smem_limit = self.max_smem_optin - 1024
         check("cuFuncSetAttribute(sample_topk_merge, MAX_DYNAMIC_SHARED_SIZE_BYTES)",
               driver.cuFuncSetAttribute(self.kernels["sample_topk_merge"].func, smem_attr, self.topk_smem_limit))
-        # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64).
-        self.decode_blocks_per_sm = {
-            d: check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d})",
-                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                         self.kernels[f"decode_attention_bf16_d{d}"].func, decode_attention.DECODE_THREADS,
-                         decode_attention.smem_bytes(d)))
-            for d in ATTENTION_HEAD_DIMS}
+        # Decode attention blocks one SM holds at once, per head dim (shared memory bounds it: 3 at D = 64), for
+        # a 16-bit cache and for an E4M3 one (the _kvfp8 entries: their own tiles and registers).
+        self.decode_blocks_per_sm, self.decode_blocks_per_sm_kvfp8 = (
+            {d: check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d}{kv})",
+                      driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                          self.kernels[f"decode_attention_bf16_d{d}{kv}"].func, decode_attention.DECODE_THREADS,
+                          decode_attention.smem_bytes(d, fp8_kv=bool(kv))))
+             for d in ATTENTION_HEAD_DIMS}
+            for kv in KV_SUFFIXES)
         self._stream = _raw_stream_fn()
         log.info("CUDA kernels loaded on device %d (sm_%d%d, %d SMs): %s", index, major, minor, self.num_sms,
                  ", ".join(f"{m}={o}" for m, o in self.origin.items()))

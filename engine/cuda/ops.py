@@ -15,6 +15,10 @@ sizes taken from tensor shapes and host-known configuration only, reads no devic
 and launches on the current torch stream. prefill_attention sizes its grid from its host lists and
 copies a small work list to the device (it runs eagerly).
 
+The KV cache is the activations' dtype or E4M3 (--kv-cache-dtype fp8): every kernel that writes or reads it
+(rope_cache_write, the skinny QKV kernel's rope_kv, decode and prefill attention) has a _kvfp8 entry, which the
+wrappers pick from the cache's dtype; the prefill path through torch's fused attention converts the gathered keys.
+
 Beyond TorchOps: `accept_drafts` (batched speculative acceptance, the sync-free form of
 engine.sampling.accept_drafts for B sequences with K drafts each).
 """
@@ -43,8 +47,8 @@ from engine.cuda.wrappers import (
 from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
-from engine.quant import Fp8Weight, Weight, finish_linear, fp8_linear, quantize_activations
+from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps, kv_rows
+from engine.quant import FP8_DTYPE, Fp8Weight, Weight, finish_linear, fp8_linear, quantize_activations
 
 SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -53,13 +57,16 @@ DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query ro
 
 
 def skinny_fits(x: torch.Tensor, weight: Weight, span: int) -> bool:
-    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows, and a 16-bit weight [N, K]
-    they can cut into 16-row tiles of row pairs (r, r + span / 2). Never an Fp8Weight (no FP8 skinny kernel yet:
-    CudaOps.linear takes those)."""
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows of 16-bit x, and a weight
+    [N, K] they can cut into 16-row tiles of row pairs (r, r + span / 2): 16-bit, or an Fp8Weight with per-channel
+    scales (the _fp8 kernels; other blocks keep CudaOps.linear's torch paths)."""
     if isinstance(weight, Fp8Weight):
+        if not weight.per_channel or weight.data.dtype != FP8_DTYPE or not weight.data.is_contiguous():
+            return False
+    elif weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
-    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and weight.dtype in (torch.bfloat16, torch.float16)
+    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
@@ -151,7 +158,7 @@ class CudaOps(TorchOps):
         # Not for a verify forward: its rows read the cache rows their sequence's earlier rows write in this
         # launch (the fused kernel writes each row's own token only), so rope_cache_write goes first there.
         if layer.q_norm is not None or self._rows_per_seq > 1 or not decode_attention.fits_one_wave(
-                self.lib, B, H, Hkv, D, self.max_seq_len):
+                self.lib, B, H, Hkv, D, self.max_seq_len, fp8_kv=kv.k.dtype == FP8_DTYPE):
             return super().qkv_attention(h, layer, meta, kv, normed)
         x = self.rms_norm(h, layer.input_norm, spec.eps) if normed is None else normed
         out = self.linear(x, layer.qkv, layer.qkv_bias)
@@ -207,14 +214,17 @@ class CudaOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.linear; an Fp8Weight (engine/quant.py) runs through torch until FP8 kernels exist:
+        """TorchOps.linear; an Fp8Weight (engine/quant.py):
+        - per-channel scales, up to SKINNY_TOKENS rows that skinny_fits: the skinny FP8 kernel (skinny_store /
+          skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
+          the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
+          residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
         - per-channel scales, more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit
           output and a shape _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale
           (fp8_scaled_mm);
-        - other per-channel cases (decode up to SKINNY_TOKENS rows, fp16 activations, fp32 logits): W8A16, the
-          reference arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads
-          and writes a 16-bit copy of the weight per call; a skinny FP8 kernel (dequantizing in registers) will
-          replace it;
+        - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
+          arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
+          a 16-bit copy of the weight per call;
         - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
           weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
           fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
@@ -224,6 +234,11 @@ class CudaOps(TorchOps):
         out = add_to.dtype if add_to is not None else out_dtype or x.dtype
         if not weight.per_channel:
             return fp8_linear(x, weight, bias, add_to, out)
+        if skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype):
+            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype if out == x.dtype and add_to is None
+                            else torch.float32, device=x.device)
+            skinny_linear.store(self.lib, y, x, weight, bias)
+            return finish_linear(y, None, add_to, out)
         if x.shape[0] > SKINNY_TOKENS and out != torch.float32 and scaled_mm_fits(x, weight):
             return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
         acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
@@ -257,9 +272,11 @@ class CudaOps(TorchOps):
         """rope: the fused RoPE and KV write of qkv_attention (engine/cuda/wrappers/decode_attention.py).
         fresh: launched right behind the kernel that produced q (qkv_attention's QKV projection),
         with programmatic dependent launch; that kernel wrote no cache row of a position < seq_len - fresh,
-        so the older rows (and the tables) are read before the wait. None: serialised, nothing read early."""
+        so the older rows (and the tables) are read before the wait. None: serialised, nothing read early.
+        The caches are q's dtype or E4M3 (--kv-cache-dtype fp8: the kernels' _kvfp8 entries)."""
         batch, num_heads, head_dim = q.shape
-        splits = decode_attention.key_splits(self.lib, batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len)
+        splits = decode_attention.key_splits(self.lib, batch, num_heads, k_cache.shape[2], head_dim, self.max_seq_len,
+                                             fp8_kv=k_cache.dtype == FP8_DTYPE)
         out = torch.empty((batch, num_heads, head_dim), dtype=q.dtype, device=q.device)
         part_o = part_lse = None
         if splits > 1:
@@ -312,7 +329,8 @@ class CudaOps(TorchOps):
         """Sequences whose lengths round up to the same multiple of SDPA_BUCKET go through one causal
         scaled_dot_product_attention call (GQA), padded to that length, so sequences of different
         lengths share a call. Padding sits after each sequence's last key, so causal masking keeps it
-        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset."""
+        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset. An E4M3 cache's
+        keys are gathered as bytes and converted to q's dtype (exact) for the call."""
         if self._sdpa_key != key:
             self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
             self._sdpa_key = key
@@ -325,8 +343,8 @@ class CudaOps(TorchOps):
             n, length = group.num_seqs, group.length
             qg = (q[:n * length] if group.q_index is None else q[group.q_index]).view(
                 n, length, num_heads, head_dim).transpose(1, 2)
-            kg = k_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
-            vg = v_flat[group.kv_index].view(n, length, num_kv_heads, head_dim).transpose(1, 2)
+            kg, vg = (kv_rows(flat, group.kv_index).to(q.dtype).view(n, length, num_kv_heads, head_dim)
+                      .transpose(1, 2) for flat in (k_flat, v_flat))
             with (sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext()):
                 og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
                                                                       enable_gqa=num_heads != num_kv_heads)

@@ -183,8 +183,11 @@ class TorchOps:
         k_rows, v_rows = rotate(k)[keep], v[keep]
         if k_cache.dtype == FP8_DTYPE:  # --kv-cache-dtype fp8 (readers upcast with .float())
             k_rows, v_rows = fp8_kv(k_rows), fp8_kv(v_rows)
-        k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping[keep]] = k_rows
-        v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping[keep]] = v_rows
+        for cache, rows in ((k_cache, k_rows), (v_cache, v_rows)):
+            flat = cache.view(num_blocks * block_size, *cache.shape[2:])
+            if cache.dtype == FP8_DTYPE:  # written as bytes: float8 index kernels are missing from some torch builds
+                flat, rows = flat.view(torch.uint8), rows.view(torch.uint8)
+            flat[slot_mapping[keep]] = rows
         return rotate(q)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -197,8 +200,8 @@ class TorchOps:
         max_len = int(seq_lens.max())
         num_blocks = -(-max_len // block_size)
         table = block_tables[:, :num_blocks].long()
-        k = k_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim).float()
-        v = v_cache[table].reshape(batch, num_blocks * block_size, num_kv_heads, head_dim).float()
+        k = kv_rows(k_cache, table).reshape(batch, num_blocks * block_size, num_kv_heads, head_dim).float()
+        v = kv_rows(v_cache, table).reshape(batch, num_blocks * block_size, num_kv_heads, head_dim).float()
         qg = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.einsum("bkgd,bskd->bkgs", qg, k) * scale
         pos = torch.arange(num_blocks * block_size, device=q.device)[None, :]
@@ -229,8 +232,8 @@ class TorchOps:
         for b, start, end, kv_len in items:
             num_blocks = -(-kv_len // block_size)
             table = block_tables[b, :num_blocks].long()
-            k = k_cache[table].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
-            v = v_cache[table].reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+            k = kv_rows(k_cache, table).reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
+            v = kv_rows(v_cache, table).reshape(-1, num_kv_heads, head_dim)[:kv_len].float()
             qs = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)
             scores = torch.einsum("qkgd,skd->kgqs", qs, k) * scale
             q_pos = torch.arange(kv_len - (end - start), kv_len, device=q.device)[:, None]
@@ -261,6 +264,14 @@ class TorchOps:
         device = target_logp.device
         return (torch.tensor([j for j, _ in out], dtype=torch.int64, device=device),
                 torch.tensor([t for _, t in out], dtype=torch.int64, device=device))
+
+
+def kv_rows(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache[index] for a cache of any dtype: an E4M3 cache's rows are gathered as bytes (float8 index kernels are
+    missing from some torch builds), the same bits."""
+    if cache.dtype == FP8_DTYPE:
+        return cache.view(torch.uint8)[index].view(FP8_DTYPE)
+    return cache[index]
 
 
 def logits(x: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:

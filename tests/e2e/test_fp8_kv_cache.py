@@ -1,7 +1,8 @@
 """--kv-cache-dtype fp8 on CPU: the cache holds E4M3 (scale 1, saturated), half the bytes of a 16-bit cache and
 so twice the blocks in the same memory (four times an fp32 cache); prefix caching and Verify (its rollback included) give the tokens plain
-decoding gives on the same FP8 cache; served over real gRPC, Info says what the cache holds; a GPU without
---kernels torch is refused at start-up with one line. Accuracy on the real model: tests/e2e/test_fp8_accuracy.py."""
+decoding gives on the same FP8 cache; served over real gRPC, Info says what the cache holds. Accuracy on the real
+model: tests/e2e/test_fp8_accuracy.py. On a GPU: the rule in tests/unit/test_fp8_kv_kernels.py, the kernels in
+tests/gpu/test_fp8_kv_gpu.py."""
 from __future__ import annotations
 
 import subprocess
@@ -12,12 +13,9 @@ import torch
 
 from conftest import ROOT, engine_config, generate_via_grpc, random_prompts, start_server
 from engine.api import PrefillItem
-from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ConfigError
 from engine.ops.torch_ops import TorchOps
 from engine.quant import FP8_DTYPE
-from engine.runtime import kv_cache_dtype
 from engine.sampling import SamplingParams, StoppingCriteria
 from metrale.worker.v1 import worker_pb2 as pb
 from pipeline_checks import verify_as_decoded
@@ -39,16 +37,6 @@ def test_the_cache_write_rounds_to_e4m3_and_saturates():
     assert torch.equal(flat_k[3], want) and torch.equal(flat_v[3], -want)
     assert flat_k[3, 0, 3].item() == 448.0 and flat_k[3, 0, 2].item() == 3.25  # saturated; 3.3 rounded to E4M3
     assert flat_k.abs().sum().item() == flat_k[3].abs().sum().item()  # nothing else written
-
-
-def test_fp8_needs_the_torch_kernels_on_a_gpu():
-    cuda = torch.device("cuda")
-    with pytest.raises(ConfigError, match="--kernels torch"):
-        kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8"), torch.bfloat16, cuda)
-    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8", kernels="torch"), torch.bfloat16, cuda) == FP8_DTYPE
-    assert kv_cache_dtype(EngineConfig(), torch.bfloat16, cuda) == torch.bfloat16
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="int8")
 
 
 def test_the_same_memory_holds_more_blocks_by_the_element_sizes_ratio(tiny_model):

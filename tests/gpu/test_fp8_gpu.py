@@ -1,4 +1,4 @@
-"""FP8 weights on the GPU (sm_89 on): CudaOps' FP8 projections (per-channel: W8A16 through torch for <= 8 rows,
+"""FP8 weights on the GPU (sm_89 on): CudaOps' FP8 projections (per-channel: the skinny _fp8 kernels for <= 8 rows,
 W8A8 through torch._scaled_mm above; other blocks: the fp32 reference) against the TorchOps reference on the
 same device, their capture in a CUDA graph, and an FP8 engine on the kernels against the FP8 torch-ops engine
 (logits of every prompt position, greedy tokens). Self-contained: a tiny bf16 checkpoint written here. Run on
@@ -10,10 +10,11 @@ import torch
 
 from engine.checkpoint import write_checkpoint
 from engine.config import EngineConfig
+from engine.cuda.wrappers import skinny_linear
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
-from engine.quant import FP8_MIN_CAPABILITY, Fp8Weight, dequantize, quantize_fp8
-from gpu.helpers import dev, greedy_run, randn
+from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, Fp8Weight, dequantize, fp8_linear, quantize_fp8
+from gpu.helpers import dev, greedy_run, nan, randn
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY,
@@ -33,7 +34,8 @@ def weight(n: int, k: int) -> Fp8Weight:
 @pytest.mark.parametrize("m", [1, 3, 8])
 @pytest.mark.parametrize("n, k", [(96, 64), (1536, 576), (576, 1536)])
 def test_w8a16_rows_match_the_reference(ops, gen, m, n, k):
-    """Up to 8 rows: the same arithmetic as the reference (fp32 accumulation, scale after), up to summation order."""
+    """Up to 8 rows (the skinny _fp8 kernels): the same arithmetic as the reference (fp32 accumulation, scale
+    after), up to summation order."""
     x, w, bias = randn(m, k, dtype=torch.bfloat16), weight(n, k), randn(n, dtype=torch.bfloat16)
     want = TorchOps().linear(x, w, bias, out_dtype=torch.float32)
     got = ops.linear(x, w, bias, out_dtype=torch.float32)
@@ -113,21 +115,31 @@ def fp8_engine(path, **kw) -> Engine:
     return Engine(EngineConfig(**base))
 
 
-@pytest.mark.parametrize("head", [False, True])
-def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
+@pytest.mark.parametrize("head, kv", [(False, "auto"), (True, "auto"), (False, "fp8")])
+def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head, kv, monkeypatch):
     """Teacher-forced log-probs of a 200-token sequence and greedy decoding of 4 and 16 sequences, the FP8
-    engine on the kernels against the FP8 torch-ops engine (the W8A16 reference).
+    engine on the kernels against the FP8 torch-ops engine (the W8A16 reference), on a 16-bit KV cache or, all three
+    engines alike, an FP8 one (kv "fp8": decode batches of up to 8 then take the skinny QKV kernel with both E4M3s,
+    skinny_rope_kvfp8_bf16_fp8_m8; its launches are recorded).
 
     Decode of up to 8 rows runs the reference's own arithmetic (W8A16): greedy tokens equal the reference's
     except at near-ties. Prefill and 16-row decode run W8A8 (activations quantized per row): a different
     arithmetic, so the bar there is measured, not assumed: the W8A8 engine must stay as close to the
     reference as the reference is to the unquantized bf16 engine (activation quantization may cost no more
     than weight quantization did), in top-1 agreement (0.05 of slack) and in the largest log-prob gap."""
-    ref = fp8_engine(ckpt, kernels="torch", quantize_lm_head=head)
-    fast = fp8_engine(ckpt, quantize_lm_head=head)
-    base = fp8_engine(ckpt, quantization="none")
+    launched = set()
+    launch = skinny_linear._launch
+
+    def recording(lib, ep, sfx, *args, **kwargs):
+        launched.add(f"{ep}_{sfx}")
+        return launch(lib, ep, sfx, *args, **kwargs)
+    monkeypatch.setattr(skinny_linear, "_launch", recording)
+    ref = fp8_engine(ckpt, kernels="torch", quantize_lm_head=head, kv_cache_dtype=kv)
+    fast = fp8_engine(ckpt, quantize_lm_head=head, kv_cache_dtype=kv)
+    base = fp8_engine(ckpt, quantization="none", kv_cache_dtype=kv)
     assert fast.runtime.ops.name == "cuda" and fast.info().quantization == "fp8"
     assert isinstance(fast.runtime.weights.layers[0].qkv, Fp8Weight)
+    assert (fast.runtime.kv.k.dtype == FP8_DTYPE) == (kv == "fp8")
     g = torch.Generator().manual_seed(4)
     tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
     a, b, c = fast.score(tokens), ref.score(tokens), base.score(tokens)
@@ -148,8 +160,259 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head):
             print(f"batch {batch}: divergence after {j} tokens: kernels {x[j]} vs reference {y[j]}, gap {gap:.4f}")
             # the first token comes from the prefill (W8A8) and batch 16 decodes W8A8: the measured bound above
             assert gap < (0.1 if batch <= 8 and j > 0 else weights_only[1]), f"not a near-tie: gap {gap}"
+    assert ("rope_kvfp8_bf16_fp8" if kv == "fp8" else "rope_kv_bf16_fp8") in launched, sorted(launched)
     for e in (fast, ref, base):
         e.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The skinny FP8-weight kernels (kernels_cu/skinny_linear.cu, entries skinny_<ep>_<dt>_fp8_m8[_w16]) through
+# their wrappers (engine/cuda/wrappers/skinny_linear.py), against the TorchOps reference: engine.quant.fp8_linear
+# (fp32 accumulation of x * data, then * scale, then the epilogue) and the torch forms of the fused ops. Outputs
+# are NaN-filled first, so an unwritten element fails. Without the NORM prologue the kernel's arithmetic is the
+# reference's up to the order of the fp32 sums; with it, up to the norm's roundings (as the bf16 kernels).
+
+SKINNY_TOKENS = [1, 3, 8]
+EPS = 1e-5
+TORCH = TorchOps()
+# [N, K] of Llama-3.2-1B (qkv, o, gate_up, down) and Llama-3.1-8B (the same), then small and odd ones: K = 2144 is
+# 67 chunks of 32 (a partial last group of chunks), K = 96 fewer chunks than warps.
+LAYER_SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
+LAYER_SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+SMALL_SHAPES = [(48, 96), (16, 32), (32, 2144), (1024, 2144)]
+
+
+@pytest.fixture(params=[8, 16], ids=["8warps", "16warps"])
+def width(request, lib):
+    """8-warp or 16-warp blocks, forced (the wrapper picks 16 for grids of at most lib.skinny_wide_tiles tiles)."""
+    wide = lib.skinny_wide_tiles
+    lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
+    yield request.param
+    lib.skinny_wide_tiles = wide
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in the output (an element left unwritten?)"
+    out64, ref64 = out.double(), ref.double()
+    return ((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30)).item()
+
+
+def fp8_layer(n: int, k: int) -> Fp8Weight:
+    """Per-channel E4M3 weight [n, k] with unit-variance outputs for unit-variance inputs, and row scales spread
+    over two decades (so that a scale applied to the wrong row shows)."""
+    w = randn(n, k, scale=k ** -0.5) * torch.logspace(-1, 1, n, device=dev())[torch.randperm(n, device=dev()), None]
+    return quantize_fp8(w)
+
+
+def normed(x: torch.Tensor, nw: torch.Tensor | None) -> torch.Tensor:
+    return x if nw is None else TORCH.rms_norm(x, nw, EPS)
+
+
+# 16-bit outputs: the reference's own rounding of the same fp32 value, up to the order of the sums.
+TOL_16, TOL_NORM, TOL_F32 = 4e-3, 1e-2, 1e-5
+
+
+def test_fp8_skinny_converts_every_e4m3_code_exactly(lib, gen, width):
+    """Every finite E4M3 code (normals, subnormals, +-0) at every byte position of a lane's 8-byte load: with one-hot
+    tokens and scale 1, the fp32 output is the code's value exactly, for bf16 and fp16 activations."""
+    n, k = 256, 256
+    codes = (torch.arange(n, device=dev())[:, None] * 7 + torch.arange(k, device=dev())[None, :]) % 256
+    codes = torch.where((codes & 0x7F) == 0x7F, torch.zeros_like(codes), codes)  # no NaN codes (0x7f, 0xff)
+    data = codes.to(torch.uint8).view(FP8_DTYPE)
+    w = Fp8Weight(data.contiguous(), torch.ones(n, 1, device=dev()), (1, k))
+    for dtype in (torch.bfloat16, torch.float16):
+        for cols in ([0, 1, 2, 3, 4, 5, 6, 7], [8, 13, 18, 23, 31, 32, 100, 255]):
+            x = torch.zeros(len(cols), k, dtype=dtype, device=dev())
+            x[torch.arange(len(cols)), torch.tensor(cols)] = 1
+            out = nan((len(cols), n), torch.float32)
+            skinny_linear.store(lib, out, x, w)
+            assert torch.equal(out, data.float().t()[cols]), f"{dtype}: a code converted wrongly"
+
+
+@pytest.mark.parametrize("m", SKINNY_TOKENS)
+@pytest.mark.parametrize("n, k", LAYER_SHAPES_1B + LAYER_SHAPES_8B + SMALL_SHAPES)
+def test_fp8_skinny_store_and_f32(lib, gen, width, m, n, k):
+    x, w, bias = randn(m, k, dtype=torch.bfloat16), fp8_layer(n, k), randn(n, dtype=torch.bfloat16)
+    for b in (None, bias):
+        out = nan((m, n), torch.float32)
+        skinny_linear.store(lib, out, x, w, b)
+        assert rel_err(out, fp8_linear(x, w, b, out_dtype=torch.float32)) <= TOL_F32
+        out = nan((m, n), torch.bfloat16)
+        skinny_linear.store(lib, out, x, w, b)
+        assert rel_err(out, fp8_linear(x, w, b)) <= TOL_16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", SKINNY_TOKENS)
+@pytest.mark.parametrize("n, k", [(2048, 2048), (1024, 2144), (48, 96)])
+def test_fp8_skinny_store_norm_prologue(lib, gen, width, dtype, m, n, k):
+    """NORM: x is the raw residual stream; the reference normalises it first (TorchOps.rms_norm, in its dtype)."""
+    x, nw = randn(m, k, dtype=dtype, scale=3.0), (1 + 0.1 * randn(k)).to(dtype)
+    w, bias = fp8_layer(n, k), randn(n, dtype=dtype)
+    out = nan((m, n), dtype)
+    skinny_linear.store(lib, out, x, w, bias, nw, EPS)
+    assert rel_err(out, fp8_linear(normed(x, nw), w, bias, out_dtype=torch.float32)) <= TOL_NORM
+    logits = nan((m, n), torch.float32)
+    skinny_linear.store(lib, logits, x, w, None, nw, EPS)
+    assert rel_err(logits, fp8_linear(normed(x, nw), w, out_dtype=torch.float32)) <= TOL_NORM
+
+
+@pytest.mark.parametrize("m", SKINNY_TOKENS)
+@pytest.mark.parametrize("inter, k, with_norm", [(8192, 2048, True), (14336, 4096, True), (8192, 2048, False),
+                                                 (64, 96, True), (8, 2144, False)])
+def test_fp8_skinny_silu(lib, gen, width, m, inter, k, with_norm):
+    """gate_up = [gate | up]: each row scaled by its own scale, then TorchOps.silu_and_mul of the rounded halves."""
+    x, nw = randn(m, k, dtype=torch.bfloat16, scale=3.0), (1 + 0.1 * randn(k)).to(torch.bfloat16)
+    nw = nw if with_norm else None
+    w = fp8_layer(2 * inter, k)
+    out = nan((m, inter), torch.bfloat16)
+    skinny_linear.silu(lib, out, x, w, nw, EPS)
+    want = TORCH.silu_and_mul(fp8_linear(normed(x, nw), w))
+    assert rel_err(out, want) <= (TOL_NORM if with_norm else TOL_16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", SKINNY_TOKENS)
+@pytest.mark.parametrize("n, k", [(2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336), (32, 2144), (16, 32)])
+def test_fp8_skinny_residual(lib, gen, width, dtype, m, n, k):
+    """residual += x @ w^T in place, one rounding: fp8_linear(..., add_to=) (fp32 sum added, rounded once)."""
+    x, w = randn(m, k, dtype=dtype), fp8_layer(n, k)
+    start = randn(m, n, dtype=dtype, scale=4.0)
+    h, h_ref = start.clone(), start.clone()
+    skinny_linear.residual(lib, h, x, w)
+    fp8_linear(x, w, add_to=h_ref)
+    assert rel_err(h - start, h_ref - start) <= 2e-2  # of the update (the sum's own error: one rounding of h)
+    assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2 ** -7 + 1e-4).all()  # at most one ulp
+
+
+@pytest.mark.parametrize("m", SKINNY_TOKENS)
+@pytest.mark.parametrize("H, Hkv, D, K, with_bias, with_norm", [
+    (32, 8, 64, 2048, False, True),   # Llama-3.2-1B
+    (32, 8, 128, 4096, False, True),  # Llama-3.1-8B
+    (4, 2, 64, 128, True, True),      # q/k/v bias (Qwen2)
+    (2, 1, 16, 96, False, False),
+])
+def test_fp8_skinny_rope_kv(lib, gen, width, m, H, Hkv, D, K, with_bias, with_norm):
+    """The fused QKV projection: qkv = fp8_linear(x') (scale before the rotation), then TorchOps.rope_cache_write;
+    tokens with a negative slot write no cache row. And bit for bit: skinny_store of the same kernel family, then
+    the torch op on its rounded qkv."""
+    dtype, N, bs, P = torch.bfloat16, (H + 2 * Hkv) * D, 16, 4096
+    x, nw = randn(m, K, dtype=dtype, scale=3.0), (1 + 0.1 * randn(K)).to(dtype)
+    nw = nw if with_norm else None
+    w, bias = fp8_layer(N, K), (randn(N, dtype=dtype) if with_bias else None)
+    freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, device=dev(), dtype=torch.float32) / D))
+    angles = torch.arange(P, device=dev(), dtype=torch.float32)[:, None] * freq[None, :]
+    cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1)
+    rope_index = torch.randint(0, P, (m,), device=dev())
+    num_blocks = -(-m // bs) + 3
+    flat = num_blocks * bs
+    slots = torch.randperm(flat, device=dev())[:m]
+    if m >= 3:
+        slots[1::3] = -1
+    k_cache, v_cache = nan((num_blocks, bs, Hkv, D), dtype), nan((num_blocks, bs, Hkv, D), dtype)
+    q_out = nan((m, H, D), dtype)
+    skinny_linear.rope_kv(lib, q_out, x, w, bias, nw, cos_sin, rope_index, k_cache, v_cache, slots, H, Hkv, EPS)
+
+    valid = slots >= 0
+    ref_slots = torch.where(valid, slots, flat + torch.arange(m, device=dev()))  # skipped tokens: scratch rows
+    ref_blocks = -(-(flat + m) // bs)
+
+    def rope(qkv):
+        q, k, v = (qkv[:, :H * D].reshape(m, H, D), qkv[:, H * D:(H + Hkv) * D].reshape(m, Hkv, D),
+                   qkv[:, (H + Hkv) * D:].reshape(m, Hkv, D))
+        kc, vc = (torch.zeros((ref_blocks, bs, Hkv, D), dtype=qkv.dtype, device=dev()) for _ in range(2))
+        return TORCH.rope_cache_write(q, k, v, cos_sin, rope_index, kc, vc, ref_slots), kc, vc
+
+    q_ref, k_ref, v_ref = rope(fp8_linear(normed(x, nw), w, bias, out_dtype=torch.float32))
+    tol = TOL_NORM if with_norm else TOL_16
+    written = slots[valid]
+    kc, vc = k_cache.view(flat, Hkv, D), v_cache.view(flat, Hkv, D)
+    assert rel_err(q_out, q_ref) <= tol
+    if written.numel():
+        assert rel_err(kc[written], k_ref.view(-1, Hkv, D)[written]) <= tol
+        assert rel_err(vc[written], v_ref.view(-1, Hkv, D)[written]) <= tol
+    untouched = torch.ones(flat, dtype=torch.bool, device=dev())
+    untouched[written] = False
+    assert torch.isnan(kc[untouched]).all() and torch.isnan(vc[untouched]).all(), "a cache write outside the slots"
+
+    qkv = nan((m, N), dtype)
+    skinny_linear.store(lib, qkv, x, w, bias, nw, EPS)
+    q_same, k_same, v_same = rope(qkv)
+    assert torch.equal(q_out, q_same)
+    if written.numel():
+        assert torch.equal(kc[written], k_same.view(-1, Hkv, D)[written])
+        assert torch.equal(vc[written], v_same.view(-1, Hkv, D)[written])
+
+
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_fp8_skinny_residual_then_norm_silu_replay_in_a_cuda_graph(lib, gen, m):
+    """An 8B layer's MLP half on FP8 weights (o_proj's skinny_residual, then gate_up's skinny_silu with the NORM
+    prologue, down's skinny_residual): captured once, replayed on fresh inputs, equal to eager bit for bit."""
+    hidden, inter, dtype = 4096, 14336, torch.bfloat16
+    w_o, w_gu, w_down = fp8_layer(hidden, hidden), fp8_layer(2 * inter, hidden), fp8_layer(hidden, inter)
+    nw = (1 + 0.1 * randn(hidden)).to(dtype)
+    a, start = randn(m, hidden, dtype=dtype), randn(m, hidden, dtype=dtype, scale=4.0)
+    h, act = start.clone(), nan((m, inter), dtype)
+
+    def forward():
+        h.copy_(start)
+        skinny_linear.residual(lib, h, a, w_o)
+        skinny_linear.silu(lib, act, h, w_gu, nw, EPS)
+        skinny_linear.residual(lib, h, act, w_down)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    for _ in range(3):
+        a.copy_(randn(m, hidden, dtype=dtype))
+        start.copy_(randn(m, hidden, dtype=dtype, scale=4.0))
+        forward()
+        eager = (h.clone(), act.clone())
+        act.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h, eager[0]) and torch.equal(act, eager[1])
+    h1 = start.clone()
+    fp8_linear(a, w_o, add_to=h1)
+    want_act = TORCH.silu_and_mul(fp8_linear(TORCH.rms_norm(h1, nw, EPS), w_gu))
+    assert rel_err(act, want_act) <= TOL_NORM
+
+
+def test_cuda_ops_route_per_channel_fp8_decode_through_the_skinny_kernels(ops, gen, monkeypatch):
+    """CudaOps: per-channel FP8 at <= 8 rows takes the _fp8 skinny kernels (fused ops and linear), block-scaled
+    weights keep the torch reference."""
+    from engine.cuda import ops as cuda_ops
+
+    launched = []
+
+    def recording(name, real):
+        def launch(*args, **kwargs):
+            launched.append(name)
+            return real(*args, **kwargs)
+        return launch
+
+    for name in ("store", "silu", "residual", "rope_kv"):
+        monkeypatch.setattr(skinny_linear, name, recording(name, getattr(skinny_linear, name)))
+    x = randn(3, 576, dtype=torch.bfloat16)
+    w = weight(1536, 576)
+    assert cuda_ops.skinny_fits(x, w, 1536) and not cuda_ops.skinny_fits(x, quantize_fp8(randn(1536, 576),
+                                                                                           (128, 128)), 1536)
+    got = ops.linear(x, w, out_dtype=torch.float32)
+    assert launched == ["store"] and rel_err(got, fp8_linear(x, w, out_dtype=torch.float32)) <= TOL_F32
+    ops.begin_forward(3, decode=True)
+    h = randn(3, 1536, dtype=torch.bfloat16)
+    h_ref = h.clone()
+    assert ops.linear_add(h, x, w) is None and launched[-1] == "residual"
+    fp8_linear(x, w, add_to=h_ref)
+    assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2 ** -7 + 1e-4).all()
+    out = ops.norm_gate_up(x, (1 + 0.1 * randn(576)).to(torch.bfloat16), weight(2 * 768, 576), EPS)
+    assert launched[-1] == "silu" and out.shape == (3, 768)
 
 
 @pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static"])

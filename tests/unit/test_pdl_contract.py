@@ -35,6 +35,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_weights
 from engine.models.llama import LlamaModel
 from engine.outputs import StepOutputs
+from engine.quant import FP8_DTYPE
 from engine.slot_io import KernelSlotIO
 from engine.state import SlotState
 
@@ -77,8 +78,9 @@ WRAPPERS = (decode_attention, decode_step, embedding, prefill_attention, rms_nor
             silu_and_mul, skinny_linear, spec_accept)
 # The wrappers' grid-sizing helpers (they take the library but launch nothing), answered as a GPU would.
 SIZING = {
-    (decode_attention, "key_splits"): lambda lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len: 4,
-    (decode_attention, "fits_one_wave"): lambda lib, *args: True,
+    (decode_attention, "key_splits"):
+        lambda lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv=False: 4,
+    (decode_attention, "fits_one_wave"): lambda lib, *args, **kwargs: True,
     (decode_attention, "cluster_size"): lambda lib, num_splits: min(num_splits, lib.decode_cluster),
     (sampling, "vocab_splits"): lambda lib, rows, vocab: 2,
     (sampling, "topk_fits"): lambda lib, vocab, k: True,
@@ -140,16 +142,18 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
     return found
 
 
-def decode_launches(model_dir, batch_size: int, monkeypatch) -> list[tuple[str, dict]]:
+def decode_launches(model_dir, batch_size: int, monkeypatch, kv_dtype: torch.dtype = torch.bfloat16,
+                    quantization: str = "none", quantize_lm_head: bool = False) -> list[tuple[str, dict]]:
     """The launches of one decode step of batch_size sequences through CudaOps and KernelSlotIO, as
     DecodePipeline._step_into_outputs issues them: decode_prepare, the model's forward, the sampling chain,
-    decode_commit."""
+    decode_commit. kv_dtype: the KV cache's (bf16, or E4M3: --kv-cache-dtype fp8). quantization "fp8":
+    per-channel FP8 projections (the skinny kernels' _fp8 entries)."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
-    weights = load_weights(model_dir, cfg, dt, dev)
+    weights = load_weights(model_dir, cfg, dt, dev, quantization=quantization, quantize_lm_head=quantize_lm_head)
     block_size, blocks_per_seq = 16, 4
     B, S = batch_size, batch_size + 2
-    kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, dt, dev)
+    kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dev)
     record_launches(monkeypatch)
     lib = RecordingLib()
     ops = CudaOps(lib, max_seq_len=block_size * blocks_per_seq)
@@ -165,17 +169,45 @@ def decode_launches(model_dir, batch_size: int, monkeypatch) -> list[tuple[str, 
     return lib.launches
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
 @pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
-def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, monkeypatch):
-    launches = decode_launches(checkpoints[name], batch_size, monkeypatch)
+def test_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, kv_dtype, monkeypatch):
+    """The same launch chain and contract with an E4M3 KV cache (--kv-cache-dtype fp8): the wrappers pick the
+    _kvfp8 entries (the same operands and launch contracts); no conversion launch enters the chain."""
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, kv_dtype)
     names = [n for n, _ in launches]
+    if kv_dtype == FP8_DTYPE:
+        assert names == [n for n, _ in decode_launches(checkpoints[name], batch_size, monkeypatch)]
+        caches = [t for _, ts in launches for k, t in ts.items() if k in ("k_cache", "v_cache")]
+        assert caches and all(t.dtype == FP8_DTYPE for t in caches)
     assert names[:2] == ["decode_step.prepare", "embedding.launch"]
     assert "sampling.finish" in names and names[-1] == "decode_step.commit"
     if batch_size <= 8 and "qwen3" not in name:  # the skinny forwards (q/k norm takes the composed QKV path)
         assert {"skinny_linear.rope_kv", "skinny_linear.residual", "skinny_linear.silu",
                 "skinny_linear.store"} <= set(names)
     assert violations(launches) == []
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, FP8_DTYPE])
+@pytest.mark.parametrize("batch_size", [1, 8])
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_fp8_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, name, batch_size, kv_dtype,
+                                                                   monkeypatch):
+    """Per-channel FP8 projections (and LM head) take the same skinny launches (their _fp8 entries read the
+    weight's scale before the wait, like the weight: written once at load) in the same order, on a 16-bit or an
+    E4M3 KV cache (FP8 weights and FP8 KV together: the skinny QKV kernel's rope_kvfp8 _fp8 entries)."""
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, kv_dtype, quantization="fp8",
+                               quantize_lm_head=True)
+    names = [n for n, _ in launches]
+    assert {"skinny_linear.residual", "skinny_linear.silu", "skinny_linear.store"} <= set(names)
+    assert violations(launches) == []
+    if "qwen3" not in name:  # (Qwen3's composed QKV path runs its FP8 projection as one more skinny_store)
+        assert "skinny_linear.rope_kv" in names
+        assert names == [n for n, _ in decode_launches(checkpoints[name], batch_size, monkeypatch, kv_dtype)]
+    if kv_dtype == FP8_DTYPE:
+        caches = [t for _, ts in launches for k, t in ts.items() if k in ("k_cache", "v_cache")]
+        assert caches and all(t.dtype == FP8_DTYPE for t in caches)
 
 
 def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints, monkeypatch):

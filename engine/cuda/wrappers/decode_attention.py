@@ -21,10 +21,15 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 
 
-def smem_bytes(head_dim: int, rope: bool = False) -> int:
+def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False) -> int:
     """The q tile and 2-3 K and V tiles (rows padded by 8 elements); the fused-RoPE entries (rope) also
-    one cos / sin row (fp32)."""
+    one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8 entries): 3-5 K and V tiles of E4M3 rows (head_dim
+    bytes, + 16 where head_dim / 16 is even), and with rope the new token's k and v rows (16-bit) too."""
     stages = 2 if head_dim >= 128 else 3
+    if fp8_kv:
+        row = head_dim if head_dim % 32 else head_dim + 16
+        extra = 2 * head_dim * 2 + head_dim * 4 if rope else 0
+        return 16 * (head_dim + 8) * 2 + 2 * (2 * stages - 1) * DECODE_TILE * row + extra
     return (16 + 2 * stages * DECODE_TILE) * (head_dim + 8) * 2 + (head_dim * 4 if rope else 0)
 
 
@@ -33,25 +38,31 @@ def blocks_per_split(batch: int, num_heads: int, num_kv_heads: int) -> int:
     return batch * num_kv_heads * -(-(num_heads // num_kv_heads) // 16)
 
 
+def blocks_per_sm(lib: KernelLibrary, head_dim: int, fp8_kv: bool = False) -> int:
+    """Decode attention blocks one SM holds at once (the library's occupancy figure for the entry)."""
+    return (lib.decode_blocks_per_sm_kvfp8 if fp8_kv else lib.decode_blocks_per_sm)[head_dim]
+
+
 def key_splits(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-               max_seq_len: int) -> int:
+               max_seq_len: int, fp8_kv: bool = False) -> int:
     """Key splits of decode attention: enough blocks for about two per SM, but no more than the GPU
     holds at once (a second wave would double the step's attention time: 1B at batch 32 has 256
     (sequence, KV head) blocks, and two splits of each would not fit the 396 an H200 holds), and at
-    most one split per 64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe)."""
+    most one split per 64-token tile of max_seq_len. A pure function of host-known sizes (graph-safe).
+    fp8_kv: for the E4M3-cache entries (their own occupancy)."""
     blocks = blocks_per_split(batch, num_heads, num_kv_heads)
     max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
-    one_wave = lib.decode_blocks_per_sm[head_dim] * lib.num_sms // blocks
+    one_wave = blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
     splits = max(1, min(-(-2 * lib.num_sms // blocks), one_wave, max_tiles, lib.decode_max_splits))
     return splits if splits <= lib.decode_cluster else splits // lib.decode_cluster * lib.decode_cluster
 
 
 def fits_one_wave(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  max_seq_len: int) -> bool:
+                  max_seq_len: int, fp8_kv: bool = False) -> bool:
     """Whether every block of a decode attention launch (key_splits splits) is resident at once."""
     blocks = blocks_per_split(batch, num_heads, num_kv_heads)
-    splits = key_splits(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len)
-    return blocks * splits <= lib.decode_blocks_per_sm[head_dim] * lib.num_sms
+    splits = key_splits(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv)
+    return blocks * splits <= blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms
 
 
 def cluster_size(lib: KernelLibrary, num_splits: int) -> int:
@@ -76,8 +87,10 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
     (kernels_cu/decode_attention.cu); -1: nothing before the wait.
     rope = (k, v, cos_sin, rope_index, slot_mapping): q is unrotated and the new token's k and v
     ([B, Hkv, D] views with contiguous heads, one batch stride) are not in the cache yet: the kernel
-    applies rope_cache_write itself (same bits), so that op's launch goes away."""
-    sfx, H, D, Hkv, qp, kc, vc = attention_inputs("decode", q, k_cache, v_cache)
+    applies rope_cache_write itself (same bits), so that op's launch goes away.
+    The caches are q's dtype or E4M3 (an FP8 KV cache: the _kvfp8 entries; num_splits from key_splits(...,
+    fp8_kv=True) then)."""
+    sfx, H, D, Hkv, qp, kc, vc, kv = attention_inputs("decode", q, k_cache, v_cache)
     B = q.shape[0]
     bt = tensor_arg(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
     if block_tables.stride(1) != 1 or block_tables.shape[0] != B:
@@ -120,8 +133,8 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
         raise KernelArgError(f"decode attention: clusters of {cluster} for {num_splits} splits (at most "
                              f"{lib.decode_cluster} on this device, dividing the splits)")
     fused = rope is not None
-    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}"](
-        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused), lib.stream(),
+    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}"](
+        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv)), lib.stream(),
         o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
         num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
         int(fresh) if pdl and lib.pdl else -1, cluster=cluster, pdl=pdl)

@@ -32,16 +32,20 @@ def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: in
     return max(1, min(MAX_SPLITS, want, tiles // MIN_SPLIT_TILES))
 
 
-def smem_bytes(head_dim: int) -> int:
-    """A 64-row q tile and two stages of 64-row K and V tiles (rows padded by 8 elements)."""
+def smem_bytes(head_dim: int, fp8_kv: bool = False) -> int:
+    """A 64-row q tile and two stages of 64-row K and V tiles (rows padded by 8 elements); an E4M3 cache (fp8_kv):
+    one 16-bit K and V tile, and two stages of E4M3 ones (head_dim bytes a row)."""
+    if fp8_kv:
+        return (64 + 2 * 64) * (head_dim + 8) * 2 + 2 * 2 * 64 * head_dim
     return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
 
 
 def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int, splits: int = 1) -> None:
     """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row). splits > 1: each
-    work item's keys in that many shares (fp32 partial outputs allocated here), then the merge kernel."""
-    sfx, H, D, Hkv, qp, kc, vc = attention_inputs("prefill", q, k_cache, v_cache)
+    work item's keys in that many shares (fp32 partial outputs allocated here), then the merge kernel. The caches
+    are q's dtype or E4M3 (an FP8 KV cache: the _kvfp8 entry)."""
+    sfx, H, D, Hkv, qp, kc, vc, kv = attention_inputs("prefill", q, k_cache, v_cache)
     T = q.shape[0]
     bt = tensor_arg(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
     if block_tables.stride(1) != 1:
@@ -60,8 +64,8 @@ def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torc
         part_o = torch.empty((splits, T, H, D), dtype=torch.float32, device=q.device)
         part_ml = torch.empty((splits, T, H, 2), dtype=torch.float32, device=q.device)
     bs_log2 = k_cache.shape[1].bit_length() - 1
-    lib.kernels[f"prefill_attention_{sfx}_d{D}"](
-        (work.shape[0], H, splits), (128, 1, 1), smem_bytes(D), lib.stream(),
+    lib.kernels[f"prefill_attention_{sfx}_d{D}{kv}"](
+        (work.shape[0], H, splits), (128, 1, 1), smem_bytes(D, fp8_kv=bool(kv)), lib.stream(),
         o, qp, kc, vc, bt, wk, q.stride(0), block_tables.stride(0), H, Hkv, bs_log2, int(sliding_window or 0),
         float(scale) * math.log2(math.e), part_o.data_ptr() if part_o is not None else 0,
         part_ml.data_ptr() if part_ml is not None else 0, T)

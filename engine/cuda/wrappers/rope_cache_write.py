@@ -1,12 +1,12 @@
 """RoPE fused with the KV-cache write (kernels_cu/rope_cache_write.cu): q rotated into q_out, k rotated and v
-written into the paged caches at slot_mapping."""
+written into the paged caches at slot_mapping (16-bit caches, or E4M3 ones: the _kvfp8 entries)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda.checks import dtype_suffix, expect_shape, rope_operands, tensor_arg
+from engine.cuda.checks import dtype_suffix, expect_shape, kv_suffix, rope_operands, tensor_arg
 from engine.cuda.driver import KernelArgError
 
 if TYPE_CHECKING:
@@ -37,6 +37,6 @@ def launch(lib: KernelLibrary, q_out: torch.Tensor, q: torch.Tensor, k: torch.Te
     if T == 0:
         return
     vec = 8 if D % 16 == 0 else 4
-    lib.kernels[f"rope_cache_write_{sfx}_v{vec}"]((T, 1, 1), (128, 1, 1), 0, lib.stream(),
+    lib.kernels[f"rope_cache_write_{sfx}_v{vec}{kv_suffix(k_cache)}"]((T, 1, 1), (128, 1, 1), 0, lib.stream(),
                                                   qo, qp, kp, vp, cs, ri, kc, vc, sm,
                                                   q.stride(0), k.stride(0), v.stride(0), H, Hkv, D)

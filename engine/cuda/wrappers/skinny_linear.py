@@ -1,15 +1,21 @@
 """Skinny linear layers for decode (kernels_cu/skinny_linear.cu): y = x @ weight^T for 1..32 tokens, reading
 the weight once, with the neighbouring elementwise ops fused. With norm_weight (the NORM prologue), x is the
 raw residual stream and the result is that of rms_norm(x, norm_weight, eps). One kernel per epilogue x dtype
-x token bucket x block width."""
+x weight storage x token bucket x block width.
+
+Every function takes the weight as a 16-bit tensor in x's dtype or as a per-channel engine.quant.Fp8Weight
+(E4M3 data [N, K], one fp32 scale per row; at most FP8_MAX_M tokens): the _fp8 kernels convert the weight to x's
+dtype in registers and scale each row's fp32 accumulator before the epilogue (engine.quant.fp8_linear's
+arithmetic)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cuda.checks import dtype_suffix, expect_shape, overlaps, rope_operands, tensor_arg
+from engine.cuda.checks import dtype_suffix, expect_shape, kv_suffix, overlaps, rope_operands, tensor_arg
 from engine.cuda.driver import KernelArgError
+from engine.quant import FP8_DTYPE, Fp8Weight, Weight
 
 if TYPE_CHECKING:
     from engine.cuda.library import KernelLibrary
@@ -20,6 +26,7 @@ SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-til
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
 SKINNY_K_ALIGN = 32  # K elements per warp step
+FP8_MAX_M = 8  # the E4M3-weight kernels exist for the _m8 bucket only
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
     "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
@@ -27,7 +34,10 @@ SKINNY_EPILOGUE_ARGS = {
     "residual": "ppp" + "iii",          # residual, x, w, M, N, K
     "rope_kv": "p" * 10 + "iiiii" + "f",  # q_out, x, w, bias, norm_w, cos_sin, rope_index, k_cache, v_cache,
                                           # slot_mapping, M, H, Hkv, D, K, eps
+    "rope_kvfp8": "p" * 10 + "iiiii" + "f",  # the same into E4M3 caches (--kv-cache-dtype fp8)
 }
+# The E4M3-weight entries (skinny_<ep>_<dt>_fp8_m8[_w16]): the same with the weight's scale [N] fp32 after w.
+SKINNY_FP8_EPILOGUE_ARGS = {ep: args[:3] + "p" + args[3:] for ep, args in SKINNY_EPILOGUE_ARGS.items()}
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -38,14 +48,35 @@ def m_bucket(num_tokens: int) -> int:
     raise KernelArgError(f"skinny linear: {num_tokens} tokens; the kernels take at most {SKINNY_MAX_M}")
 
 
-def _inputs(what: str, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None,
+def _rows(weight: Weight) -> int:
+    """N of a weight [N, K] (0 if it is not 2-D: _inputs reports it)."""
+    return weight.shape[0] if len(weight.shape) == 2 else 0
+
+
+def _weight(what: str, x: torch.Tensor, weight: Weight) -> tuple[str, tuple[int, ...], torch.Tensor]:
+    """Checks a 16-bit weight (x's dtype) or a per-channel Fp8Weight. Returns (kernel suffix after the dtype:
+    "" or "_fp8", the weight's kernel pointers: (w,) or (w, w_scale), the weight's data tensor)."""
+    if not isinstance(weight, Fp8Weight):
+        return "", (tensor_arg(weight, f"{what} weight", x.dtype, 2),), weight
+    if not weight.per_channel:
+        raise KernelArgError(f"{what}: the FP8 kernels take per-channel scales; this weight has "
+                             f"{weight.block[0]}x{weight.block[1]} blocks")
+    wp = tensor_arg(weight.data, f"{what} weight", FP8_DTYPE, 2)
+    sp = tensor_arg(weight.scale, f"{what} weight scale", torch.float32, 2, align=False)
+    if x.shape[0] > FP8_MAX_M:
+        raise KernelArgError(f"{what}: {x.shape[0]} tokens; the FP8-weight kernels take at most {FP8_MAX_M}")
+    return "_fp8", (wp, sp), weight.data
+
+
+def _inputs(what: str, x: torch.Tensor, weight: Weight, norm_weight: torch.Tensor | None,
             pair_span: int) -> tuple:
-    """Checks x [M, K], weight [N, K] and norm_weight [K]; pair_span = the distance the epilogue pairs
-    rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and pair_span % 16 == 0.
-    Returns (suffix, M, N, K, x, weight, norm_weight) with pointers (0 = absent)."""
+    """Checks x [M, K], weight [N, K] (16-bit or a per-channel Fp8Weight) and norm_weight [K]; pair_span = the
+    distance the epilogue pairs rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and
+    pair_span % 16 == 0. Returns (suffix, M, N, K, x, (weight pointers), norm_weight, weight data) with pointers
+    (0 = absent)."""
     sfx = dtype_suffix(x.dtype, f"{what} x")
     xp = tensor_arg(x, f"{what} x", x.dtype, 2)
-    wp = tensor_arg(weight, f"{what} weight", x.dtype, 2)
+    wsfx, wp, wdata = _weight(what, x, weight)
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -62,7 +93,7 @@ def _inputs(what: str, x: torch.Tensor, weight: torch.Tensor, norm_weight: torch
     if norm_weight is not None:
         nw = tensor_arg(norm_weight, f"{what} norm_weight", x.dtype, 1)
         expect_shape(norm_weight, f"{what} norm_weight", (K,))
-    return sfx, M, N, K, xp, wp, nw
+    return sfx + wsfx, M, N, K, xp, wp, nw, wdata
 
 
 def _output(out: torch.Tensor, what: str, dtype, shape: tuple, x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -96,61 +127,61 @@ def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> Non
         pdl=wide or ep != "residual")
 
 
-def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: Weight,
           bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
     """out [M, N] = x' @ weight^T (+ bias), x' = rms_norm(x, norm_weight, eps) or x; out in x's dtype, or
     fp32 (logits: no rounding)."""
-    N = weight.shape[0] if weight.dim() == 2 else 0
-    sfx, M, N, K, xp, wp, nw = _inputs("skinny_store", x, weight, norm_weight, N)
+    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_store", x, weight, norm_weight, _rows(weight))
     ep = "f32" if out.dtype == torch.float32 else "store"
-    o = _output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, weight)
+    o = _output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, wd)
     bp = _bias(bias, "skinny_store", x.dtype, N)
     if M == 0:
         return
-    _launch(lib, ep, sfx, M, N, o, xp, wp, bp, nw, M, N, K, float(eps))
+    _launch(lib, ep, sfx, M, N, o, xp, *wp, bp, nw, M, N, K, float(eps))
 
 
-def silu(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+def silu(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: Weight,
          norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
     """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T)."""
-    N = weight.shape[0] if weight.dim() == 2 else 0
-    sfx, M, N, K, xp, wp, nw = _inputs("skinny_silu", x, weight, norm_weight, N)
+    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_silu", x, weight, norm_weight, _rows(weight))
     I = N // 2
-    o = _output(out, "skinny_silu out", x.dtype, (M, I), x, weight)
+    o = _output(out, "skinny_silu out", x.dtype, (M, I), x, wd)
     if M == 0:
         return
-    _launch(lib, "silu", sfx, M, N, o, xp, wp, nw, M, I, K, float(eps))
+    _launch(lib, "silu", sfx, M, N, o, xp, *wp, nw, M, I, K, float(eps))
 
 
-def residual(lib: KernelLibrary, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+def residual(lib: KernelLibrary, residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> None:
     """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
-    N = weight.shape[0] if weight.dim() == 2 else 0
-    sfx, M, N, K, xp, wp, _ = _inputs("skinny_residual", x, weight, None, N)
-    rp = _output(residual, "skinny_residual residual", x.dtype, (M, N), x, weight)
+    sfx, M, N, K, xp, wp, _, wd = _inputs("skinny_residual", x, weight, None, _rows(weight))
+    rp = _output(residual, "skinny_residual residual", x.dtype, (M, N), x, wd)
     if M == 0:
         return
-    _launch(lib, "residual", sfx, M, N, rp, xp, wp, M, N, K)
+    _launch(lib, "residual", sfx, M, N, rp, xp, *wp, M, N, K)
 
 
-def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None,
             norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
             num_kv_heads: int, eps: float = 1e-6) -> None:
     """The fused QKV projection: qkv = x' @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)]
     and x' = rms_norm(x, norm_weight, eps) or x; q and k rotated (rotate-half) by cos_sin[rope_index];
     q -> q_out [M, H, D]; k and v -> the caches at slot_mapping (a negative slot skips the token's cache
-    write)."""
+    write). The caches are x's dtype or E4M3 (an FP8 KV cache: the rope_kvfp8 entries, which round each value to
+    x's dtype and then to E4M3), whichever the weight (16-bit or FP8: skinny_rope_kvfp8_<dt>_fp8_m8 takes both
+    E4M3s)."""
     H, Hkv = int(num_heads), int(num_kv_heads)
-    N = weight.shape[0] if weight.dim() == 2 else 0
+    N = _rows(weight)
     if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
         raise KernelArgError(f"skinny_rope_kv: weight {tuple(weight.shape)} is not [(H + 2 Hkv) D, K] for "
                              f"H = {H}, Hkv = {Hkv}")
     D = N // (H + 2 * Hkv)
-    sfx, M, N, K, xp, wp, nw = _inputs("skinny_rope_kv", x, weight, norm_weight, D)
-    qo = _output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, weight)
+    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_rope_kv", x, weight, norm_weight, D)
+    qo = _output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, wd)
     bp = _bias(bias, "skinny_rope_kv", x.dtype, N)
     cs, ri, sm, kc, vc = rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M, Hkv, D,
                                        x.dtype)
     if M == 0:
         return
-    _launch(lib, "rope_kv", sfx, M, N, qo, xp, wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
+    ep = "rope_kvfp8" if kv_suffix(k_cache) else "rope_kv"
+    _launch(lib, ep, sfx, M, N, qo, xp, *wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
