@@ -30,7 +30,16 @@ accumulation.
 - Any other block: the sum over the K-groups g of bk columns of (x[:, g] @ data[:, g]^T) * scale[n // bn, g].
   The reference computes it as one fp32 matmul of x with the weights dequantized to fp32
   (data[n, k] * scale[n // bn, k // bk], one fp32 rounding per element, 2^-24 relative), which is the same
-  sum up to fp32 rounding."""
+  sum up to fp32 rounding.
+
+W8A8 (both backends, one rule: takes_w8a8): a per-channel weight times more than W8A16_MAX_ROWS rows of bf16
+activations into a 16-bit output (prefill, big decode batches), K and N multiples of 16, quantizes the
+activations too: each row of x to E4M3 with its own dynamic scale amax / 448 (quantize_activations), then
+      y[m, n] = (sum_k xq[m, k] * data[n, k]) * a_scale[m] * scale[n, 0], rounded to bf16,
+which is what torch._scaled_mm's row-wise scaling computes on FP8 tensor cores (CudaOps) and w8a8_linear
+computes in fp32 in torch (TorchOps): the kernels engine and the torch-ops engine run the same arithmetic at
+every batch, so each is the other's reference. Up to W8A16_MAX_ROWS rows (decode) stay W8A16: there the step
+reads the weights and the tensor cores idle, and activation quantization would cost accuracy for nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,6 +54,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Compute capability FP8 tensor cores (and torch._scaled_mm) need: Ada (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
+W8A16_MAX_ROWS = 8  # projections of more rows than this take W8A8 where takes_w8a8 allows (module docstring)
 CHANNEL = "channel"  # EngineConfig.fp8_weight_block's value for one scale per output channel
 
 
@@ -229,6 +239,23 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
     else:
         y = torch.mm(x.float(), dequantize(w).t())
     return finish_linear(y, bias, add_to, out_dtype or x.dtype)
+
+
+def takes_w8a8(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> bool:
+    """Whether x [M, K] @ w^T runs W8A8 (module docstring): a per-channel weight, more than W8A16_MAX_ROWS rows of
+    bf16 x, a bf16 output (not fp32 logits, not fp16), K and N multiples of 16 (what _scaled_mm takes)."""
+    n, k = w.shape
+    return (w.per_channel and x.shape[0] > W8A16_MAX_ROWS and x.dtype == torch.bfloat16
+            and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0)
+
+
+def w8a8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """The reference W8A8 projection (module docstring) in torch: bf16 [M, N], before bias and residual (see
+    finish_linear). xq * data is exact in fp32 and so is every partial product; only the sum's order differs from
+    the tensor cores'."""
+    xq, a_scale = quantize_activations(x)
+    acc = torch.mm(xq.float(), w.data.float().t())
+    return (acc * a_scale * w.row_scale).to(torch.bfloat16)
 
 
 def finish_linear(y: torch.Tensor, bias: torch.Tensor | None, add_to: torch.Tensor | None,

@@ -48,9 +48,10 @@ from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps, kv_rows
-from engine.quant import FP8_DTYPE, Fp8Weight, Weight, finish_linear, fp8_linear, quantize_activations
+from engine.quant import (FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight, Weight, finish_linear, fp8_linear,
+                          quantize_activations, takes_w8a8)
 
-SKINNY_TOKENS = 8  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
+SKINNY_TOKENS = W8A16_MAX_ROWS  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
 SPLIT_K = 4  # ... over this many slices of K (fp32 partials summed by residual_norm)
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
@@ -219,9 +220,9 @@ class CudaOps(TorchOps):
           skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
           the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
           residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
-        - per-channel scales, more than SKINNY_TOKENS rows of bf16 x (prefill, large decode batches), a 16-bit
-          output and a shape _scaled_mm takes: W8A8, x quantized per row to E4M3 with a dynamic scale
-          (fp8_scaled_mm);
+        - where engine.quant.takes_w8a8 says (per-channel scales, more than 8 rows of bf16 x into a bf16 output:
+          prefill, large decode batches): W8A8 on the tensor cores, x quantized per row to E4M3 with a dynamic
+          scale (fp8_scaled_mm), the arithmetic TorchOps runs in fp32 (engine.quant.w8a8_linear);
         - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
           arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
           a 16-bit copy of the weight per call;
@@ -239,7 +240,7 @@ class CudaOps(TorchOps):
                             else torch.float32, device=x.device)
             skinny_linear.store(self.lib, y, x, weight, bias)
             return finish_linear(y, None, add_to, out)
-        if x.shape[0] > SKINNY_TOKENS and out != torch.float32 and scaled_mm_fits(x, weight):
+        if takes_w8a8(x, weight, out):
             return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
         acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
         return finish_linear(acc * weight.row_scale, bias, add_to, out)
@@ -407,13 +408,6 @@ class CudaOps(TorchOps):
                          draft_probs, seed.long().contiguous(), position.long().contiguous())
         spec_accept.finish(self.lib, num_accepted, tokens, parts, k1 - 1)
         return num_accepted, tokens
-
-
-def scaled_mm_fits(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """Whether torch._scaled_mm's row-wise scaling takes x [M, K] @ weight^T: bf16 activations (its output is
-    bf16), K and N multiples of 16."""
-    n, k = weight.shape
-    return x.dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0
 
 
 def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:

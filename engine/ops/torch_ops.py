@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import sampling
-from engine.quant import FP8_DTYPE, Fp8Weight, Weight, fp8_kv, fp8_linear
+from engine.quant import (FP8_DTYPE, Fp8Weight, Weight, finish_linear, fp8_kv, fp8_linear, takes_w8a8,
+                          w8a8_linear)
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,12 @@ class TorchOps:
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [M, K] @ weight^T (+ bias) for a weight [N, K]: returned as out_dtype (default x's), or with add_to
         [M, N] added into it in place, rounded once (returns add_to). Every projection of the model runs
-        through here: an Fp8Weight takes engine.quant's reference W8A16 arithmetic."""
+        through here: an Fp8Weight takes engine.quant's reference arithmetic, W8A8 where takes_w8a8 says (as
+        CudaOps does on the tensor cores), W8A16 elsewhere."""
         if isinstance(weight, Fp8Weight):
+            out = add_to.dtype if add_to is not None else out_dtype or x.dtype
+            if takes_w8a8(x, weight, out):
+                return finish_linear(w8a8_linear(x, weight), bias, add_to, out)
             return fp8_linear(x, weight, bias, add_to, out_dtype)
         if add_to is not None:
             return add_to.addmm_(x, weight.t()) if bias is None else add_to.add_(F.linear(x, weight, bias))

@@ -17,7 +17,13 @@ the measured figures. Quantizing the tied LM head (49152 x 576) too costs more a
 projections together and leaves it at the absolute floor (298 tokens of 330; 297 is 0.8999... in fp32).
 One scale per 64 input columns of each output row (1x64, amax scales) meets the issue's floors against bf16
 (agreement -0.021, perplexity +2.6%) and the perplexity floor against the fp32 worker (+2.4%), but misses its
-agreement floor by one token of 330 (0.9485 vs 0.95): an xfail(strict). 1x32 meets all of them."""
+agreement floor by one token of 330 (0.9485 vs 0.95): an xfail(strict). 1x32 meets all of them.
+"fp8 w8a8" is the arithmetic a bf16 FP8 worker runs for prompts and for decode batches over 8 rows, on the GPU's
+tensor cores and here in torch alike (engine.quant.takes_w8a8): the activations quantized per token to E4M3 too.
+Measured: 0.912 / 20.04 (KL 20.4e-3, twice weights-only's: every projection's input quantized costs about as
+much again as its weights, spread over all four kinds, each alone 0.006-0.024 of agreement). It meets the
+absolute floor and the perplexity floor but misses the agreement floor against the bf16 worker by 0.008 (three
+tokens of 330): an xfail(strict) until activation quantization gets more accurate."""
 from __future__ import annotations
 
 import math
@@ -104,12 +110,13 @@ def figures(default_model, tokens, reference) -> dict[str, tuple[float, float]]:
     out, kl = {}, {}
     for name, changes in (("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("fp8", {"quantization": "fp8"}),
                           ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True}),
+                          ("fp8 w8a8", {"quantization": "fp8", "dtype": "bfloat16"}),
                           ("fp8 1x64", {"quantization": "fp8", "fp8_weight_block": "1x64"}),
                           ("fp8 1x32", {"quantization": "fp8", "fp8_weight_block": "1x32"}),
                           ("fp8 kv", {"kv_cache_dtype": "fp8"}),
                           ("fp8 1x64 + fp8 kv", {"quantization": "fp8", "fp8_weight_block": "1x64",
                                                  "kv_cache_dtype": "fp8"})):
-        logp = engine_scores(default_model, tokens, **{"dtype": "float32", **changes})
+        logp = engine_scores(default_model, tokens, **{"dtype": "float32", **changes}).float()
         if name == "fp32":  # the unquantized engine is transformers, up to fp32 rounding
             assert (logp - reference).abs().max().item() < 1e-3
         out[name] = agreement_and_perplexity(logp, reference, tokens)
@@ -159,6 +166,18 @@ def test_block_scaled_fp8_meets_the_relative_floors_of_issue_43(figures, name, b
     agree, ppl = figures[name]
     assert agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
     assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+def test_w8a8_meets_the_absolute_and_perplexity_floors(figures):
+    agree, ppl = figures["fp8 w8a8"]
+    assert agree >= AGREEMENT_FLOOR, agree
+    assert abs(ppl / figures["bf16"][1] - 1) <= PERPLEXITY_MAX_RISE, (ppl, figures["bf16"][1])
+
+
+@pytest.mark.xfail(strict=True, reason="W8A8 agreement 0.912 vs the bf16 worker's 0.970: 0.008 (three tokens of 330) "
+                                       "past the 0.05 drop (module docstring)")
+def test_w8a8_agreement_within_the_relative_floor(figures):
+    assert figures["fp8 w8a8"][0] >= figures["bf16"][0] - AGREEMENT_MAX_DROP
 
 
 def test_an_fp8_kv_cache_meets_the_floors_of_issue_43(figures):

@@ -298,6 +298,40 @@ def test_torch_ops_linear_is_w8a16_with_the_scale_after_the_fp32_accumulation(dt
     assert torch.equal(h, want)
 
 
+def test_w8a8_is_taken_above_eight_rows_of_bf16_into_bf16_only():
+    g = torch.Generator().manual_seed(3)
+    w = quantize_fp8(torch.randn(96, 64, generator=g))
+    x = torch.randn(9, 64, generator=g).bfloat16()
+    assert quant.takes_w8a8(x, w, torch.bfloat16)
+    assert not quant.takes_w8a8(x[:8], w, torch.bfloat16)  # decode batches up to 8 stay W8A16
+    assert not quant.takes_w8a8(x, w, torch.float32)  # fp32 logits
+    assert not quant.takes_w8a8(x.float(), w, torch.float32) and not quant.takes_w8a8(x.half(), w, torch.float16)
+    assert not quant.takes_w8a8(x, quantize_fp8(torch.randn(96, 64, generator=g), (1, 32)), torch.bfloat16)
+    assert not quant.takes_w8a8(x[:, :56], quantize_fp8(torch.randn(96, 56, generator=g)), torch.bfloat16)
+
+
+def test_torch_ops_linear_above_eight_rows_of_bf16_is_w8a8():
+    """Each row of x quantized to E4M3 with scale amax / 448, the products summed exactly, both scales applied,
+    rounded once to bf16 (what torch._scaled_mm's row-wise scaling computes on the GPU); written out in fp64."""
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(12, 64, generator=g) * torch.logspace(-2, 1, 12)[:, None]).bfloat16()
+    w = quantize_fp8(torch.randn(96, 64, generator=g) * 0.1)
+    a = x.double().abs().amax(1, keepdim=True) / FP8_MAX
+    xq = (x.double() / a).to(FP8_DTYPE).double()
+    exact = (xq @ w.data.double().t()) * a * w.row_scale.double()
+    ops = TorchOps()
+    y = ops.linear(x, w)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), exact.bfloat16().double(), rtol=2 ** -8, atol=1e-6)
+    # not the W8A16 arithmetic of fewer rows
+    assert not torch.equal(y, fp8_linear(x, w))
+    # the residual: h += that, in bf16
+    h = torch.randn(12, 96, generator=g).bfloat16()
+    want = h + exact.bfloat16()
+    ops.linear_add(h, x, w)
+    torch.testing.assert_close(h.double(), want.double(), rtol=2 ** -7, atol=2 ** -7)
+
+
 def test_torch_ops_linear_takes_a_plain_weight_as_before():
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     ops = TorchOps()
