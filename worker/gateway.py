@@ -64,8 +64,9 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """health_reason() says why the worker is not serving (draining, the step watchdog), "" when it is;
     the Worker sets `runner` (attach) once the engine has loaded and `draining` when it drains."""
 
-    def __init__(self, metrics: Metrics, health_reason: Callable[[], str]):
+    def __init__(self, metrics: Metrics, health_reason: Callable[[], str], stream_interval: int = 1):
         self.metrics = metrics
+        self.stream_interval = stream_interval  # tokens a streamed chunk waits for (WorkerConfig.stream_interval)
         self.health_reason = health_reason
         self.runner: EngineRunner | None = None
         self.facts: convert.ModelFacts | None = None
@@ -135,7 +136,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
                 responses = gateway_stream.responses(live, spec, request.stream, prompt_lp, self.runner.streams,
-                                                     self.metrics, self.requests, self.text)
+                                                     self.metrics, self.requests, self.text, self.stream_interval)
                 async for response in responses:
                     yield response
                 done = True

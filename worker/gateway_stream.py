@@ -13,17 +13,18 @@ from worker.stop_strings import StopStringMatcher
 
 
 async def responses(live: LiveRequest, spec: convert.GenerateSpec, stream: bool, prompt_lp, streams: GenerateStreams,
-                    metrics: Metrics, requests: Requests, text: Tokenizer | None):
+                    metrics: Metrics, requests: Requests, text: Tokenizer | None, interval: int = 1):
     """The GenerateResponses of a started call, as its choices' tokens come (gateway_convert's shapes): chunks and a
     Complete per choice (stream), or one Complete per choice once all have ended; stop strings end a choice
     (_until_stop_string), prompt_lp (the prompt's logprobs, None if not asked) rides on each choice's first chunk
-    and every Complete."""
+    and every Complete. interval: a streamed choice's chunks after its first hold this many tokens (its last may
+    hold fewer); a non-streamed call reads its queues as they fill."""
     prompt_tokens, num_logprobs = len(spec.prompt), spec.num_logprobs
     tokens: list[list] = [[] for _ in live.choices]
     reasons: list[str] = [convert.ABORT] * len(live.choices)
     matchers = [StopStringMatcher(spec.stop, text, spec.skip_special_tokens, spec.stopping.min_tokens)
                 if spec.stop else None for _ in live.choices]
-    async for choice, items in _choice_items(live.choices):
+    async for choice, items in _choice_items(live.choices, interval if stream else 1):
         i, end = choice.index, items[-1]
         new = items[:-1] if _ended(end) else items
         if matchers[i] is not None:
@@ -82,14 +83,28 @@ def _with_queued(choice: Choice, item) -> list:
     return items
 
 
-async def _choice_items(choices: list[Choice]):
+async def _choice_items(choices: list[Choice], interval: int = 1):
     """(choice, items) as the choices' token queues deliver them (_with_queued: one item, or several that were
-    waiting together), until every queue has ended (_ended: that item is the last of its list). One choice reads
+    waiting together), until every queue has ended (_ended: that item is the last of its list). A choice's first
+    items go at once; after them its items gather until `interval` tokens (or its end) are there. One choice reads
     its queue directly; several wait on all their queues at once."""
+    held: dict[int, list] = {}  # choice index -> items gathered towards its next chunk
+    sent: set[int] = set()  # choices whose first items have gone
+
+    def ready(choice: Choice, items: list) -> list | None:
+        items = held.pop(choice.index, []) + items
+        if choice.index in sent and len(items) < interval and not _ended(items[-1]):
+            held[choice.index] = items
+            return None
+        sent.add(choice.index)
+        return items
+
     if len(choices) == 1:
         choice = choices[0]
         while True:
-            items = _with_queued(choice, await choice.out.get())
+            items = ready(choice, _with_queued(choice, await choice.out.get()))
+            if items is None:
+                continue
             yield choice, items
             if _ended(items[-1]):
                 return
@@ -99,9 +114,10 @@ async def _choice_items(choices: list[Choice]):
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for get in sorted(done, key=lambda f: pending[f].index):
                 choice = pending.pop(get)
-                items = _with_queued(choice, get.result())
-                yield choice, items
-                if not _ended(items[-1]):
+                items = ready(choice, _with_queued(choice, get.result()))
+                if items is not None:
+                    yield choice, items
+                if items is None or not _ended(items[-1]):
                     pending[asyncio.ensure_future(choice.out.get())] = choice
     finally:
         for get in pending:

@@ -145,7 +145,7 @@ class Worker:
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
-        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason)
+        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason, cfg.stream_interval)
         vpb_grpc.add_VllmEngineServicer_to_server(self.gateway, self.server)
         if cfg.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, GATEWAY_SERVICE_NAME, HEALTH_SERVICE,

@@ -142,6 +142,7 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     (WorkerConfig, dict(port=70000)), (WorkerConfig, dict(tls_cert_file="c.pem")),
     (WorkerConfig, dict(tls_client_ca_file="ca.pem")), (WorkerConfig, dict(grace_period_s=-1)),
     (WorkerConfig, dict(gil_switch_interval_us=-1)),
+    (WorkerConfig, dict(stream_interval=0)),
 ])
 def test_config_validation(cls, change):
     with pytest.raises(ConfigError):
