@@ -33,11 +33,10 @@ from gpu.test_kernels import (
     PREFILL_CASES,
     PREFILL_SPLIT_CASES,
     check,
+    decode_layer_replays_as_eager,
     paged_cache,
     prefill_inputs,
     rope_table,
-    sampling_tensors,
-    ROW_KINDS,
 )
 
 pytestmark = pytest.mark.gpu
@@ -323,53 +322,7 @@ def test_verify_rows_read_the_fp8_rows_their_sequence_wrote(ops, gen, S, n):
 def test_fp8_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype, B):
     """A decoder layer's fused ops and sampling over an E4M3 cache, captured once and replayed while the sequences
     grow: each step equals the eager ops bit for bit (B = 8: the skinny rope_kvfp8; 40: the fused RoPE in attention)."""
-    H, Hkv, D, bs, vocab, inter = 16, 4, 128, 16, 1024, 1536
-    hidden = H * D
-    steps, start_len = 40, 60
-    max_blocks = -(-(start_len + steps + 1) // bs)
-    num_blocks = B * max_blocks + 1
-    table = (torch.randperm(num_blocks - 1, device=dev()) + 1)[:B * max_blocks].view(B, max_blocks).to(torch.int32)
-    k_cache, v_cache = fp8_cache(num_blocks, bs, Hkv, D), fp8_cache(num_blocks, bs, Hkv, D)
-    embed = randn(vocab, hidden, dtype=dtype)
-    norms = [(1 + 0.1 * randn(hidden)).to(dtype) for _ in range(3)]
-    w_qkv, w_o = (0.02 * randn((H + 2 * Hkv) * D, hidden)).to(dtype), (0.02 * randn(hidden, H * D)).to(dtype)
-    w_gate_up, w_down = (0.02 * randn(2 * inter, hidden)).to(dtype), (0.02 * randn(hidden, inter)).to(dtype)
-    lm_head = (0.05 * randn(vocab, hidden)).to(dtype)
-    cos_sin = rope_table(start_len + steps + 8, D)
-    st = sampling_tensors([list(ROW_KINDS)[i % len(ROW_KINDS)] for i in range(B)], vocab)
-    layer = attention_layer(norms[0], w_qkv)
-    ids = torch.randint(0, vocab, (B,), device=dev())
-    positions = torch.full((B,), start_len, dtype=torch.int64, device=dev())
-
-    def forward():
-        seq_lens = (positions + 1).to(torch.int32)
-        slot_mapping = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
-        ops.begin_forward(B, decode=True)
-        h = ops.embedding(ids, embed)
-        meta = attention_meta(H, Hkv, D, cos_sin, positions, slot_mapping, table, seq_lens)
-        a = ops.qkv_attention(h, layer, meta, LayerKV(k_cache, v_cache))
-        ops.linear_add(h, a.view(B, hidden), w_o)
-        ops.linear_add(h, ops.norm_gate_up(h, norms[1], w_gate_up, 1e-6), w_down)
-        logits = ops.norm_logits(h, None, norms[2], lm_head, 1e-6)
-        st.position = positions + 1
-        out = ops.sample(logits, st)
-        return a, logits, out.token_ids, out.logprobs
-
-    for _ in range(2):
-        forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = forward()
-    for step in range(steps):
-        positions.fill_(start_len + step)
-        ids.copy_(torch.randint(0, vocab, (B,), device=dev()))
-        eager = [t.clone() for t in forward()]
-        graph.replay()
-        torch.cuda.synchronize()
-        for name, e, g in zip(("attention", "logits", "tokens", "logprobs"), eager, static_out):
-            assert torch.equal(e, g), f"step {step}: graph {name} differs from eager"
-    assert not torch.isnan(static_out[1]).any()
+    decode_layer_replays_as_eager(ops, dtype, B, fp8_cache)
 
 
 # ---------------------------------------------------------------------------------------------

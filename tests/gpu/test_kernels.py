@@ -868,14 +868,18 @@ def test_decode_ops_replay_in_a_cuda_graph_with_growing_seq_lens(ops, gen, dtype
     """One decoder layer through the fused ops (embedding -> qkv_attention -> linear_add ->
     norm_gate_up -> linear_add -> norm_logits) and sample, captured once and replayed while every
     sequence grows; each step equals the eager ops bit for bit."""
+    decode_layer_replays_as_eager(ops, dtype, B, lambda *shape: randn(*shape, dtype=dtype))
+
+
+def decode_layer_replays_as_eager(ops, dtype, B: int, make_cache) -> None:
+    """The test above, its KV caches made by make_cache(*shape) (16-bit here, E4M3 in test_fp8_kv_gpu.py)."""
     H, Hkv, D, bs, vocab, inter = 16, 4, 128, 16, 1024, 1536
     hidden = H * D
     steps, start_len = 40, 60
     max_blocks = -(-(start_len + steps + 1) // bs)
     num_blocks = B * max_blocks + 1
     table = (torch.randperm(num_blocks - 1, device=dev()) + 1)[:B * max_blocks].view(B, max_blocks).to(torch.int32)
-    k_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
-    v_cache = randn(num_blocks, bs, Hkv, D, dtype=dtype)
+    k_cache, v_cache = make_cache(num_blocks, bs, Hkv, D), make_cache(num_blocks, bs, Hkv, D)
     embed = randn(vocab, hidden, dtype=dtype)
     norms = [(1 + 0.1 * randn(hidden)).to(dtype) for _ in range(3)]
     w_qkv, w_o = (0.02 * randn((H + 2 * Hkv) * D, hidden)).to(dtype), (0.02 * randn(hidden, H * D)).to(dtype)
