@@ -166,15 +166,7 @@ class GenerateStreams:
         depth = engine.config.max_steps_in_flight
         pending: collections.deque[tuple[list[_Stream], asyncio.Future]] = collections.deque()
         while not self.runner.closed and (self._streams or pending):
-            while len(pending) < depth:
-                streams = self._launchable()
-                if not streams:
-                    break
-                ids = [s.seq_id for s in streams]
-                for s in streams:
-                    s.in_flight += 1
-                masked = [s for s in streams if s.constraint is not None]
-                pending.append((streams, self.runner.submit_step(_launch_streams, ids, masked)))
+            self._fill(pending, depth)
             if not pending:
                 if not self._streams:
                     break
@@ -200,6 +192,11 @@ class GenerateStreams:
             finally:
                 for s in streams:
                     s.in_flight -= 1
+            # The next step goes to the device before this one's tokens go out: handing them to the streams wakes
+            # every handler, and their writes would otherwise run on the loop while the device drains the step
+            # left in flight. Constrained streams wait for their grammar to take the token (the top of the loop).
+            if not self.runner.closed:
+                self._fill(pending, depth, constrained=False)
             finished = []
             for s, tok in zip(streams, result.tokens if result is not None else ()):
                 if self._streams.get(s.seq_id) is not s:
@@ -215,11 +212,26 @@ class GenerateStreams:
             # suspension: yield, so the streams' handlers send their tokens and other calls get served.
             await asyncio.sleep(0)
 
-    def _launchable(self) -> list[_Stream]:
+    def _fill(self, pending: collections.deque, depth: int, constrained: bool = True) -> None:
+        """Launches steps over the launchable streams until `depth` are in flight (constrained=False: leaving out
+        the streams with a grammar)."""
+        while len(pending) < depth:
+            streams = self._launchable(constrained)
+            if not streams:
+                return
+            ids = [s.seq_id for s in streams]
+            for s in streams:
+                s.in_flight += 1
+            masked = [s for s in streams if s.constraint is not None]
+            pending.append((streams, self.runner.submit_step(_launch_streams, ids, masked)))
+
+    def _launchable(self, constrained: bool = True) -> list[_Stream]:
         """The streams (at most max_batch_size) whose sequence is still running after the steps already launched
         with it: one more step will not pass its reservation or max_new_tokens."""
         engine, out = self.runner.engine, []
         for s in self._streams.values():
+            if s.constraint is not None and not constrained:
+                continue
             seq = engine.sequences[s.seq_id] if s.seq_id in engine.sequences else None
             if seq is None or seq.finished:
                 continue
