@@ -18,6 +18,11 @@
 # and run with carry [".whl", "metrale"]. smg's other requirements (grpcio, grpcio-health-checking, pyyaml) are
 # the device's own or carried above.
 #
+# The build takes ~100 s of the call. To spare it, build here for the H200 alone and carry the fatbins (12 MB, beside
+# the 41 MB of wheels): `METRALE_CUDA_ARCHS=90 python -m engine.cuda.build`, then run with METRALE_CUDA_ARCHS=90
+# exported on the device (the stamps name the architectures: another value rebuilds) and carry ["kernels_cu/build",
+# ".whl", "metrale"]. Rebuild the default set here afterwards (`python -m engine.cuda.build`).
+#
 # Stages (the figures in bench/RESULTS.md come from these):
 #   tests      the GPU test suite                    kernels    the kernel op tests only (faster)
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)

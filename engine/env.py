@@ -9,6 +9,10 @@ CACHE_DIR = pathlib.Path(os.environ.get("METRALE_CACHE_DIR") or pathlib.Path.hom
 LOG_LEVEL = os.environ.get("METRALE_LOG_LEVEL", "INFO")
 # CUDA toolkit roots searched for nvcc when it is not on PATH (the standard CUDA variables).
 CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda") if r)
+# What `python -m engine.cuda.build` puts in each fatbin: machine code for each listed architecture ("90": sm_90) and
+# PTX for each "compute_NN" (which newer GPUs compile at load). "90" alone makes an H100/H200-only build of a third
+# of the size (what a device call can carry beside its wheels).
+CUDA_ARCHS = tuple(a.strip() for a in os.environ.get("METRALE_CUDA_ARCHS", "80,90,compute_90").split(",") if a.strip())
 # Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/library.py).
 PDL = os.environ.get("METRALE_PDL", "1") != "0"
 # How the worker's event loop learns that a step's device work ended: "thread" (a helper thread waits on the step's

@@ -1,5 +1,5 @@
 """Compiles every kernels_cu/*.cu with nvcc into one fatbin each (sm_80 and sm_90 machine code plus
-compute_90 PTX) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
+compute_90 PTX, or the architectures METRALE_CUDA_ARCHS names) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
 
 A fatbin is rebuilt only when its stamp (a hash of the source, the shared *.cuh headers and the
 nvcc command line) changed. Files compile in parallel. A source may ask for extra nvcc flags on a
@@ -29,9 +29,9 @@ logger = logging.getLogger(__name__)
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 KERNEL_DIR = REPO_ROOT / "kernels_cu"
 BUILD_DIR = KERNEL_DIR / "build"
-GENCODE = ("-gencode", "arch=compute_80,code=sm_80",
-           "-gencode", "arch=compute_90,code=sm_90",
-           "-gencode", "arch=compute_90,code=compute_90")
+# sm_80 and sm_90 machine code and compute_90 PTX by default (METRALE_CUDA_ARCHS, engine/env.py)
+GENCODE = tuple(flag for arch in env.CUDA_ARCHS for flag in (
+    "-gencode", f"arch={arch},code={arch}" if arch.startswith("compute_") else f"arch=compute_{arch},code=sm_{arch}"))
 # -no-compress: the driver loads either form; plain entries let tests and tools read the symbols.
 NVCC_FLAGS = ("-fatbin", "-O3", "-std=c++17", "-no-compress", *GENCODE)
 _FLAGS_LINE = re.compile(r"^//\s*nvcc-flags:\s*(.*)$", re.MULTILINE)

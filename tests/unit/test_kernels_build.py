@@ -134,3 +134,24 @@ def test_trace_hooks_compile_to_nothing_by_default():
     text = (build.KERNEL_DIR / "common.cuh").read_text()
     assert "#ifdef METRALE_TRACE" in text and "#define METRALE_TRACE" not in text
     assert "#define TRACE_SCOPE\n#define TRACE_MARK(i)\n#endif" in text
+
+
+def test_cuda_archs_choose_the_gencode(monkeypatch):
+    """METRALE_CUDA_ARCHS: machine code per listed architecture, PTX per compute_NN; the default is sm_80, sm_90 and
+    compute_90 PTX (engine/env.py)."""
+    import importlib
+
+    from engine import env
+    from engine.cuda import build
+    assert env.CUDA_ARCHS == ("80", "90", "compute_90") or "METRALE_CUDA_ARCHS" in __import__("os").environ
+    monkeypatch.setenv("METRALE_CUDA_ARCHS", "90")
+    try:
+        importlib.reload(env)
+        importlib.reload(build)
+        assert build.GENCODE == ("-gencode", "arch=compute_90,code=sm_90")
+    finally:
+        monkeypatch.delenv("METRALE_CUDA_ARCHS")
+        importlib.reload(env)
+        importlib.reload(build)
+    assert build.GENCODE == ("-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
+                             "-gencode", "arch=compute_90,code=compute_90")
