@@ -127,3 +127,46 @@ def test_polled_steps_give_the_same_tokens(tiny_model):
             await runner.shutdown()
 
     assert asyncio.run(run(True)) == asyncio.run(run(False))
+
+
+@pytest.mark.timeout(120)
+def test_the_next_step_is_launched_before_a_finished_steps_tokens_go_out(tiny_model):
+    """GenerateStreams keeps max_steps_in_flight steps launched: when one finishes, the next is launched before its
+    tokens reach the stream's queue (the handlers' writes would otherwise run on the loop while the device drains
+    the one step left). So before the k-th decoded token is queued, k + depth steps have been launched (the old
+    order: k + depth - 1), while the sequence has steps left to launch."""
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            depth = runner.engine.config.max_steps_in_flight
+            events: list[str] = []
+            submit = runner.submit_step
+
+            def recording_submit(*args, **kwargs):
+                events.append("launch")
+                return submit(*args, **kwargs)
+            runner.submit_step = recording_submit
+            # the decode loop starts only when start() returns: the queue is wrapped before any decoded token
+            original_put = asyncio.Queue.put_nowait
+
+            def put(queue, item):
+                if item is not None and getattr(queue, "recorded", False):
+                    events.append("token")
+                return original_put(queue, item)
+            asyncio.Queue.put_nowait = put
+            try:
+                seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+                out.recorded = True
+                tokens = await take_all(out)
+            finally:
+                asyncio.Queue.put_nowait = original_put
+            assert len(tokens) == NEW_TOKENS
+            launches = [events[:i].count("launch") for i, e in enumerate(events) if e == "token"]
+            steps = NEW_TOKENS - 1  # the first token came from the prefill
+            assert events.count("launch") == steps and len(launches) == steps
+            for k, before in enumerate(launches[:steps - depth - 1], start=1):  # (the last steps: fewer to launch)
+                assert before >= k + depth, (k, launches)
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
