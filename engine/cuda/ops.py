@@ -24,16 +24,15 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-import numpy as np
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from engine import env, sampling
 from engine.batch import prefill_work
 from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
+from engine.cuda.fp8_linear import fp8_projection
 from engine.cuda.library import KernelLibrary
+from engine.cuda.prefill_sdpa import SDPA_MIN_TOKENS, attend, sdpa_plan
 from engine.cuda.wrappers import (
     decode_attention,
     embedding,
@@ -47,9 +46,8 @@ from engine.cuda.wrappers import (
 from engine.cuda.wrappers import sampling as sample_kernels
 from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
-from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps, kv_rows
-from engine.quant import (FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight, Weight, finish_linear, fp8_linear,
-                          quantize_activations, takes_w8a8)
+from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
+from engine.quant import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight, Weight
 
 SKINNY_TOKENS = W8A16_MAX_ROWS  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -215,35 +213,11 @@ class CudaOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.linear; an Fp8Weight (engine/quant.py):
-        - per-channel scales, up to SKINNY_TOKENS rows that skinny_fits: the skinny FP8 kernel (skinny_store /
-          skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
-          the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
-          residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
-        - where engine.quant.takes_w8a8 says (per-channel scales, more than 8 rows of bf16 x into a bf16 output:
-          prefill, large decode batches): W8A8 on the tensor cores, x quantized per row to E4M3 with a dynamic
-          scale (fp8_scaled_mm), the arithmetic TorchOps runs in fp32 (engine.quant.w8a8_linear);
-        - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
-          arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
-          a 16-bit copy of the weight per call;
-        - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
-          weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
-          fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
-        All are sync-free and capturable."""
+        """TorchOps.linear; an Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
         if not isinstance(weight, Fp8Weight):
             return super().linear(x, weight, bias, add_to, out_dtype)
-        out = add_to.dtype if add_to is not None else out_dtype or x.dtype
-        if not weight.per_channel:
-            return fp8_linear(x, weight, bias, add_to, out)
-        if skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype):
-            y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype if out == x.dtype and add_to is None
-                            else torch.float32, device=x.device)
-            skinny_linear.store(self.lib, y, x, weight, bias)
-            return finish_linear(y, None, add_to, out)
-        if takes_w8a8(x, weight, out):
-            return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
-        acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
-        return finish_linear(acc * weight.row_scale, bias, add_to, out)
+        skinny = skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype)
+        return fp8_projection(self.lib, x, weight, bias, add_to, out_dtype, skinny)
 
     # ---------------------------------------------------------------------------------------------
     # Primitives.
@@ -327,37 +301,11 @@ class CudaOps(TorchOps):
 
     def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                       key: tuple, scale: float) -> torch.Tensor:
-        """Sequences whose lengths round up to the same multiple of SDPA_BUCKET go through one causal
-        scaled_dot_product_attention call (GQA), padded to that length, so sequences of different
-        lengths share a call. Padding sits after each sequence's last key, so causal masking keeps it
-        out of real rows. Pad tokens of the forward (rows after the last sequence) are left unset. An E4M3 cache's
-        keys are gathered as bytes and converted to q's dtype (exact) for the call."""
+        """prefill_sdpa.attend with the forward's plan (made once per forward: every layer has the same)."""
         if self._sdpa_key != key:
             self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
             self._sdpa_key = key
-        num_heads, head_dim = q.shape[1:]
-        num_kv_heads = k_cache.shape[2]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        out = torch.empty_like(q)
-        for group in self._sdpa_plan:
-            n, length = group.num_seqs, group.length
-            qg = (q[:n * length] if group.q_index is None else q[group.q_index]).view(
-                n, length, num_heads, head_dim).transpose(1, 2)
-            kg, vg = (kv_rows(flat, group.kv_index).to(q.dtype).view(n, length, num_kv_heads, head_dim)
-                      .transpose(1, 2) for flat in (k_flat, v_flat))
-            with (sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else contextlib.nullcontext()):
-                og = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale,
-                                                                      enable_gqa=num_heads != num_kv_heads)
-            og = og.transpose(1, 2).reshape(n * length, num_heads, head_dim)
-            if group.out_rows is None:  # the output in order; pad tokens (rows after it) stay unset
-                if og.shape[0] == q.shape[0]:
-                    out = og
-                else:
-                    out[:og.shape[0]] = og
-            else:
-                out[group.out_rows] = og[group.real]
-        return out
+        return attend(self._sdpa_plan, q, k_cache, v_cache, scale, self.sdpa_backends)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
@@ -410,72 +358,13 @@ class CudaOps(TorchOps):
         return num_accepted, tokens
 
 
-def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a
-    zero row) to E4M3, then one FP8 GEMM with both scales applied to the fp32 accumulators:
-    [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
-    x_fp8, a_scale = quantize_activations(x)
-    # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
-    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
-                            out_dtype=torch.bfloat16)
-
-
 PREFILL_BUCKET = 64  # prefill forwards are padded to a multiple of this many tokens (see prefill_tokens)
 PREFILL_BUCKET_UNTIL = 2048  # ... and of 4 * PREFILL_BUCKET above this
-SDPA_MIN_TOKENS = 2048  # forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
-SDPA_BUCKET = 128  # fresh prompts are padded to a multiple of this for the fused attention call
 
 
 def prefill_bucket(num_tokens: int) -> int:
     step = PREFILL_BUCKET if num_tokens <= PREFILL_BUCKET_UNTIL else 4 * PREFILL_BUCKET
     return -(-num_tokens // step) * step
-
-
-@dataclass
-class SdpaGroup:
-    """One scaled_dot_product_attention call: num_seqs sequences padded to `length` keys each."""
-
-    num_seqs: int
-    length: int
-    kv_index: torch.Tensor  # [num_seqs * length] flat KV-cache row of each (padded) position
-    q_index: torch.Tensor | None  # [num_seqs * length] query row of each position; None: q itself
-    real: torch.Tensor | None  # positions that are real tokens (indices into num_seqs * length)
-    out_rows: torch.Tensor | None  # their rows in the output; None: the call's output is the output
-
-
-def sdpa_plan(query_start_loc: tuple, seq_lens: tuple, block_tables: torch.Tensor, block_size: int) -> list:
-    """The SdpaGroups of a forward of fresh prompts (query_start_loc[b] .. +seq_lens[b] are sequence b's
-    tokens, all of its keys): sequences grouped by their length rounded up to SDPA_BUCKET; a padded
-    position repeats the sequence's last key and query row (its output is dropped). Index arithmetic in
-    numpy, one upload per padded group, once per forward."""
-    groups: dict[int, list[int]] = {}
-    for b, n in enumerate(seq_lens):
-        groups.setdefault(-(-n // SDPA_BUCKET) * SDPA_BUCKET, []).append(b)
-    device = block_tables.device
-    whole = len(groups) == 1 and all(n == next(iter(groups)) for n in seq_lens)
-    if whole:  # one call, no padding: the output is the call's output in order; no upload
-        num_seqs, length = len(seq_lens), seq_lens[0]
-        seq = torch.arange(num_seqs, device=device).repeat_interleave(length)
-        pos = torch.arange(length, device=device).repeat(num_seqs)
-        return [SdpaGroup(num_seqs, length, _kv_index(block_tables, seq, pos, block_size), None, None, None)]
-    plan = []
-    starts, lens = np.asarray(query_start_loc[:-1]), np.asarray(seq_lens)
-    for length, seqs in groups.items():
-        seq = np.repeat(np.asarray(seqs), length)
-        pos_all = np.tile(np.arange(length), len(seqs))
-        pos = np.minimum(pos_all, lens[seq] - 1)
-        real = np.flatnonzero(pos_all < lens[seq])
-        q_index = starts[seq] + pos
-        parts = [seq, pos, q_index, real, q_index[real]]
-        seq_t, pos_t, q_t, real_t, rows_t = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(
-            device).split([len(a) for a in parts])
-        plan.append(SdpaGroup(len(seqs), length, _kv_index(block_tables, seq_t, pos_t, block_size), q_t, real_t,
-                              rows_t))
-    return plan
-
-
-def _kv_index(block_tables: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
 __all__ = ["CudaOps", "KernelArgError", "prefill_bucket"]

@@ -169,7 +169,7 @@ def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
     last query row and key; every real query row is written exactly once."""
     import torch
 
-    from engine.cuda.ops import SDPA_BUCKET, sdpa_plan
+    from engine.cuda.prefill_sdpa import SDPA_BUCKET, sdpa_plan
     bs, lens = 16, [5, 130, 128, 1, 300]
     qsl = [0]
     for n in lens:

@@ -1,0 +1,51 @@
+"""CudaOps' projections of FP8 weights (engine/quant.py Fp8Weight): the skinny FP8 kernels, W8A8 on the FP8 tensor
+cores, or torch's W8A16 and fp32 references, by the weight's blocks and the rows of x."""
+from __future__ import annotations
+
+import torch
+
+from engine.cuda.library import KernelLibrary
+from engine.cuda.wrappers import skinny_linear
+from engine.quant import Fp8Weight, finish_linear, fp8_linear, quantize_activations, takes_w8a8
+
+
+def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
+                   add_to: torch.Tensor | None, out_dtype: torch.dtype | None, skinny: bool) -> torch.Tensor:
+    """TorchOps.linear's contract for an Fp8Weight. skinny: the skinny kernels take x and weight (CudaOps'
+    skinny_fits, and a bias of x's dtype if any). By the weight and x:
+    - per-channel scales that the skinny kernels take (up to 8 rows): the skinny FP8 kernel (skinny_store /
+      skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
+      the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
+      residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
+    - where engine.quant.takes_w8a8 says (per-channel scales, more than 8 rows of bf16 x into a bf16 output:
+      prefill, large decode batches): W8A8 on the tensor cores, x quantized per row to E4M3 with a dynamic
+      scale (fp8_scaled_mm), the arithmetic TorchOps runs in fp32 (engine.quant.w8a8_linear);
+    - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
+      arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
+      a 16-bit copy of the weight per call;
+    - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
+      weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
+      fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
+    All are sync-free and capturable."""
+    out = add_to.dtype if add_to is not None else out_dtype or x.dtype
+    if not weight.per_channel:
+        return fp8_linear(x, weight, bias, add_to, out)
+    if skinny:
+        y = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype if out == x.dtype and add_to is None
+                        else torch.float32, device=x.device)
+        skinny_linear.store(lib, y, x, weight, bias)
+        return finish_linear(y, None, add_to, out)
+    if takes_w8a8(x, weight, out):
+        return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
+    acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
+    return finish_linear(acc * weight.row_scale, bias, add_to, out)
+
+
+def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a
+    zero row) to E4M3, then one FP8 GEMM with both scales applied to the fp32 accumulators:
+    [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
+    x_fp8, a_scale = quantize_activations(x)
+    # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
+    return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
+                            out_dtype=torch.bfloat16)
