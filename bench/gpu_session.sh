@@ -53,6 +53,7 @@
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
 #              apart (host parts, cProfile, kernel table, the GPU's idle gaps)
+#   prefixttft engine_bench --prefix-ttft 4096 3968, 1B then 8B: issue 40's cached-prefix TTFT against uncached
 #   trace      trace_step.py: a replayed step launch by launch (carry kernels_cu/build-trace, made here by
 #              `python bench/trace_step.py --build-only`; TRACE_BATCHES, TRACE_ARGS)
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
@@ -177,6 +178,9 @@ for what in "$@"; do
     ttft)       stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
     prefixprof) TAIL=${TAIL:-90} stage profile-prefix-1b 240 python3 bench/profile_step.py --shape 1b --only prefix
                 TAIL=${TAIL:-90} stage profile-prefix-8b 300 python3 bench/profile_step.py --shape 8b --only prefix ;;
+    prefixttft) for shape in 1b 8b; do
+                  stage "prefix-ttft-$shape" 240 python3 bench/engine_bench.py --shape $shape --no-hf --max-seq-len 4200 --prefix-ttft 4096 3968 --out "$OUT"
+                done ;;
     trace)      TAIL=${TAIL:-80} stage trace-1b 240 python3 bench/trace_step.py --shape 1b --batch ${TRACE_BATCHES:-1 32} ${TRACE_ARGS:-} --json "$OUT/trace-1b.json" ;;
     # racecheck leaves out cuDNN's kernels (torch's fused attention): it reports hazards inside them that are
     # not ours to fix; memcheck checks every kernel, without the caching allocator so overruns leave their allocation.

@@ -85,16 +85,21 @@ class Prefiller:
         seq.token_ids.extend(item.token_ids)
         if first:
             seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
-            state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)  # its device row starts here
-            if seq.num_cached and seq.sampling.repetition_penalty != 1.0:
-                # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
-                # repetition penalty).
-                shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.num_cached], dtype=np.int64)).to(self.rt.device)
-                state.mark_seen(torch.full_like(shared, seq.slot), shared)
         if not item.partial and seq.num_cached == seq.seq_len:
             seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
         start = len(blocks.block_ids)
-        state.set_blocks(seq.slot, start, blocks.grow(seq.seq_len) if item.partial else blocks.grow_all())
+        new = blocks.grow(seq.seq_len) if item.partial else blocks.grow_all()
+        if not first:
+            state.set_blocks(seq.slot, start, new)
+            return
+        # The slot's device row starts here, its shared and new blocks in one write.
+        state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)
+        if seq.num_cached and seq.sampling.repetition_penalty != 1.0:
+            # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
+            # repetition penalty).
+            shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.cached_prompt_tokens], dtype=np.int64))
+            shared = shared.to(self.rt.device, non_blocking=True)
+            state.mark_seen(torch.full_like(shared, seq.slot), shared)
 
     def _run(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
         completes = {seq.seq_id: not it.partial for seq, it in zip(seqs, items)}

@@ -105,7 +105,9 @@ class SlotState:
         """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its
         blocks; entries past them stay 0, the scratch block). No step in flight may read the row."""
         if block_ids:
-            self.block_table[slot, start:start + len(block_ids)] = torch.from_numpy(np.asarray(block_ids, dtype=np.int32))
+            # From pageable memory without waiting for the device: the driver stages the bytes before it returns.
+            row = torch.from_numpy(np.asarray(block_ids, dtype=np.int32))
+            self.block_table[slot, start:start + len(block_ids)].copy_(row, non_blocking=True)
 
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams,
                stopping: StoppingCriteria | None = None) -> None:
