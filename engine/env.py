@@ -15,7 +15,9 @@ CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA
 CUDA_ARCHS = tuple(a.strip() for a in os.environ.get("METRALE_CUDA_ARCHS", "80,90,compute_90").split(",") if a.strip())
 # Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/library.py).
 PDL = os.environ.get("METRALE_PDL", "1") != "0"
-# How the worker's event loop learns that a step's device work ended: "thread" (a helper thread waits on the step's
-# event and wakes the loop) or "poll" (the loop itself queries the event between its other callbacks, a core
-# spinning while a step runs; an experiment for the batch-1 round trip, worker/runner.py).
-STEP_WAIT = os.environ.get("METRALE_STEP_WAIT", "thread")
+# How the worker's event loop learns that a step's device work ended (worker/runner.py): "poll" (the loop itself
+# queries the step's event between its other callbacks: a core busy while steps run, ~50 us sooner than a thread's
+# wake-up, and the loop never waits on another thread for it) or "thread" (a helper thread waits on the event and
+# wakes the loop: no busy core). Poll is the default: through a gateway, where the loop also writes every stream's
+# tokens, it kept the device busier (bench/RESULTS.md, "Direct gRPC vs through Shepherd Model Gateway").
+STEP_WAIT = os.environ.get("METRALE_STEP_WAIT", "poll")

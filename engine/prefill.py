@@ -146,9 +146,9 @@ class Prefiller:
         # The prompt counts for repetition penalty (real tokens only: pads come after them).
         state.mark_seen(token_slots, input_ids)
         to_sample = [seq for seq, _, last in chunk if last]
-        if to_sample:  # uploaded before the forward is queued: a blocking copy would wait for all of it
-            sample_slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]],
-                                                   device=rt.device)
+        if to_sample:  # uploaded before the forward is queued, and without waiting for the device
+            sample_slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]]
+                                                   ).to(rt.device, non_blocking=True)
         if graphed:
             logits_out = self._logits
             # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,

@@ -63,6 +63,7 @@ import numpy as np
 from engine.errors import ConfigError, ResourceExhausted
 from engine.kv_events import (KvBlock, KvBlocksStored, KvCacheCleared, KvCacheEvent, KvEventBatch, KvEventLog,
                               KvSnapshotChunk)
+from engine.prefix_index import PrefixIndex
 
 HASH_DOMAIN = b"metrale-kv-block-v1\x00"
 
@@ -175,6 +176,7 @@ class BlockPool:
         self._cached: dict[int, _Cached] = {}  # hash -> its block, in registration order
         self._hash_of: dict[int, int] = {}     # block id -> hash, for cached blocks
         self._reserved = 0
+        self.index = PrefixIndex(num_blocks, block_size)  # finds a prompt's cached blocks without sha256
 
     # Counts --------------------------------------------------------------------------------------
 
@@ -281,6 +283,12 @@ class BlockPool:
             out.append(cached.block_id)
         return out
 
+    def match_prefix(self, ids: np.ndarray, keys: list[int], extra: bytes = b"") -> tuple[list[int], list[int]]:
+        """match() of a sequence's first full blocks without their hashes (ids: prefix_index.blocks_of, keys: their
+        index fingerprints): the blocks of the longest cached prefix and their hashes (engine/prefix_index.py).
+        Finds the blocks registered with a key; takes no reference."""
+        return self.index.match(ids, keys, extra)
+
     def acquire(self, block_ids: list[int], reserved: bool = False) -> None:
         """One more reference on each of block_ids, which must be cached (match's result); an
         evictable one leaves the LRU. reserved: each block stands for one reserved block, which the
@@ -315,11 +323,14 @@ class BlockPool:
 
     free = release  # the BlockAllocator name
 
-    def register(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    def register(self, block_id: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
+                 key: int | None = None, extra: bytes = b"") -> int:
         """Caches a full block its caller references and has written (call only once the forward
         that wrote it has completed) under block_hash, and logs a stored event. Returns the block
         cached under that hash: block_id, or another block that already held it, in which case
-        block_id stays uncached (the caller may switch to the returned block and release its own)."""
+        block_id stays uncached (the caller may switch to the returned block and release its own).
+        key: the block's index fingerprint (PrefixIndex.keys, with the extra bytes its hash was made
+        with), which makes match_prefix find it; None: found by match() alone."""
         if len(token_ids) != self.block_size:
             raise ValueError(f"register: a block holds {self.block_size} tokens, got {len(token_ids)}")
         if not 0 < block_id < self.num_blocks or self._refs[block_id] == 0:
@@ -334,6 +345,8 @@ class BlockPool:
         tokens = array.array("I", token_ids)
         self._cached[block_hash] = _Cached(block_id, parent_hash, tokens)
         self._hash_of[block_id] = block_hash
+        if key is not None:
+            self.index.add(block_id, key, block_hash, parent_hash, tokens, extra)
         self.stats.stored_blocks += 1
         self.events.stored(block_hash, parent_hash, tuple(tokens), self.block_size)
         return block_id
@@ -341,6 +354,7 @@ class BlockPool:
     def _uncache(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id)
         del self._cached[block_hash]
+        self.index.remove(block_id)
         self.events.removed(block_hash)
 
     def flush(self) -> int:
@@ -352,6 +366,7 @@ class BlockPool:
         for b in dropped:
             block_hash = self._hash_of.pop(b)
             del self._cached[block_hash]
+            self.index.remove(b)
             if keep_events:
                 self.events.removed(block_hash)
         self._free.extend(reversed(dropped))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from engine.prefix_cache import BlockPool, block_hashes
+from engine.prefix_index import blocks_of
 
 
 class SequenceBlocks:
@@ -31,6 +32,7 @@ class SequenceBlocks:
         self.block_ids: list[int] = []
         self.num_reserved = num_blocks  # blocks promised, not taken yet
         self.hashes: list[int] = []     # of the leading full blocks whose tokens have been hashed
+        self.keys: list[int] = []       # their prefix-index fingerprints, of as many full blocks or more
         self.num_shared = 0             # leading blocks taken from the cache
         self.num_registered = 0         # leading blocks registered, shared, or found cached elsewhere
         self.num_duplicates = 0         # own blocks whose hash was cached under another block
@@ -52,8 +54,9 @@ class SequenceBlocks:
         if not self.caching or self.block_ids or not token_ids:
             return 0
         bs = self.block_size
-        self.hashes = block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs, self.extra)
-        shared = self.pool.match(self.hashes)
+        ids = blocks_of(token_ids[:(len(token_ids) - 1) // bs * bs], bs)
+        self.keys = self.pool.index.keys(ids, 0, None, self.extra)
+        shared, self.hashes = self.pool.match_prefix(ids, self.keys, self.extra)
         self.pool.acquire(shared, reserved=True)  # each stands for a reserved block: the pool gets it back
         self.num_reserved -= len(shared)
         self.block_ids += shared
@@ -96,11 +99,15 @@ class SequenceBlocks:
             start = len(self.hashes) * bs
             self.hashes += block_hashes(token_ids[start:full * bs], bs, self.extra,
                                         self.hashes[-1] if self.hashes else None)
+        if len(self.keys) < full:
+            start = len(self.keys)
+            self.keys += self.pool.index.keys(blocks_of(token_ids[start * bs:full * bs], bs), start,
+                                              self.keys[-1] if self.keys else None, self.extra)
         stored = 0
         for i in range(self.num_registered, full):
             parent = self.hashes[i - 1] if i else None
-            if self.pool.register(self.block_ids[i], self.hashes[i], parent, token_ids[i * bs:(i + 1) * bs]) \
-                    == self.block_ids[i]:
+            if self.pool.register(self.block_ids[i], self.hashes[i], parent, token_ids[i * bs:(i + 1) * bs],
+                                  self.keys[i], self.extra) == self.block_ids[i]:
                 stored += 1
             else:
                 self.num_duplicates += 1

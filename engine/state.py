@@ -25,6 +25,12 @@ from engine.sampling import (MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS, SamplingPa
 COUNTS_INT16_MAX_SEQ_LEN = 1 << 15  # up to this many tokens a sequence, an int16 count cannot overflow
 
 
+def put(t: torch.Tensor, slot: int, value) -> None:
+    """t[slot] = value as a fill kernel with the value as its argument: `t[slot] = value` copies the value from
+    pageable host memory, which waits for the device work queued before it."""
+    t[slot:slot + 1].fill_(value)
+
+
 class SlotState:
     def __init__(self, max_slots: int, max_blocks_per_seq: int, vocab_size: int, device: torch.device,
                  eos_token_ids: tuple[int, ...] | frozenset[int] = (), max_seq_len: int = 0):
@@ -113,13 +119,13 @@ class SlotState:
                stopping: StoppingCriteria | None = None) -> None:
         self.block_table[slot].zero_()
         self.set_blocks(slot, 0, block_ids)
-        self.last_token[slot] = 0
-        self.num_cached[slot] = 0
-        self.temperature[slot] = params.temperature
-        self.top_k[slot] = params.top_k
-        self.top_p[slot] = params.top_p
-        self.seed[slot] = seed_as_int64(params.seed)
-        self.repetition_penalty[slot] = params.repetition_penalty
+        put(self.last_token, slot, 0)
+        put(self.num_cached, slot, 0)
+        put(self.temperature, slot, params.temperature)
+        put(self.top_k, slot, params.top_k)
+        put(self.top_p, slot, params.top_p)
+        put(self.seed, slot, seed_as_int64(params.seed))
+        put(self.repetition_penalty, slot, params.repetition_penalty)
         self.seen[slot] = False
         self._assign_processors(slot, params, stopping or StoppingCriteria())
 
@@ -127,12 +133,12 @@ class SlotState:
         """The slot's processor rows: its flags always (a step reads a row's processors by them), the rest only
         for a sequence that uses one (a slot with flags 0 is never read)."""
         flags = flags_of(params, stopping)
-        self.processors[slot] = flags
+        put(self.processors, slot, flags)
         if not flags:
             return
-        self.min_p[slot] = params.min_p
-        self.frequency_penalty[slot] = params.frequency_penalty
-        self.presence_penalty[slot] = params.presence_penalty
+        put(self.min_p, slot, params.min_p)
+        put(self.frequency_penalty, slot, params.frequency_penalty)
+        put(self.presence_penalty, slot, params.presence_penalty)
         bias_ids = [t for t, _ in params.logit_bias] + [0] * (MAX_LOGIT_BIAS - len(params.logit_bias))
         bias_values = [b for _, b in params.logit_bias] + [0.0] * (MAX_LOGIT_BIAS - len(params.logit_bias))
         stops = sorted(stopping.stop_token_ids) if stopping.min_tokens else []
@@ -145,7 +151,7 @@ class SlotState:
         self.bias_values[slot] = table[MAX_LOGIT_BIAS + MAX_MIN_TOKENS_STOP_IDS:].float()
         self.stop_valid[slot] = False
         self.stop_valid[slot, :len(stops)] = True
-        self.min_tokens[slot] = stopping.min_tokens
+        put(self.min_tokens, slot, stopping.min_tokens)
         if flags & PENALTIES:
             self.output_counts[slot].zero_()
 

@@ -14,8 +14,8 @@ from engine.cuda.wrappers import skinny_linear
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
 from engine.ops import torch_ops
-from engine.quant import (FP8_DTYPE, FP8_MIN_CAPABILITY, Fp8Weight, dequantize, fp8_linear, quantize_activations,
-                          quantize_fp8)
+from engine.quant import (FP8_DTYPE, FP8_MIN_CAPABILITY, W8A16_MAX_ROWS, Fp8Weight, dequantize, fp8_linear,
+                          quantize_activations, quantize_fp8)
 from gpu.helpers import dev, greedy_run, nan, randn
 
 pytestmark = [pytest.mark.gpu,
@@ -71,8 +71,10 @@ def test_w8a8_rows_are_within_activation_quantization_of_the_reference(ops, gen,
     products = (xq.float().abs() * a_scale) @ wd.abs().t()
     diff = (got.float() - same.float()).abs()
     print(f"W8A8 tensor cores vs torch: max |d| {diff.max().item():.3g}, largest share of the bound "
-          f"{(diff / (products * 2 ** -14 + same.float().abs() * 2 ** -8 + 1e-6)).max().item():.3f}")
-    assert (diff <= products * 2 ** -14 + same.float().abs() * 2 ** -8 + 1e-6).all()
+          f"{(diff / (products * 2 ** -14 + same.float().abs() * 2 ** -7 + 1e-6)).max().item():.3f}")
+    # Two bf16 roundings of nearly equal sums land at most one bf16 step apart: up to 2^-7 of the value (the
+    # 2026-12-05 H200 run measured up to 1.9x a 2^-8 bound, one step at values just above a power of two).
+    assert (diff <= products * 2 ** -14 + same.float().abs() * 2 ** -7 + 1e-6).all()
     assert diff.norm() / same.float().norm() < 2 ** -8
 
 
@@ -159,15 +161,16 @@ def assert_closer_to_its_own_arithmetic(fast: Engine, ref: Engine, tokens: list[
 
 def assert_greedy_flips_are_near_ties(ref: Engine, prompts: list[list[int]], got: list[list[int]],
                                       want: list[list[int]], what: str, w8a8_bar: float, w8a8_decode: bool) -> None:
-    """A divergence is a near-tie of the reference's: under NEAR_TIE where the token came from W8A16 decode, under
-    w8a8_bar (the engines' measured W8A8 difference) where it came from the prompt's W8A8 forward (the first
-    token) or from W8A8 decode."""
+    """A divergence is a near-tie of the reference's: under NEAR_TIE where every token so far came from W8A16
+    forwards (a prompt of at most W8A16_MAX_ROWS tokens, W8A16 decode), under w8a8_bar (the engines' measured W8A8
+    difference) where the prompt ran W8A8 (its KV, which every later token attends to, carries that difference)
+    or decode did."""
     for p, x, y in zip(prompts, got, want):
         if x != y:
             j = next(i for i in range(len(x)) if x[i] != y[i])
             logp = ref.score(p + y[:j])[-1]
             gap = (logp[y[j]] - logp[x[j]]).item()
-            bar = w8a8_bar if j == 0 or w8a8_decode else NEAR_TIE
+            bar = w8a8_bar if len(p) > W8A16_MAX_ROWS or w8a8_decode else NEAR_TIE
             print(f"{what}: divergence after {j} tokens: kernels {x[j]} vs reference {y[j]}, gap {gap:.4f} (bar {bar:.3f})")
             assert gap < bar, f"{what}: not a near-tie after {j} tokens: gap {gap}"
 

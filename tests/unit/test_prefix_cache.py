@@ -22,6 +22,7 @@ from engine.errors import ConfigError, OutOfRange, ResourceExhausted
 from engine.kv_cache import BlockAllocator
 from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventLog, follow
 from engine.prefix_cache import BlockPool, block_hashes, extra_key, hash_block
+from engine.prefix_index import blocks_of
 from engine.sequence_blocks import SequenceBlocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -357,6 +358,43 @@ def test_sequence_blocks_share_a_prefix_but_always_compute_the_last_prompt_token
     assert pool.num_free_blocks == 19 and pool.num_reserved_blocks == 0 and pool.num_evictable_blocks == 3
 
 
+def test_the_prefix_index_fingerprints_a_sequence_in_pieces_as_in_one():
+    pool = BlockPool(8, 4)
+    tokens = list(range(100, 140))
+    whole = pool.index.keys(blocks_of(tokens, 4), 0, None, b"x")
+    assert len(whole) == 10 and len(set(whole)) == 10
+    parts = pool.index.keys(blocks_of(tokens[:12], 4), 0, None, b"x")
+    parts += pool.index.keys(blocks_of(tokens[12:], 4), 3, parts[-1], b"x")
+    assert parts == whole
+    assert pool.index.keys(blocks_of(tokens, 4), 0, None, b"y") != whole  # the extra key seeds the chain
+    assert pool.index.keys(blocks_of(tokens[:7], 4), 0, None, b"x") == whole[:1]  # full blocks only
+    zeros = pool.index.keys(blocks_of([0] * 8, 4), 0, None, b"x")
+    assert zeros[0] != zeros[1]  # a block of token 0s moves the chain too
+    with pytest.raises(ValueError):
+        blocks_of([1, -2, 3, 4], 4)
+    with pytest.raises(ValueError):
+        blocks_of([1, 2 ** 32, 3, 4], 4)
+
+
+def test_a_fingerprint_collision_costs_a_hit_but_never_shares_a_wrong_block(monkeypatch):
+    """Every block fingerprinted alike: the index holds the first block registered under the fingerprint,
+    and the exact check (tokens, extra key, parent hash) refuses it wherever it is not the prompt's block."""
+    pool = BlockPool(64, 2)
+    monkeypatch.setattr(pool.index, "keys", lambda ids, first, prev, extra: [7] * len(ids))
+    a = SequenceBlocks(pool, 4)
+    assert a.match([1, 2, 3, 4, 5]) == 0
+    a.grow_all()
+    assert a.register([1, 2, 3, 4, 5, 6], 6) == 3
+    b = SequenceBlocks(pool, 4)
+    assert b.match([1, 2, 9, 9, 5]) == 2 and b.block_ids == a.block_ids[:1]  # a's first block, not its second
+    c = SequenceBlocks(pool, 4)
+    assert c.match([9, 9, 3, 4, 5]) == 0 and c.block_ids == []  # a's first block's key, other tokens
+    d = SequenceBlocks(pool, 4)
+    assert d.match([1, 2, 1, 2, 5]) == 2  # a's first block again at block 1: its parent is not block 0's hash
+    e = SequenceBlocks(pool, 4, extra=b"kv_dtype=fp8")
+    assert e.match([1, 2, 3, 4, 5]) == 0  # same tokens, another extra key
+
+
 def test_sequence_blocks_without_caching_are_a_plain_allocation():
     pool = BlockPool(10, 2)
     seq = SequenceBlocks(pool, 3)
@@ -584,7 +622,9 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         known = len(seq.tokens)
         refs = self.refs()
         if not blocks.block_ids:  # the first chunk: share the cached prefix
+            by_hash = self.pool.match(block_hashes(seq.tokens[:(known - 1) // BS * BS], BS, blocks.extra))
             seq.num_cached = blocks.match(seq.tokens)
+            assert blocks.block_ids == by_hash, "the prefix index found other blocks than the sha256 chain"
             assert seq.num_cached == blocks.num_shared * BS < known
             for i, b in enumerate(blocks.block_ids):
                 assert self.content[b] == seq.tokens[i * BS:(i + 1) * BS], "a match with other contents"
