@@ -189,6 +189,13 @@ class KernelLibrary:
                           decode_attention.smem_bytes(d, fp8_kv=bool(kv))))
              for d in ATTENTION_HEAD_DIMS}
             for kv in KV_SUFFIXES)
+        # Prefill attention blocks one SM holds at once, per head dim and cache (prefill_attention.key_splits).
+        self.prefill_blocks_per_sm = {
+            (d, bool(kv)): check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(prefill_attention_bf16_d{d}{kv})",
+                                 driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                                     self.kernels[f"prefill_attention_bf16_d{d}{kv}"].func, 128,
+                                     prefill_attention.smem_bytes(d, bool(kv))))
+            for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES}
         self._stream = _raw_stream_fn()
         log.info("CUDA kernels loaded on device %d (sm_%d%d, %d SMs): %s", index, major, minor, self.num_sms,
                  ", ".join(f"{m}={o}" for m, o in self.origin.items()))

@@ -275,7 +275,9 @@ class CudaOps(TorchOps):
         bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            splits = prefill_attention.key_splits(self.lib, work.shape[0], q.shape[1], max_kv_len)
+            # a staged work list has an empty row per padded sequence row (prefill_work_rows): one at least
+            splits = prefill_attention.key_splits(self.lib, work.shape[0] - 1, q.shape[1], max_kv_len, q.shape[2],
+                                                  k_cache.element_size() == 1)
             prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
                                      sliding_window, splits)
             return out
@@ -294,7 +296,8 @@ class CudaOps(TorchOps):
         work_t = self._prefill_work
         if work_t is None:
             return out
-        splits = prefill_attention.key_splits(self.lib, work_t.shape[0], q.shape[1], max(seq_lens, default=0))
+        splits = prefill_attention.key_splits(self.lib, work_t.shape[0], q.shape[1], max(seq_lens, default=0),
+                                              q.shape[2], k_cache.element_size() == 1)
         prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
                                  sliding_window, splits)
         return out

@@ -427,12 +427,14 @@ def test_prefill_attention_split_over_keys(lib, gen, dtype, seqs, H, Hkv, D, bs,
     check("split vs unsplit", out, whole.float(), BF16_TOL)
 
 
-def test_prefill_key_splits_fill_the_gpu_for_a_long_prefix_only(lib):
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_key_splits_fill_the_gpu_for_a_long_prefix_only(lib, head_dim):
     sms = lib.num_sms
-    assert prefill_attention.key_splits(lib, 3, 32, 4096) >= 2  # 128 new tokens over a 4k prefix: split
-    assert prefill_attention.key_splits(lib, 3, 32, 128) == 1  # a short fresh prompt: nothing to split
-    assert prefill_attention.key_splits(lib, 4 * sms, 32, 32768) == 1  # the grid fills the GPU already
-    assert prefill_attention.key_splits(lib, 1, 1, 1 << 20) == prefill_attention.MAX_SPLITS
+    assert prefill_attention.key_splits(lib, 2, 32, 4096, head_dim) >= 2  # 128 new tokens over a 4k prefix
+    assert lib.prefill_blocks_per_sm[(head_dim, False)] >= 1 and lib.prefill_blocks_per_sm[(head_dim, True)] >= 1
+    assert prefill_attention.key_splits(lib, 2, 32, 128, head_dim) == 1  # a short fresh prompt: nothing to split
+    assert prefill_attention.key_splits(lib, 4 * sms, 32, 32768, head_dim) == 1  # the grid fills the GPU already
+    assert prefill_attention.key_splits(lib, 1, 1, 1 << 20, head_dim) == prefill_attention.MAX_SPLITS
 
 
 # ---------------------------------------------------------------------------------------------

@@ -226,6 +226,39 @@ def test_decode_attention_grid_rules(cluster):
     assert not decode_attention.fits_one_wave(lib, 50, 32, 8, 64, 2048)
 
 
+def test_prefill_key_split_rule():
+    """Prefill attention's key splits (engine/cuda/wrappers/prefill_attention.py) on an H200's numbers: where the
+    grid leaves the GPU room, no split count takes fewer tile times (waves x tiles a chain) than the one chosen,
+    nor does the best single wave; at least MIN_SPLIT_TILES tiles a split; none for short keys or a full grid."""
+    from engine.cuda.library import KernelLibrary
+    from engine.cuda.wrappers import prefill_attention as pa
+    lib = KernelLibrary.__new__(KernelLibrary)  # no device: only the rule is under test
+    lib.num_sms, lib.prefill_blocks_per_sm = 132, {(64, False): 4, (128, False): 2, (128, True): 1}
+    # 128 new tokens (2 work items) over a 4k prefix, 32 heads: 64 blocks a split
+    assert pa.key_splits(lib, 2, 32, 4096, 128) == 4  # 264 resident: 4 splits, one wave of 16-tile chains
+    assert pa.key_splits(lib, 2, 32, 4096, 64) == 8   # 528 resident: 8 splits, one wave of 8-tile chains
+    assert pa.key_splits(lib, 2, 32, 4096, 128, fp8_kv=True) == 2  # its own occupancy
+    for work in (1, 2, 3, 8, 40, 600):
+        for d, fp8 in lib.prefill_blocks_per_sm:
+            for kv in (64, 255, 1024, 4096, 32768, 1 << 20):
+                s = pa.key_splits(lib, work, 32, kv, d, fp8)
+                tiles = -(-kv // 64)
+                assert 1 <= s <= pa.MAX_SPLITS and (s == 1 or tiles // s >= pa.MIN_SPLIT_TILES)
+                resident = lib.prefill_blocks_per_sm[(d, fp8)] * lib.num_sms
+
+                def tile_times(n):
+                    return -(-work * 32 * n // resident) * -(-tiles // n)
+                if work * 32 >= resident:  # a full grid is not split
+                    assert s == 1
+                    continue
+                allowed = range(1, max(1, min(pa.MAX_SPLITS, tiles // pa.MIN_SPLIT_TILES)) + 1)
+                assert all(tile_times(s) <= tile_times(n) for n in allowed), (work, d, fp8, kv, s)
+                one_wave = [n for n in allowed if work * 32 * n <= resident]
+                if one_wave:
+                    assert tile_times(s) <= tile_times(max(one_wave))
+    assert pa.key_splits(lib, 600, 32, 32768, 64) == 1  # the grid fills the GPU already
+
+
 def test_prefill_buckets_are_few_and_tight():
     from engine.cuda.ops import PREFILL_BUCKET, PREFILL_BUCKET_UNTIL, prefill_bucket
     sizes = [prefill_bucket(n) for n in range(1, 8193)]

@@ -21,15 +21,22 @@ MERGE_ROWS = 16  # query rows per merge block (PA_MERGE_ROWS)
 MIN_SPLIT_TILES = 4  # a key split covers at least this many 64-key tiles
 
 
-def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: int) -> int:
-    """Key splits of a forward whose rows see at most max_kv_len keys: enough (work item, head, split) blocks
-    for about four per SM (each block is a chain of key tiles: more, shorter chains), each at least
-    MIN_SPLIT_TILES key tiles long; 1 when the grid fills the GPU already or the keys are few. A pure function
-    of host-known sizes (a replayed graph keeps its capture's splits)."""
-    blocks = max(1, num_work * num_heads)
-    want = -(-4 * lib.num_sms // blocks)
+def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: int, head_dim: int,
+               fp8_kv: bool = False) -> int:
+    """Key splits of a forward of num_work (work item, head) rows per head whose rows see at most max_kv_len keys.
+    A block walks its share of the key tiles one after another, and a share's tiles are latency-bound, so the
+    attention takes about waves(s) x ceil(tiles / s) tile times, waves(s) = ceil(num_work x num_heads x s /
+    the blocks the GPU holds at once). The count that minimises it, each split at least MIN_SPLIT_TILES tiles,
+    the fewest among equals (each split adds its share of the merge's reads); 1 when the keys are few or the grid
+    fills the GPU already. A pure function of host-known sizes (a replayed graph keeps its capture's splits).
+    num_work: the real work items (at most: a staged list's empty rows do not count, they return at once)."""
     tiles = -(-max(0, max_kv_len) // 64)
-    return max(1, min(MAX_SPLITS, want, tiles // MIN_SPLIT_TILES))
+    most = max(1, min(MAX_SPLITS, tiles // MIN_SPLIT_TILES))
+    blocks = max(1, num_work) * num_heads
+    resident = max(1, lib.prefill_blocks_per_sm[(head_dim, fp8_kv)]) * lib.num_sms
+    if blocks >= resident:  # the grid fills the GPU: splitting only trims the last wave, and adds the merge
+        return 1
+    return min(range(1, most + 1), key=lambda s: (-(-blocks * s // resident) * -(-tiles // s), s))
 
 
 def smem_bytes(head_dim: int, fp8_kv: bool = False) -> int:
