@@ -40,6 +40,10 @@ class Prefiller:
                                       min(PREFILL_GRAPH_SEQS, config.max_batch_size), rt.device)
         # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
         self._logits = torch.empty((self.staging.max_seqs, rt.vocab_size), dtype=torch.float32, device=rt.device)
+        # The slots and positions of a forward's sampled rows, uploaded from pinned memory: rewritten only by the
+        # next sampling forward, after this one's tokens were read back (so its copy has run).
+        self._sample_host = torch.zeros((2, config.max_batch_size), dtype=torch.int64,
+                                        pin_memory=rt.device.type == "cuda")
 
     def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
         """Every item extends a sequence whose prompt is not complete, within its reservation."""
@@ -143,12 +147,7 @@ class Prefiller:
             batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
                                        rt.device, rt.dynamic_rope, num_padded=num_tokens)
             token_slots, input_ids = batch.token_slots, batch.input_ids[:batch.token_slots.shape[0]]
-        # The prompt counts for repetition penalty (real tokens only: pads come after them).
-        state.mark_seen(token_slots, input_ids)
         to_sample = [seq for seq, _, last in chunk if last]
-        if to_sample:  # uploaded before the forward is queued, and without waiting for the device
-            sample_slots, positions = torch.tensor([[s.slot for s in to_sample], [s.seq_len for s in to_sample]]
-                                                   ).to(rt.device, non_blocking=True)
         if graphed:
             logits_out = self._logits
             # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,
@@ -158,6 +157,13 @@ class Prefiller:
             logits = logits_out[:len(to_sample)]
         else:
             logits = rt.model.forward(batch)
+        # Queued behind the forward (the host reaches the GPU with it first): the prompt counts for repetition
+        # penalty (real tokens only: pads come after them), and the sampled rows' slots and positions.
+        state.mark_seen(token_slots, input_ids)
+        if to_sample:
+            host = self._sample_host[:, :len(to_sample)]
+            host.numpy()[:] = [[s.slot for s in to_sample], [s.seq_len for s in to_sample]]
+            sample_slots, positions = host.to(rt.device, non_blocking=True)
         for seq, n, _ in chunk:
             seq.num_cached += n
         if not to_sample:
