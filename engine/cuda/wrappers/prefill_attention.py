@@ -23,20 +23,18 @@ MIN_SPLIT_TILES = 4  # a key split covers at least this many 64-key tiles
 
 def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: int, head_dim: int,
                fp8_kv: bool = False) -> int:
-    """Key splits of a forward of num_work (work item, head) rows per head whose rows see at most max_kv_len keys.
-    A block walks its share of the key tiles one after another, and a share's tiles are latency-bound, so the
-    attention takes about waves(s) x ceil(tiles / s) tile times, waves(s) = ceil(num_work x num_heads x s /
-    the blocks the GPU holds at once). The count that minimises it, each split at least MIN_SPLIT_TILES tiles,
-    the fewest among equals (each split adds its share of the merge's reads); 1 when the keys are few or the grid
-    fills the GPU already. A pure function of host-known sizes (a replayed graph keeps its capture's splits).
+    """Key splits of a forward of num_work work items (of a head each) whose rows see at most max_kv_len keys:
+    as many as one wave of blocks holds (the kernel's occupancy times the SMs, over num_work x num_heads blocks),
+    each split at least MIN_SPLIT_TILES key tiles; 1 when the keys are few or the grid fills the GPU already.
+    A block walks its share of the key tiles one after another, latency-bound: the most splits that still run
+    at once make the shortest chains, and a second wave would double them. A function of host-known sizes that
+    the tile count enters only through the MIN_SPLIT_TILES cap, so a graphed forward (its max_kv_len rounded up)
+    and the same forward run eagerly split alike for long keys (a replayed graph keeps its capture's splits).
     num_work: the real work items (at most: a staged list's empty rows do not count, they return at once)."""
     tiles = -(-max(0, max_kv_len) // 64)
-    most = max(1, min(MAX_SPLITS, tiles // MIN_SPLIT_TILES))
     blocks = max(1, num_work) * num_heads
-    resident = max(1, lib.prefill_blocks_per_sm[(head_dim, fp8_kv)]) * lib.num_sms
-    if blocks >= resident:  # the grid fills the GPU: splitting only trims the last wave, and adds the merge
-        return 1
-    return min(range(1, most + 1), key=lambda s: (-(-blocks * s // resident) * -(-tiles // s), s))
+    one_wave = max(1, lib.prefill_blocks_per_sm[(head_dim, fp8_kv)]) * lib.num_sms // blocks
+    return max(1, min(MAX_SPLITS, one_wave, tiles // MIN_SPLIT_TILES))
 
 
 def smem_bytes(head_dim: int, fp8_kv: bool = False) -> int:
