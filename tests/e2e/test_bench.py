@@ -98,9 +98,12 @@ def test_load_prefix_workloads_with_the_cache_on_and_off(tmp_path):
 def test_load_gateway_direct_and_through_smg(tmp_path):
     """--gateway: the same requests straight over gRPC and through the real smg in front of the same worker
     (a word tokenizer written into the benchmark's checkpoint); both paths generate as many tokens."""
-    res = run_load(tmp_path, "--gateway", "--concurrency", "3", "--requests", "9")
+    res = run_load(tmp_path, "--gateway", "--concurrency", "3", "--requests", "9", "--gateway-rounds", "3")
     assert res["meta"]["smg"]["version"] == "1.13.0"
     [row] = res["gateway"]
+    # three rounds, direct and gateway alternating: the row is the round of median ratio
+    assert len(row["round_ratios"]) == 3 and all(r > 0 for r in row["round_ratios"])
+    assert row["median_ratio"] == sorted(row["round_ratios"])[1] == row["gateway_over_direct"]["tokens_per_s"]
     direct, gateway = row["direct"], row["gateway"]
     assert direct["requests"] == gateway["requests"] == row["requests"] == 9
     assert direct["output_tokens"] == gateway["output_tokens"] > 9
@@ -121,7 +124,8 @@ def test_load_refuses_what_its_modes_cannot_do(tmp_path):
     cases = {("--prefix", "multiturn", "--target", "127.0.0.1:1"): "cannot use --target",
              ("--prefix", "sysprompt", "--engine-flags=--max-slots 8 --no-prefix-caching"):
                  "leave --no-prefix-caching out",
-             ("--gateway", "--model", str(bare)): "has no tokenizer.json"}
+             ("--gateway", "--model", str(bare)): "has no tokenizer.json",
+             ("--gateway", "--gateway-rounds", "0"): "--gateway-rounds must be >= 1"}
     for args, words in cases.items():
         out = subprocess.run([sys.executable, "bench/load.py", *args, "--out", str(tmp_path)], cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
