@@ -114,10 +114,6 @@ class PrefixIndex:
             del self._block_of[key]
         self._extra[block_id] = _NONE
 
-    def clear(self) -> None:
-        self._block_of.clear()
-        self._extra[:] = _NONE
-
     def match(self, ids: np.ndarray, keys: list[int], extra: bytes) -> tuple[list[int], list[int]]:
         """The cached blocks that begin a sequence whose first blocks are ids (blocks_of; keys: keys(ids, 0, None,
         extra)) and their hashes: the longest run of candidates that pass the exact check."""
