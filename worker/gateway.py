@@ -130,13 +130,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 if spec.prompt_logprobs is not None:
                     lp = await self.runner.call(lambda e: e.prompt_logprobs(spec.prompt, spec.prompt_logprobs))
                     prompt_lp = convert.input_logprobs(spec.prompt, lp)
-                await self._start(live, spec, grammar)
-                for choice in live.choices:
-                    self.metrics.start_stream(choice.seq_id, started)
+                await self._start(live, spec, grammar, started)
                 if live.aborted:  # Abort came while the sequences were starting
                     await self._stop(live)
                 responses = gateway_stream.responses(live, spec, request.stream, prompt_lp, self.runner.streams,
-                                                     self.metrics, self.requests, self.text, self.stream_interval)
+                                                     self.requests, self.text, self.stream_interval)
                 async for response in responses:
                     yield response
                 done = True
@@ -152,15 +150,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 for choice in live.choices:
                     if choice.seq_id is None:
                         continue  # not started (refused, or a later choice of a refused call): nothing to free
-                    self.metrics.end_stream(choice.seq_id)
                     if not done:  # the caller went away, or the call failed: free the sequence (ended ones: no-op)
                         self._in_background(self.runner.streams.stop(choice.seq_id))
 
-    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec, grammar=None) -> None:
+    async def _start(self, live: LiveRequest, spec: convert.GenerateSpec, grammar=None,
+                     started: float | None = None) -> None:
         """Allocates and prefills each choice's sequence, one after another (its first token is then on its
         queue). A caller that goes away meanwhile leaves the start in progress to finish on the engine thread;
         that sequence is stopped then. grammar: the compiled constraint (structured output), a Constraint of
-        its own for each choice, whose first token's mask is set with the allocation."""
+        its own for each choice, whose first token's mask is set with the allocation. started: time.perf_counter()
+        when the call came (time to first token)."""
         for choice in live.choices:
             request_id = live.request_id if spec.n == 1 else f"{live.request_id}/{choice.index}"
             choice.constraint = Constraint(grammar, self.facts.vocab_size) if grammar is not None else None
@@ -172,7 +171,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     engine.set_token_mask(result.seq_id, constraint.mask())
                 return result
 
-            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint))
+            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started))
             try:
                 choice.seq_id, choice.out = await asyncio.shield(start)
             except asyncio.CancelledError:

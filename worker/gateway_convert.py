@@ -229,11 +229,21 @@ def input_logprobs(prompt: list[int], lp: api.PromptLogprobs) -> vpb.InputLogPro
 def chunk(tokens: list[api.TokenResult], prompt_tokens: int, num_logprobs: int | None,
           cached_tokens: int = 0, index: int = 0, prompt_logprobs: vpb.InputLogProbs | None = None
           ) -> vpb.GenerateResponse:
-    """prompt_logprobs: on a choice's first chunk only."""
-    return vpb.GenerateResponse(chunk=vpb.GenerateStreamChunk(
-        token_ids=[t.token_id for t in tokens], prompt_tokens=prompt_tokens, completion_tokens=len(tokens),
-        cached_tokens=cached_tokens, output_logprobs=output_logprobs(tokens, num_logprobs),
-        input_logprobs=prompt_logprobs, index=index))
+    """prompt_logprobs: on a choice's first chunk only. Built by field (a streamed token's message, on the event
+    loop that launches the steps): fields left at their defaults cost nothing, keyword construction ~3x as much."""
+    response = vpb.GenerateResponse()
+    msg = response.chunk
+    msg.token_ids.extend([t.token_id for t in tokens])
+    msg.prompt_tokens, msg.completion_tokens = prompt_tokens, len(tokens)
+    if cached_tokens:
+        msg.cached_tokens = cached_tokens
+    if index:
+        msg.index = index
+    if num_logprobs is not None and tokens:
+        msg.output_logprobs.CopyFrom(output_logprobs(tokens, num_logprobs))
+    if prompt_logprobs is not None:
+        msg.input_logprobs.CopyFrom(prompt_logprobs)
+    return response
 
 
 def finish_reason(tokens: list[api.TokenResult]) -> str:

@@ -8,12 +8,11 @@ from engine.tokenizer import Tokenizer
 from worker import gateway_convert as convert
 from worker.gateway_requests import ABORTED, Choice, LiveRequest, Requests
 from worker.generate_streams import GenerateStreams
-from worker.metrics import Metrics
 from worker.stop_strings import StopStringMatcher
 
 
 async def responses(live: LiveRequest, spec: convert.GenerateSpec, stream: bool, prompt_lp, streams: GenerateStreams,
-                    metrics: Metrics, requests: Requests, text: Tokenizer | None, interval: int = 1):
+                    requests: Requests, text: Tokenizer | None, interval: int = 1):
     """The GenerateResponses of a started call, as its choices' tokens come (gateway_convert's shapes): chunks and a
     Complete per choice (stream), or one Complete per choice once all have ended; stop strings end a choice
     (_until_stop_string), prompt_lp (the prompt's logprobs, None if not asked) rides on each choice's first chunk
@@ -29,8 +28,6 @@ async def responses(live: LiveRequest, spec: convert.GenerateSpec, stream: bool,
         new = items[:-1] if _ended(end) else items
         if matchers[i] is not None:
             new = await _until_stop_string(choice, matchers[i], new, _ended(end), streams)
-        for item in new:
-            metrics.observe_stream_token(choice.seq_id, item)
         requests.count_tokens(len(new))
         tokens[i] += new
         if stream and new:

@@ -7,7 +7,10 @@ config.max_steps_in_flight steps are launched at once. A stream whose caller is 
 tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes to sending tokens rather
 than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
 state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
-and sets the next token's mask before the step that samples it. Event-loop only, like the runner."""
+and sets the next token's mask before the step that samples it. The streams' token metrics (time to first token,
+inter-token gaps, tokens) are recorded here, one record per step for all of them as for a Decode, not by each call's
+handler per token: on the event loop that also launches the steps, a record per token of every stream costs as much
+as the rest of the handler's work for that token. Event-loop only, like the runner."""
 from __future__ import annotations
 
 import asyncio
@@ -23,6 +26,7 @@ from engine.engine import Engine
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
+    from worker.metrics import Metrics
     from worker.runner import EngineRunner
 
 log = logging.getLogger(__name__)
@@ -93,14 +97,16 @@ class GenerateStreams:
         self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
         self._stream_task: asyncio.Task | None = None
         self._taken = asyncio.Event()  # a caller took tokens from its queue (a held-back stream may go on)
+        self.metrics: Metrics | None = None  # where the streams' tokens are recorded (set by the Worker)
 
     async def start(self, prompt: list[int], alloc: Callable[[Engine], api.AllocResult],
-                    constraint=None) -> tuple[int, asyncio.Queue]:
+                    constraint=None, started: float | None = None) -> tuple[int, asyncio.Queue]:
         """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
         its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
         nothing is left allocated. constraint: structured output's grammar state (worker/structured_output.py)
         for a sequence allocated with sampling.token_mask, whose alloc also set the first token's mask: the
         runner advances it by each token and sets the next mask before each step (one step in flight at most).
+        started: time.perf_counter() when the caller's call came, for the time-to-first-token metric (None: none).
 
         Streams that start while their prefill call waits in the queue (behind the steps in flight, or
         another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
@@ -132,9 +138,12 @@ class GenerateStreams:
             self.runner.call_prepared(_start_streams, take).add_done_callback(answer)
         first = await start.first
         out.put_nowait(first)
+        if self.metrics is not None:
+            self.metrics.observe_stream_first(first, started)
         stream = _Stream(first.seq_id, out, constraint=constraint)
         if not _runs_on(stream, first):
             seq_id = first.seq_id
+            self._forget([seq_id])
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
             out.put_nowait(None)
         else:
@@ -150,11 +159,17 @@ class GenerateStreams:
         stream = self._streams.pop(seq_id, None)
         if stream is not None:
             stream.out.put_nowait(None)
+            self._forget([seq_id])
             self._taken.set()  # the decode loop may have been waiting on this stream's caller
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        """Streams that ended: the metrics drop their last token's time (a finished token already did)."""
+        if self.metrics is not None:
+            self.metrics.forget(seq_ids)
 
     async def _decode(self) -> None:
         """Decode steps over every Generate stream, up to config.max_steps_in_flight of them launched at once (the
@@ -187,6 +202,7 @@ class GenerateStreams:
                 for s in streams:
                     if self._streams.pop(s.seq_id, None) is not None:
                         s.out.put_nowait(e)
+                self._forget(ids)
                 await self.runner.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
                 continue
             finally:
@@ -197,16 +213,20 @@ class GenerateStreams:
             # left in flight. Constrained streams wait for their grammar to take the token (the top of the loop).
             if not self.runner.closed:
                 self._fill(pending, depth, constrained=False)
-            finished = []
+            finished, delivered = [], []
             for s, tok in zip(streams, result.tokens if result is not None else ()):
                 if self._streams.get(s.seq_id) is not s:
                     continue  # stopped while the step ran (stop() released it)
                 s.out.put_nowait(tok)
+                delivered.append(tok)
                 if not _runs_on(s, tok):
                     del self._streams[s.seq_id]
                     s.out.put_nowait(None)
                     finished.append(s.seq_id)
+            if self.metrics is not None and delivered:
+                self.metrics.observe_stream_step(delivered)
             if finished:
+                self._forget(finished)
                 await self.runner.run(lambda e: e.release([i for i in finished if i in e.sequences]))
             # A step answered at once (a CPU step is done when launched) leaves every await above without a
             # suspension: yield, so the streams' handlers send their tokens and other calls get served.
@@ -257,6 +277,7 @@ class GenerateStreams:
         """Ends every stream (the runner shuts down; its steps have finished)."""
         for stream in self._streams.values():
             stream.out.put_nowait(None)
+        self._forget(list(self._streams))
         self._streams.clear()
         if self._stream_task is not None:
             self._stream_task.cancel()

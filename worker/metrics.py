@@ -174,7 +174,6 @@ class Metrics:
         r.register(self.engine)
         self._children: dict[tuple, object] = {}  # labelled children, looked up once
         self._last_token: dict[int, float] = {}
-        self._stream_start: dict[int, float] = {}
         self._records: collections.deque = collections.deque()  # (what, *values), appended by the calls
         self._apply_lock = threading.Lock()
         self._http = None
@@ -238,14 +237,14 @@ class Metrics:
     def observe_verify(self, result: api.VerifyStepResult) -> None:
         self._record(self._verify, result, time.perf_counter())
 
-    def start_stream(self, seq_id: int, started: float) -> None:
-        self._record(self._start_stream, seq_id, started)
+    def observe_stream_first(self, token: api.TokenResult, started: float | None) -> None:
+        """A Generate stream's first token (its prompt's); started: time.perf_counter() when its call came (None:
+        no time to first token)."""
+        self._record(self._stream_first, token, started, time.perf_counter())
 
-    def observe_stream_token(self, seq_id: int, token: api.TokenResult) -> None:
-        self._record(self._stream_token, seq_id, token, time.perf_counter())
-
-    def end_stream(self, seq_id: int) -> None:
-        self._record(self._end_stream, seq_id)
+    def observe_stream_step(self, tokens: list[api.TokenResult]) -> None:
+        """The tokens one decode step gave the Generate streams, one record for them all (per step, as a Decode's)."""
+        self._record(self._tokens, tokens, time.perf_counter(), False)
 
     def forget(self, seq_ids: list[int]) -> None:
         self._record(self._forget, list(seq_ids))
@@ -304,18 +303,10 @@ class Metrics:
         self._child(self.forward, "verify").observe(result.forward_ns / 1e9)
         self._tokens([t for r in result.results for t in r.tokens], now, first=False)
 
-    def _start_stream(self, seq_id: int, started: float) -> None:
-        self._stream_start[seq_id] = started
-
-    def _stream_token(self, seq_id: int, token: api.TokenResult, now: float) -> None:
-        started = self._stream_start.pop(seq_id, None)
+    def _stream_first(self, token: api.TokenResult, started: float | None, now: float) -> None:
         if started is not None:
             self.ttft.observe(now - started)
-        self._tokens([token], now, first=started is not None)
-
-    def _end_stream(self, seq_id: int) -> None:
-        self._stream_start.pop(seq_id, None)
-        self._last_token.pop(seq_id, None)
+        self._tokens([token], now, first=True)
 
     def _forget(self, seq_ids: list[int]) -> None:
         for i in seq_ids:

@@ -159,6 +159,7 @@ class Worker:
         self.runner = await EngineRunner.start(lambda: ranks.start_engine(self.engine_config, self._rank_exited))
         await self.runner.call(warm_up)
         self.metrics.engine.engine = self.runner.engine
+        self.runner.streams.metrics = self.metrics  # the Generate streams' tokens, recorded per step
         # Generate's text and chat prompts (people with grpcurl): the checkpoint's tokenizer, read once here
         # and never on the engine's path; None without tokenizer.json, a ConfigError when it cannot be read.
         self.servicer.tokenizer = await asyncio.to_thread(Tokenizer.from_dir, self.runner.engine.model_path)

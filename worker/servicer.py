@@ -270,11 +270,10 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                         engine.set_token_mask(result.seq_id, constraint.mask())
                     return result
 
-                seq_id, out = await self.runner.streams.start(prompt, alloc, constraint)
+                seq_id, out = await self.runner.streams.start(prompt, alloc, constraint, started)
             except EngineError as e:
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
-            self.metrics.start_stream(seq_id, started)
             matcher = StopStringMatcher(stops, self.tokenizer, True, stopping.min_tokens) if stops else None
             held = StopTextBuffer(stops) if stops and detokenizer is not None else None
             done = False
@@ -282,7 +281,6 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                 while (item := await out.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
-                    self.metrics.observe_stream_token(seq_id, item)
                     stopped = matcher is not None and matcher.feed(item.token_id)
                     text = ""
                     if detokenizer is not None:
@@ -304,7 +302,6 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                 log.exception("Generate stream of sequence %d failed (request id %s)", seq_id, rid)
                 await context.abort(call.code, f"internal error in Generate (request id {rid})")
             finally:
-                self.metrics.end_stream(seq_id)
                 if not done:  # the client went away, or the stream failed: free the sequence
                     task = asyncio.get_running_loop().create_task(self.runner.streams.stop(seq_id))
                     self._background.add(task)

@@ -126,3 +126,36 @@ def test_inter_token_gaps_of_a_verify_and_of_finished_sequences():
     assert gaps == [0.5]
     assert set(m._last_token) == {1, 2, 3}
     assert m.registry.get_sample_value("metrale_generated_tokens_total") == 9
+
+
+def test_generate_streams_count_their_tokens_first_token_and_gaps(tiny_model):
+    """Generate streams (ModelWorker's and the gateway service's, several at once): each stream's first token is one
+    time-to-first-token observation, each later token one inter-token gap, and every token counts as generated."""
+    import grpc
+
+    from worker.gateway_pb import vpb, vpb_grpc
+
+    port = free_port()
+    server = start_server(tiny_model, worker_changes=dict(metrics_port=port))
+    try:
+        client = WorkerClient(server.address)
+        base = scrape(port)
+        lengths = (5, 3, 7)
+        with grpc.insecure_channel(server.address) as channel:
+            vllm = vpb_grpc.VllmEngineStub(channel)
+            calls = [vllm.Generate(vpb.GenerateRequest(
+                request_id=f"m{n}", tokenized=vpb.TokenizedInput(input_ids=[1, 2, 3]), stream=True,
+                sampling_params=vpb.SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)))
+                for n in lengths]
+            assert len(list(client.generate([5, 6], max_new_tokens=4, ignore_eos=True))) == 4
+            streamed = [sum(len(r.chunk.token_ids) for r in call) for call in calls]
+        assert streamed == list(lengths)
+        m = scrape(port)
+        tokens, streams = sum(lengths) + 4, len(lengths) + 1
+        assert value(m, "metrale_generated_tokens_total") - value(base, "metrale_generated_tokens_total") == tokens
+        assert value(m, "metrale_time_to_first_token_seconds_count") - \
+            value(base, "metrale_time_to_first_token_seconds_count") == streams
+        assert value(m, "metrale_inter_token_seconds_count") - \
+            value(base, "metrale_inter_token_seconds_count") == tokens - streams
+    finally:
+        server.stop()
