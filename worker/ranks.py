@@ -144,7 +144,10 @@ def rank_main(argv: list[str]) -> int:
         group = ParallelGroup.init(args.rank, args.world_size, args.store_port, device)
         engine = Engine(config, group)
     except ConfigError as e:
-        print(f"metrale-worker: tensor-parallel rank {args.rank}: {' '.join(str(e).split())}", file=sys.stderr)
+        # One write, newline included: rank 0 may kill this process at any moment once it has its own error, and
+        # print's separate write of the newline would leave rank 0's line glued to this one.
+        sys.stderr.write(f"metrale-worker: tensor-parallel rank {args.rank}: {' '.join(str(e).split())}\n")
+        sys.stderr.flush()
         return 2
     follow(engine)
     engine.close()

@@ -176,9 +176,9 @@ def test_a_start_up_error_on_every_rank_is_rank_0s_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(model), "--device", "cpu",
                            "--port", "0", "--tensor-parallel-size", "2", "--kv-cache-memory", "0.000001"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("metrale-worker: the KV cache budget") and "--kv-cache-memory" in last
+    assert last.startswith("metrale-worker: the KV cache budget") and "--kv-cache-memory" in last, proc.stderr
 
 
 def test_gateway_extras_under_tp_match_tp1(default_model):
