@@ -155,6 +155,15 @@ class Engine:
         return result
 
     @mirrored
+    def register_prompts(self) -> int:
+        """Registers the blocks of the prompts that earlier prefills completed (Prefiller.register_prompts): the next
+        prefill does it first anyway; a caller with idle time (the worker, once a Prefill's reply is on its way)
+        does it sooner, so that the KV events go out. Returns how many blocks were newly cached."""
+        stored = self.prefiller.register_prompts()
+        self.blocks.events.publish()
+        return stored
+
+    @mirrored
     def decode(self, seq_ids: list[int], input_token_ids: list[int] | None = None) -> api.StepResult:
         """One decode step of seq_ids; waits for it (decode_launch, then finish)."""
         return self.finish(self.decode_launch(seq_ids, input_token_ids))

@@ -44,6 +44,10 @@ class Prefiller:
         # next sampling forward, after this one's tokens were read back (so its copy has run).
         self._sample_host = torch.zeros((2, config.max_batch_size), dtype=torch.int64,
                                         pin_memory=rt.device.type == "cuda")
+        # Prompts completed by earlier calls whose full blocks are not registered yet (register_prompts), each with
+        # the positions its prompt made final: hashing and registering a 4k-token prompt's 256 blocks takes ~1.3 ms
+        # of host time, which the call's reply need not wait for.
+        self._unregistered: list[tuple[Sequence, int]] = []
 
     def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
         """Every item extends a sequence whose prompt is not complete, within its reservation."""
@@ -64,7 +68,9 @@ class Prefiller:
         """Runs checked items (check()); returns the first new token of each item whose prompt completes, in
         item order. Each sequence's first chunk starts from the longest prefix the cache holds; blocks are
         taken from its reservation as its tokens need them (all of the rest once its prompt completes), and
-        a completed prompt's full blocks are registered in the cache."""
+        a completed prompt's full blocks wait to be registered in the cache by register_prompts() (the forwards
+        that wrote them have completed when this returns): first thing in the next call, or sooner by the caller."""
+        self.register_prompts()  # the earlier prompts' blocks, before this call's prompts are matched against them
         with self.rt.dispatch.on_device() as timer:
             for seq, it in zip(seqs, items):
                 self._extend(seq, it)
@@ -72,13 +78,25 @@ class Prefiller:
             sampled = self._run(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
         for seq in seqs:  # the forwards have completed: the sampled tokens were read back
-            if seq.prompt_done and seq.blocks.num_registered * self.rt.block_size < seq.num_final:
-                seq.blocks.register(seq.token_ids, seq.num_final)
+            if seq.prompt_done and seq.blocks.caching and seq.blocks.num_registered * self.rt.block_size < seq.num_final:
+                self._unregistered.append((seq, seq.num_final))
         result = api.StepResult(tokens, timer.elapsed_ns())
         self.counters.prefill_calls += 1
         self.counters.prefill_tokens += computed
         self.counters.prefill_device_ns += result.forward_ns
         return result
+
+    @property
+    def num_unregistered(self) -> int:
+        """Completed prompts whose blocks wait for register_prompts()."""
+        return len(self._unregistered)
+
+    def register_prompts(self) -> int:
+        """Registers the full blocks of the prompts completed since the last call, up to the positions each prompt
+        made final (the decode steps launched since may be writing later ones); a sequence released meanwhile was
+        registered by its release. Returns how many blocks were newly cached."""
+        pending, self._unregistered = self._unregistered, []
+        return sum(seq.blocks.register(seq.token_ids, final) for seq, final in pending)
 
     def _extend(self, seq: Sequence, item: api.PrefillItem) -> None:
         """Appends the chunk's tokens; on the first chunk matches the cached prefix (its tokens count as

@@ -13,6 +13,9 @@ Every engine call goes through one FIFO queue, and exactly one runs at a time:
   the engine thread while the loop keeps answering health checks and queueing calls behind it.
 A call cancelled before it starts (its deadline passed, the client went away) is skipped entirely; one that
 has started runs to its end (its result is dropped).
+After a call that completed prompts, the runner queues Engine.register_prompts behind the calls already waiting,
+from a later loop callback than the one that answers the call: the prompts' blocks are hashed and cached (and their
+KV events go out) once the reply is on its way, instead of before it.
 
 The runner also decodes the Generate streams itself (`runner.streams`, worker/generate_streams.py), batching
 every streaming sequence into one step, so concurrent Generate calls share steps."""
@@ -68,6 +71,7 @@ class EngineRunner:
         self._poll_steps = env.STEP_WAIT == "poll" and engine.device.type == "cuda"  # (a CPU step ends at launch)
         self._polling = False
         self._closed = False
+        self._registration_queued = False  # an Engine.register_prompts call is on its way into the queue
         self.steps = 0  # engine calls run (steps, short and long calls)
         self.streams = GenerateStreams(self)  # the Generate calls' sequences, decoded by the runner itself
         engine.runtime.dispatch.bind_thread()  # driver calls (graph replays) from the loop's thread need the context
@@ -199,6 +203,7 @@ class EngineRunner:
             self._in_flight.append(_Launched(work.future, result, started, work.times))
         else:
             work.future.set_result(result)
+            self._register_later()
 
     def _start_thread_call(self, work: _Work) -> None:
         self.steps += 1
@@ -218,7 +223,21 @@ class EngineRunner:
                 work.future.set_exception(done.exception())
             else:
                 work.future.set_result(done.result())
+        self._register_later()
         self._pump()
+
+    def _register_later(self) -> None:
+        """Queues Engine.register_prompts when a call left completed prompts unregistered, from the next loop
+        callback: the caller's reply (its future's callbacks, scheduled when it was answered) goes first."""
+        if self.engine.prefiller.num_unregistered and not self._registration_queued and not self._closed:
+            self._registration_queued = True
+            self._loop.call_soon(self._queue_registration)
+
+    def _queue_registration(self) -> None:
+        self._registration_queued = False
+        if self._closed or not self.engine.prefiller.num_unregistered:
+            return
+        self._submit(_INLINE, Engine.register_prompts, ()).add_done_callback(_log_failure)
 
     def _answer_steps(self) -> None:
         """Finishes the launched steps whose device work has ended, oldest first, and answers them."""
@@ -260,6 +279,12 @@ class EngineRunner:
         self._waiter.stop()
         await self._loop.run_in_executor(self._thread, self.engine.close)
         self._thread.shutdown(wait=True)
+
+
+def _log_failure(future: asyncio.Future) -> None:
+    """Done callback of a call nobody awaits: its failure is logged (and so retrieved)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("engine call failed", exc_info=future.exception())
 
 
 class _DeviceWaiter:

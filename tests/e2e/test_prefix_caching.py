@@ -202,6 +202,56 @@ def test_kv_events_follow_the_cache_and_resume(tiny_model):
         srv.stop()
 
 
+def test_a_prefill_reply_does_not_wait_for_its_blocks_registration(tiny_model):
+    """Engine: a completed prompt's blocks are registered by the engine's next call (or register_prompts), not
+    before Prefill returns; a prompt that shares the prefix still finds them (prefill registers the earlier
+    prompts first), and so does one after a release. Worker: the runner registers them right after the reply, so
+    the KV events and Info show them with no further call from the router."""
+    engine = Engine(engine_config(tiny_model))
+    try:
+        prompt = random_prompts([3 * BLOCK + 5], VOCAB, seed=61)[0]
+
+        def prefill(tokens: list[int]) -> tuple[int, int]:
+            sid = engine.alloc_sequence(len(tokens) + 4, SamplingParams(), StoppingCriteria(max_new_tokens=2)).seq_id
+            return sid, engine.prefill([PrefillItem(sid, tokens)]).tokens[0].cached_tokens
+
+        stored = engine.blocks.stats.stored_blocks
+        first, cached = prefill(prompt)
+        assert cached == 0 and engine.blocks.stats.stored_blocks == stored  # not yet registered
+        assert engine.prefiller.num_unregistered == 1
+        second, cached = prefill(prompt[:3 * BLOCK] + [7, 8])  # registered first thing in this call
+        assert cached == 3 * BLOCK and engine.blocks.stats.stored_blocks == stored + 3
+        assert engine.register_prompts() == 0  # the second prompt's one full block is the first's: nothing new
+        engine.release([first, second])
+        engine.flush_cache()
+        third, _ = prefill(prompt)
+        engine.release([third])  # a release registers what its sequence computed
+        _, cached = prefill(prompt)
+        assert cached == 3 * BLOCK
+    finally:
+        engine.close()
+
+    srv = start_server(tiny_model)
+    try:
+        stub = srv.stub()
+        before = stub.Info(pb.InfoRequest()).prefix_cache.stored_blocks
+        want = set(block_hashes(prompt[:3 * BLOCK], BLOCK, extra_key(kv_dtype=stub.Info(pb.InfoRequest()).dtype)))
+        sid = stub.AllocSequence(pb.AllocSequenceRequest(max_total_tokens=len(prompt) + 4)).sequence_id
+        stub.Prefill(pb.PrefillRequest(items=[pb.PrefillItem(sequence_id=sid, token_ids=prompt)]))
+        # No further call: the runner registered the prompt once it had replied, and a subscriber sees it.
+        reader = stub.SubscribeKvEvents(pb.SubscribeKvEventsRequest(start_sequence_number=0), timeout=10)
+        seen = []
+        for batch in reader:
+            seen.append(batch)
+            if stored_hashes(seen) == want:
+                break
+        reader.cancel()
+        assert stub.Info(pb.InfoRequest()).prefix_cache.stored_blocks == before + 3
+        stub.Release(pb.ReleaseRequest(sequence_ids=[sid]))
+    finally:
+        srv.stop()
+
+
 def test_a_subscriber_that_falls_behind_gets_out_of_range(tiny_model):
     """The event log keeps a bounded number of batches whoever subscribes (a subscriber that never reads holds
     only its cursor), and resuming from a batch no longer kept is OUT_OF_RANGE: subscribe again from 0."""
