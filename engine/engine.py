@@ -155,11 +155,12 @@ class Engine:
         return result
 
     @mirrored
-    def register_prompts(self) -> int:
-        """Registers the blocks of the prompts that earlier prefills completed (Prefiller.register_prompts): the next
-        prefill does it first anyway; a caller with idle time (the worker, once a Prefill's reply is on its way)
-        does it sooner, so that the KV events go out. Returns how many blocks were newly cached."""
-        stored = self.prefiller.register_prompts()
+    def register_prompts(self, max_blocks: int | None = None) -> int:
+        """Registers the blocks of the prompts that earlier prefills completed (Prefiller.register_prompts; at most
+        about max_blocks of them, None: all): the next prefill does it first anyway; a caller with idle time (the
+        worker, once a Prefill's reply is on its way) does it sooner, so that the KV events go out. Returns how
+        many blocks were newly cached."""
+        stored = self.prefiller.register_prompts(max_blocks)
         self.blocks.events.publish()
         return stored
 

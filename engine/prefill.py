@@ -10,6 +10,8 @@ Owns: the staging buffers of graphed prefill forwards and the logits buffer they
 finished every decode step in flight."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import torch
 
@@ -47,7 +49,7 @@ class Prefiller:
         # Prompts completed by earlier calls whose full blocks are not registered yet (register_prompts), each with
         # the positions its prompt made final: hashing and registering a 4k-token prompt's 256 blocks takes ~1.3 ms
         # of host time, which the call's reply need not wait for.
-        self._unregistered: list[tuple[Sequence, int]] = []
+        self._unregistered: collections.deque[tuple[Sequence, int]] = collections.deque()
 
     def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
         """Every item extends a sequence whose prompt is not complete, within its reservation."""
@@ -91,12 +93,23 @@ class Prefiller:
         """Completed prompts whose blocks wait for register_prompts()."""
         return len(self._unregistered)
 
-    def register_prompts(self) -> int:
+    def register_prompts(self, max_blocks: int | None = None) -> int:
         """Registers the full blocks of the prompts completed since the last call, up to the positions each prompt
-        made final (the decode steps launched since may be writing later ones); a sequence released meanwhile was
-        registered by its release. Returns how many blocks were newly cached."""
-        pending, self._unregistered = self._unregistered, []
-        return sum(seq.blocks.register(seq.token_ids, final) for seq, final in pending)
+        made final (the decode steps launched since may be writing later ones), oldest prompt first; a sequence
+        released meanwhile was registered by its release. max_blocks: registers about that many blocks at most
+        and leaves the rest for a later call (a 32k-token prompt's 2,048 blocks take ~8 ms of host time, which the
+        steps of every other sequence would otherwise wait behind). Returns how many blocks were newly cached."""
+        stored, pending, bs = 0, self._unregistered, self.rt.block_size
+        while pending and (max_blocks is None or max_blocks > 0):
+            seq, final = pending[0]
+            blocks, before = seq.blocks, seq.blocks.num_registered
+            bound = final if max_blocks is None else min(final, (before + max_blocks) * bs)
+            stored += blocks.register(seq.token_ids, bound)
+            if max_blocks is not None:
+                max_blocks -= blocks.num_registered - before
+            if bound >= final // bs * bs or blocks.num_registered == before:  # its prompt is done, or was released
+                pending.popleft()
+        return stored
 
     def _extend(self, seq: Sequence, item: api.PrefillItem) -> None:
         """Appends the chunk's tokens; on the first chunk matches the cached prefix (its tokens count as

@@ -15,7 +15,7 @@ A call cancelled before it starts (its deadline passed, the client went away) is
 has started runs to its end (its result is dropped).
 After a call that completed prompts, the runner queues Engine.register_prompts behind the calls already waiting,
 from a later loop callback than the one that answers the call: the prompts' blocks are hashed and cached (and their
-KV events go out) once the reply is on its way, instead of before it.
+KV events go out) once the reply is on its way, instead of before it, REGISTER_BLOCKS_PER_CALL blocks a call.
 
 The runner also decodes the Generate streams itself (`runner.streams`, worker/generate_streams.py), batching
 every streaming sequence into one step, so concurrent Generate calls share steps."""
@@ -38,6 +38,9 @@ from worker.generate_streams import GenerateStreams
 log = logging.getLogger(__name__)
 
 _STEP, _INLINE, _THREAD = "step", "inline", "thread"
+# Blocks a queued Engine.register_prompts call registers at most (~1 ms of host time on the dev box); a longer
+# prompt's rest goes in later calls, between the steps.
+REGISTER_BLOCKS_PER_CALL = 256
 
 
 @dataclass
@@ -237,7 +240,7 @@ class EngineRunner:
         self._registration_queued = False
         if self._closed or not self.engine.prefiller.num_unregistered:
             return
-        self._submit(_INLINE, Engine.register_prompts, ()).add_done_callback(_log_failure)
+        self._submit(_INLINE, Engine.register_prompts, (REGISTER_BLOCKS_PER_CALL,)).add_done_callback(_log_failure)
 
     def _answer_steps(self) -> None:
         """Finishes the launched steps whose device work has ended, oldest first, and answers them."""

@@ -202,11 +202,11 @@ def test_kv_events_follow_the_cache_and_resume(tiny_model):
         srv.stop()
 
 
-def test_a_prefill_reply_does_not_wait_for_its_blocks_registration(tiny_model):
-    """Engine: a completed prompt's blocks are registered by the engine's next call (or register_prompts), not
-    before Prefill returns; a prompt that shares the prefix still finds them (prefill registers the earlier
-    prompts first), and so does one after a release. Worker: the runner registers them right after the reply, so
-    the KV events and Info show them with no further call from the router."""
+def test_a_prefill_reply_does_not_wait_for_its_blocks_registration(tiny_model, monkeypatch):
+    """Engine: a completed prompt's blocks are registered by the engine's next call (or register_prompts, in parts
+    if asked), not before Prefill returns; a prompt that shares the prefix still finds them (prefill registers the
+    earlier prompts first), and so does one after a release. Worker: the runner registers them right after the
+    reply, a part a call, so the KV events and Info show them with no further call from the router."""
     engine = Engine(engine_config(tiny_model))
     try:
         prompt = random_prompts([3 * BLOCK + 5], VOCAB, seed=61)[0]
@@ -219,7 +219,9 @@ def test_a_prefill_reply_does_not_wait_for_its_blocks_registration(tiny_model):
         first, cached = prefill(prompt)
         assert cached == 0 and engine.blocks.stats.stored_blocks == stored  # not yet registered
         assert engine.prefiller.num_unregistered == 1
-        second, cached = prefill(prompt[:3 * BLOCK] + [7, 8])  # registered first thing in this call
+        assert engine.register_prompts(max_blocks=2) == 2  # a part of it now (the worker's runner: 256 a call) ...
+        assert engine.prefiller.num_unregistered == 1 and engine.blocks.stats.stored_blocks == stored + 2
+        second, cached = prefill(prompt[:3 * BLOCK] + [7, 8])  # ... the rest first thing in this call
         assert cached == 3 * BLOCK and engine.blocks.stats.stored_blocks == stored + 3
         assert engine.register_prompts() == 0  # the second prompt's one full block is the first's: nothing new
         engine.release([first, second])
@@ -231,6 +233,7 @@ def test_a_prefill_reply_does_not_wait_for_its_blocks_registration(tiny_model):
     finally:
         engine.close()
 
+    monkeypatch.setattr("worker.runner.REGISTER_BLOCKS_PER_CALL", 1)  # the prompt's 3 blocks in 3 runner calls
     srv = start_server(tiny_model)
     try:
         stub = srv.stub()
