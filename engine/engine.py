@@ -86,13 +86,11 @@ class Engine:
                         request_id: str, prefix_caching: bool) -> api.AllocResult:
         block_size = self.block_size
         num_blocks = -(-max_total_tokens // block_size)
+        self.check_fits(max_total_tokens)
         if not self.slots.can_allocate():
-            raise ResourceExhausted(f"all {self.config.max_slots} sequence slots are in use (--max-slots)")
+            raise ResourceExhausted(f"all {self.config.max_slots} sequence slots are in use (--max-slots)", busy=True)
         if not self.blocks.can_allocate(num_blocks):
-            raise ResourceExhausted(
-                f"{max_total_tokens} tokens need {num_blocks} KV blocks of {block_size} tokens; "
-                f"{self.blocks.num_free_blocks} of {self.blocks.num_usable_blocks} are free (raise "
-                f"--num-kv-blocks or --kv-cache-memory, or release sequences)")
+            raise self._kv_exhausted(max_total_tokens, busy=True)
         # Blocks are reserved here and taken by the first prefill (after it matched the cached prefix); the slot's
         # device row is written then too: an upload from pageable memory here would wait for the steps in flight.
         blocks = SequenceBlocks(self.blocks, num_blocks, self._cache_extra,
@@ -102,6 +100,19 @@ class Engine:
                        sampling=sampling, stopping=stopping, request_id=request_id)
         self.sequences.add(seq)
         return api.AllocResult(seq.seq_id, slot, max_total_tokens)
+
+    def check_fits(self, max_total_tokens: int) -> None:
+        """ResourceExhausted (not busy: no wait helps) when max_total_tokens need more KV blocks than the whole cache
+        holds; a reservation that fits an idle cache passes."""
+        if -(-max_total_tokens // self.block_size) > self.blocks.num_usable_blocks:
+            raise self._kv_exhausted(max_total_tokens, busy=False)
+
+    def _kv_exhausted(self, max_total_tokens: int, busy: bool) -> ResourceExhausted:
+        num_blocks = -(-max_total_tokens // self.block_size)
+        return ResourceExhausted(
+            f"{max_total_tokens} tokens need {num_blocks} KV blocks of {self.block_size} tokens; "
+            f"{self.blocks.num_free_blocks} of {self.blocks.num_usable_blocks} are free (raise "
+            f"--num-kv-blocks or --kv-cache-memory, or release sequences)", busy=busy)
 
     @mirrored
     def release(self, seq_ids: list[int]) -> int:

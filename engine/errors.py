@@ -22,7 +22,12 @@ class FailedPrecondition(EngineError):
 
 
 class ResourceExhausted(EngineError):
-    """No free slot or KV blocks, or a batch above the limit."""
+    """No free slot or KV blocks, or a batch above the limit. busy: the request fits once live sequences end (no
+    free slot or blocks now, though the cache could hold it), so a caller may wait and retry."""
+
+    def __init__(self, message: str, busy: bool = False):
+        super().__init__(message)
+        self.busy = busy
 
 
 class LoadCancelled(Exception):

@@ -80,7 +80,8 @@ class Prefiller:
             sampled = self._run(seqs, items)
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
         for seq in seqs:  # the forwards have completed: the sampled tokens were read back
-            if seq.prompt_done and seq.blocks.caching and seq.blocks.num_registered * self.rt.block_size < seq.num_final:
+            blocks = seq.blocks
+            if seq.prompt_done and blocks.caching and blocks.num_registered * self.rt.block_size < seq.num_final:
                 self._unregistered.append((seq, seq.num_final))
         result = api.StepResult(tokens, timer.elapsed_ns())
         self.counters.prefill_calls += 1

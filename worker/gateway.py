@@ -171,11 +171,14 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     engine.set_token_mask(result.seq_id, constraint.mask())
                 return result
 
-            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started))
+            # n = 1 waits for room as vLLM's queued requests do; the choices of n > 1 start one after another and
+            # are read only once all have, so one that waits would hold the others: refused at once instead.
+            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started,
+                                                                    wait=spec.n == 1, reserve=spec.max_total_tokens))
             try:
-                choice.seq_id, choice.out = await asyncio.shield(start)
+                choice.seq_id, choice.out = await start  # cancelled with the call: a waiting start is dropped
             except asyncio.CancelledError:
-                start.add_done_callback(self._stop_orphan)
+                start.add_done_callback(self._stop_orphan)  # (one cancelled after it started is stopped)
                 raise
 
     def _stop_orphan(self, start: asyncio.Future) -> None:

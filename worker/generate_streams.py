@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -23,7 +24,8 @@ from typing import TYPE_CHECKING, Any, Callable
 from engine import api
 from engine.decode import PendingStep
 from engine.engine import Engine
-from engine.errors import EngineError
+from engine.errors import EngineError, ResourceExhausted
+from worker.errors import Unavailable
 
 if TYPE_CHECKING:
     from worker.metrics import Metrics
@@ -40,6 +42,11 @@ MAX_UNSENT_TOKENS = 4
 # ... for at most this long: a caller that stops reading (without going away) must not hold its sequence's slot and
 # KV blocks for good; past it the stream runs to its end, its tokens waiting in its queue.
 MAX_HOLD_S = 2.0
+# A start the engine has no slot or KV blocks for now, though it fits once live sequences end (ResourceExhausted
+# with `busy`), waits, as vLLM's waiting requests do, instead of failing: the waiting starts are retried first, in
+# arrival order, whenever a stream ends and every RETRY_WAITING_S (for sequences other callers release).
+RETRY_WAITING_S = 0.05
+_WAIT = object()  # _start_streams' outcome of a start that waits for room
 
 
 class _TokenQueue(asyncio.Queue):
@@ -62,6 +69,8 @@ class _Start:
     prompt: list[int]
     alloc: Callable[[Engine], api.AllocResult]
     first: asyncio.Future  # its first TokenResult, or the exception that refused it
+    wait: bool = True  # waits for room when the engine has none now (else refused at once)
+    reserve: int = 0  # the tokens alloc reserves (0: unknown), checked against the whole KV cache behind a waiting one
 
 
 @dataclass
@@ -95,47 +104,37 @@ class GenerateStreams:
         self.runner = runner
         self._streams: dict[int, _Stream] = {}
         self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
+        self._waiting: collections.deque[_Start] = collections.deque()  # refused for room for now, oldest first
+        self._start_queued = False  # a call that takes the starts is queued and has not taken them yet
+        self._unanswered: list[functools.partial] = []  # answers of the start calls queued, not yet applied
+        self._retry: asyncio.TimerHandle | None = None
         self._stream_task: asyncio.Task | None = None
         self._taken = asyncio.Event()  # a caller took tokens from its queue (a held-back stream may go on)
         self.metrics: Metrics | None = None  # where the streams' tokens are recorded (set by the Worker)
 
     async def start(self, prompt: list[int], alloc: Callable[[Engine], api.AllocResult],
-                    constraint=None, started: float | None = None) -> tuple[int, asyncio.Queue]:
+                    constraint=None, started: float | None = None, wait: bool = True,
+                    reserve: int = 0) -> tuple[int, asyncio.Queue]:
         """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
         its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
         nothing is left allocated. constraint: structured output's grammar state (worker/structured_output.py)
         for a sequence allocated with sampling.token_mask, whose alloc also set the first token's mask: the
         runner advances it by each token and sets the next mask before each step (one step in flight at most).
         started: time.perf_counter() when the caller's call came, for the time-to-first-token metric (None: none).
+        wait: when the engine has no slot or KV blocks for it now but would once live sequences end, it waits (in
+        arrival order with the other waiting starts; the caller's deadline or going away ends the wait); False:
+        the ResourceExhausted error at once. reserve: the max_total_tokens alloc asks for: one that no wait
+        would fit is refused at once even behind waiting starts.
 
         Streams that start while their prefill call waits in the queue (behind the steps in flight, or
         another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
         as a router batches the prompts it admits together, instead of one call (and one drain of the steps
-        in flight) per stream."""
+        in flight) per stream. Cancelling it (the caller went away) drops a waiting start and releases a
+        sequence started meanwhile."""
         out: asyncio.Queue = _TokenQueue(self._taken.set)
-        start = _Start(prompt, alloc, self.runner.loop.create_future())
+        start = _Start(prompt, alloc, self.runner.loop.create_future(), wait, reserve)
         self._starts.append(start)
-        if len(self._starts) == 1:  # the first since the last batch was taken: queue the call that takes them
-            taken: list[list[_Start]] = []
-
-            def take() -> tuple:  # the streams waiting now, less those whose caller went away meanwhile
-                taken.append([s for s in self._starts if not s.first.done()])
-                self._starts = []
-                return (taken[0],)
-
-            def answer(batch: asyncio.Future) -> None:
-                starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
-                error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
-                for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
-                    if isinstance(outcome, BaseException):
-                        if not s.first.done():
-                            s.first.set_exception(outcome)
-                    elif s.first.done():  # its caller went away while it started: nobody decodes it
-                        self.runner.loop.create_task(self.runner.run(lambda e, i=outcome.seq_id: e.release([i])))
-                    else:
-                        s.first.set_result(outcome)
-
-            self.runner.call_prepared(_start_streams, take).add_done_callback(answer)
+        self._queue_starts()
         first = await start.first
         out.put_nowait(first)
         if self.metrics is not None:
@@ -144,7 +143,9 @@ class GenerateStreams:
         if not _runs_on(stream, first):
             seq_id = first.seq_id
             self._forget([seq_id])
-            await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
+            # shielded: a caller that goes away now (cancelling this) must not cancel the queued release
+            await asyncio.shield(self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences
+                                                 else 0))
             out.put_nowait(None)
         else:
             self._streams[first.seq_id] = stream
@@ -162,9 +163,72 @@ class GenerateStreams:
             self._forget([seq_id])
             self._taken.set()  # the decode loop may have been waiting on this stream's caller
             await self.runner.run(lambda engine: engine.release([seq_id]) if seq_id in engine.sequences else 0)
+            self._retry_waiting()
 
     def __len__(self) -> int:
         return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Starts waiting for a slot or KV blocks."""
+        return sum(not s.first.done() for s in self._waiting)
+
+    def refuse_waiting(self, error: Exception) -> None:
+        """Fails the starts waiting for room (the worker drains: another worker should take them)."""
+        while self._waiting:
+            start = self._waiting.popleft()
+            if not start.first.done():
+                start.first.set_exception(error)
+
+    def _queue_starts(self) -> None:
+        """Queues one engine call that allocates and prefills every start there is when it begins: the waiting
+        ones first, then the new ones, in arrival order."""
+        if self._start_queued:
+            return
+        self._start_queued = True
+        taken: list[list[_Start]] = []
+
+        def take() -> tuple:  # the starts there are now, less those whose caller went away meanwhile
+            while self._unanswered and self._unanswered[0].args[0].done():  # calls that ran before this one: their
+                self._unanswered[0]()  # waiting starts go ahead of newer ones (their callbacks have not run yet)
+            self._start_queued = False
+            taken.append([s for s in (*self._waiting, *self._starts) if not s.first.done()])
+            self._waiting.clear()
+            self._starts = []
+            return (taken[0],)
+
+        def answer(batch: asyncio.Future) -> None:
+            if apply not in self._unanswered:
+                return  # applied by the next call's take()
+            self._unanswered.remove(apply)
+            starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
+            error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
+            for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
+                if outcome is _WAIT:
+                    if not s.first.done():
+                        self._waiting.append(s)
+                elif isinstance(outcome, BaseException):
+                    if not s.first.done():
+                        s.first.set_exception(outcome)
+                elif s.first.done():  # its caller went away while it started: nobody decodes it
+                    self.runner.loop.create_task(self.runner.run(lambda e, i=outcome.seq_id: e.release([i])))
+                else:
+                    s.first.set_result(outcome)
+            if self._waiting and self._retry is None and not self.runner.closed:
+                self._retry = self.runner.loop.call_later(RETRY_WAITING_S, self._retry_waiting)
+
+        future = self.runner.call_prepared(_start_streams, take)
+        apply = functools.partial(answer, future)
+        self._unanswered.append(apply)
+        future.add_done_callback(answer)
+
+    def _retry_waiting(self) -> None:
+        """The waiting starts try again (room may have come: a stream ended, or RETRY_WAITING_S passed)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._waiting and not self.runner.closed:
+            self._queue_starts()
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Streams that ended: the metrics drop their last token's time (a finished token already did)."""
@@ -204,6 +268,7 @@ class GenerateStreams:
                         s.out.put_nowait(e)
                 self._forget(ids)
                 await self.runner.run(lambda e_: e_.release([i for i in ids if i in e_.sequences]))
+                self._retry_waiting()
                 continue
             finally:
                 for s in streams:
@@ -228,6 +293,7 @@ class GenerateStreams:
             if finished:
                 self._forget(finished)
                 await self.runner.run(lambda e: e.release([i for i in finished if i in e.sequences]))
+                self._retry_waiting()
             # A step answered at once (a CPU step is done when launched) leaves every await above without a
             # suspension: yield, so the streams' handlers send their tokens and other calls get served.
             await asyncio.sleep(0)
@@ -279,6 +345,9 @@ class GenerateStreams:
             stream.out.put_nowait(None)
         self._forget(list(self._streams))
         self._streams.clear()
+        self.refuse_waiting(Unavailable("the worker is shutting down; send the request to another worker"))
+        if self._retry is not None:
+            self._retry.cancel()
         if self._stream_task is not None:
             self._stream_task.cancel()
 
@@ -292,14 +361,26 @@ def _launch_streams(engine: Engine, ids: list[int], masked: list[_Stream]) -> Pe
 
 def _start_streams(engine: Engine, starts: list[_Start]) -> list:
     """On the engine thread: allocates each start's sequence and prefills them together, max_batch_size to an
-    Engine.prefill. Returns one outcome per start, its first TokenResult or the exception that refused it (a
-    refused start leaves nothing allocated). Engine.prefill checks every item before it changes anything, so
-    when one prompt is refused the others of its call are prefilled one by one and only that one fails."""
+    Engine.prefill. Returns one outcome per start, its first TokenResult, the exception that refused it (a
+    refused start leaves nothing allocated), or _WAIT from the first start the engine has no room for now on.
+    Engine.prefill checks every item before it changes anything, so when one prompt is refused the others of its
+    call are prefilled one by one and only that one fails."""
     outcomes: list = [None] * len(starts)
     allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
+    waiting = False  # a start found no room: the later ones that wait queue behind it, in order
     for i, s in enumerate(starts):
+        if waiting and s.wait:
+            try:
+                engine.check_fits(s.reserve)
+                outcomes[i] = _WAIT
+            except ResourceExhausted as e:  # no wait would fit it
+                outcomes[i] = e
+            continue
         try:
             allocated.append((i, s.alloc(engine).seq_id))
+        except ResourceExhausted as e:
+            waiting = waiting or (e.busy and s.wait)
+            outcomes[i] = _WAIT if e.busy and s.wait else e
         except Exception as e:  # noqa: BLE001 - answered to that stream's caller
             outcomes[i] = e
     width = engine.config.max_batch_size  # the most sequences one Engine.prefill takes

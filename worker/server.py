@@ -31,6 +31,7 @@ from engine.tokenizer import Tokenizer
 from metrale.worker.v1 import worker_pb2_grpc as pb_grpc
 from worker import preflight, ranks
 from worker.config import WorkerConfig
+from worker.errors import Unavailable
 from worker.gateway import SERVICE_NAME as GATEWAY_SERVICE_NAME
 from worker.gateway import VllmEngineServicer
 from worker.gateway_pb import vpb_grpc
@@ -237,6 +238,9 @@ class Worker:
         await self._set_health(NOT_SERVING)
         if self.servicer is not None:
             self.servicer.draining = self.gateway.draining = True
+            # Generate calls still waiting for room go to another worker now (the live ones finish here).
+            self.runner.streams.refuse_waiting(Unavailable("the worker is draining; send the request to another "
+                                                           "worker"))
             log.info("draining: %d live sequences, grace %.1fs", len(self.runner.engine.sequences), grace)
             while time.monotonic() < deadline and (self.runner.engine.sequences or len(self.runner.streams)):
                 await asyncio.sleep(0.05)

@@ -270,7 +270,8 @@ class ModelWorkerServicer(pb_grpc.ModelWorkerServicer):
                         engine.set_token_mask(result.seq_id, constraint.mask())
                     return result
 
-                seq_id, out = await self.runner.streams.start(prompt, alloc, constraint, started)
+                seq_id, out = await self.runner.streams.start(prompt, alloc, constraint, started,
+                                                              reserve=min(total, self.runner.engine.max_seq_len))
             except EngineError as e:
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))

@@ -743,3 +743,84 @@ def test_waiting_calls_and_throughput_in_the_load():
     for i, choice in enumerate(started.choices):
         choice.seq_id = 10 + i
     assert requests.load().waiting == 0
+
+
+def test_a_generate_waits_for_room_in_arrival_order(tok_model):
+    """With every slot taken, a Generate (n = 1, of either service) waits, as vLLM's queued requests do, and GetLoads
+    counts it waiting; it runs once a sequence ends. The waits end in arrival order; one whose caller's deadline
+    passes leaves nothing behind; one that could never fit the KV cache is refused at once; a drain sends the
+    waiting ones away with UNAVAILABLE."""
+    import threading
+
+    from worker.client import WorkerClient
+
+    srv = start_server(tok_model, max_slots=2, num_kv_blocks=17)  # 16 usable blocks: 256 tokens of KV
+    try:
+        vllm = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        stub = srv.stub()
+        prompt = random_prompts([5], VOCAB, seed=71)[0]
+
+        def hold() -> int:  # a router's sequence: it holds its slot until released
+            return stub.AllocSequence(pb.AllocSequenceRequest(max_total_tokens=32)).sequence_id
+        holders = [hold(), hold()]  # both slots are taken
+        finished: list[str] = []
+        counts: dict[str, int] = {}
+
+        def gateway_call(rid: str) -> None:
+            calls = vllm.Generate(generate_request(prompt, rid, True, temperature=0.0, max_tokens=3, ignore_eos=True),
+                                  timeout=60)
+            counts[rid] = sum(len(r.chunk.token_ids) for r in calls)
+            finished.append(rid)
+
+        def worker_call() -> None:
+            counts["mw"] = len(list(WorkerClient(srv.address).generate(prompt, max_new_tokens=3, ignore_eos=True)))
+            finished.append("mw")
+
+        threads = [threading.Thread(target=gateway_call, args=("w1",))]
+        threads[0].start()
+        deadline = time.monotonic() + 10
+        while vllm.GetLoads(vpb.GetLoadsRequest()).loads[0].num_waiting_reqs < 1:
+            assert time.monotonic() < deadline, "the third Generate did not wait"
+            time.sleep(0.02)
+        threads.append(threading.Thread(target=worker_call))
+        threads[1].start()
+        with pytest.raises(grpc.RpcError) as e:  # a caller that gives up while it waits
+            list(vllm.Generate(generate_request(prompt, "gives-up", True, max_tokens=3), timeout=0.5))
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while srv.worker.runner.streams.num_waiting != 2:  # w1 and mw: the one that gave up waits no more
+            assert time.monotonic() < deadline, srv.worker.runner.streams.num_waiting
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as e:  # 5 + 400 tokens need 26 blocks of the 16 there are: never fits
+            list(vllm.Generate(generate_request(prompt, "never", True, max_tokens=400), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "KV blocks" in e.value.details()
+        assert finished == [] and live_sequences(srv) == 2
+        stub.Release(pb.ReleaseRequest(sequence_ids=[holders[0]]))  # a slot comes free: w1 (first) runs, then mw
+        for t in threads:
+            t.join(timeout=30)
+        assert finished == ["w1", "mw"] and counts == {"w1": 3, "mw": 3}
+        # A drain sends a waiting call away (the live ones may finish).
+        holders.append(hold())
+        waiting = vllm.Generate(generate_request(prompt, "drained", True, max_tokens=3), timeout=30)
+        waiter = threading.Thread(target=lambda: counts.update(drained=_status(waiting)))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while vllm.GetLoads(vpb.GetLoadsRequest()).loads[0].num_waiting_reqs < 1:
+            assert time.monotonic() < deadline, "the drained Generate did not wait"
+            time.sleep(0.02)
+        srv.run(srv.worker.drain(0.5))  # (it stops the worker)
+        waiter.join(timeout=30)
+        assert counts["drained"] == grpc.StatusCode.UNAVAILABLE
+    except BaseException:
+        srv.stop()
+        raise
+    srv.loop.call_soon_threadsafe(srv.loop.stop)
+    srv.thread.join(10)
+
+
+def _status(call) -> grpc.StatusCode:
+    try:
+        list(call)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()

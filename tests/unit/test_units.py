@@ -421,3 +421,31 @@ def test_the_torch_and_cuda_op_backends_have_one_interface():
         extra = inspect.signature(fn).parameters
         assert all(extra[p].default is not inspect.Parameter.empty for p in got[len(want):]), \
             f"CudaOps.{name} adds required parameters {got[len(want):]}"
+
+
+def test_resource_exhausted_says_whether_waiting_would_help(tiny_model):
+    """AllocSequence's refusals: no slot, or no KV blocks now for a reservation an idle cache holds, are `busy` (a
+    Generate waits for room); a reservation larger than the whole cache is not, even while every slot is taken."""
+    from conftest import engine_config
+    from engine.engine import Engine
+
+    engine = Engine(engine_config(tiny_model, max_slots=2, num_kv_blocks=9))  # 8 usable blocks of 16 tokens
+    try:
+        def alloc(tokens: int) -> int:
+            return engine.alloc_sequence(tokens, SamplingParams(), StoppingCriteria()).seq_id
+
+        first = alloc(100)  # 7 blocks
+        with pytest.raises(ResourceExhausted, match="KV blocks") as e:
+            alloc(48)  # 3 blocks: 1 is free, 8 would be
+        assert e.value.busy
+        alloc(16)
+        with pytest.raises(ResourceExhausted, match="slots") as e:
+            alloc(16)
+        assert e.value.busy
+        with pytest.raises(ResourceExhausted, match="KV blocks") as e:
+            alloc(200)  # 13 blocks: more than the cache holds
+        assert not e.value.busy
+        engine.release([first])
+        alloc(48)
+    finally:
+        engine.close()
