@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -106,7 +105,8 @@ class GenerateStreams:
         self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
         self._waiting: collections.deque[_Start] = collections.deque()  # refused for room for now, oldest first
         self._start_queued = False  # a call that takes the starts is queued and has not taken them yet
-        self._unanswered: list[functools.partial] = []  # answers of the start calls queued, not yet applied
+        # (call, its answer) of the start calls queued whose answer has not been applied yet, oldest first
+        self._unanswered: collections.deque[tuple[asyncio.Future, Callable[[], None]]] = collections.deque()
         self._retry: asyncio.TimerHandle | None = None
         self._stream_task: asyncio.Task | None = None
         self._taken = asyncio.Event()  # a caller took tokens from its queue (a held-back stream may go on)
@@ -189,21 +189,21 @@ class GenerateStreams:
         taken: list[list[_Start]] = []
 
         def take() -> tuple:  # the starts there are now, less those whose caller went away meanwhile
-            while self._unanswered and self._unanswered[0].args[0].done():  # calls that ran before this one: their
-                self._unanswered[0]()  # waiting starts go ahead of newer ones (their callbacks have not run yet)
+            while self._unanswered and self._unanswered[0][0].done():  # calls that ran before this one: their
+                self._unanswered[0][1]()  # waiting starts go ahead of newer ones (their callbacks have not run yet)
             self._start_queued = False
             taken.append([s for s in (*self._waiting, *self._starts) if not s.first.done()])
             self._waiting.clear()
             self._starts = []
             return (taken[0],)
 
-        def answer(batch: asyncio.Future) -> None:
-            if apply not in self._unanswered:
-                return  # applied by the next call's take()
-            self._unanswered.remove(apply)
+        def answer(_=None) -> None:  # once: as the call's done callback, or earlier from the next call's take()
+            if pending not in self._unanswered:
+                return
+            self._unanswered.remove(pending)
             starts = taken[0] if taken else take()[0]  # never started (the runner closed): fail them all
-            error = batch.exception() if not batch.cancelled() else asyncio.CancelledError()
-            for s, outcome in zip(starts, batch.result() if error is None else [error] * len(starts)):
+            error = future.exception() if not future.cancelled() else asyncio.CancelledError()
+            for s, outcome in zip(starts, future.result() if error is None else [error] * len(starts)):
                 if outcome is _WAIT:
                     if not s.first.done():
                         self._waiting.append(s)
@@ -218,8 +218,8 @@ class GenerateStreams:
                 self._retry = self.runner.loop.call_later(RETRY_WAITING_S, self._retry_waiting)
 
         future = self.runner.call_prepared(_start_streams, take)
-        apply = functools.partial(answer, future)
-        self._unanswered.append(apply)
+        pending = (future, answer)
+        self._unanswered.append(pending)
         future.add_done_callback(answer)
 
     def _retry_waiting(self) -> None:
