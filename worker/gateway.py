@@ -171,10 +171,11 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     engine.set_token_mask(result.seq_id, constraint.mask())
                 return result
 
-            # n = 1 waits for room as vLLM's queued requests do; the choices of n > 1 start one after another and
-            # are read only once all have, so one that waits would hold the others: refused at once instead.
+            # Each choice waits for room as vLLM's queued requests do. The started ones decode on meanwhile (their
+            # tokens queue until all have started and the call reads them) and free their slots as they end, so
+            # a choice that waits for one of them never waits for good, even with n over the slots.
             start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started,
-                                                                    wait=spec.n == 1, reserve=spec.max_total_tokens))
+                                                                    reserve=spec.max_total_tokens))
             try:
                 choice.seq_id, choice.out = await start  # cancelled with the call: a waiting start is dropped
             except asyncio.CancelledError:

@@ -3,9 +3,9 @@ sequence into one step so that concurrent Generate calls (of ModelWorker and of 
 
 A stream is allocated and prefilled with the others that start while its prefill call waits in the runner's queue
 (one engine call, as a router batches the prompts it admits together), then joins the next decode step; up to
-config.max_steps_in_flight steps are launched at once. A stream whose caller is behind (MAX_UNSENT_TOKENS of its
-tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes to sending tokens rather
-than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
+config.max_steps_in_flight steps are launched at once. A stream whose caller, once reading, is behind
+(MAX_UNSENT_TOKENS of its tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes
+to sending tokens rather than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
 state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
 and sets the next token's mask before the step that samples it. The streams' token metrics (time to first token,
 inter-token gaps, tokens) are recorded here, one record per step for all of them as for a Decode, not by each call's
@@ -49,14 +49,18 @@ _WAIT = object()  # _start_streams' outcome of a start that waits for room
 
 
 class _TokenQueue(asyncio.Queue):
-    """A stream's queue of tokens; each take tells the decode loop (a held-back stream may go on)."""
+    """A stream's queue of tokens; each take tells the decode loop (a held-back stream may go on). `read`: its
+    caller has begun taking (until then it is not held back: the choices of an n > 1 call start one after another
+    and are read once all have, so the started ones run on and free their slots for the later ones)."""
 
     def __init__(self, on_take: Callable[[], None]):
         super().__init__()
         self._on_take = on_take
+        self.read = False
 
     def _get(self):  # asyncio.Queue's hook for subclasses: every get() and get_nowait() takes through it
         item = super()._get()
+        self.read = True
         self._on_take()
         return item
 
@@ -68,7 +72,6 @@ class _Start:
     prompt: list[int]
     alloc: Callable[[Engine], api.AllocResult]
     first: asyncio.Future  # its first TokenResult, or the exception that refused it
-    wait: bool = True  # waits for room when the engine has none now (else refused at once)
     reserve: int = 0  # the tokens alloc reserves (0: unknown), checked against the whole KV cache behind a waiting one
 
 
@@ -77,7 +80,7 @@ class _Stream:
     """A Generate stream's sequence, decoded by the runner itself."""
 
     seq_id: int
-    out: asyncio.Queue  # TokenResult, then None at the end (or an exception)
+    out: _TokenQueue  # TokenResult, then None at the end (or an exception)
     in_flight: int = 0  # launched decode steps that include it, not yet answered
     constraint: Any = None  # structured output (a worker/structured_output.Constraint): its grammar's state
     held_since: float | None = None  # monotonic time it was first held back for its caller (MAX_UNSENT_TOKENS)
@@ -113,26 +116,25 @@ class GenerateStreams:
         self.metrics: Metrics | None = None  # where the streams' tokens are recorded (set by the Worker)
 
     async def start(self, prompt: list[int], alloc: Callable[[Engine], api.AllocResult],
-                    constraint=None, started: float | None = None, wait: bool = True,
-                    reserve: int = 0) -> tuple[int, asyncio.Queue]:
+                    constraint=None, started: float | None = None, reserve: int = 0) -> tuple[int, asyncio.Queue]:
         """Allocates (alloc(engine)) and prefills a sequence that the runner then decodes to its end; returns
         its id and the queue its tokens arrive on (None marks the end, an exception a failure). On failure
         nothing is left allocated. constraint: structured output's grammar state (worker/structured_output.py)
         for a sequence allocated with sampling.token_mask, whose alloc also set the first token's mask: the
         runner advances it by each token and sets the next mask before each step (one step in flight at most).
         started: time.perf_counter() when the caller's call came, for the time-to-first-token metric (None: none).
-        wait: when the engine has no slot or KV blocks for it now but would once live sequences end, it waits (in
-        arrival order with the other waiting starts; the caller's deadline or going away ends the wait); False:
-        the ResourceExhausted error at once. reserve: the max_total_tokens alloc asks for: one that no wait
-        would fit is refused at once even behind waiting starts.
+        When the engine has no slot or KV blocks for it now but would once live sequences end, it waits (in
+        arrival order with the other waiting starts; the caller's deadline or going away ends the wait).
+        reserve: the max_total_tokens alloc asks for: one that no wait would fit is refused at once (the
+        ResourceExhausted error) even behind waiting starts.
 
         Streams that start while their prefill call waits in the queue (behind the steps in flight, or
         another call) share it: one engine call allocates them all and prefills them in one Engine.prefill,
         as a router batches the prompts it admits together, instead of one call (and one drain of the steps
         in flight) per stream. Cancelling it (the caller went away) drops a waiting start and releases a
         sequence started meanwhile."""
-        out: asyncio.Queue = _TokenQueue(self._taken.set)
-        start = _Start(prompt, alloc, self.runner.loop.create_future(), wait, reserve)
+        out = _TokenQueue(self._taken.set)
+        start = _Start(prompt, alloc, self.runner.loop.create_future(), reserve)
         self._starts.append(start)
         self._queue_starts()
         first = await start.first
@@ -326,7 +328,7 @@ class GenerateStreams:
                 limit = min(limit, seq.prompt_len + seq.stopping.max_new_tokens)
             if s.constraint is not None and s.in_flight:
                 continue  # its next token's mask waits for the token the step in flight samples
-            if s.out.qsize() >= MAX_UNSENT_TOKENS:  # its caller is behind: held back until it takes them ...
+            if s.out.read and s.out.qsize() >= MAX_UNSENT_TOKENS:  # its caller is behind: held back until it takes ...
                 now = time.monotonic()
                 s.held_since = s.held_since or now
                 if now - s.held_since < MAX_HOLD_S:  # ... or for MAX_HOLD_S
@@ -369,7 +371,7 @@ def _start_streams(engine: Engine, starts: list[_Start]) -> list:
     allocated: list[tuple[int, int]] = []  # (index into starts, sequence id)
     waiting = False  # a start found no room: the later ones that wait queue behind it, in order
     for i, s in enumerate(starts):
-        if waiting and s.wait:
+        if waiting:
             try:
                 engine.check_fits(s.reserve)
                 outcomes[i] = _WAIT
@@ -379,8 +381,8 @@ def _start_streams(engine: Engine, starts: list[_Start]) -> list:
         try:
             allocated.append((i, s.alloc(engine).seq_id))
         except ResourceExhausted as e:
-            waiting = waiting or (e.busy and s.wait)
-            outcomes[i] = _WAIT if e.busy and s.wait else e
+            waiting = waiting or e.busy
+            outcomes[i] = _WAIT if e.busy else e
         except Exception as e:  # noqa: BLE001 - answered to that stream's caller
             outcomes[i] = e
     width = engine.config.max_batch_size  # the most sequences one Engine.prefill takes

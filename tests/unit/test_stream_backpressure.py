@@ -1,6 +1,7 @@
-"""GenerateStreams' backpressure (worker/generate_streams.py): a stream whose caller has not taken
-MAX_UNSENT_TOKENS of its tokens sits out the steps while the others go on, resumes when its caller takes them,
-and a runner whose every stream is held back waits instead of spinning or ending."""
+"""GenerateStreams' backpressure (worker/generate_streams.py): a stream whose caller has begun reading but has not
+taken MAX_UNSENT_TOKENS of its tokens sits out the steps while the others go on, resumes when its caller takes
+them, and a runner whose every stream is held back waits instead of spinning or ending. A stream not read yet (a
+choice of an n > 1 call while the later ones start) runs on."""
 from __future__ import annotations
 
 import asyncio
@@ -36,15 +37,16 @@ def test_a_stream_whose_caller_lags_is_held_back_and_resumes(tiny_model):
             engine = runner.engine
             (slow_id, slow), (fast_id, fast) = [await runner.streams.start(p, alloc(len(p) + NEW_TOKENS + 1))
                                                 for p in ([1, 2, 3], [4, 5, 6, 7])]
-            fast_tokens = await take_all(fast)  # the fast caller reads everything; the slow one nothing yet
+            first = (await slow.get()).token_id  # the slow caller takes its first token, then nothing for a while
+            fast_tokens = await take_all(fast)  # the fast caller reads everything
             assert len(fast_tokens) == NEW_TOKENS
             held = engine.sequences[slow_id].num_generated
-            assert slow.qsize() == held >= MAX_UNSENT_TOKENS  # stopped at the limit (plus the steps in flight)
-            assert held < MAX_UNSENT_TOKENS + engine.config.max_steps_in_flight + 1
+            assert slow.qsize() == held - 1 >= MAX_UNSENT_TOKENS  # stopped at the limit (plus the steps in flight)
+            assert held - 1 < MAX_UNSENT_TOKENS + engine.config.max_steps_in_flight + 1
             await asyncio.sleep(0.05)
             assert engine.sequences[slow_id].num_generated == held  # held back: no step took it meanwhile
             assert len(runner.streams) == 1  # and the decode loop waits for it instead of ending
-            slow_tokens = await take_all(slow)  # taking resumes it, to its end
+            slow_tokens = [first, *await take_all(slow)]  # taking resumes it, to its end
             assert len(slow_tokens) == NEW_TOKENS
             assert fast_id not in engine.sequences and slow_id not in engine.sequences
         finally:
@@ -65,6 +67,7 @@ def test_a_caller_that_never_reads_holds_its_stream_only_for_a_while(tiny_model,
         runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
         try:
             seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+            out.get_nowait()  # the caller takes the first token, then stops reading
             await asyncio.sleep(0.1)
             assert seq_id in runner.engine.sequences  # held back
             for _ in range(100):
@@ -72,6 +75,29 @@ def test_a_caller_that_never_reads_holds_its_stream_only_for_a_while(tiny_model,
                     break
                 await asyncio.sleep(0.05)
             assert seq_id not in runner.engine.sequences  # ran on and ended, released
+            assert len(await take_all(out)) == NEW_TOKENS - 1
+        finally:
+            await runner.shutdown()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_not_read_yet_runs_on(tiny_model):
+    """A stream whose caller has not begun reading (the started choices of an n > 1 call while the later ones
+    start, read once all have) is not held back: it runs to its end well within MAX_HOLD_S and frees its slot."""
+    from worker import generate_streams
+
+    async def main():
+        runner = await EngineRunner.start(lambda: Engine(engine_config(tiny_model)))
+        try:
+            seq_id, out = await runner.streams.start([1, 2, 3], alloc(3 + NEW_TOKENS + 1))
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            while seq_id in runner.engine.sequences:
+                assert loop.time() - started < generate_streams.MAX_HOLD_S / 2, "held back before it was read"
+                await asyncio.sleep(0.01)
+            assert out.qsize() == NEW_TOKENS + 1  # every token queued, then the end
             assert len(await take_all(out)) == NEW_TOKENS
         finally:
             await runner.shutdown()
