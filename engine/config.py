@@ -29,6 +29,10 @@ class EngineConfig:
     model: str = field(default="", metadata={"help": "checkpoint directory (config.json + *.safetensors) or a "
                                                       ".gguf file (converted once into the cache dir); empty: the "
                                                       "built-in default model, SmolLM2-135M-Instruct"})
+    served_model_name: str = field(default="", metadata={
+        "help": "the model id the worker reports (Info, the gateway service's model info, which smg lists in "
+                "/v1/models and routes requests by, and the metrics' model label), as vLLM's flag of the same "
+                "name; empty: the checkpoint directory's name"})
     device: str = field(default="auto", metadata={"help": "auto (GPU if cuda-python finds one), cpu or cuda",
                                                    "choices": DEVICES})
     kernels: str = field(default="auto", metadata={
@@ -62,16 +66,17 @@ class EngineConfig:
                 "reads; engine/quant.py fp8_kv). fp8 runs on the CPU, on the CUDA kernels of a GPU with FP8 "
                 "support (compute capability >= 8.9), and with --kernels torch on any GPU",
         "choices": KV_CACHE_DTYPES})
-    max_slots: int = field(default=256, metadata={"help": "most live sequences"})
+    max_slots: int = field(default=256, metadata={"help": "most live sequences", "aliases": ("--max-num-seqs",)})
     max_batch_size: int = field(default=256, metadata={"help": "most sequences in one Decode/Prefill/Verify"})
     max_seq_len: int = field(default=0, metadata={"help": "most tokens per sequence; 0: the model's "
-                                                          "max_position_embeddings"})
+                                                          "max_position_embeddings", "aliases": ("--max-model-len",)})
     block_size: int = field(default=16, metadata={"help": "tokens per KV-cache block"})
     num_kv_blocks: int = field(default=0, metadata={"help": "KV-cache blocks; 0: sized from kv_cache_memory"})
     kv_cache_memory: float = field(default=0.85, metadata={
         "help": "KV-cache size when num_kv_blocks is 0: a fraction (<= 1) of the device memory left after "
                 "the weights, or a number of GiB (> 1); on CPU a fraction means of 256 MiB"})
-    max_prefill_tokens: int = field(default=8192, metadata={"help": "tokens per prefill forward (chunk budget)"})
+    max_prefill_tokens: int = field(default=8192, metadata={"help": "tokens per prefill forward (chunk budget)",
+                                                            "aliases": ("--max-num-batched-tokens",)})
     max_top_logprobs: int = field(default=20, metadata={"help": "most top-n alternatives per token"})
     max_draft_tokens: int = field(default=16, metadata={"help": "most draft tokens per Verify item"})
     max_graphs: int = field(default=512, metadata={
@@ -80,28 +85,30 @@ class EngineConfig:
         "help": "times a batch's slot vector is seen before it gets a decode graph of its own; until then the "
                 "step replays its batch width's graph (fallback_graphs), which differs only by one small copy, so "
                 "only a batch that stays the same for many steps is worth a capture"})
-    cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs on GPU"})
+    cuda_graphs: bool = field(default=True, metadata={"help": "replay decode steps as CUDA graphs on GPU",
+                                                      "negated_by": "--enforce-eager"})
     fallback_graphs: bool = field(default=True, metadata={
         "help": "while a batch's own decode graph is not captured yet, replay one graph per batch width (captured "
                 "the first time that width runs) that reads the slot vector from a staging buffer"})
     prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of full blocks whose tokens (and everything before them) a cached sequence already "
                 "computed: a Prefill computes only what no block holds (engine/prefix_cache.py); off: every prompt "
-                "is computed"})
+                "is computed", "aliases": ("--enable-prefix-caching",)})
     warm_up_widths: int = field(default=-1, metadata={
         "help": "decode batch widths whose CUDA graph the worker captures at start-up, so that no request's step "
                 "pays a width's first capture (~5-10 ms): 1..N; -1: up to max_batch_size; 0: none"})
     tensor_parallel_size: int = field(default=1, metadata={
         "help": "processes the model is split over (tensor parallelism: attention heads, the MLP's intermediate "
                 "dimension and the vocabulary; engine/shard.py): one per GPU on CUDA (NCCL), gloo on CPU; the "
-                "worker starts ranks 1..N-1 itself and serves gRPC from rank 0; must divide the attention heads"})
+                "worker starts ranks 1..N-1 itself and serves gRPC from rank 0; must divide the attention heads",
+        "aliases": ("-tp",)})
     max_steps_in_flight: int = field(default=2, metadata={
         "help": "decode steps queued on the device at once: with 2, a Decode that arrives while a step runs is "
                 "launched behind it, so the host's work between steps overlaps the device; 1 waits for each step"})
 
     def __post_init__(self):
-        positive = ("tensor_parallel_size", "max_slots", "max_batch_size", "block_size", "max_prefill_tokens", "max_draft_tokens",
-                    "max_graphs", "capture_after", "max_steps_in_flight")
+        positive = ("tensor_parallel_size", "max_slots", "max_batch_size", "block_size", "max_prefill_tokens",
+                    "max_draft_tokens", "max_graphs", "capture_after", "max_steps_in_flight")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -131,6 +138,9 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_steps_in_flight > 4:
             raise ConfigError(f"max_steps_in_flight must be at most 4, got {self.max_steps_in_flight}")
+        if self.served_model_name != self.served_model_name.strip() or "\n" in self.served_model_name:
+            raise ConfigError(f"served_model_name must not start or end with blanks or hold a line break, got "
+                              f"{self.served_model_name!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
 

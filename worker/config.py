@@ -78,7 +78,8 @@ def flag_name(field_name: str) -> str:
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per dataclass field, default from the dataclass."""
+    """One flag per dataclass field, default from the dataclass; a field's metadata may add vLLM's names for it
+    ("aliases", the same flag under another name; "negated_by", a flag that sets a bool field false)."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
@@ -91,7 +92,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["metavar"] = f.name.upper()
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
-        group.add_argument(flag_name(f.name), dest=f.name, **kwargs)
+        group.add_argument(flag_name(f.name), *f.metadata.get("aliases", ()), dest=f.name, **kwargs)
+        if "negated_by" in f.metadata:
+            group.add_argument(f.metadata["negated_by"], dest=f.name, action="store_false", default=argparse.SUPPRESS,
+                               help=f"the same as {flag_name('no_' + f.name)}")
 
 
 def config_from_args(cls: type, args: argparse.Namespace):

@@ -50,7 +50,7 @@ class ModelFacts:
     """What the gateway reports and validates against: fixed once the engine has loaded."""
 
     model_path: str  # absolute checkpoint directory; also where the tokenizer files are looked for
-    served_model_name: str  # the model id clients name (the checkpoint directory's name)
+    served_model_name: str  # the model id clients name (--served-model-name, else the checkpoint directory's name)
     model_type: str  # llama | mistral | qwen2 | qwen3
     architectures: tuple[str, ...]
     vocab_size: int

@@ -132,6 +132,25 @@ def test_model_and_server_info(tok_server, tok_model, vllm):
     assert s.model_dtype == f"torch.{info.dtype}" and s.kv_cache_dtype == info.dtype
 
 
+
+def test_served_model_name_is_the_model_id_everywhere(tok_model):
+    """--served-model-name (vLLM's): the model id of Info, of the gateway service's model info (what smg lists in
+    /v1/models) and of the metrics' model label, instead of the checkpoint directory's name."""
+    from test_cli import free_port
+    from test_metrics import scrape
+
+    name, port = "acme/tiny-words-chat", free_port()
+    srv = start_server(tok_model, worker_changes=dict(metrics_port=port), served_model_name=name)
+    try:
+        assert srv.stub().Info(pb.InfoRequest()).model_id == name
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        m = stub.GetModelInfo(vpb.GetModelInfoRequest(), timeout=10)
+        assert m.served_model_name == name and m.model_path == str(tok_model.resolve())
+        weights = [labels for (metric, labels) in scrape(port) if metric == "metrale_weights_info"]
+        assert [dict(labels)["model"] for labels in weights] == [name]
+    finally:
+        srv.stop()
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_greedy_generate_equals_model_worker(tok_server, vllm, stream):
     prompts = random_prompts([7, 19], VOCAB, seed=3)

@@ -2,8 +2,9 @@
 default model (SmolLM2-135M-Instruct, fp32 on CPU), over real sockets on loopback; transformers' greedy
 output on the same converted checkpoint and chat template is the oracle.
 
-Three workers start at once for the module: `a` and `b` serve the gateways most tests use (round robin,
-and cache_aware); `c` stays idle until the failure test kills it. The drain test ends `b`, so it runs last.
+Three workers start at once for the module, each with --served-model-name (MODEL, which requests name): `a`
+and `b` serve the gateways most tests use (round robin, and cache_aware); `c` stays idle until the failure test
+kills it. The drain test ends `b`, so it runs last.
 Every process listens on 127.0.0.1 only (smg's metrics too: --prometheus-host) on ports picked free, every
 wait is bounded, and the fixtures' finalizers end every process they started.
 
@@ -49,6 +50,7 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MAX_SEQ_LEN = 512  # the workers' context: small, so over-long prompts are cheap to build
 MAX_NEW_TOKENS = 24
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the workers' --served-model-name: what requests name
 START_TIMEOUT_S = 240  # three workers loading 538 MB each on two shared cores
 HTTP_TIMEOUT_S = 120
 CHATS = [
@@ -132,7 +134,7 @@ class WorkerProcess:
         cmd = [sys.executable, "-m", "worker", "serve", "--model", str(model), "--device", "cpu",
                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
                "--max-seq-len", str(MAX_SEQ_LEN), "--num-kv-blocks", "160", "--max-slots", "16",
-               "--grace-period-s", "30"]
+               "--grace-period-s", "30", "--served-model-name", MODEL]
         with open(log, "w") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         return cls(name, proc, port, metrics_port, log)
@@ -313,7 +315,7 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def start_gateway(workers, default_model, tmp_path_factory):
+def start_gateway(workers, tmp_path_factory):
     """start_gateway(worker_names, policy, *flags) -> a ready Gateway, stopped when the module ends."""
     log_dir = tmp_path_factory.mktemp("smg-logs")
     started: list[Gateway] = []
@@ -322,7 +324,7 @@ def start_gateway(workers, default_model, tmp_path_factory):
         chosen = [workers[n] for n in names]
         gw = Gateway(chosen, policy, log_dir, *extra)
         started.append(gw)
-        gw.wait_ready([w.url for w in chosen], default_model.name)
+        gw.wait_ready([w.url for w in chosen], MODEL)
         return gw
 
     yield start
@@ -407,8 +409,8 @@ def test_idle_worker_answers_the_kv_event_subscription_at_once(workers):
         call.cancel()
 
 
-def test_models_and_workers(rr, workers, default_model):
-    assert rr.models() == [default_model.name]
+def test_models_and_workers(rr, workers):
+    assert rr.models() == [MODEL]
     seen = rr.workers()
     assert set(seen) == {workers["a"].url, workers["b"].url}
     for w in seen.values():
@@ -417,13 +419,13 @@ def test_models_and_workers(rr, workers, default_model):
 
 
 @pytest.mark.parametrize("chat", range(len(CHATS)))
-def test_chat_completions_answer_as_transformers_greedy(rr, oracle, default_model, chat):
+def test_chat_completions_answer_as_transformers_greedy(rr, oracle, chat):
     messages = CHATS[chat]
     prompt = oracle.chat_ids(messages)
     answer = oracle.greedy(prompt, MAX_NEW_TOKENS)
     want, reason = oracle.text(answer), "stop" if answer[-1] == oracle.eos else "length"
 
-    reply = rr.post("/v1/chat/completions", chat_request(default_model.name, messages))
+    reply = rr.post("/v1/chat/completions", chat_request(MODEL, messages))
     assert reply.status == 200, reply.body
     choice = reply.body["choices"][0]
     assert choice["message"]["content"] == want
@@ -431,7 +433,7 @@ def test_chat_completions_answer_as_transformers_greedy(rr, oracle, default_mode
     assert reply.body["usage"]["prompt_tokens"] == len(prompt)  # smg rendered the same chat template
     assert reply.body["usage"]["completion_tokens"] == len(answer)
 
-    stream = rr.stream("/v1/chat/completions", chat_request(default_model.name, messages,
+    stream = rr.stream("/v1/chat/completions", chat_request(MODEL, messages,
                                                             stream_options={"include_usage": True}))
     events = list(stream.events())
     stream.close()
@@ -441,11 +443,11 @@ def test_chat_completions_answer_as_transformers_greedy(rr, oracle, default_mode
     assert usage and usage[-1]["completion_tokens"] == len(answer)
 
 
-def test_completions_answer_as_transformers_greedy(rr, oracle, default_model):
+def test_completions_answer_as_transformers_greedy(rr, oracle):
     text = "The capital of France is"
     prompt = oracle.text_ids(text)
     answer = oracle.greedy(prompt, 12)
-    request = dict(model=default_model.name, prompt=text, max_tokens=12, temperature=0)
+    request = dict(model=MODEL, prompt=text, max_tokens=12, temperature=0)
     reply = rr.post("/v1/completions", request)
     assert reply.status == 200, reply.body
     assert reply.body["choices"][0]["text"] == oracle.text(answer)
@@ -458,7 +460,7 @@ def test_completions_answer_as_transformers_greedy(rr, oracle, default_model):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, oracle, default_model, stream):
+def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, oracle, stream):
     """OpenAI `stop` strings: the worker ends the sequence at the token whose text completes one (so
     completion_tokens counts up to it), smg trims the text before the string, finish_reason "stop"."""
     text = "The capital of France is"
@@ -468,7 +470,7 @@ def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, ora
     stop = next(w for w in words[2:] if full.count(w) == 1)  # a word of the answer's middle, there once
     k = next(k for k in range(1, len(answer) + 1) if stop in oracle.text(answer[:k]))  # the completing token
     assert k < len(answer)
-    request = dict(model=default_model.name, prompt=text, max_tokens=MAX_NEW_TOKENS, temperature=0,
+    request = dict(model=MODEL, prompt=text, max_tokens=MAX_NEW_TOKENS, temperature=0,
                    stop=["a string never said", stop])
     if stream:
         sse = rr.stream("/v1/completions", dict(request, stream_options={"include_usage": True}))
@@ -488,13 +490,13 @@ def test_stop_strings_end_the_completion_where_its_text_has_one(rr, workers, ora
     assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
 
 
-def test_json_schema_response_format(rr, workers, default_model):
+def test_json_schema_response_format(rr, workers):
     """OpenAI structured output (response_format json_schema) through smg: the reply is JSON of the schema
     (tests/e2e/test_structured_output.py holds the worker's constrained tokens against transformers')."""
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
               "required": ["city", "country"], "additionalProperties": False}
     messages = [{"role": "user", "content": "Name a big city in Japan as JSON."}]
-    reply = rr.post("/v1/chat/completions", chat_request(default_model.name, messages, max_tokens=64, response_format={
+    reply = rr.post("/v1/chat/completions", chat_request(MODEL, messages, max_tokens=64, response_format={
         "type": "json_schema", "json_schema": {"name": "place", "schema": schema}}))
     assert reply.status == 200, reply.body
     choice = reply.body["choices"][0]
@@ -504,13 +506,13 @@ def test_json_schema_response_format(rr, workers, default_model):
     assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
 
 
-def test_requests_are_spread_over_both_workers(rr, workers, default_model):
+def test_requests_are_spread_over_both_workers(rr, workers):
     pair = [workers["a"], workers["b"]]
     before = [(w.generates("OK"), w.info().prefix_cache.queries) for w in pair]
     routed = []
     for i in range(4):
         reply = rr.post("/v1/chat/completions", chat_request(
-            default_model.name, [{"role": "user", "content": f"Give me a word that starts with {'PQRS'[i]}."}],
+            MODEL, [{"role": "user", "content": f"Give me a word that starts with {'PQRS'[i]}."}],
             max_tokens=4))
         assert reply.status == 200, reply.body
         routed.append(reply.worker)
@@ -520,7 +522,7 @@ def test_requests_are_spread_over_both_workers(rr, workers, default_model):
         assert w.info().prefix_cache.queries - queries == 2  # and of prompts it prefilled
 
 
-def test_cache_aware_keeps_a_conversation_on_the_worker_holding_its_prefix(cache_aware, workers, default_model):
+def test_cache_aware_keeps_a_conversation_on_the_worker_holding_its_prefix(cache_aware, workers):
     """Each turn resends the whole conversation: the worker that served the last turn holds its KV blocks,
     learns that to smg through its KV events, and gets the next turn; only its prefix-cache hits grow."""
     pair = {w.url: w for w in (workers["a"], workers["b"])}
@@ -533,7 +535,7 @@ def test_cache_aware_keeps_a_conversation_on_the_worker_holding_its_prefix(cache
     holder, turns = None, 4
     for turn in range(turns):
         before = hits()
-        reply = cache_aware.post("/v1/chat/completions", chat_request(default_model.name, messages, max_tokens=12))
+        reply = cache_aware.post("/v1/chat/completions", chat_request(MODEL, messages, max_tokens=12))
         assert reply.status == 200, reply.body
         holder = holder or reply.worker
         assert reply.worker == holder, f"turn {turn} went to {reply.worker}, the conversation is on {holder}"
@@ -547,7 +549,7 @@ def test_cache_aware_keeps_a_conversation_on_the_worker_holding_its_prefix(cache
     assert event_hits() - first_event_hits == turns - 1  # placed by the workers' KV events, not guessed
 
 
-def test_client_disconnect_aborts_the_stream_and_frees_its_sequence(rr, workers, default_model):
+def test_client_disconnect_aborts_the_stream_and_frees_its_sequence(rr, workers):
     """smg turns the client going away into an Abort of the worker's Generate, which frees the sequence long
     before its max_tokens."""
     by_url = {w.url: w for w in workers.values()}
@@ -556,7 +558,7 @@ def test_client_disconnect_aborts_the_stream_and_frees_its_sequence(rr, workers,
                     metric(w.metrics(), "metrale_rpc_total", method="VllmEngine.Abort", code="OK"))
               for url, w in by_url.items()}
     stream = rr.stream("/v1/chat/completions", chat_request(
-        default_model.name, [{"role": "user", "content": "Tell me a very long story."}], max_tokens=max_tokens,
+        MODEL, [{"role": "user", "content": "Tell me a very long story."}], max_tokens=max_tokens,
         ignore_eos=True))
     worker = by_url[stream.worker]
     events = stream.events()
@@ -571,11 +573,10 @@ def test_client_disconnect_aborts_the_stream_and_frees_its_sequence(rr, workers,
     assert 3 <= generated < max_tokens / 2, generated
 
 
-def test_bad_input_is_a_4xx_with_the_workers_message_and_the_worker_keeps_serving(rr, workers, oracle,
-                                                                                   default_model):
+def test_bad_input_is_a_4xx_with_the_workers_message_and_the_worker_keeps_serving(rr, workers, oracle):
     pair = [workers["a"], workers["b"]]
     refused_before = sum(w.generates("INVALID_ARGUMENT") for w in pair)
-    model = default_model.name
+    model = MODEL
     at_context = "hello" + " hello" * (MAX_SEQ_LEN - 1)
     assert len(oracle.text_ids(at_context)) == MAX_SEQ_LEN
     hello = [{"role": "user", "content": "Hello"}]
@@ -606,7 +607,7 @@ def test_bad_input_is_a_4xx_with_the_workers_message_and_the_worker_keeps_servin
     assert all(w.info().live_sequences == 0 for w in pair)
 
 
-def test_discovered_address_registers_as_a_grpc_worker(workers, default_model, tmp_path):
+def test_discovered_address_registers_as_a_grpc_worker(workers, tmp_path):
     """Discovery hands smg a bare ip:port (Kubernetes: the pod's IP and --service-discovery-port); smg
     probes HTTP and gRPC and registers the worker as gRPC (vLLM protocol). Shown with the file provider,
     which feeds the same reconciler as the Kubernetes one."""
@@ -614,19 +615,19 @@ def test_discovered_address_registers_as_a_grpc_worker(workers, default_model, t
     manifest.write_text(json.dumps({"version": 1, "workers": [{"url": f"127.0.0.1:{workers['a'].port}"}]}))
     gw = Gateway(None, "round_robin", tmp_path, "--discovery-provider", "file", "--discovery-file", str(manifest))
     try:
-        gw.wait_ready([workers["a"].url], default_model.name)
+        gw.wait_ready([workers["a"].url], MODEL)
         registered = gw.workers()[workers["a"].url]
         assert (registered["connection_mode"], registered["runtime_type"]) == ("grpc", "vllm")
-        reply = gw.post("/v1/chat/completions", chat_request(default_model.name, CHATS[0], max_tokens=4))
+        reply = gw.post("/v1/chat/completions", chat_request(MODEL, CHATS[0], max_tokens=4))
         assert reply.status == 200 and reply.worker == workers["a"].url, reply.body
     finally:
         gw.stop()
 
 
-def test_sigkill_fails_only_the_requests_the_worker_held(start_gateway, workers, default_model):
+def test_sigkill_fails_only_the_requests_the_worker_held(start_gateway, workers):
     a, c = workers["a"], workers["c"]
     gw = start_gateway("ac", "round_robin")
-    model = default_model.name
+    model = MODEL
     streamed = {}
     for topic in ("cats", "the sea"):  # round robin: one stream on each worker
         s = gw.stream("/v1/chat/completions", chat_request(
@@ -678,11 +679,11 @@ def test_sigkill_fails_only_the_requests_the_worker_held(start_gateway, workers,
     assert a.info().live_sequences == 0
 
 
-def test_draining_worker_leaves_rotation_and_finishes_its_streams(rr, workers, default_model):
+def test_draining_worker_leaves_rotation_and_finishes_its_streams(rr, workers):
     """SIGTERM starts the worker's drain: health false at once, new Generate calls UNAVAILABLE, live
     sequences run to their end, then the process exits. Runs last: it ends worker b."""
     a, b = workers["a"], workers["b"]
-    model = default_model.name
+    model = MODEL
     streams = [rr.stream("/v1/chat/completions", chat_request(
         model, [{"role": "user", "content": "Describe a storm at sea."}], max_tokens=96, ignore_eos=True,
         stream_options={"include_usage": True})) for _ in range(2)]

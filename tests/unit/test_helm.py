@@ -655,6 +655,8 @@ def test_notes_show_port_forward_and_grpcurl(helm, tmp_path):
     body = re.search(r"-d '(\{.*\})'", gateway).group(1)  # the request body is valid JSON naming the model
     mount_path = yaml.safe_load((CHART / "values.yaml").read_text())["model"]["mountPath"]
     assert json.loads(body)["model"] == pathlib.PurePosixPath(mount_path).name
+    named = notes("-f", str(GATEWAY), "--set", "worker.servedModelName=acme/chat-8b")
+    assert json.loads(re.search(r"-d '(\{.*\})'", named).group(1))["model"] == "acme/chat-8b"
     secure = notes("-f", str(ALL_FEATURES))
     assert "-cacert ca.crt" in secure and "authorization: Bearer $TOKEN" in secure
     # with TLS, plaintext only on the health-only port, which the probes use

@@ -163,6 +163,23 @@ def test_every_config_field_is_a_flag_with_the_dataclass_default():
         assert {f.name for f in dataclasses.fields(cls)} <= flags
 
 
+
+def test_vllm_flag_names_set_the_same_fields():
+    """vLLM's names for the flags a vLLM user brings: --max-model-len, --max-num-seqs, --max-num-batched-tokens,
+    --[no-]enable-prefix-caching, --enforce-eager, -tp and --served-model-name."""
+    parser = serve_parser()
+    args = parser.parse_args(["--max-model-len", "100", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+                              "--no-enable-prefix-caching", "--enforce-eager", "-tp", "2",
+                              "--served-model-name", "org/chat-model"])
+    assert config_from_args(EngineConfig, args) == EngineConfig(
+        max_seq_len=100, max_slots=8, max_prefill_tokens=512, prefix_caching=False, cuda_graphs=False,
+        tensor_parallel_size=2, served_model_name="org/chat-model")
+    assert config_from_args(EngineConfig, parser.parse_args(["--enable-prefix-caching"])).prefix_caching
+    assert config_from_args(EngineConfig, parser.parse_args([])).cuda_graphs  # --enforce-eager sets no default
+    for name in (" padded", "trailing ", "two\nlines"):
+        with pytest.raises(ConfigError, match="served_model_name"):
+            EngineConfig(served_model_name=name)
+
 def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
     """The fused prefill attention's plan (engine/cuda/ops.py; index math only, so it runs on CPU):
     prompts grouped by length rounded up to SDPA_BUCKET; each padded position repeats its sequence's
