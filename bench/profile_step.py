@@ -502,6 +502,9 @@ def main() -> None:
     p.add_argument("--model")
     p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "verify_replay", "ttft", "prefix"],
                    help="one section (default: all but replay and verify_replay)")
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"],
+                   help="the decode and prefill sections' engine: --quantization (fp8: W8A8 prompts, skinny FP8 decode)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
     if args.only in ("replay", "verify_replay", "ttft", "prefix"):
@@ -510,7 +513,9 @@ def main() -> None:
         {"replay": profile_replay_host, "verify_replay": profile_verify_host, "ttft": profile_ttft,
          "prefix": profile_prefix}[args.only](path)
         return
-    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False, prefix_caching=False))
+    engine = Engine(EngineConfig(model=str(path), num_kv_blocks=8192, max_seq_len=4096, cuda_graphs=False,
+                                 prefix_caching=False, quantization=args.quantization,
+                                 kv_cache_dtype=args.kv_cache_dtype))
     vocab = engine.model_config.vocab_size
     g = torch.Generator().manual_seed(0)
 
