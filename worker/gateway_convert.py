@@ -140,22 +140,30 @@ def _check_sampling(p: vpb.SamplingParams, facts: ModelFacts) -> None:
                       f"must be >= 1, or -1 for the context length, got {p.truncate_prompt_tokens}")
 
 
+def _prompt_of(request: vpb.GenerateRequest, tokenizer: Tokenizer | None) -> list[int]:
+    if request.WhichOneof("input") == "text":
+        if tokenizer is None:
+            raise _refuse("text", "input needs the checkpoint's tokenizer, which this worker's checkpoint lacks; "
+                                  "send tokenized.input_ids")
+        prompt = tokenizer.encode(request.text)
+        if not prompt:
+            raise InvalidArgument("text is empty: a prompt needs at least one token")
+        return prompt
+    if not request.tokenized.input_ids:
+        raise InvalidArgument("tokenized.input_ids is empty: a prompt needs at least one token")
+    return list(request.tokenized.input_ids)
+
 def generate_spec(request: vpb.GenerateRequest, facts: ModelFacts, tokenizer: Tokenizer | None = None) -> GenerateSpec:
     """Validates a GenerateRequest and maps it to the engine's terms; raises InvalidArgument. tokenizer: the
-    checkpoint's (None: it has none), which stop strings need."""
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        raise _refuse("text", "input is not supported: this worker takes token ids (tokenized.input_ids); "
-                              "the gateway tokenizes")
-    if kind is None or not request.tokenized.input_ids:
-        raise InvalidArgument("tokenized.input_ids is empty: a prompt needs at least one token")
+    checkpoint's (None: it has none), which text prompts and stop strings need. A text prompt (`text`, which
+    smg never sends: it tokenizes) is encoded as vLLM encodes one, with the tokenizer's special tokens (BOS)."""
     _check_request(request)
     p = request.sampling_params
     _check_sampling(p, facts)
     stops = check_stops(list(p.stop), tokenizer)
     constraint = constraint_of(p)
 
-    prompt = list(request.tokenized.input_ids)
+    prompt = _prompt_of(request, tokenizer)
     if p.HasField("truncate_prompt_tokens"):  # keep the last k tokens, as vLLM does
         keep = facts.max_seq_len if p.truncate_prompt_tokens == -1 else p.truncate_prompt_tokens
         prompt = prompt[-keep:]

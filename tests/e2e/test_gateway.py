@@ -426,13 +426,34 @@ def test_prompt_logprobs_are_transformers(tok_server, tok_model, vllm, stream):
     assert wait_until_no_live_sequences(tok_server) == 0
 
 
-def test_stop_strings_need_the_checkpoints_tokenizer(server):
+def test_stop_strings_and_text_prompts_need_the_checkpoints_tokenizer(server):
     stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(server.address))
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(generate_request([5, 6, 7], "no-tok", max_tokens=4, stop=["w9"]), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "sampling_params.stop needs the checkpoint's tokenizer" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(vpb.GenerateRequest(text="w5 w6", sampling_params=vpb.SamplingParams(max_tokens=2)),
+                           timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "text input needs the checkpoint's tokenizer" in e.value.details()
     assert live_sequences(server) == 0
+
+
+def test_a_text_prompt_is_the_tokenizers_ids(tok_server, tok_model, vllm):
+    """A text prompt (vLLM's gRPC `text` input; smg sends token ids) is encoded with the checkpoint's tokenizer,
+    special tokens included as vLLM does: the tokens and the reported prompt length are those of its ids."""
+    from engine.tokenizer import Tokenizer
+
+    text = "w5 w17 w9 w33"
+    ids = Tokenizer.from_dir(tok_model).encode(text)
+    assert len(ids) >= 4
+    want = list(vllm.Generate(generate_request(ids, "ids", max_tokens=6, temperature=0.0, ignore_eos=True),
+                              timeout=30))[-1].complete
+    got = list(vllm.Generate(vpb.GenerateRequest(request_id="text", text=text, sampling_params=vpb.SamplingParams(
+        max_tokens=6, temperature=0.0, ignore_eos=True)), timeout=30))[-1].complete
+    assert list(got.output_ids) == list(want.output_ids) and got.prompt_tokens == len(ids)
+    assert wait_until_no_live_sequences(tok_server) == 0
 
 
 def test_abort_ends_every_choice(tok_server, vllm):
@@ -452,7 +473,7 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(tok_server, vllm)
     cases = {
         "context length is 512": generate_request(list(range(3, 13)), max_tokens=503),
         "leaves no room": generate_request([5] * 512),
-        "text": vpb.GenerateRequest(text="w5 w6", sampling_params=vpb.SamplingParams(max_tokens=2)),
+        "text is empty": vpb.GenerateRequest(text="", sampling_params=vpb.SamplingParams(max_tokens=2)),
         "mm_inputs": vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5]), mm_inputs=vpb.MultimodalInputs()),
         "kv_transfer_params_json": vpb.GenerateRequest(tokenized=vpb.TokenizedInput(input_ids=[5]),
                                                        kv_transfer_params_json="{}"),
