@@ -503,7 +503,7 @@ def main() -> None:
     p.add_argument("--only", choices=["decode", "prefill", "verify", "replay", "verify_replay", "ttft", "prefix"],
                    help="one section (default: all but replay and verify_replay)")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"],
-                   help="the decode and prefill sections' engine: --quantization (fp8: W8A8 prompts, skinny FP8 decode)")
+                   help="the decode and prefill sections' engine (fp8: W8A8 prompts, FP8 skinny decode)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = p.parse_args()
     path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")

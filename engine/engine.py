@@ -235,7 +235,8 @@ class Engine:
         rt, mc = self.runtime, self.model_config
         graphs = rt.dispatch.graphs
         return api.EngineInfo(
-            model_id=self.config.served_model_name or rt.model_path.name, architecture=mc.architecture, dtype=str(rt.dtype).removeprefix("torch."),
+            model_id=self.config.served_model_name or rt.model_path.name, architecture=mc.architecture,
+            dtype=str(rt.dtype).removeprefix("torch."),
             device=str(rt.device), vocab_size=mc.vocab_size, eos_token_ids=sorted(rt.eos_token_ids),
             max_seq_len=rt.max_seq_len, block_size=rt.block_size, total_blocks=self.blocks.num_usable_blocks,
             free_blocks=self.blocks.num_free_blocks, max_slots=self.config.max_slots,

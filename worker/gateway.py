@@ -172,8 +172,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 return result
 
             # Each choice waits for room as vLLM's queued requests do. The started ones decode on meanwhile (their
-            # tokens queue until all have started and the call reads them) and free their slots as they end, so
-            # a choice that waits for one of them never waits for good, even with n over the slots.
+            # tokens queue until all have started and the call reads them) and free their slots and blocks as they
+            # end, so a choice that waits for them does not wait for good.
             start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started,
                                                                     reserve=spec.max_total_tokens))
             try:

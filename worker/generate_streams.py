@@ -5,12 +5,12 @@ A stream is allocated and prefilled with the others that start while its prefill
 (one engine call, as a router batches the prompts it admits together), then joins the next decode step; up to
 config.max_steps_in_flight steps are launched at once. A stream whose caller, once reading, is behind
 (MAX_UNSENT_TOKENS of its tokens untaken) sits out the steps for a while (MAX_HOLD_S), so the event loop's time goes
-to sending tokens rather than to ever smaller steps of the streams that are ahead. A structured-output stream (a constraint: its grammar's
-state, worker/structured_output.py) has one step in flight at most: the runner advances its grammar by each token
-and sets the next token's mask before the step that samples it. The streams' token metrics (time to first token,
-inter-token gaps, tokens) are recorded here, one record per step for all of them as for a Decode, not by each call's
-handler per token: on the event loop that also launches the steps, a record per token of every stream costs as much
-as the rest of the handler's work for that token. Event-loop only, like the runner."""
+to sending tokens rather than to ever smaller steps of the streams that are ahead. A structured-output stream (a
+constraint: its grammar's state, worker/structured_output.py) has one step in flight at most: the runner advances its
+grammar by each token and sets the next token's mask before the step that samples it. The streams' token metrics
+(time to first token, inter-token gaps, tokens) are recorded here, one record per step for all of them as for a
+Decode, not by each call's handler per token: on the event loop that also launches the steps, a record per token of
+every stream costs as much as the rest of the handler's work for that token. Event-loop only, like the runner."""
 from __future__ import annotations
 
 import asyncio
