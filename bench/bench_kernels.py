@@ -199,6 +199,44 @@ def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
     return rows
 
 
+
+W8A8_SHAPES = (("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336))
+
+
+def w8a8_rows(lib, dev, dt, tokens=(64, 512, 4096)) -> list[tuple]:
+    """W8A8 at prompt sizes, the 8B projections (issue 43: prefill 8 x 512 at >= 1.4x bf16): the activations'
+    per-row E4M3 quantization by the kernel (fp8_quant.quantize_rows) and by torch (quantize_activations), the
+    FP8 GEMM (torch._scaled_mm, row-wise scales), the whole W8A8 projection (CudaOps' fp8_scaled_mm), and bf16's
+    F.linear on the same shape. us a call; TFLOP/s of the GEMMs; GB/s of the quantization (2 bytes read and 1
+    written per element)."""
+    from engine.cuda.fp8_linear import fp8_scaled_mm
+    from engine.cuda.wrappers import fp8_quant
+    from engine.quant import quantize_activations
+    rows = []
+    for label, N, K in W8A8_SHAPES:
+        w16 = torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5
+        w8 = quantize_fp8(w16)
+        for M in tokens:
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            xq, a_scale = fp8_quant.quantize_rows(lib, x)
+            flop = 2 * M * N * K
+            cases = {
+                "quantize x: kernel": (lambda: fp8_quant.quantize_rows(lib, x), 3 * M * K, "GB/s"),
+                "quantize x: torch": (lambda: quantize_activations(x), 3 * M * K, "GB/s"),
+                "FP8 GEMM (_scaled_mm)": (lambda: torch._scaled_mm(xq, w8.data.t(), scale_a=a_scale,
+                                                                   scale_b=w8.row_scale[None, :],
+                                                                   out_dtype=torch.bfloat16), flop, "TFLOP/s"),
+                "W8A8 projection": (lambda: fp8_scaled_mm(lib, x, w8), flop, "TFLOP/s"),
+                "bf16 F.linear": (lambda: torch.nn.functional.linear(x, w16), flop, "TFLOP/s"),
+            }
+            for name, (fn, work, unit) in cases.items():
+                d_us = device_us(fn)
+                rate = work / d_us / (1e3 if unit == "GB/s" else 1e6)
+                rows.append((M, f"{name} {label}", d_us, 0.0, f"{rate:8.1f} {unit}"))
+        del w16, w8
+        torch.cuda.empty_cache()
+    return rows
+
 def norm_layout_rows(lib, dev, dt) -> list[tuple]:
     """rms_norm at prompt-sized inputs under several (threads per row, rows per block) layouts: the
     shipped one (engine/cuda/wrappers/rms_norm.py, norm_layout) first."""
@@ -388,7 +426,8 @@ def main() -> int:
     --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
     attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
     them; --shapes 8x8192,1x32768: only those batch x context points), --topk (only the
-    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
+    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20), --w8a8
+    (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
@@ -430,6 +469,10 @@ def main() -> int:
                 k_us = device_us(lambda i=ids, lp=lps, c=cand: sample_kernels.topk(ops.lib, i, lp, c, parts, logits))
                 print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
                 print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
+        return 0
+    if "--w8a8" in sys.argv:
+        for batch, name, d_us, _, extra in w8a8_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):

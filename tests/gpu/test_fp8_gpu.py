@@ -79,6 +79,36 @@ def test_w8a8_rows_are_within_activation_quantization_of_the_reference(ops, gen,
     assert diff.norm() / same.float().norm() < 2 ** -8
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, k", [(1, 8), (9, 576), (64, 1536), (300, 4096), (4096, 14336)])
+def test_quantize_rows_kernel_is_quantize_activations_byte_for_byte(lib, gen, dtype, m, k):
+    """kernels_cu/fp8_quant.cu against engine.quant.quantize_activations: the same scales and the same E4M3 bytes,
+    on rows that test the rounding: a zero row, a row of one huge outlier over tiny values (subnormal and flushed
+    E4M3 codes), a row whose values sit on E4M3 ties, and random rows."""
+    from engine.cuda.wrappers import fp8_quant
+
+    x = randn(m, k, dtype=dtype)
+    if m >= 9:
+        x[1] = 0
+        x[2] = randn(k, dtype=dtype, scale=1e-3)
+        x[2, k // 2] = 300.0
+        ties = torch.tensor([1.0, 1.0625, 1.1875, 448.0, -1.0625, 0.5 + 2 ** -5, 3.0, 13.0], device=dev())
+        x[3] = ties.repeat(k // 8).to(dtype)  # amax 448: scale 1, the values exactly halfway between E4M3 steps
+    got, got_scale = fp8_quant.quantize_rows(lib, x)
+    want, want_scale = quantize_activations(x)
+    assert got.dtype == FP8_DTYPE and got.shape == (m, k) and got_scale.shape == (m, 1)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_w8a8_quantizes_with_the_kernel(ops, gen, monkeypatch):
+    """CudaOps' W8A8 projection quantizes its activations with the kernel, not torch's four passes."""
+    from engine.cuda import fp8_linear
+
+    monkeypatch.setattr(fp8_linear, "quantize_activations", lambda x: pytest.fail("torch quantization ran"))
+    x, w = randn(64, 576, dtype=torch.bfloat16), weight(1536, 576)
+    assert ops.linear(x, w).shape == (64, 1536)
+
 def test_fp8_linear_captures_in_a_cuda_graph(ops, gen):
     """Both FP8 paths run with no host sync: captured once, a replay on new inputs equals an eager call."""
     w = weight(1536, 576)
