@@ -206,7 +206,8 @@ W8A8_SHAPES = (("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 2867
 def w8a8_rows(lib, dev, dt, tokens=(64, 512, 4096)) -> list[tuple]:
     """W8A8 at prompt sizes, the 8B projections (issue 43: prefill 8 x 512 at >= 1.4x bf16): the activations'
     per-row E4M3 quantization by the kernel (fp8_quant.quantize_rows) and by torch (quantize_activations), the
-    FP8 GEMM (torch._scaled_mm, row-wise scales), the whole W8A8 projection (CudaOps' fp8_scaled_mm), and bf16's
+    FP8 GEMM (torch._scaled_mm, row-wise scales; and with use_fast_accum, which skips the promotions of the FP8
+    MMA's partial sums to fp32 that the shipped call keeps), the whole W8A8 projection (CudaOps' fp8_scaled_mm), and bf16's
     F.linear on the same shape. us a call; TFLOP/s of the GEMMs; GB/s of the quantization (2 bytes read and 1
     written per element)."""
     from engine.cuda.fp8_linear import fp8_scaled_mm
@@ -226,6 +227,10 @@ def w8a8_rows(lib, dev, dt, tokens=(64, 512, 4096)) -> list[tuple]:
                 "FP8 GEMM (_scaled_mm)": (lambda: torch._scaled_mm(xq, w8.data.t(), scale_a=a_scale,
                                                                    scale_b=w8.row_scale[None, :],
                                                                    out_dtype=torch.bfloat16), flop, "TFLOP/s"),
+                "FP8 GEMM, use_fast_accum": (lambda: torch._scaled_mm(xq, w8.data.t(), scale_a=a_scale,
+                                                                      scale_b=w8.row_scale[None, :],
+                                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
+                                             flop, "TFLOP/s"),
                 "W8A8 projection": (lambda: fp8_scaled_mm(lib, x, w8), flop, "TFLOP/s"),
                 "bf16 F.linear": (lambda: torch.nn.functional.linear(x, w16), flop, "TFLOP/s"),
             }
