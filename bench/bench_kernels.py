@@ -112,7 +112,11 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
     x = torch.randn(M, K, device=dev, dtype=dt)
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
-    torch_case = ("torch W8A16", w8a16_fallback) if isinstance(weights[0], Fp8Weight) else ("F.linear", F.linear)
+    fp8 = isinstance(weights[0], Fp8Weight)
+    torch_case = ("torch W8A16", w8a16_fallback) if fp8 else ("F.linear", F.linear)
+    if fp8 and M > 8:  # what CudaOps runs above 8 rows: W8A8 (the activations quantized, torch._scaled_mm)
+        from engine.cuda.fp8_linear import fp8_scaled_mm
+        torch_case = ("W8A8 (CudaOps above 8 rows)", lambda x, w: fp8_scaled_mm(lib, x, w))
     kvfp8 = None
     cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
@@ -175,10 +179,12 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
     return rows
 
 
-def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
-    """The 8B shapes at up to 8 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels and the
-    torch W8A16 fallback) beside the bf16 kernels on bf16 weights (rows "bf16 ..."). GB/s: the weight's bytes
-    (1 per element for FP8, 2 for bf16) over the device time; the floor is those bytes at HBM bandwidth."""
+def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8, 16, 32)) -> list[tuple]:
+    """The 8B shapes at 1 to 32 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels, and the
+    torch W8A16 fallback up to 8 tokens or CudaOps' W8A8 above) beside the bf16 kernels on bf16 weights (rows
+    "bf16 ..."). GB/s: the weight's bytes (1 per element for FP8, 2 for bf16) over the device time; the floor is
+    those bytes at HBM bandwidth. At 16 and 32 tokens the rows say whether the _fp8_m16 / _m32 entries should
+    take FP8 decode batches of 9-32 rows from W8A8 (8B b32 with FP8 weights measured 7.66 ms, bf16 4.84)."""
     rows = []
     for label, N, K, ep in SKINNY_SHAPES:
         if not label.startswith("8B"):
@@ -189,7 +195,7 @@ def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
             weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
             if kind == "fp8":
                 weights = [quantize_fp8(w) for w in weights]
-            for M in (m for m in tokens if m <= 8):
+            for M in tokens:
                 for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                     d_us = device_us(fn)
                     rows.append((M, f"{kind} {name} {label}", d_us, host_us(fn),

@@ -244,13 +244,13 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head, 
 
 
 # ---------------------------------------------------------------------------------------------
-# The skinny FP8-weight kernels (kernels_cu/skinny_linear.cu, entries skinny_<ep>_<dt>_fp8_m8[_w16]) through
+# The skinny FP8-weight kernels (kernels_cu/skinny_linear.cu, entries skinny_<ep>_<dt>_fp8_m<MB>[_w16]) through
 # their wrappers (engine/cuda/wrappers/skinny_linear.py), against the TorchOps reference: engine.quant.fp8_linear
 # (fp32 accumulation of x * data, then * scale, then the epilogue) and the torch forms of the fused ops. Outputs
 # are NaN-filled first, so an unwritten element fails. Without the NORM prologue the kernel's arithmetic is the
 # reference's up to the order of the fp32 sums; with it, up to the norm's roundings (as the bf16 kernels).
 
-SKINNY_TOKENS = [1, 3, 8]
+SKINNY_TOKENS = [1, 3, 8, 13, 32]  # 13 / 32: the _m16 / _m32 entries (timed against W8A8 there)
 EPS = 1e-5
 TORCH = TorchOps()
 # [N, K] of Llama-3.2-1B (qkv, o, gate_up, down) and Llama-3.1-8B (the same), then small and odd ones: K = 2144 is
