@@ -1,10 +1,10 @@
 // Op: per-row dynamic E4M3 quantization of activations, the A side of W8A8. Reference: engine.quant.quantize_activations.
 //
-//   amax[m] = max_k |x[m, k]| (fp32, exact);  scale[m] = max(amax[m], 1e-12) / 448  (fp32, round to nearest)
+//   amax[m] = max_k |x[m, k]| (fp32, exact);  scale[m] = max(amax[m], 1e-12) * fp32(1 / 448)  (one fp32 rounding)
 //   out[m, k] = E4M3(x[m, k] / scale[m])  (the quotient in fp32 rounded to nearest, then to nearest-even E4M3)
 // Each |x / scale| <= 448 (up to the quotient's rounding, which E4M3's nearest-even rounding takes back to 448),
-// so the cast needs no saturation; cvt.rn.satfinite (fp8x2_from_floats) gives the reference's bytes. Both
-// divisions are IEEE (__fdiv_rn; the module is built without --use_fast_math): the bytes equal the reference's.
+// so the cast needs no saturation; cvt.rn.satfinite (fp8x2_from_floats) gives the reference's bytes. The
+// division is IEEE (__fdiv_rn; the module is built without --use_fast_math): the bytes equal the reference's.
 // In torch the same takes four passes and an fp32 copy of x (13 bytes of traffic per element); here one
 // read of x for the maximum, one more (mostly from L2) for the conversion, and one byte written.
 //
@@ -37,7 +37,7 @@ __device__ __forceinline__ void quantize_rows_fp8_impl(unsigned char* __restrict
   amax = warp_amax[0];
 #pragma unroll
   for (int w = 1; w < QR_THREADS / 32; ++w) amax = fmaxf(amax, warp_amax[w]);
-  const float s = __fdiv_rn(fmaxf(amax, 1e-12f), E4M3_MAX);
+  const float s = fmaxf(amax, 1e-12f) * (1.0f / E4M3_MAX);  // the reciprocal folds to fp32(1 / 448) at compile time
   if (threadIdx.x == 0) scale[m] = s;
   uint2* orow = reinterpret_cast<uint2*>(out + (i64)m * K);
   for (int j = threadIdx.x; j < n8; j += QR_THREADS) {
