@@ -112,7 +112,11 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
     x = torch.randn(M, K, device=dev, dtype=dt)
     nw = torch.ones(K, device=dev, dtype=dt)
     out = torch.empty(M, N, device=dev, dtype=dt)
-    torch_case = ("torch W8A16", w8a16_fallback) if isinstance(weights[0], Fp8Weight) else ("F.linear", F.linear)
+    fp8 = isinstance(weights[0], Fp8Weight)
+    torch_case = ("torch W8A16", w8a16_fallback) if fp8 else ("F.linear", F.linear)
+    if fp8 and M > 8:  # what CudaOps runs above 8 rows: W8A8 (the activations quantized, torch._scaled_mm)
+        from engine.cuda.fp8_linear import fp8_scaled_mm
+        torch_case = ("W8A8 (CudaOps above 8 rows)", lambda x, w: fp8_scaled_mm(lib, x, w))
     kvfp8 = None
     cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
@@ -175,10 +179,12 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
     return rows
 
 
-def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
-    """The 8B shapes at up to 8 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels and the
-    torch W8A16 fallback) beside the bf16 kernels on bf16 weights (rows "bf16 ..."). GB/s: the weight's bytes
-    (1 per element for FP8, 2 for bf16) over the device time; the floor is those bytes at HBM bandwidth."""
+def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8, 16, 32)) -> list[tuple]:
+    """The 8B shapes at 1 to 32 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels, and the
+    torch W8A16 fallback up to 8 tokens or CudaOps' W8A8 above) beside the bf16 kernels on bf16 weights (rows
+    "bf16 ..."). GB/s: the weight's bytes (1 per element for FP8, 2 for bf16) over the device time; the floor is
+    those bytes at HBM bandwidth. At 16 and 32 tokens the rows say whether the _fp8_m16 / _m32 entries should
+    take FP8 decode batches of 9-32 rows from W8A8 (8B b32 with FP8 weights measured 7.66 ms, bf16 4.84)."""
     rows = []
     for label, N, K, ep in SKINNY_SHAPES:
         if not label.startswith("8B"):
@@ -189,7 +195,7 @@ def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
             weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
             if kind == "fp8":
                 weights = [quantize_fp8(w) for w in weights]
-            for M in (m for m in tokens if m <= 8):
+            for M in tokens:
                 for name, fn in skinny_cases(lib, dev, dt, ep, M, N, K, weights).items():
                     d_us = device_us(fn)
                     rows.append((M, f"{kind} {name} {label}", d_us, host_us(fn),
@@ -198,6 +204,49 @@ def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
             torch.cuda.empty_cache()
     return rows
 
+
+
+W8A8_SHAPES = (("8B qkv", 6144, 4096), ("8B o", 4096, 4096), ("8B gate_up", 28672, 4096), ("8B down", 4096, 14336))
+
+
+def w8a8_rows(lib, dev, dt, tokens=(64, 512, 4096)) -> list[tuple]:
+    """W8A8 at prompt sizes, the 8B projections (issue 43: prefill 8 x 512 at >= 1.4x bf16): the activations'
+    per-row E4M3 quantization by the kernel (fp8_quant.quantize_rows) and by torch (quantize_activations), the
+    FP8 GEMM (torch._scaled_mm, row-wise scales; and with use_fast_accum, which skips the promotions of the FP8
+    MMA's partial sums to fp32 that the shipped call keeps), the whole W8A8 projection (CudaOps' fp8_scaled_mm), and bf16's
+    F.linear on the same shape. us a call; TFLOP/s of the GEMMs; GB/s of the quantization (2 bytes read and 1
+    written per element)."""
+    from engine.cuda.fp8_linear import fp8_scaled_mm
+    from engine.cuda.wrappers import fp8_quant
+    from engine.quant import quantize_activations
+    rows = []
+    for label, N, K in W8A8_SHAPES:
+        w16 = torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5
+        w8 = quantize_fp8(w16)
+        for M in tokens:
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            xq, a_scale = fp8_quant.quantize_rows(lib, x)
+            flop = 2 * M * N * K
+            cases = {
+                "quantize x: kernel": (lambda: fp8_quant.quantize_rows(lib, x), 3 * M * K, "GB/s"),
+                "quantize x: torch": (lambda: quantize_activations(x), 3 * M * K, "GB/s"),
+                "FP8 GEMM (_scaled_mm)": (lambda: torch._scaled_mm(xq, w8.data.t(), scale_a=a_scale,
+                                                                   scale_b=w8.row_scale[None, :],
+                                                                   out_dtype=torch.bfloat16), flop, "TFLOP/s"),
+                "FP8 GEMM, use_fast_accum": (lambda: torch._scaled_mm(xq, w8.data.t(), scale_a=a_scale,
+                                                                      scale_b=w8.row_scale[None, :],
+                                                                      out_dtype=torch.bfloat16, use_fast_accum=True),
+                                             flop, "TFLOP/s"),
+                "W8A8 projection": (lambda: fp8_scaled_mm(lib, x, w8), flop, "TFLOP/s"),
+                "bf16 F.linear": (lambda: torch.nn.functional.linear(x, w16), flop, "TFLOP/s"),
+            }
+            for name, (fn, work, unit) in cases.items():
+                d_us = device_us(fn)
+                rate = work / d_us / (1e3 if unit == "GB/s" else 1e6)
+                rows.append((M, f"{name} {label}", d_us, 0.0, f"{rate:8.1f} {unit}"))
+        del w16, w8
+        torch.cuda.empty_cache()
+    return rows
 
 def norm_layout_rows(lib, dev, dt) -> list[tuple]:
     """rms_norm at prompt-sized inputs under several (threads per row, rows per block) layouts: the
@@ -388,7 +437,8 @@ def main() -> int:
     --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
     attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
     them; --shapes 8x8192,1x32768: only those batch x context points), --topk (only the
-    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20);
+    top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20), --w8a8
+    (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
@@ -430,6 +480,10 @@ def main() -> int:
                 k_us = device_us(lambda i=ids, lp=lps, c=cand: sample_kernels.topk(ops.lib, i, lp, c, parts, logits))
                 print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
                 print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
+        return 0
+    if "--w8a8" in sys.argv:
+        for batch, name, d_us, _, extra in w8a8_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--norm" in sys.argv:
         for batch, name, d_us, _, extra in norm_layout_rows(ops.lib, dev, dt):

@@ -55,7 +55,9 @@
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   fp8prof    profile_step.py 8B --only prefill, bf16 then --quantization fp8: where the 8 x 512 prefill's time goes
 #              (issue 43 asks W8A8 for 1.4x bf16; the last run measured 0.92x); then FP8 decode b1 / b32 (b32, W8A8,
-#              measured 7.66 ms against bf16's 4.84)
+#              measured 7.66 ms against bf16's 4.84); then bench_kernels --w8a8: the activation quantization kernel
+#              beside torch's, the FP8 GEMM and bf16 at the 8B projections, 64 / 512 / 4096 rows; then the FP8 skinny
+#              kernels at 1 / 8 / 16 / 32 tokens beside W8A8 (whether the _m16 / _m32 entries should take 9-32 rows)
 #   prefixprof profile_step.py --only prefix, 1B then 8B: the TTFT of a 4096-token prompt with 3968 cached taken
 #              apart (host parts, cProfile, kernel table, the GPU's idle gaps)
 #   prefixttft engine_bench --prefix-ttft 4096 3968, 1B then 8B: issue 40's cached-prefix TTFT against uncached
@@ -186,7 +188,9 @@ for what in "$@"; do
     fp8prof)    for q in none fp8; do  # where the 8B 8 x 512 prefill's time goes, bf16 beside W8A8 (issue 43's 1.4x)
                   TAIL=${TAIL:-70} stage "profile-prefill-8b-$q" 200 python3 bench/profile_step.py --shape 8b --only prefill --quantization "$q"
                 done
-                TAIL=${TAIL:-90} stage profile-decode-8b-fp8 200 python3 bench/profile_step.py --shape 8b --only decode --quantization fp8 ;;
+                TAIL=${TAIL:-90} stage profile-decode-8b-fp8 200 python3 bench/profile_step.py --shape 8b --only decode --quantization fp8
+                TAIL=${TAIL:-70} stage bench-w8a8 200 python3 bench/bench_kernels.py --w8a8
+                TAIL=${TAIL:-90} stage bench-fp8-skinny 240 python3 bench/bench_kernels.py --skinny --fp8 --tokens 1,8,16,32 ;;
     prefixprof) TAIL=${TAIL:-90} stage profile-prefix-1b 240 python3 bench/profile_step.py --shape 1b --only prefix
                 TAIL=${TAIL:-90} stage profile-prefix-8b 300 python3 bench/profile_step.py --shape 8b --only prefix ;;
     prefixttft) for shape in 1b 8b; do

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 
 from engine import sampling  # noqa: E402
 from engine.cuda.ops import CudaOps  # noqa: E402
-from engine.cuda.wrappers import decode_step  # noqa: E402
+from engine.cuda.wrappers import decode_step, fp8_quant  # noqa: E402
 from engine.models.llama import LayerWeights  # noqa: E402
 from engine.ops.torch_ops import AttentionMeta, AttentionSpec, LayerKV  # noqa: E402
 from engine.quant import FP8_DTYPE, quantize_fp8  # noqa: E402
@@ -106,6 +106,7 @@ def main() -> int:
                                  True, [], [])
             ops.qkv_attention(hr, layer, meta, LayerKV(kc1, kc1.clone()))
         ops.silu_and_mul(torch.randn(B, 2 * inter, device=dev).to(dt))
+        fp8_quant.quantize_rows(ops.lib, torch.randn(B + 5, 8 * 37, device=dev).to(dt))  # W8A8's activations
         qkv = torch.randn(B, (H + 2 * Hkv) * D, device=dev).to(dt)
         q, k, v = (qkv[:, :H * D].view(B, H, D), qkv[:, H * D:(H + Hkv) * D].view(B, Hkv, D),
                    qkv[:, (H + Hkv) * D:].view(B, Hkv, D))

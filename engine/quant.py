@@ -290,7 +290,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     the division (in fp32) and the cast; x / scale never exceeds 448 in magnitude, so the cast needs no clamp. A zero
     row gets a tiny scale and zeros."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True, dtype=torch.float32)
-    scale = amax.clamp_min(1e-12) / FP8_MAX
+    # times fp32(1 / 448), not / 448: torch's CUDA division by a scalar multiplies by its reciprocal and the CPU's
+    # divides, so this is the one form both devices (and kernels_cu/fp8_quant.cu) compute alike
+    scale = amax.clamp_min(1e-12) * (1.0 / FP8_MAX)
     return (x / scale).to(FP8_DTYPE), scale
 
 

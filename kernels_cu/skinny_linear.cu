@@ -7,7 +7,7 @@
 //     inv_rms[m]: RMSNorm applied after the dot product instead of before (the same value in exact
 //     arithmetic; roundings differ from transformers' LlamaRMSNorm within bf16 resolution).
 //   value[m, r] = acc[m, r] (* inv_rms[m]) + bias[r]   (bias optional; fp32)
-//   E4M3 weights (entries …_fp8_m8, per-output-channel scales): W holds E4M3 bytes, converted exactly to T in
+//   E4M3 weights (entries …_fp8_m<MB>, per-output-channel scales): W holds E4M3 bytes, converted exactly to T in
 //     registers (common.cuh's E4M3 read: fp8x4_to_pairs), so acc[m, r] = sum_k x'[m, k] * data[r, k] in fp32 on
 //     the same tensor cores, and the epilogue first multiplies it by w_scale[r]:
 //     value[m, r] = (acc[m, r] * w_scale[r]) (* inv_rms[m]) + bias[r].
@@ -84,7 +84,7 @@
 //     (element offset slot * Hkv * D + kh * D + i; rope_kvfp8: E4M3 bytes); slot_mapping [M] int64.
 //   residual: residual [M, N] T (in/out).
 // Launch contract (skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_m{8,16,32}[_w16] and
-// skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_fp8_m8[_w16], `w_scale` right after `w`):
+// skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_fp8_m{8,16,32}[_w16], `w_scale` right after `w`):
 //   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
 //   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned (E4M3 W: 8-byte); out / residual must
@@ -557,7 +557,7 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 // ---------------------------------------------------------------------------------------------
 // Entry points: skinny_<ep>_<dt>_m<MB> (8 warps, two blocks per SM) and ..._w16 (16 warps, one block
 // per SM: twice the weight loads in flight per SM where the grid has no more tiles than SMs); E4M3 weights:
-// skinny_<ep>_<dt>_fp8_m8[_w16], the same with `w` E4M3 bytes and `w_scale` [N] fp32 right after it. Every
+// skinny_<ep>_<dt>_fp8_m<MB>[_w16], the same with `w` E4M3 bytes and `w_scale` [N] fp32 right after it. Every
 // epilogue exists for both weight storages, rope_kvfp8 (an E4M3 KV cache) included.
 // SK_<W>_PARAMS / SK_<W>_SET: the weight's parameters and how they enter SkinnyArgs.
 #define SK_W16_PARAMS const u16* w
@@ -625,7 +625,12 @@ SKINNY_ENTRIES(bf16, Bf16, W16, 32, 4)
 SKINNY_ENTRIES(fp16, Fp16, W16, 8, 1)
 SKINNY_ENTRIES(fp16, Fp16, W16, 16, 2)
 SKINNY_ENTRIES(fp16, Fp16, W16, 32, 4)
-// E4M3 weights: decode batches of up to 8 tokens only (CudaOps.SKINNY_TOKENS; more rows go to W8A8 GEMMs).
+// E4M3 weights: CudaOps routes decode batches of up to 8 tokens here (CudaOps.SKINNY_TOKENS; more rows go to W8A8
+// GEMMs); the m16 / m32 entries are there to be timed against W8A8 at those rows (bench_kernels --skinny --fp8).
 SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 8, 1)
+SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 16, 2)
+SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 32, 4)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 8, 1)
+SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 16, 2)
+SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 32, 4)
 

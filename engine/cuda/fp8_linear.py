@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.cuda.library import KernelLibrary
-from engine.cuda.wrappers import skinny_linear
+from engine.cuda.wrappers import fp8_quant, skinny_linear
 from engine.quant import Fp8Weight, finish_linear, fp8_linear, quantize_activations, takes_w8a8
 
 
@@ -36,16 +36,17 @@ def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias:
         skinny_linear.store(lib, y, x, weight, bias)
         return finish_linear(y, None, add_to, out)
     if takes_w8a8(x, weight, out):
-        return finish_linear(fp8_scaled_mm(x, weight), bias, add_to, out)
+        return finish_linear(fp8_scaled_mm(lib, x, weight), bias, add_to, out)
     acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
     return finish_linear(acc * weight.row_scale, bias, add_to, out)
 
 
-def fp8_scaled_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448, 1 for a
-    zero row) to E4M3, then one FP8 GEMM with both scales applied to the fp32 accumulators:
-    [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
-    x_fp8, a_scale = quantize_activations(x)
+def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) / 448) to E4M3
+    by one kernel (kernels_cu/fp8_quant.cu; torch's quantize_activations where it does not take x), then one FP8
+    GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
+    x = x.contiguous()
+    x_fp8, a_scale = fp8_quant.quantize_rows(lib, x) if fp8_quant.takes(x) else quantize_activations(x)
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
     return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
                             out_dtype=torch.bfloat16)

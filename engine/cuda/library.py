@@ -61,10 +61,11 @@ MODULES: dict[str, list[KernelSpec]] = {
     + [KernelSpec(f"prefill_attention_merge_{dt}_d{d}", "pppp" + "iii")
        for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS],
     "silu_and_mul": _per_dtype("silu_and_mul_{dt}", "ppi"),
+    "fp8_quant": _per_dtype("quantize_rows_fp8_{dt}", "pppi"),
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
-    + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m8{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
-       for dt in ("bf16", "fp16") for w in ("", "_w16")],
+    + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m{m}{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
+       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],

@@ -484,9 +484,10 @@ def test_score_refuses_bad_input_and_changes_nothing(tiny_model):
 
 
 def test_activation_quantization_is_the_former_formula_in_three_passes():
-    """quantize_activations (W8A8's dynamic per-token scales): the same bits as x.float() / (amax / 448), clamped
-    and cast, for bf16, fp16 and fp32 rows of every magnitude; a zero row gives zeros (and a scale that makes
-    them zeros again); nothing reaches NaN."""
+    """quantize_activations (W8A8's dynamic per-token scales): the same bits as x.float() / (amax * fp32(1 / 448)),
+    clamped and cast, for bf16, fp16 and fp32 rows of every magnitude (the reciprocal's product, not amax / 448:
+    the one form torch's CPU and CUDA ops and kernels_cu/fp8_quant.cu compute alike); a zero row gives zeros (and
+    a scale that makes them zeros again); nothing reaches NaN."""
     from engine.quant import FP8_DTYPE, FP8_MAX, quantize_activations
 
     g = torch.Generator().manual_seed(3)
@@ -499,7 +500,7 @@ def test_activation_quantization_is_the_former_formula_in_three_passes():
         assert data.dtype == FP8_DTYPE and scale.shape == (64, 1) and scale.dtype == torch.float32
         xf = x.float()
         amax = xf.abs().amax(dim=1, keepdim=True)
-        want_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        want_scale = torch.where(amax > 0, amax * torch.tensor(1 / FP8_MAX, dtype=torch.float32), torch.ones_like(amax))
         want = (xf / want_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         nonzero = amax[:, 0] > 0
         assert torch.equal(data.view(torch.uint8)[nonzero], want.view(torch.uint8)[nonzero]), dtype

@@ -26,7 +26,7 @@ SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-til
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
 SKINNY_K_ALIGN = 32  # K elements per warp step
-FP8_MAX_M = 8  # the E4M3-weight kernels exist for the _m8 bucket only
+FP8_MAX_M = SKINNY_MAX_M  # the E4M3-weight kernels exist for every bucket (CudaOps sends them at most 8 tokens)
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
     "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
@@ -36,7 +36,7 @@ SKINNY_EPILOGUE_ARGS = {
                                           # slot_mapping, M, H, Hkv, D, K, eps
     "rope_kvfp8": "p" * 10 + "iiiii" + "f",  # the same into E4M3 caches (--kv-cache-dtype fp8)
 }
-# The E4M3-weight entries (skinny_<ep>_<dt>_fp8_m8[_w16]): the same with the weight's scale [N] fp32 after w.
+# The E4M3-weight entries (skinny_<ep>_<dt>_fp8_m<bucket>[_w16]): the same with the weight's scale [N] fp32 after w.
 SKINNY_FP8_EPILOGUE_ARGS = {ep: args[:3] + "p" + args[3:] for ep, args in SKINNY_EPILOGUE_ARGS.items()}
 
 
