@@ -23,7 +23,7 @@ def takes(x: torch.Tensor) -> bool:
 
 def quantize_rows(lib: KernelLibrary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (contiguous, K % 8 == 0) -> (E4M3 [M, K], fp32 scales [M, 1]) with x ~ data * scale, each row
-    scaled by its amax / 448: engine.quant.quantize_activations' result, byte for byte."""
+    scaled by its amax * fp32(1 / 448): engine.quant.quantize_activations' result, byte for byte."""
     sfx = dtype_suffix(x.dtype, "quantize_rows x")
     xp = tensor_arg(x, "quantize_rows x", x.dtype, 2)
     M, K = x.shape
