@@ -42,9 +42,9 @@ def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias:
 
 
 def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) * fp32(1 / 448)) to E4M3
-    by one kernel (kernels_cu/fp8_quant.cu; torch's quantize_activations where it does not take x), then one FP8
-    GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
+    """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) * fp32(1 / 448))
+    to E4M3 by one kernel (kernels_cu/fp8_quant.cu; torch's quantize_activations where it does not take x), then one
+    FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
     x = x.contiguous()
     x_fp8, a_scale = fp8_quant.quantize_rows(lib, x) if fp8_quant.takes(x) else quantize_activations(x)
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
