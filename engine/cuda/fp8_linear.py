@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import env
 from engine.cuda.library import KernelLibrary
 from engine.cuda.wrappers import fp8_quant, skinny_linear
 from engine.quant import Fp8Weight, finish_linear, fp8_linear, quantize_activations, takes_w8a8
@@ -44,9 +45,22 @@ def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias:
 def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) * fp32(1 / 448))
     to E4M3 by one kernel (kernels_cu/fp8_quant.cu; torch's quantize_activations where it does not take x), then one
-    FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
+    FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T.
+    The GEMM: the skinny W8A8 kernel for at most METRALE_W8A8_SKINNY_ROWS (32) rows (skinny_linear.store_w8a8:
+    the weight read once, as decode batches want), else torch._scaled_mm."""
     x = x.contiguous()
     x_fp8, a_scale = fp8_quant.quantize_rows(lib, x) if fp8_quant.takes(x) else quantize_activations(x)
+    if 0 < x.shape[0] <= min(env.W8A8_SKINNY_ROWS, skinny_linear.SKINNY_MAX_M) and takes_skinny_w8a8(weight):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16, device=x.device)
+        skinny_linear.store_w8a8(lib, out, x_fp8, a_scale, weight)
+        return out
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
     return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
                             out_dtype=torch.bfloat16)
+
+
+def takes_skinny_w8a8(weight: Fp8Weight) -> bool:
+    """Whether skinny_linear.store_w8a8 takes the weight (its K and N tile; per-channel scales, contiguous E4M3)."""
+    n, k = weight.shape
+    return (weight.per_channel and weight.data.is_contiguous() and k % skinny_linear.SKINNY_K_ALIGN == 0
+            and n % skinny_linear.SKINNY_TILE == 0)

@@ -38,6 +38,8 @@ SKINNY_EPILOGUE_ARGS = {
 }
 # The E4M3-weight entries (skinny_<ep>_<dt>_fp8_m<bucket>[_w16]): the same with the weight's scale [N] fp32 after w.
 SKINNY_FP8_EPILOGUE_ARGS = {ep: args[:3] + "p" + args[3:] for ep, args in SKINNY_EPILOGUE_ARGS.items()}
+# W8A8 (skinny_store_bf16_w8a8_m<bucket>[_w16], sm_89+): out, x (E4M3), x_scale, w (E4M3), w_scale, bias, M, N, K.
+SKINNY_W8A8_ARGS = "pppppp" + "iii"
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -185,3 +187,34 @@ def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: We
         return
     ep = "rope_kvfp8" if kv_suffix(k_cache) else "rope_kv"
     _launch(lib, ep, sfx, M, N, qo, xp, *wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
+
+
+def store_w8a8(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor, weight: Fp8Weight,
+               bias: torch.Tensor | None = None) -> None:
+    """W8A8 on the FP8 tensor cores for at most SKINNY_MAX_M rows: out [M, N] bf16 = bf16((acc * x_scale[m]) *
+    w_scale[r] (+ bias[r])) with acc = x @ weight.data^T in fp32, x [M, K] E4M3 with its per-row x_scale [M, 1] fp32
+    (fp8_quant.quantize_rows) and a per-channel Fp8Weight (engine.quant.w8a8_linear's arithmetic up to the order
+    of the fp32 sums; fp8_scaled_mm's contract). Needs an FP8 GPU (compute capability 8.9+)."""
+    what = "skinny_store_w8a8"
+    xp = tensor_arg(x, f"{what} x", FP8_DTYPE, 2)
+    M, K = x.shape
+    if not isinstance(weight, Fp8Weight) or not weight.per_channel:
+        raise KernelArgError(f"{what}: the weight must be a per-channel Fp8Weight")
+    wp = tensor_arg(weight.data, f"{what} weight", FP8_DTYPE, 2)
+    sp = tensor_arg(weight.scale, f"{what} weight scale", torch.float32, 2, align=False)
+    xs = tensor_arg(x_scale, f"{what} x_scale", torch.float32, 2, align=False)
+    expect_shape(x_scale, f"{what} x_scale", (M, 1))
+    N = weight.shape[0]
+    if weight.shape[1] != K:
+        raise KernelArgError(f"{what}: weight {tuple(weight.shape)} does not match x {tuple(x.shape)} "
+                             f"(expected [N, {K}])")
+    if K == 0 or K % SKINNY_K_ALIGN or N == 0 or N % SKINNY_TILE:
+        raise KernelArgError(f"{what}: K = {K} must be a positive multiple of {SKINNY_K_ALIGN} and N = {N} of "
+                             f"{SKINNY_TILE}")
+    if M > SKINNY_MAX_M:
+        raise KernelArgError(f"{what}: {M} tokens; the skinny kernels take at most {SKINNY_MAX_M} (use a GEMM)")
+    o = _output(out, f"{what} out", torch.bfloat16, (M, N), x, weight.data)
+    bp = _bias(bias, what, torch.bfloat16, N)
+    if M == 0:
+        return
+    _launch(lib, "store", "bf16_w8a8", M, N, o, xp, xs, wp, sp, bp, M, N, K)
