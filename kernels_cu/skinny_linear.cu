@@ -436,8 +436,14 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
         c0 *= e.ws0;
         c1 *= e.ws1;
       }
-      const float sc = W::X8 ? 1.f : scale[j][s];
-      const float v0 = c0 * sc + e.b0, v1 = c1 * sc + e.b1;
+      float v0, v1;
+      if (W::X8) {  // the W8A8 GEMM's bf16 output, + bias in bf16, then the epilogue (as the separate ops compute it)
+        v0 = round_to<T>(round_to<T>(c0) + e.b0);
+        v1 = round_to<T>(round_to<T>(c1) + e.b1);
+      } else {
+        v0 = c0 * scale[j][s] + e.b0;
+        v1 = c1 * scale[j][s] + e.b1;
+      }
       if (EP == EP_STORE) {
         u16* out = (u16*)a.out + (i64)m * a.N;
         out[r0] = T::from_float(v0);
@@ -623,56 +629,58 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 // skinny_<ep>_<dt>_fp8_m<MB>[_w16], the same with `w` E4M3 bytes and `w_scale` [N] fp32 right after it. Every
 // epilogue exists for both weight storages, rope_kvfp8 (an E4M3 KV cache) included.
 // SK_<W>_PARAMS / SK_<W>_SET: the weight's parameters and how they enter SkinnyArgs.
-#define SK_W16_PARAMS const u16* w
-#define SK_W16_SET a.w = w;
-#define SK_E4M3_PARAMS const unsigned char* w, const float* w_scale
-#define SK_E4M3_SET a.w = w; a.wscale = w_scale;
+#define SK_W16_PARAMS const u16* x, const u16* w
+#define SK_W16_SET a.x = x; a.w = w;
+#define SK_E4M3_PARAMS const u16* x, const unsigned char* w, const float* w_scale
+#define SK_E4M3_SET a.x = x; a.w = w; a.wscale = w_scale;
+#define SK_E4M3A8_PARAMS const unsigned char* x, const float* x_scale, const unsigned char* w, const float* w_scale
+#define SK_E4M3A8_SET a.x = x; a.xscale = x_scale; a.w = w; a.wscale = w_scale;
 
 #define SKINNY_ENTRIES_W(SUFFIX, T, W, WPARAMS, WSET, MB, NT, WARPS, MINB, WSFX)                                    \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(               \
-      u16* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {        \
+      u16* out, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {        \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
+    a.out = out; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_STORE, WARPS>(a);                                                                      \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                 \
-      float* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {      \
+      float* out, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {      \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
+    a.out = out; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_F32, WARPS>(a);                                                                        \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                \
-      u16* out, const u16* x, WPARAMS, const u16* norm_w, int M, int I, int K, float eps) {                         \
+      u16* out, WPARAMS, const u16* norm_w, int M, int I, int K, float eps) {                         \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.norm_w = norm_w;                                                                   \
+    a.out = out; WSET a.norm_w = norm_w;                                                                   \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_SILU, WARPS>(a);                                                                       \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(            \
-      u16* residual, const u16* x, WPARAMS, int M, int N, int K) {                                                  \
+      u16* residual, WPARAMS, int M, int N, int K) {                                                  \
     SkinnyArgs a = {};                                                                                              \
-    a.out = residual; a.x = x; WSET a.M = M; a.N = N; a.K = K; a.half = N / 2;                                      \
+    a.out = residual; WSET a.M = M; a.N = N; a.K = K; a.half = N / 2;                                      \
     skinny_impl<T, W, NT, EP_RESIDUAL, WARPS>(a);                                                                   \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(             \
-      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
+      u16* q_out, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
       const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
       int K, float eps) {                                                                                           \
     SkinnyArgs a = {};                                                                                              \
-    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
+    a.out = q_out; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
     skinny_impl<T, W, NT, EP_ROPE_KV, WARPS>(a);                                                                    \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kvfp8_##SUFFIX##_m##MB##WSFX(          \
-      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
+      u16* q_out, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
       const i64* rope_index, unsigned char* k_cache, unsigned char* v_cache, const i64* slot_mapping, int M, int H, \
       int Hkv, int D, int K, float eps) {                                                                           \
     SkinnyArgs a = {};                                                                                              \
-    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
+    a.out = q_out; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache8 = k_cache; a.v_cache8 = v_cache;                     \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
@@ -697,20 +705,11 @@ SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 8, 1)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 16, 2)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 32, 4)
 
-// W8A8 (E4M3A8): skinny_store_bf16_w8a8_m<MB>[_w16] (out [M, N] bf16, x [M, K] E4M3 with x_scale [M] fp32, w [N, K]
-// E4M3 with w_scale [N] fp32, bias [N] bf16 or null): out = bf16((acc * x_scale[m]) * w_scale[r] + bias[r]), the
-// W8A8 GEMM of CudaOps' decode batches of 9-32 rows (fp8_scaled_mm's contract). sm_89+ (MmaE4M3).
-#define SKINNY_W8A8_STORE(MB, NT, WARPS, MINB, WSFX)                                                                  \
-  extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_bf16_w8a8_m##MB##WSFX(               \
-      u16* out, const unsigned char* x, const float* x_scale, const unsigned char* w, const float* w_scale,         \
-      const u16* bias, int M, int N, int K) {                                                                       \
-    SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; a.xscale = x_scale; a.w = w; a.wscale = w_scale; a.bias = bias;                           \
-    a.M = M; a.N = N; a.K = K; a.half = N / 2;                                                                      \
-    skinny_impl<Bf16, E4M3A8, NT, EP_STORE, WARPS>(a);                                                              \
-  }
-#define SKINNY_W8A8_ENTRIES(MB, NT) SKINNY_W8A8_STORE(MB, NT, 8, 2, ) SKINNY_W8A8_STORE(MB, NT, 16, 1, _w16)
-SKINNY_W8A8_ENTRIES(8, 1)
-SKINNY_W8A8_ENTRIES(16, 2)
-SKINNY_W8A8_ENTRIES(32, 4)
-
+// W8A8 (E4M3A8, sm_89+: MmaE4M3): skinny_<ep>_bf16_w8a8_m<MB>[_w16], the bf16 entries' epilogues with x as E4M3 bytes
+// and its x_scale [M] fp32 right after it, the weight as the _fp8 entries take it, and no NORM (norm_w must be null:
+// x arrives normalized and quantized). The value is rounded to bf16 before the epilogue's own arithmetic, as the
+// W8A8 GEMM's bf16 output followed by the separate op (engine.quant.w8a8_linear, then TorchOps): CudaOps' W8A8 of
+// decode batches of 9-32 rows.
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 8, 1)
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 16, 2)
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 32, 4)

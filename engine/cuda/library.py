@@ -26,7 +26,7 @@ from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX, KV_FP8_SUFFIX
 from engine.cuda.driver import Kernel, KernelLoadError, check, cuda_driver, error_text
 from engine.cuda.wrappers import decode_attention, prefill_attention
 from engine.cuda.wrappers.skinny_linear import (SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS, SKINNY_M_BUCKETS,
-                                                SKINNY_W8A8_ARGS)
+                                                SKINNY_W8A8_EPILOGUE_ARGS)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ MODULES: dict[str, list[KernelSpec]] = {
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
     + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m{m}{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
        for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
-    + [KernelSpec(f"skinny_store_bf16_w8a8_m{m}{w}", SKINNY_W8A8_ARGS) for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
+    + [KernelSpec(f"skinny_{ep}_bf16_w8a8_m{m}{w}", args) for ep, args in SKINNY_W8A8_EPILOGUE_ARGS.items()
+       for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
