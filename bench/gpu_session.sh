@@ -44,13 +44,7 @@
 #   fp8kvbench decode attention from DRAM at the 1B / 8B attention shapes (head_dim 64 / 128, 32 over 8 heads),
 #              batch 1 / 8 / 32 by context 8k / 32k, bf16 and FP8 KV rows side by side (bytes, GB/s, speed-up)
 #   fp8kvscale scale_bench 8B decode at batch 8 and 32, context 8k, with a bf16 and then an FP8 KV cache
-#   pending    the FP8-weight skinny kernels and the FP8 KV cache kernels, first run, in one call of ~9 minutes with
-#              the build: every test of tests/gpu/test_fp8_kv_gpu.py and tests/gpu/test_fp8_gpu.py (FP8 weights on
-#              an FP8 KV cache included; -v: a result line per test, in pending-tests.log even if the stage's time
-#              runs out), then the floors: bench_kernels --skinny --fp8 (8B shapes, 1 and 8 tokens: FP8 weight
-#              GB/s beside bf16) and --long at three batch x context points (bf16 and FP8 KV rows)
 #   rpc        rpc_rtt.py: a gRPC round trip taken apart           floor   pipeline_floor.py (no engine)
-#   rpcpoll    rpc_rtt.py four times, the worker with METRALE_STEP_WAIT thread, poll, thread, poll (issue 38)
 #   profile    profile_step.py 1B (PROFILE_ARGS, e.g. "--only replay"; SHAPE=8b for 8B)
 #   ttft       profile_step.py --only ttft: prefill wall time per padded shape
 #   fp8prof    profile_step.py 8B --only prefill, bf16 then --quantization fp8: where the 8 x 512 prefill's time goes
@@ -175,13 +169,7 @@ for what in "$@"; do
     fp8kvbench) TAIL=${TAIL:-120} stage bench-long-fp8kv 420 python3 bench/bench_kernels.py --long --shapes 1x8192,8x8192,32x8192,1x32768,8x32768,32x32768 ;;
     fp8kvscale) stage scale-8b-kvbf16 270 python3 bench/scale_bench.py --shape 8b --batches 8 32 --contexts 8192 --prefill 8x512 --steps 30 --out "$OUT/fp8kv"
                 stage scale-8b-kvfp8 270 python3 bench/scale_bench.py --shape 8b --batches 8 32 --contexts 8192 --prefill 8x512 --steps 30 --kv-cache-dtype fp8 --out "$OUT/fp8kv" ;;
-    pending)    stage pending-tests 300 python3 -m pytest tests/gpu/test_fp8_kv_gpu.py tests/gpu/test_fp8_gpu.py -m gpu -v -rfE -p no:cacheprovider --confcutdir=tests/gpu -n 8 --timeout=180 --durations=12
-                TAIL=${TAIL:-70} stage pending-skinny-fp8 75 python3 bench/bench_kernels.py --skinny --fp8 --tokens 1,8
-                TAIL=${TAIL:-70} stage pending-long-fp8kv 75 python3 bench/bench_kernels.py --long --shapes 8x8192,32x8192,8x32768 ;;
     rpc)        stage rpc-rtt 120 python3 bench/rpc_rtt.py ;;
-    rpcpoll)    for wait in thread poll thread poll; do
-                  METRALE_STEP_WAIT=$wait stage rpc-rtt-$wait 120 python3 bench/rpc_rtt.py --rounds 3
-                done ;;
     floor)      stage pipeline-floor 300 python3 bench/pipeline_floor.py --gil-us 0 150 300 --pipeline 3 --server aio sync --decode call stream ;;
     profile)    stage "profile-${SHAPE:-1b}" 300 python3 bench/profile_step.py --shape "${SHAPE:-1b}" ${PROFILE_ARGS:-} ;;
     ttft)       stage profile-ttft-1b 200 python3 bench/profile_step.py --shape 1b --only ttft ;;
