@@ -21,3 +21,6 @@ PDL = os.environ.get("METRALE_PDL", "1") != "0"
 # wakes the loop: no busy core). Poll is the default: through a gateway, where the loop also writes every stream's
 # tokens, it kept the device busier (bench/RESULTS.md, "Direct gRPC vs through Shepherd Model Gateway").
 STEP_WAIT = os.environ.get("METRALE_STEP_WAIT", "poll")
+# W8A8 projections of at most this many rows (FP8 weights, bf16 x: decode batches of 9-32, short prompts) on the
+# skinny W8A8 kernel instead of torch._scaled_mm (engine/cuda/fp8_linear.py); "0": always _scaled_mm (the A/B).
+W8A8_SKINNY_ROWS = int(os.environ.get("METRALE_W8A8_SKINNY_ROWS", "32"))

@@ -36,7 +36,8 @@ W8A8 (both backends, one rule: takes_w8a8): a per-channel weight times more than
 activations into a 16-bit output (prefill, big decode batches), K and N multiples of 16, quantizes the
 activations too: each row of x to E4M3 with its own dynamic scale amax / 448 (quantize_activations), then
       y[m, n] = (sum_k xq[m, k] * data[n, k]) * a_scale[m] * scale[n, 0], rounded to bf16,
-which is what torch._scaled_mm's row-wise scaling computes on FP8 tensor cores (CudaOps) and w8a8_linear
+which is what torch._scaled_mm's row-wise scaling and the skinny W8A8 kernels (decode batches of 9-32 rows)
+compute on FP8 tensor cores (CudaOps) and w8a8_linear
 computes in fp32 in torch (TorchOps): the kernels engine and the torch-ops engine run the same arithmetic at
 every batch, so each is the other's reference. Up to W8A16_MAX_ROWS rows (decode) stay W8A16: there the step
 reads the weights and the tensor cores idle, and activation quantization would cost accuracy for nothing."""

@@ -36,9 +36,10 @@
 //                      a4a5 = (row g, cols 2t+8, 2t+9) a6a7 = (row g+8, cols 2t+8, 2t+9)
 //   B (16 x 8, col):   b0b1 = (rows 2t, 2t+1, col g)  b2b3 = (rows 2t+8, 2t+9, col g)
 //   C/D (16 x 8 fp32): c0c1 = (row g, cols 2t, 2t+1)   c2c3 = (row g+8, cols 2t, 2t+1)
-// A = 16 rows of W, B = x^T (8 tokens per "n-tile"), C[row, token]. E4M3 weights: lane (g, t) loads 8 bytes
-// (8 E4M3 values) of rows g / g + 8 at the same k0 + 8t .. k0 + 8t + 7 and converts them into the same 4
-// registers of T pairs (E4M3::operand), so everything below holds for both. A dot product does not depend
+// A = 16 rows of W, B = x^T (8 tokens per "n-tile"), C[row, token]. E4M3 weights: lane (g, t) loads 16 bytes
+// (16 E4M3 values) of rows g / g + 8 at k0 + 16t .. k0 + 16t + 15 (a 64-element chunk a warp) and converts each
+// half into the same 4 registers of T pairs (E4M3::operand): two 8-element pieces, each mapped as a 16-bit
+// chunk's 8 elements are below (x loaded per piece), so everything below holds for both. A dot product does not depend
 // on the order of k, so A and B use the same permutation of the 16 k slots of each mma: the k slot
 // owned by thread t maps to a k that depends only on t. Lane (g, t) loads 16 bytes of W row g at
 // k0 + 8t .. k0 + 8t + 7 (wa), the same of row g + 8 (wb), and per n-tile j the 16 bytes of token
@@ -57,7 +58,8 @@
 //
 // Block = one tile (16 W rows), WARPS = 8 or 16 warps splitting K: warp w takes the 32-element chunks
 // w, w + WARPS, ... in groups of SK_GROUP = 4 chunks whose loads (8 16-byte W loads per lane, plus x
-// and norm_w) are all issued before the group's mmas; a last, predicated group takes the remainder.
+// and norm_w) are all issued before the group's mmas; a last, predicated group takes the remainder (E4M3 at
+// 16 and 32 tokens: groups of 2, whose x pieces would not fit the registers at 4).
 // Chunk u of a group accumulates into chain u % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles
 // already give independent chains), so the mma dependency chain is short; the chains are added in a
 // fixed order. W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which
@@ -87,7 +89,7 @@
 // skinny_{store,f32,silu,residual,rope_kv,rope_kvfp8}_{bf16,fp16}_fp8_m{8,16,32}[_w16], `w_scale` right after `w`):
 //   grid (N / 16), block (256) (_w16: block (512)), no dynamic shared memory. The _m<8 NT> variant takes M <= 8 NT
 //   (1 <= M; the wrapper picks the smallest). K % 32 == 0; N % 16 == 0; half % 8 == 0 (silu:
-//   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned (E4M3 W: 8-byte); out / residual must
+//   I % 8 == 0; rope_kv: D % 16 == 0); x, W, norm_w 16-byte aligned; out / residual must
 //   not overlap x or W. Launched with programmatic dependent launch, the kernel just before it in the stream
 //   must not write bias, w_scale, the residual (residual), rope_index, cos_sin or slot_mapping (rope_kv*): they
 //   are read before the wait (w_scale, like W, is written once at load). (In a decode forward the residual's
@@ -96,17 +98,16 @@
 // Built WITHOUT --use_fast_math: expf, the division of silu and rsqrtf must be the accurate ones.
 #include "common.cuh"
 
-#define SK_CHUNK 32  // k elements per warp per step (two mmas)
-#define SK_GROUP 4   // chunks per warp whose loads are in flight together (8 W loads per lane)
+#define SK_GROUP 4  // chunks per warp whose loads are in flight together (8 16-byte W loads per lane)
 
 enum { EP_STORE = 0, EP_F32 = 1, EP_SILU = 2, EP_RESIDUAL = 3, EP_ROPE_KV = 4, EP_ROPE_KV8 = 5 };
 
 // Every operand of every epilogue (unused ones null / zero).
 struct SkinnyArgs {
   void* out;             // store / silu: T; f32: fp32; residual: the residual (in/out); rope_kv: q_out
-  const u16* x;          // [M, K]
-  const void* w;         // [N, K] T (W16) or E4M3 bytes (E4M3)
-  const float* wscale;   // [N] fp32, E4M3 only: per-row (output channel) scale
+  const void* x;         // [M, K] T, or E4M3 bytes (E4M3A8)
+  const void* w;         // [N, K] T (W16) or E4M3 bytes (E4M3, E4M3A8)
+  const float* wscale;   // [N] fp32, E4M3 and E4M3A8 only: per-row (output channel) scale
   const u16* bias;       // [N] or null
   const u16* norm_w;     // [K] or null (no NORM prologue)
   const float* cos_sin;  // rope_kv
@@ -119,6 +120,7 @@ struct SkinnyArgs {
   float eps;          // NORM
   unsigned char* k_cache8;  // rope_kvfp8: the E4M3 caches
   unsigned char* v_cache8;
+  const float* xscale;  // [M] fp32, E4M3A8 only: per-row (token) scale
 };
 
 // 16-byte loads. W is streamed once (no L1 allocation, 256-byte L2 prefetch: the 8 warps of a block
@@ -131,7 +133,7 @@ __device__ __forceinline__ Vec16 ld_weight16(const u16* p) {
                : "l"(p));
   return v;
 }
-__device__ __forceinline__ Vec16 ld_act16(const u16* p) {
+__device__ __forceinline__ Vec16 ld_act16(const void* p) {
   Vec16 v;
   asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
@@ -142,47 +144,89 @@ __device__ __forceinline__ Vec16 zero16() {
   Vec16 v = {{0u, 0u, 0u, 0u}};
   return v;
 }
-__device__ __forceinline__ Vec8 ld_weight8(const unsigned char* p) {
-  Vec8 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.w[0]), "=r"(v.w[1]) : "l"(p));
-  return v;
-}
+// FP8 x FP8 -> fp32 (sm_89+: the W8A8 skinny entries), m16n8k32: A = 16 x 32 E4M3 (row), B = 32 x 8 (col), four
+// bytes a register (lowest k in bits 0..7). a0 / a1 = rows g / g + 8 at k 4t .. 4t + 3, a2 / a3 the same at k 4t + 16 ..
+// 4t + 19; b0 / b1 = col g at k 4t .. 4t + 3 / 4t + 16 .. 4t + 19; C / D as m16n8k16's. Before sm_89 there is no
+// such instruction: the entries that use it trap there (the wrappers send them only FP8-capable devices).
+struct MmaE4M3 {
+  static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    __trap();
+#endif
+  }
+};
 
 // The weight storage of a kernel: W16 (W in the activation dtype T) or E4M3 (one byte per element, converted
-// to T in registers; the per-row scale is applied to the fp32 accumulators in the epilogue). Raw = what one
-// lane loads per row per 32-element chunk (its 8 elements at k0 + 8t); operand<T> = those 8 elements as the
-// mma's four T pairs (register i: elements 2i, 2i + 1).
+// to T in registers; the per-row scale is applied to the fp32 accumulators in the epilogue). Either way a lane
+// loads 16 bytes of a row per chunk: SUB 8-element pieces (SUB = 1 for W16, 2 for E4M3) at k0 + 8 SUB t, so a
+// warp's chunk is CHUNK = 32 SUB elements of k and the bytes in flight per lane are the same for both (the
+// E4M3 entries with 8-byte loads at the 16-bit mapping read the 8B's weights at 1.8-3.0 TB/s against bf16's
+// 3.2-4.3: too few bytes in flight). operand<T>(raw, s) = piece s (elements k0 + 8 SUB t + 8s .. + 7) as the
+// mma's four T pairs (register i: elements 2i, 2i + 1); x is loaded per piece to match.
+// X8: x is E4M3 too (E4M3A8). GROUP: chunks per load group at NT n-tiles (E4M3's x pieces and E4M3A8's 16-byte x
+// loads are more registers per chunk than the 16-bit kernels' at 16 and 32 tokens; 4 there would spill).
+// mma: one k slice of the chunk's fragments into an accumulator chain.
 struct W16 {
   typedef u16 Elem;
-  typedef Vec16 Raw;
-  static constexpr bool SCALED = false;
-  static __device__ __forceinline__ Raw load(const Elem* p) { return ld_weight16(p); }
-  static __device__ __forceinline__ Raw zero() { return zero16(); }
+  typedef u16 XElem;
+  static constexpr bool SCALED = false, X8 = false;
+  static constexpr int SUB = 1, CHUNK = 32;
+  static __host__ __device__ constexpr int group(int) { return SK_GROUP; }
+  static __device__ __forceinline__ Vec16 load(const Elem* p) { return ld_weight16(p); }
   template <class T>
-  static __device__ __forceinline__ Vec16 operand(const Raw& r) { return r; }
+  static __device__ __forceinline__ Vec16 operand(const Vec16& r, int) { return r; }
+  template <class T>
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    Mma<T>::run(d, a, b0, b1);
+  }
 };
-// 8-byte loads: half the weight bytes in flight per lane of the 16-bit kernels for the same k positions (the
-// simplest mapping, one set of fragments for both). If the H200 measures these entries short of the weight-read
-// floor, the next step is a 16-byte-per-lane mapping (one load covering this lane's slots of two consecutive
-// chunks, x loaded to match) or a larger SK_GROUP for E4M3 (the raw W registers are half as many).
 // operand: common.cuh's exact E4M3 read (the KV cache's too), 4 instructions per T pair, no FP8 cvt (the sm_80
 // cubin serves sm_86 / sm_89 too). The NaN codes 0x7f / 0xff would come out as +-480: engine.quant.quantize_fp8
 // saturates, so a weight holds none.
 struct E4M3 {
   typedef unsigned char Elem;
-  typedef Vec8 Raw;
-  static constexpr bool SCALED = true;
-  static __device__ __forceinline__ Raw load(const Elem* p) { return ld_weight8(p); }
-  static __device__ __forceinline__ Raw zero() {
-    Vec8 v = {{0u, 0u}};
+  typedef u16 XElem;
+  static constexpr bool SCALED = true, X8 = false;
+  static constexpr int SUB = 2, CHUNK = 64;
+  static __host__ __device__ constexpr int group(int nt) { return nt > 1 ? SK_GROUP / 2 : SK_GROUP; }
+  static __device__ __forceinline__ Vec16 load(const Elem* p) { return ld_weight16(reinterpret_cast<const u16*>(p)); }
+  template <class T>
+  static __device__ __forceinline__ Vec16 operand(const Vec16& r, int s) {
+    Vec16 v;
+    fp8x4_to_pairs<T>(r.w[2 * s], v.w[0], v.w[1]);      // elements 8s .. 8s + 3
+    fp8x4_to_pairs<T>(r.w[2 * s + 1], v.w[2], v.w[3]);  // elements 8s + 4 .. 8s + 7
     return v;
   }
   template <class T>
-  static __device__ __forceinline__ Vec16 operand(const Raw& r) {
-    Vec16 v;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) fp8x4_to_pairs<T>(r.w[i], v.w[2 * i], v.w[2 * i + 1]);  // elements 4i .. 4i + 3
-    return v;
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    Mma<T>::run(d, a, b0, b1);
+  }
+};
+// W8A8 (the _w8a8 entries): E4M3 weights and E4M3 x, each row with its fp32 scale (x per token: engine.quant's
+// quantize_activations, kernels_cu/fp8_quant.cu), multiplied on the FP8 tensor cores (m16n8k32, MmaE4M3) with
+// no conversion: lane (g, t) loads 16 bytes of rows g / g + 8 and of token g at k0 + 16t .. k0 + 16t + 15, and the
+// two k32 mmas take words {0, 1} and {2, 3} of each (the k-slot permutation of the 16-bit mapping: the slots
+// of thread t map to its own 8 elements for A and B alike). The epilogue multiplies the fp32 accumulator by the
+// row's weight scale and the token's x scale (engine.quant.w8a8_linear's arithmetic up to the order of the fp32
+// sums). No NORM prologue (x arrives quantized, so normalized before).
+struct E4M3A8 {
+  typedef unsigned char Elem;
+  typedef unsigned char XElem;
+  static constexpr bool SCALED = true, X8 = true;
+  static constexpr int SUB = 1, CHUNK = 64;
+  static __host__ __device__ constexpr int group(int nt) { return nt > 2 ? SK_GROUP / 2 : SK_GROUP; }
+  static __device__ __forceinline__ Vec16 load(const Elem* p) { return ld_weight16(reinterpret_cast<const u16*>(p)); }
+  template <class T>
+  static __device__ __forceinline__ Vec16 operand(const Vec16& r, int) { return r; }
+  template <class T>
+  static __device__ __forceinline__ void mma(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    MmaE4M3::run(d, a, b0, b1);
   }
 };
 // Packed multiply of two T pairs, one rounding each (fma with -0: exact sign of zero products).
@@ -215,90 +259,100 @@ __device__ __forceinline__ float add_squares(float s, u32 x) {
 // Per-lane operand pointers of the main loop.
 template <class W, int NT>
 struct LaneOperands {
-  const typename W::Elem* wa;  // W row r0, + 8t
-  const typename W::Elem* wb;  // W row r1, + 8t
-  const u16* x;       // token g, + 8t; token 8j + g is at x + j * xstride (read only where xv[j])
+  const typename W::Elem* wa;  // W row r0, + 8 SUB t
+  const typename W::Elem* wb;  // W row r1, + 8 SUB t
+  const typename W::XElem* x;  // token g, + 8 SUB t; token 8j + g is at x + j * xstride (read only where xv[j])
   i64 xstride;        // 8 K
   bool xv[NT];        // token 8j + g < M
-  const u16* nw;      // norm_w + 8t
+  const u16* nw;      // norm_w + 8 SUB t
+  int klim;           // K - CHUNK t / 4: this lane's 16 bytes at chunk offset k exist iff k < klim
 };
 
-// U chunks c, c + WARPS, ..., c + WARPS (U - 1) of this warp. FULL: all < C; else chunks >= C are skipped
-// (warp-uniform: c depends on the warp only). load_weight_group issues the group's W loads; mma_group then
+// U chunks c, c + WARPS, ..., c + WARPS (U - 1) of this warp. FULL: all are whole chunks; else a lane skips
+// the pieces past K (chunks >= C whole, and the lanes past K of a last chunk that K ends halfway through:
+// E4M3's CHUNK is 64, K a multiple of 32). load_weight_group issues the group's W loads; mma_group then
 // loads x (and norm_w) and runs the group's mmas.
 template <class W, int NT, int U, bool FULL, int WARPS>
-__device__ __forceinline__ void load_weight_group(typename W::Raw (&wa)[U], typename W::Raw (&wb)[U],
-                                                  const LaneOperands<W, NT>& L, int c, int C) {
+__device__ __forceinline__ void load_weight_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<W, NT>& L,
+                                                  int c) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const bool on = FULL || c + WARPS * u < C;
-    const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
-    wa[u] = on ? W::load(L.wa + k) : W::zero();
-    wb[u] = on ? W::load(L.wb + k) : W::zero();
+    const i64 k = (i64)(c + WARPS * u) * W::CHUNK;
+    const bool on = FULL || k < L.klim;
+    wa[u] = on ? W::load(L.wa + k) : zero16();
+    wb[u] = on ? W::load(L.wb + k) : zero16();
   }
 }
 template <class T, class W, int NT, int U, int CH, bool NORM, bool FULL, int WARPS>
 __device__ __forceinline__ void mma_group(float (&acc)[CH][NT][4], float (&ss)[NT], const LaneOperands<W, NT>& L,
-                                          const typename W::Raw (&wa_raw)[U], const typename W::Raw (&wb_raw)[U],
-                                          int c, int C) {
-  Vec16 xb[U][NT], nw[U];
+                                          const Vec16 (&wa_raw)[U], const Vec16 (&wb_raw)[U], int c, int C) {
+  constexpr int S = W::SUB;
+  Vec16 xb[U][S][NT], nw[U][S];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const bool on = FULL || c + WARPS * u < C;
-    const i64 k = (i64)(c + WARPS * u) * SK_CHUNK;
+    const i64 k = (i64)(c + WARPS * u) * W::CHUNK;
+    const bool on = FULL || k < L.klim;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xb[u][j] = on && L.xv[j] ? ld_act16(L.x + j * L.xstride + k) : zero16();
-    if (NORM) nw[u] = on ? ld_act16(L.nw + k) : zero16();
+    for (int s = 0; s < S; ++s) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xb[u][s][j] = on && L.xv[j] ? ld_act16(L.x + j * L.xstride + k + 8 * s) : zero16();
+      if (NORM) nw[u][s] = on ? ld_act16(L.nw + k + 8 * s) : zero16();
+    }
   }
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (!FULL && c + WARPS * u >= C) continue;
-    const Vec16 wa = W::template operand<T>(wa_raw[u]), wb = W::template operand<T>(wb_raw[u]);
+    if (!FULL && c + WARPS * u >= C) continue;  // warp-uniform (the mma is the warp's)
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      if (NORM) {  // tokens >= M: x = 0, so the operand and the sum stay 0
+    for (int s = 0; s < S; ++s) {
+      const Vec16 wa = W::template operand<T>(wa_raw[u], s), wb = W::template operand<T>(wb_raw[u], s);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          ss[j] = add_squares<T>(ss[j], xb[u][j].w[i]);
-          xb[u][j].w[i] = Mul2<T>::run(xb[u][j].w[i], nw[u].w[i]);
+      for (int j = 0; j < NT; ++j) {
+        if (NORM) {  // tokens >= M and pieces past K: x = 0, so the operand and the sum stay 0
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            ss[j] = add_squares<T>(ss[j], xb[u][s][j].w[i]);
+            xb[u][s][j].w[i] = Mul2<T>::run(xb[u][s][j].w[i], nw[u][s].w[i]);
+          }
         }
+        const u32 a_lo[4] = {wa.w[0], wb.w[0], wa.w[1], wb.w[1]};
+        const u32 a_hi[4] = {wa.w[2], wb.w[2], wa.w[3], wb.w[3]};
+        float (&chain)[4] = acc[(u * S + s) % CH][j];
+        W::template mma<T>(chain, a_lo, xb[u][s][j].w[0], xb[u][s][j].w[1]);
+        W::template mma<T>(chain, a_hi, xb[u][s][j].w[2], xb[u][s][j].w[3]);
       }
-      const u32 a_lo[4] = {wa.w[0], wb.w[0], wa.w[1], wb.w[1]};
-      const u32 a_hi[4] = {wa.w[2], wb.w[2], wa.w[3], wb.w[3]};
-      Mma<T>::run(acc[u % CH][j], a_lo, xb[u][j].w[0], xb[u][j].w[1]);
-      Mma<T>::run(acc[u % CH][j], a_hi, xb[u][j].w[2], xb[u][j].w[3]);
     }
   }
 }
 
 // The first group's W loads of this warp (chunks warp, warp + WARPS, ...): full0 = all U chunks exist.
 template <class W, int NT, int U, int WARPS>
-__device__ __forceinline__ void load_first_group(typename W::Raw (&wa)[U], typename W::Raw (&wb)[U],
-                                                 const LaneOperands<W, NT>& L, int warp, int C, bool full0) {
+__device__ __forceinline__ void load_first_group(Vec16 (&wa)[U], Vec16 (&wb)[U], const LaneOperands<W, NT>& L,
+                                                 int warp, bool full0) {
   if (full0)
-    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, warp, C);
+    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, warp);
   else
-    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, warp, C);
+    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, warp);
 }
 
 // One tile's main loop for this warp, its first group's W already loaded into wa0 / wb0 (load_first_group).
+// C: chunks (the last may be half of one: E4M3, K % 64 == 32), Cw: whole chunks.
 template <class T, class W, int NT, int U, int CH, bool NORM, int WARPS>
 __device__ __forceinline__ void skinny_mainloop(float (&acc)[CH][NT][4], float (&ss)[NT],
-                                                const LaneOperands<W, NT>& L, const typename W::Raw (&wa0)[U],
-                                                const typename W::Raw (&wb0)[U], int warp, int C, bool full0) {
-  if (!full0) {  // the first group is this warp's only one (possibly empty: K < 32 WARPS)
+                                                const LaneOperands<W, NT>& L, const Vec16 (&wa0)[U],
+                                                const Vec16 (&wb0)[U], int warp, int C, int Cw, bool full0) {
+  if (!full0) {  // the first group is this warp's only one (possibly empty: K < CHUNK WARPS)
     mma_group<T, W, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa0, wb0, warp, C);
     return;
   }
   mma_group<T, W, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa0, wb0, warp, C);
   int c = warp + WARPS * U;
-  typename W::Raw wa[U], wb[U];
-  for (; c + WARPS * (U - 1) < C; c += WARPS * U) {
-    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, c, C);
+  Vec16 wa[U], wb[U];
+  for (; c + WARPS * (U - 1) < Cw; c += WARPS * U) {
+    load_weight_group<W, NT, U, true, WARPS>(wa, wb, L, c);
     mma_group<T, W, NT, U, CH, NORM, true, WARPS>(acc, ss, L, wa, wb, c, C);
   }
   if (c < C) {
-    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, c, C);
+    load_weight_group<W, NT, U, false, WARPS>(wa, wb, L, c);
     mma_group<T, W, NT, U, CH, NORM, false, WARPS>(acc, ss, L, wa, wb, c, C);
   }
 }
@@ -374,11 +428,22 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
       const int m = 8 * j + 2 * t + s;
       if (m >= M) continue;
       float c0 = acc[j][s], c1 = acc[j][2 + s];
+      if (W::X8) {  // (acc * x scale) * w scale, w8a8_linear's order
+        c0 *= scale[j][s];
+        c1 *= scale[j][s];
+      }
       if (W::SCALED) {
         c0 *= e.ws0;
         c1 *= e.ws1;
       }
-      const float v0 = c0 * scale[j][s] + e.b0, v1 = c1 * scale[j][s] + e.b1;
+      float v0, v1;
+      if (W::X8) {  // the W8A8 GEMM's bf16 output, + bias in bf16, then the epilogue (as the separate ops compute it)
+        v0 = round_to<T>(round_to<T>(c0) + e.b0);
+        v1 = round_to<T>(round_to<T>(c1) + e.b1);
+      } else {
+        v0 = c0 * scale[j][s] + e.b0;
+        v1 = c1 * scale[j][s] + e.b1;
+      }
       if (EP == EP_STORE) {
         u16* out = (u16*)a.out + (i64)m * a.N;
         out[r0] = T::from_float(v0);
@@ -443,16 +508,17 @@ __device__ __forceinline__ void skinny_epilogue(const SkinnyArgs& a, const float
 template <class T, class W, int NT, int EP, int WARPS>
 __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
   TRACE_SCOPE;
-  constexpr int U = SK_GROUP;
+  constexpr int U = W::group(NT);
+  constexpr int CHUNK = W::CHUNK;
   constexpr int CH = NT == 4 ? 1 : 2;  // independent accumulator chains (chunk u -> chain u % CH)
   __shared__ float red[WARPS - 1][NT * 4][32];  // fragments of warps 1..WARPS-1
   __shared__ float sq_red[WARPS][NT * 8];       // NORM: per-warp sums of squares per token
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int M = a.M, K = a.K, half = a.half;
-  const bool norm = a.norm_w != nullptr;
-  const int C = K / SK_CHUNK;
-  const bool full0 = warp + WARPS * (U - 1) < C;  // this warp's first group has all U chunks
+  const bool norm = !W::X8 && a.norm_w != nullptr;  // E4M3A8 takes x normalized (and quantized) already
+  const int C = (K + CHUNK - 1) / CHUNK, Cw = K / CHUNK;
+  const bool full0 = warp + WARPS * (U - 1) < Cw;  // this warp's first group has all U chunks, whole
 
   // The pair of this lane's fragment rows g / g + 8.
   const int p = blockIdx.x * 8 + g;
@@ -461,19 +527,21 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 
   LaneOperands<W, NT> L;
   const typename W::Elem* w = (const typename W::Elem*)a.w;
-  L.wa = w + (i64)r0 * K + 8 * t;
-  L.wb = w + (i64)r1 * K + 8 * t;
-  L.nw = a.norm_w + 8 * t;
-  L.x = a.x + (i64)g * K + 8 * t;
+  const int lane_k = CHUNK / 4 * t;
+  L.wa = w + (i64)r0 * K + lane_k;
+  L.wb = w + (i64)r1 * K + lane_k;
+  L.nw = a.norm_w + lane_k;
+  L.x = (const typename W::XElem*)a.x + (i64)g * K + lane_k;
   L.xstride = (i64)8 * K;
+  L.klim = K - lane_k;
 #pragma unroll
   for (int j = 0; j < NT; ++j) L.xv[j] = 8 * j + g < M;
 
   // The first group's W loads, then warp 0's epilogue operands at NT = 1 (up to 8 tokens: the engine's skinny
   // forwards), then the wait for the previous kernel; the 16- and 32-token entries load the epilogue's operands
   // after the reduction (held through the main loop they would spill there).
-  typename W::Raw wa0[U], wb0[U];
-  load_first_group<W, NT, U, WARPS>(wa0, wb0, L, warp, C, full0);
+  Vec16 wa0[U], wb0[U];
+  load_first_group<W, NT, U, WARPS>(wa0, wb0, L, warp, full0);
   constexpr bool EARLY_EPI = NT == 1;
   EpilogueIn<NT> epi;
   if (EARLY_EPI && warp == 0) epilogue_inputs<T, W, NT, EP>(epi, a, p, r0, r1, t);
@@ -490,10 +558,10 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) chains[h][j][e] = 0.f;
     }
   }
-  if (norm)
-    skinny_mainloop<T, W, NT, U, CH, true, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
+  if (norm)  // never for E4M3A8 (a constant false there)
+    skinny_mainloop<T, W, NT, U, CH, true, WARPS>(chains, ss, L, wa0, wb0, warp, C, Cw, full0);
   else
-    skinny_mainloop<T, W, NT, U, CH, false, WARPS>(chains, ss, L, wa0, wb0, warp, C, full0);
+    skinny_mainloop<T, W, NT, U, CH, false, WARPS>(chains, ss, L, wa0, wb0, warp, C, Cw, full0);
   TRACE_MARK(0);  // warp 0's share of W consumed
   float acc[NT][4];
 #pragma unroll
@@ -535,13 +603,14 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
       for (int e = 0; e < 4; ++e) acc[j][e] += red[w][j * 4 + e][lane];
     }
   }
-  float scale[NT][2];  // the NORM prologue's inv_rms of token 8j + 2t + s (1 without NORM)
+  float scale[NT][2];  // the NORM prologue's inv_rms of token 8j + 2t + s, or its x scale (E4M3A8), else 1
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int m = 8 * j + 2 * t + s;
       scale[j][s] = 1.f;
+      if (W::X8 && m < M) scale[j][s] = a.xscale[m];
       if (norm && m < M) {
         float sum = 0.f;
 #pragma unroll
@@ -560,56 +629,58 @@ __device__ __forceinline__ void skinny_impl(const SkinnyArgs& a) {
 // skinny_<ep>_<dt>_fp8_m<MB>[_w16], the same with `w` E4M3 bytes and `w_scale` [N] fp32 right after it. Every
 // epilogue exists for both weight storages, rope_kvfp8 (an E4M3 KV cache) included.
 // SK_<W>_PARAMS / SK_<W>_SET: the weight's parameters and how they enter SkinnyArgs.
-#define SK_W16_PARAMS const u16* w
-#define SK_W16_SET a.w = w;
-#define SK_E4M3_PARAMS const unsigned char* w, const float* w_scale
-#define SK_E4M3_SET a.w = w; a.wscale = w_scale;
+#define SK_W16_PARAMS const u16* x, const u16* w
+#define SK_W16_SET a.x = x; a.w = w;
+#define SK_E4M3_PARAMS const u16* x, const unsigned char* w, const float* w_scale
+#define SK_E4M3_SET a.x = x; a.w = w; a.wscale = w_scale;
+#define SK_E4M3A8_PARAMS const unsigned char* x, const float* x_scale, const unsigned char* w, const float* w_scale
+#define SK_E4M3A8_SET a.x = x; a.xscale = x_scale; a.w = w; a.wscale = w_scale;
 
 #define SKINNY_ENTRIES_W(SUFFIX, T, W, WPARAMS, WSET, MB, NT, WARPS, MINB, WSFX)                                    \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_store_##SUFFIX##_m##MB##WSFX(               \
-      u16* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {        \
+      u16* out, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {        \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
+    a.out = out; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_STORE, WARPS>(a);                                                                      \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_f32_##SUFFIX##_m##MB##WSFX(                 \
-      float* out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {      \
+      float* out, WPARAMS, const u16* bias, const u16* norm_w, int M, int N, int K, float eps) {      \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
+    a.out = out; WSET a.bias = bias; a.norm_w = norm_w;                                                    \
     a.M = M; a.N = N; a.K = K; a.half = N / 2; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_F32, WARPS>(a);                                                                        \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_silu_##SUFFIX##_m##MB##WSFX(                \
-      u16* out, const u16* x, WPARAMS, const u16* norm_w, int M, int I, int K, float eps) {                         \
+      u16* out, WPARAMS, const u16* norm_w, int M, int I, int K, float eps) {                         \
     SkinnyArgs a = {};                                                                                              \
-    a.out = out; a.x = x; WSET a.norm_w = norm_w;                                                                   \
+    a.out = out; WSET a.norm_w = norm_w;                                                                   \
     a.M = M; a.N = 2 * I; a.K = K; a.half = I; a.eps = eps;                                                         \
     skinny_impl<T, W, NT, EP_SILU, WARPS>(a);                                                                       \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_residual_##SUFFIX##_m##MB##WSFX(            \
-      u16* residual, const u16* x, WPARAMS, int M, int N, int K) {                                                  \
+      u16* residual, WPARAMS, int M, int N, int K) {                                                  \
     SkinnyArgs a = {};                                                                                              \
-    a.out = residual; a.x = x; WSET a.M = M; a.N = N; a.K = K; a.half = N / 2;                                      \
+    a.out = residual; WSET a.M = M; a.N = N; a.K = K; a.half = N / 2;                                      \
     skinny_impl<T, W, NT, EP_RESIDUAL, WARPS>(a);                                                                   \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kv_##SUFFIX##_m##MB##WSFX(             \
-      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
+      u16* q_out, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
       const i64* rope_index, u16* k_cache, u16* v_cache, const i64* slot_mapping, int M, int H, int Hkv, int D,     \
       int K, float eps) {                                                                                           \
     SkinnyArgs a = {};                                                                                              \
-    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
+    a.out = q_out; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache = k_cache; a.v_cache = v_cache;                       \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
     skinny_impl<T, W, NT, EP_ROPE_KV, WARPS>(a);                                                                    \
   }                                                                                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) skinny_rope_kvfp8_##SUFFIX##_m##MB##WSFX(          \
-      u16* q_out, const u16* x, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
+      u16* q_out, WPARAMS, const u16* bias, const u16* norm_w, const float* cos_sin,                  \
       const i64* rope_index, unsigned char* k_cache, unsigned char* v_cache, const i64* slot_mapping, int M, int H, \
       int Hkv, int D, int K, float eps) {                                                                           \
     SkinnyArgs a = {};                                                                                              \
-    a.out = q_out; a.x = x; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
+    a.out = q_out; WSET a.bias = bias; a.norm_w = norm_w;                                                  \
     a.cos_sin = cos_sin; a.rope_index = rope_index; a.k_cache8 = k_cache; a.v_cache8 = v_cache;                     \
     a.slot_mapping = slot_mapping; a.M = M; a.N = (H + 2 * Hkv) * D; a.K = K; a.half = D / 2;                       \
     a.H = H; a.Hkv = Hkv; a.D = D; a.eps = eps;                                                                     \
@@ -634,3 +705,11 @@ SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 8, 1)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 16, 2)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 32, 4)
 
+// W8A8 (E4M3A8, sm_89+: MmaE4M3): skinny_<ep>_bf16_w8a8_m<MB>[_w16], the bf16 entries' epilogues with x as E4M3 bytes
+// and its x_scale [M] fp32 right after it, the weight as the _fp8 entries take it, and no NORM (norm_w must be null:
+// x arrives normalized and quantized). The value is rounded to bf16 before the epilogue's own arithmetic, as the
+// W8A8 GEMM's bf16 output followed by the separate op (engine.quant.w8a8_linear, then TorchOps): CudaOps' W8A8 of
+// decode batches of 9-32 rows.
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 8, 1)
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 16, 2)
+SKINNY_ENTRIES(bf16_w8a8, Bf16, E4M3A8, 32, 4)

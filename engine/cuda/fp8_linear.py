@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import torch
 
+from engine import env
 from engine.cuda.library import KernelLibrary
 from engine.cuda.wrappers import fp8_quant, skinny_linear
 from engine.quant import Fp8Weight, finish_linear, fp8_linear, quantize_activations, takes_w8a8
 
 
 def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
-                   add_to: torch.Tensor | None, out_dtype: torch.dtype | None, skinny: bool) -> torch.Tensor:
+                   add_to: torch.Tensor | None, out_dtype: torch.dtype | None, skinny: bool,
+                   decode: bool = False) -> torch.Tensor:
     """TorchOps.linear's contract for an Fp8Weight. skinny: the skinny kernels take x and weight (CudaOps'
-    skinny_fits, and a bias of x's dtype if any). By the weight and x:
+    skinny_fits, and a bias of x's dtype if any). decode: a decode forward's (W8A8 may take the skinny W8A8
+    kernel; a prompt's GEMM must not depend on how many rows share its forward). By the weight and x:
     - per-channel scales that the skinny kernels take (up to 8 rows): the skinny FP8 kernel (skinny_store /
       skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
       the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
@@ -36,17 +39,54 @@ def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias:
         skinny_linear.store(lib, y, x, weight, bias)
         return finish_linear(y, None, add_to, out)
     if takes_w8a8(x, weight, out):
-        return finish_linear(fp8_scaled_mm(lib, x, weight), bias, add_to, out)
+        return finish_linear(fp8_scaled_mm(lib, x, weight, decode), bias, add_to, out)
     acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
     return finish_linear(acc * weight.row_scale, bias, add_to, out)
 
 
-def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, decode: bool = False) -> torch.Tensor:
     """W8A8 for a per-channel weight: x [M, K] bf16 quantized per row (a_scale[m] = amax(|x[m]|) * fp32(1 / 448))
     to E4M3 by one kernel (kernels_cu/fp8_quant.cu; torch's quantize_activations where it does not take x), then one
-    FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T."""
+    FP8 GEMM with both scales applied to the fp32 accumulators: [M, N] bf16 ~ x @ (data * row_scale[:, None])^T.
+    The GEMM: in decode forwards of at most METRALE_W8A8_SKINNY_ROWS (32) rows the skinny W8A8 kernel
+    (skinny_linear.store with x_scale: the weight read once), else torch._scaled_mm."""
     x = x.contiguous()
     x_fp8, a_scale = fp8_quant.quantize_rows(lib, x) if fp8_quant.takes(x) else quantize_activations(x)
+    if decode and takes_skinny_w8a8(x, weight):
+        out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16, device=x.device)
+        skinny_linear.store(lib, out, x_fp8, weight, x_scale=a_scale)
+        return out
     # mat2 is column-major [K, N] (the transpose of the row-major data), as _scaled_mm requires.
     return torch._scaled_mm(x_fp8, weight.data.t(), scale_a=a_scale, scale_b=weight.row_scale[None, :],
                             out_dtype=torch.bfloat16)
+
+
+def takes_skinny_w8a8(x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """Whether the skinny W8A8 kernels serve x [M, K] @ weight^T (W8A8 already chosen: engine.quant.takes_w8a8): at
+    most METRALE_W8A8_SKINNY_ROWS (32) rows, and a weight of their K and N tile (contiguous, per-channel)."""
+    n, k = weight.shape
+    return (0 < x.shape[0] <= min(env.W8A8_SKINNY_ROWS, skinny_linear.SKINNY_MAX_M) and weight.per_channel
+            and weight.data.is_contiguous() and k % skinny_linear.SKINNY_K_ALIGN == 0
+            and n % skinny_linear.SKINNY_TILE == 0)
+
+
+def w8a8_skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, weight: Fp8Weight) -> bool:
+    """A decode forward's h += x @ weight^T where it runs W8A8 on the skinny kernels (takes_w8a8, takes_skinny_w8a8):
+    x quantized, then one skinny W8A8 residual kernel (the GEMM's bf16 product, then added: the composition
+    fp8_projection runs with add_to, in one launch). False, doing nothing, where it does not."""
+    if not (takes_w8a8(x, weight, h.dtype) and takes_skinny_w8a8(x, weight) and fp8_quant.takes(x)):
+        return False
+    x_fp8, a_scale = fp8_quant.quantize_rows(lib, x.contiguous())
+    skinny_linear.residual(lib, h, x_fp8, weight, x_scale=a_scale)
+    return True
+
+
+def w8a8_skinny_silu(lib: KernelLibrary, x: torch.Tensor, gate_up: Fp8Weight) -> torch.Tensor | None:
+    """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) on the skinny W8A8 silu kernel where
+    W8A8 takes it as w8a8_skinny_residual says, else None."""
+    if not (takes_w8a8(x, gate_up, x.dtype) and takes_skinny_w8a8(x, gate_up) and fp8_quant.takes(x)):
+        return None
+    x_fp8, a_scale = fp8_quant.quantize_rows(lib, x.contiguous())
+    out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=x.dtype, device=x.device)
+    skinny_linear.silu(lib, out, x_fp8, gate_up, x_scale=a_scale)
+    return out

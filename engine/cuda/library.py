@@ -25,7 +25,8 @@ from engine.cuda import build
 from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX, KV_FP8_SUFFIX
 from engine.cuda.driver import Kernel, KernelLoadError, check, cuda_driver, error_text
 from engine.cuda.wrappers import decode_attention, prefill_attention
-from engine.cuda.wrappers.skinny_linear import SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS, SKINNY_M_BUCKETS
+from engine.cuda.wrappers.skinny_linear import (SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS, SKINNY_M_BUCKETS,
+                                                SKINNY_W8A8_EPILOGUE_ARGS)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,9 @@ MODULES: dict[str, list[KernelSpec]] = {
     "skinny_linear": [KernelSpec(f"skinny_{ep}_{dt}_m{m}{w}", args) for ep, args in SKINNY_EPILOGUE_ARGS.items()
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
     + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m{m}{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
-       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
+       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
+    + [KernelSpec(f"skinny_{ep}_bf16_w8a8_m{m}{w}", args) for ep, args in SKINNY_W8A8_EPILOGUE_ARGS.items()
+       for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],

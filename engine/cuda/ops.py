@@ -30,6 +30,7 @@ from torch.nn.attention import SDPBackend
 from engine import env, sampling
 from engine.batch import prefill_work
 from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
+from engine.cuda import fp8_linear
 from engine.cuda.fp8_linear import fp8_projection
 from engine.cuda.library import KernelLibrary
 from engine.cuda.prefill_sdpa import SDPA_MIN_TOKENS, attend, sdpa_plan
@@ -182,6 +183,8 @@ class CudaOps(TorchOps):
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
+        if self._decode and isinstance(weight, Fp8Weight) and fp8_linear.w8a8_skinny_residual(self.lib, h, x, weight):
+            return None if norm is None else self.rms_norm(h, norm, eps)
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
                 or isinstance(weight, Fp8Weight) or not h.is_contiguous() or not weight.is_contiguous()
@@ -197,6 +200,10 @@ class CudaOps(TorchOps):
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
+            if self._decode and isinstance(gate_up, Fp8Weight):  # W8A8 past the skinny kernels: silu fused there
+                x = self.rms_norm(h, norm, eps) if normed is None else normed
+                out = fp8_linear.w8a8_skinny_silu(self.lib, x, gate_up)
+                return out if out is not None else self.silu_and_mul(self.linear(x, gate_up))
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         skinny_linear.silu(self.lib, out, h, gate_up, norm, eps)
@@ -217,7 +224,7 @@ class CudaOps(TorchOps):
         if not isinstance(weight, Fp8Weight):
             return super().linear(x, weight, bias, add_to, out_dtype)
         skinny = skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype)
-        return fp8_projection(self.lib, x, weight, bias, add_to, out_dtype, skinny)
+        return fp8_projection(self.lib, x, weight, bias, add_to, out_dtype, skinny, self._decode)
 
     # ---------------------------------------------------------------------------------------------
     # Primitives.

@@ -111,6 +111,89 @@ def test_w8a8_quantizes_with_the_kernel(ops, gen, monkeypatch):
     x, w = randn(64, 576, dtype=torch.bfloat16), weight(1536, 576)
     assert ops.linear(x, w).shape == (64, 1536)
 
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 32])
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 14336), (1536, 576), (48, 96), (16, 32), (32, 2144)])
+def test_skinny_w8a8_store_is_the_w8a8_arithmetic(lib, gen, width, m, n, k):
+    """skinny_store_bf16_w8a8_m*: E4M3 x and weights on the FP8 tensor cores (m16n8k32), both scales after, against
+    engine.quant.w8a8_linear (fp32 sums of the same exact products): apart by the MMA's accumulation (2^-14 of the
+    sum of |products|, as the test above bounds cuBLAS's) and the two bf16 roundings. Shapes: 8B projections, the
+    default model's, K = 96 / 32 (fewer 64-element chunks than warps, a half chunk) and 2144 (a half last chunk);
+    m = 13 and 32: the _m16 / _m32 entries. A bias is added before the one rounding."""
+    from engine.quant import w8a8_linear
+
+    x, w, bias = randn(m, k, dtype=torch.bfloat16, scale=3.0), fp8_layer(n, k), randn(n, dtype=torch.bfloat16)
+    xq, a_scale = quantize_activations(x)
+    want = w8a8_linear(x, w)
+    out = nan((m, n), torch.bfloat16)
+    skinny_linear.store(lib, out, xq, w, x_scale=a_scale)
+    products = (xq.float().abs() * a_scale) @ dequantize(w).abs().t()
+    top = torch.maximum(out.float().abs(), want.float().abs())
+    diff = (out.float() - want.float()).abs()
+    assert ((diff <= products * 2 ** -14 + top * 2 ** -7 * (1 + 2 ** -8) + 1e-6).all()
+            ), f"largest |d| {diff.max().item():.3g}"
+    assert diff.norm() / want.float().norm() < 2 ** -8
+    exact = (xq.float() @ w.data.float().t()) * a_scale * w.row_scale + bias.float()
+    out = nan((m, n), torch.bfloat16)
+    skinny_linear.store(lib, out, xq, w, bias, x_scale=a_scale)
+    assert rel_err(out, exact) <= TOL_16
+
+
+def test_w8a8_takes_the_skinny_kernel_up_to_32_rows(ops, gen, monkeypatch):
+    """CudaOps' W8A8 (FP8 weights, bf16 x of 9+ rows) in a decode forward runs the skinny W8A8 kernel up to
+    METRALE_W8A8_SKINNY_ROWS (32) rows and torch._scaled_mm above; a prompt's forward always _scaled_mm (its GEMM
+    must not depend on how many prompts share the forward); with the knob at 0, _scaled_mm everywhere."""
+    from engine import env
+
+    w = weight(1536, 576)
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    try:
+        for m in (9, 32, 33):
+            ops.begin_forward(m, decode=True)
+            assert ops.linear(randn(m, 576, dtype=torch.bfloat16), w).shape == (m, 1536)
+        assert calls == [33]
+        ops.begin_forward(16, decode=False)
+        ops.linear(randn(16, 576, dtype=torch.bfloat16), w)
+        assert calls == [33, 16]
+        monkeypatch.setattr(env, "W8A8_SKINNY_ROWS", 0)
+        ops.begin_forward(16, decode=True)
+        ops.linear(randn(16, 576, dtype=torch.bfloat16), w)
+        assert calls == [33, 16, 16]
+    finally:
+        ops.begin_forward(1, decode=False)
+
+
+@pytest.mark.parametrize("m", [9, 32])
+def test_w8a8_skinny_residual_and_silu_are_the_composed_ops(ops, gen, m):
+    """A decode forward's W8A8 linear_add and norm_gate_up on the skinny W8A8 residual / silu kernels against the
+    same ops composed (the W8A8 GEMM's bf16 output, then add_ / silu_and_mul): the same roundings in the same
+    order, so apart only by the GEMMs' fp32 sums (bf16 results equal but for near-ties)."""
+    from engine.cuda import fp8_linear
+    from engine.quant import w8a8_linear
+
+    w_o, w_gu = weight(576, 1536), weight(2 * 1536, 576)
+    x, h = randn(m, 1536, dtype=torch.bfloat16), randn(m, 576, dtype=torch.bfloat16)
+    try:
+        ops.begin_forward(m, decode=True)
+        got = h.clone()
+        assert ops.linear_add(got, x, w_o) is None
+        y = w8a8_linear(x, w_o)
+        want = h.clone().add_(y)
+        # a near-tie may round the product one bf16 step (2^-8 of |y|) the other way, then the sum's own rounding
+        diff = (got.float() - want.float()).abs()
+        assert (diff <= 2 ** -7 * (want.float().abs() + y.float().abs()) + 1e-6).all(), diff.max()
+        assert (diff == 0).float().mean() > 0.9
+        nw = (1 + 0.1 * randn(576)).to(torch.bfloat16)
+        got = ops.norm_gate_up(h, nw, w_gu, 1e-5)
+        want = ops.silu_and_mul(w8a8_linear(ops.rms_norm(h, nw, 1e-5), w_gu))
+        assert got.shape == (m, 1536)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
+        assert fp8_linear.w8a8_skinny_silu(ops.lib, randn(40, 576, dtype=torch.bfloat16), w_gu) is None  # > 32 rows
+    finally:
+        ops.begin_forward(1, decode=False)
+
+
 def test_fp8_linear_captures_in_a_cuda_graph(ops, gen):
     """Both FP8 paths run with no host sync: captured once, a replay on new inputs equals an eager call."""
     w = weight(1536, 576)
@@ -256,7 +339,8 @@ SKINNY_TOKENS = [1, 3, 8, 13, 32]  # 13 / 32: the _m16 / _m32 entries (timed aga
 EPS = 1e-5
 TORCH = TorchOps()
 # [N, K] of Llama-3.2-1B (qkv, o, gate_up, down) and Llama-3.1-8B (the same), then small and odd ones: K = 2144 is
-# 67 chunks of 32 (a partial last group of chunks), K = 96 fewer chunks than warps.
+# 33.5 of the E4M3 kernels' 64-element chunks (a half last chunk in a partial last group), K = 96 and 32 fewer
+# chunks than warps (96: one and a half).
 LAYER_SHAPES_1B = [(3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
 LAYER_SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 SMALL_SHAPES = [(48, 96), (16, 32), (32, 2144), (1024, 2144)]

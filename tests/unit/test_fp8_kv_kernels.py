@@ -160,8 +160,9 @@ def test_every_attention_and_cache_write_entry_has_an_fp8_kv_twin():
         assert all(args[n] == args[n + KV_FP8_SUFFIX] for n in base), module
     skinny = {s.name: s.args for s in MODULES["skinny_linear"]}
     rope = [n for n in skinny if n.startswith("skinny_rope_kv_")]
-    # 16-bit weights and E4M3 weights (…_fp8_m*) alike: 2 dtypes x 3 token buckets x 2 widths
-    assert len(rope) == 12 + 12 and sum("_fp8_" in n for n in rope) == 12
+    # 16-bit weights and E4M3 weights (…_fp8_m*) alike: 2 dtypes x 3 token buckets x 2 widths; W8A8 (…_w8a8_m*):
+    # bf16 x 3 token buckets x 2 widths
+    assert len(rope) == 12 + 12 + 6 and sum("_fp8_" in n for n in rope) == 12 and sum("_w8a8_" in n for n in rope) == 6
     assert all(skinny[n.replace("rope_kv_", "rope_kvfp8_")] == skinny[n] for n in rope)
     # the programmatic-dependent-launch chain keeps its members: decode attention and the skinny QKV kernel
     assert all(n.startswith(PDL_PREFIXES) for n in names if n.startswith(("decode_attention_", "skinny_rope_kvfp8")))

@@ -38,6 +38,8 @@ SKINNY_EPILOGUE_ARGS = {
 }
 # The E4M3-weight entries (skinny_<ep>_<dt>_fp8_m<bucket>[_w16]): the same with the weight's scale [N] fp32 after w.
 SKINNY_FP8_EPILOGUE_ARGS = {ep: args[:3] + "p" + args[3:] for ep, args in SKINNY_EPILOGUE_ARGS.items()}
+# W8A8 (skinny_<ep>_bf16_w8a8_m<bucket>[_w16], sm_89+): the same with x E4M3 and its scale [M] fp32 after x.
+SKINNY_W8A8_EPILOGUE_ARGS = {ep: args[:2] + "p" + args[2:] for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()}
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -68,15 +70,33 @@ def _weight(what: str, x: torch.Tensor, weight: Weight) -> tuple[str, tuple[int,
     return "_fp8", (wp, sp), weight.data
 
 
+def _activations(what: str, x: torch.Tensor, x_scale: torch.Tensor | None, weight: Weight,
+                 norm_weight: torch.Tensor | None) -> tuple[str, tuple[int, ...], torch.dtype]:
+    """Checks x: 16-bit, or (W8A8: x_scale given) E4M3 rows with their fp32 scales [M, 1] and a per-channel
+    Fp8Weight, no norm_weight. Returns (the kernel suffix's dtype part: "bf16" / "fp16" / "bf16" + "_w8a8" after
+    the weight's part is dropped, the x pointers: (x,) or (x, x_scale), the dtype of the kernel's 16-bit values)."""
+    if x_scale is None:
+        return dtype_suffix(x.dtype, f"{what} x"), (tensor_arg(x, f"{what} x", x.dtype, 2),), x.dtype
+    if not isinstance(weight, Fp8Weight) or not weight.per_channel:
+        raise KernelArgError(f"{what}: W8A8 (an E4M3 x with x_scale) needs a per-channel Fp8Weight")
+    if norm_weight is not None:
+        raise KernelArgError(f"{what}: W8A8 takes x normalized before its quantization (no norm_weight)")
+    xp = tensor_arg(x, f"{what} x", FP8_DTYPE, 2)
+    xs = tensor_arg(x_scale, f"{what} x_scale", torch.float32, 2, align=False)
+    expect_shape(x_scale, f"{what} x_scale", (x.shape[0], 1))
+    return "bf16_w8a8", (xp, xs), torch.bfloat16
+
+
 def _inputs(what: str, x: torch.Tensor, weight: Weight, norm_weight: torch.Tensor | None,
-            pair_span: int) -> tuple:
-    """Checks x [M, K], weight [N, K] (16-bit or a per-channel Fp8Weight) and norm_weight [K]; pair_span = the
-    distance the epilogue pairs rows over times 2 (N, 2 I or head_dim): N % pair_span == 0 and
-    pair_span % 16 == 0. Returns (suffix, M, N, K, x, (weight pointers), norm_weight, weight data) with pointers
-    (0 = absent)."""
-    sfx = dtype_suffix(x.dtype, f"{what} x")
-    xp = tensor_arg(x, f"{what} x", x.dtype, 2)
+            pair_span: int, x_scale: torch.Tensor | None = None) -> tuple:
+    """Checks x [M, K] (16-bit, or E4M3 with x_scale: W8A8), weight [N, K] (16-bit or a per-channel Fp8Weight) and
+    norm_weight [K]; pair_span = the distance the epilogue pairs rows over times 2 (N, 2 I or head_dim):
+    N % pair_span == 0 and pair_span % 16 == 0. Returns (suffix, M, N, K, (x pointers), (weight pointers),
+    norm_weight, weight data, the dtype of the 16-bit values: outputs, bias, norm) with pointers (0 = absent)."""
+    sfx, xp, dtype = _activations(what, x, x_scale, weight, norm_weight)
     wsfx, wp, wdata = _weight(what, x, weight)
+    if x_scale is not None:
+        wsfx = ""  # _w8a8 names both E4M3s
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K:
@@ -91,9 +111,9 @@ def _inputs(what: str, x: torch.Tensor, weight: Weight, norm_weight: torch.Tenso
         raise KernelArgError(f"{what}: {M} tokens; the skinny kernels take at most {SKINNY_MAX_M} (use a GEMM)")
     nw = 0
     if norm_weight is not None:
-        nw = tensor_arg(norm_weight, f"{what} norm_weight", x.dtype, 1)
+        nw = tensor_arg(norm_weight, f"{what} norm_weight", dtype, 1)
         expect_shape(norm_weight, f"{what} norm_weight", (K,))
-    return sfx + wsfx, M, N, K, xp, wp, nw, wdata
+    return sfx + wsfx, M, N, K, xp, wp, nw, wdata, dtype
 
 
 def _output(out: torch.Tensor, what: str, dtype, shape: tuple, x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -128,60 +148,64 @@ def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> Non
 
 
 def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: Weight,
-          bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+          bias: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+          x_scale: torch.Tensor | None = None) -> None:
     """out [M, N] = x' @ weight^T (+ bias), x' = rms_norm(x, norm_weight, eps) or x; out in x's dtype, or
-    fp32 (logits: no rounding)."""
-    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_store", x, weight, norm_weight, _rows(weight))
+    fp32 (logits: no rounding). W8A8 (x_scale [M, 1] given: x E4M3 rows, fp8_quant.quantize_rows'): out bf16 =
+    bf16(bf16((acc * x_scale) * w_scale) + bias), engine.quant.w8a8_linear then the bias, as fp8_projection."""
+    sfx, M, N, K, xp, wp, nw, wd, dt = _inputs("skinny_store", x, weight, norm_weight, _rows(weight), x_scale)
     ep = "f32" if out.dtype == torch.float32 else "store"
-    o = _output(out, "skinny_store out", (x.dtype, torch.float32), (M, N), x, wd)
-    bp = _bias(bias, "skinny_store", x.dtype, N)
+    o = _output(out, "skinny_store out", (dt, torch.float32), (M, N), x, wd)
+    bp = _bias(bias, "skinny_store", dt, N)
     if M == 0:
         return
-    _launch(lib, ep, sfx, M, N, o, xp, *wp, bp, nw, M, N, K, float(eps))
+    _launch(lib, ep, sfx, M, N, o, *xp, *wp, bp, nw, M, N, K, float(eps))
 
 
 def silu(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: Weight,
-         norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
-    """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T)."""
-    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_silu", x, weight, norm_weight, _rows(weight))
+         norm_weight: torch.Tensor | None = None, eps: float = 1e-6, x_scale: torch.Tensor | None = None) -> None:
+    """The gated MLP's first half: weight = [gate | up] [2 I, K]; out [M, I] = silu(x' @ gate^T) * (x' @ up^T).
+    W8A8 with x_scale (store's)."""
+    sfx, M, N, K, xp, wp, nw, wd, dt = _inputs("skinny_silu", x, weight, norm_weight, _rows(weight), x_scale)
     I = N // 2
-    o = _output(out, "skinny_silu out", x.dtype, (M, I), x, wd)
+    o = _output(out, "skinny_silu out", dt, (M, I), x, wd)
     if M == 0:
         return
-    _launch(lib, "silu", sfx, M, N, o, xp, *wp, nw, M, I, K, float(eps))
+    _launch(lib, "silu", sfx, M, N, o, *xp, *wp, nw, M, I, K, float(eps))
 
 
-def residual(lib: KernelLibrary, residual: torch.Tensor, x: torch.Tensor, weight: Weight) -> None:
-    """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1)."""
-    sfx, M, N, K, xp, wp, _, wd = _inputs("skinny_residual", x, weight, None, _rows(weight))
-    rp = _output(residual, "skinny_residual residual", x.dtype, (M, N), x, wd)
+def residual(lib: KernelLibrary, residual: torch.Tensor, x: torch.Tensor, weight: Weight,
+             x_scale: torch.Tensor | None = None) -> None:
+    """residual [M, N] += x @ weight^T in place (one rounding, as addmm with beta = 1). W8A8 with x_scale: the
+    product rounded to bf16 first, then added (one more rounding: the W8A8 GEMM, then add_)."""
+    sfx, M, N, K, xp, wp, _, wd, dt = _inputs("skinny_residual", x, weight, None, _rows(weight), x_scale)
+    rp = _output(residual, "skinny_residual residual", dt, (M, N), x, wd)
     if M == 0:
         return
-    _launch(lib, "residual", sfx, M, N, rp, xp, *wp, M, N, K)
+    _launch(lib, "residual", sfx, M, N, rp, *xp, *wp, M, N, K)
 
 
 def rope_kv(lib: KernelLibrary, q_out: torch.Tensor, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None,
             norm_weight: torch.Tensor | None, cos_sin: torch.Tensor, rope_index: torch.Tensor,
             k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
-            num_kv_heads: int, eps: float = 1e-6) -> None:
+            num_kv_heads: int, eps: float = 1e-6, x_scale: torch.Tensor | None = None) -> None:
     """The fused QKV projection: qkv = x' @ weight^T (+ bias) with weight = [q (H D rows) | k (Hkv D) | v (Hkv D)]
     and x' = rms_norm(x, norm_weight, eps) or x; q and k rotated (rotate-half) by cos_sin[rope_index];
     q -> q_out [M, H, D]; k and v -> the caches at slot_mapping (a negative slot skips the token's cache
     write). The caches are x's dtype or E4M3 (an FP8 KV cache: the rope_kvfp8 entries, which round each value to
     x's dtype and then to E4M3), whichever the weight (16-bit or FP8: skinny_rope_kvfp8_<dt>_fp8_m8 takes both
-    E4M3s)."""
+    E4M3s). W8A8 with x_scale (store's; bf16 values)."""
     H, Hkv = int(num_heads), int(num_kv_heads)
     N = _rows(weight)
     if H <= 0 or Hkv <= 0 or N % (H + 2 * Hkv):
         raise KernelArgError(f"skinny_rope_kv: weight {tuple(weight.shape)} is not [(H + 2 Hkv) D, K] for "
                              f"H = {H}, Hkv = {Hkv}")
     D = N // (H + 2 * Hkv)
-    sfx, M, N, K, xp, wp, nw, wd = _inputs("skinny_rope_kv", x, weight, norm_weight, D)
-    qo = _output(q_out, "skinny_rope_kv q_out", x.dtype, (M, H, D), x, wd)
-    bp = _bias(bias, "skinny_rope_kv", x.dtype, N)
-    cs, ri, sm, kc, vc = rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M, Hkv, D,
-                                       x.dtype)
+    sfx, M, N, K, xp, wp, nw, wd, dt = _inputs("skinny_rope_kv", x, weight, norm_weight, D, x_scale)
+    qo = _output(q_out, "skinny_rope_kv q_out", dt, (M, H, D), x, wd)
+    bp = _bias(bias, "skinny_rope_kv", dt, N)
+    cs, ri, sm, kc, vc = rope_operands(cos_sin, rope_index, slot_mapping, k_cache, v_cache, M, Hkv, D, dt)
     if M == 0:
         return
     ep = "rope_kvfp8" if kv_suffix(k_cache) else "rope_kv"
-    _launch(lib, ep, sfx, M, N, qo, xp, *wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
+    _launch(lib, ep, sfx, M, N, qo, *xp, *wp, bp, nw, cs, ri, kc, vc, sm, M, H, Hkv, D, K, float(eps))
