@@ -15,6 +15,7 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda import build
 from engine.cuda.checks import ATTENTION_HEAD_DIMS, KV_FP8_SUFFIX, cache_dtype
+from engine.cuda.driver import KernelArgError
 from engine.cuda.library import MODULES, PDL_PREFIXES
 from engine.cuda.wrappers import decode_attention, prefill_attention
 from engine.errors import ConfigError
@@ -264,6 +265,20 @@ class EntryRecorder:
         return 0
 
 
+def cpu_tensor_args(monkeypatch) -> None:
+    """The wrappers' tensor_arg without its device check (CPU tensors); its dtype, rank and layout checks stay."""
+    from engine.cuda import checks
+    from engine.cuda.wrappers import skinny_linear
+
+    def cpu_tensor_arg(t, what, dtype, ndim=None, contiguous=True, align=True, host_mapped=False):
+        ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
+        if not (ok and (ndim is None or t.dim() == ndim) and (not contiguous or t.is_contiguous())):
+            raise KernelArgError(f"{what}: {t.dtype} {tuple(t.shape)}")
+        return t.data_ptr()
+    for module in (checks, skinny_linear):
+        monkeypatch.setattr(module, "tensor_arg", cpu_tensor_arg)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fp8_weight", [False, True], ids=["w16", "w_fp8"])
 @pytest.mark.parametrize("fp8_cache", [False, True], ids=["kv16", "kv_fp8"])
@@ -274,16 +289,10 @@ def test_the_skinny_qkv_wrapper_names_a_built_entry_for_every_weight_and_cache(m
     library declares (and tests/unit/test_kernels_build.py finds in every fatbin), with its argument count: FP8
     weights with an FP8 KV cache take skinny_rope_kvfp8_<dt>_fp8_m8. The device check of tensor_arg is stubbed
     (CPU tensors); every other check runs."""
-    from engine.cuda import checks
     from engine.cuda.wrappers import skinny_linear
     from engine.quant import quantize_fp8
 
-    def cpu_tensor_arg(t, what, dtype, ndim=None, contiguous=True, align=True, host_mapped=False):
-        ok = t.dtype == dtype if isinstance(dtype, torch.dtype) else t.dtype in dtype
-        assert ok and (ndim is None or t.dim() == ndim) and (not contiguous or t.is_contiguous()), what
-        return t.data_ptr()
-    for module in (checks, skinny_linear):
-        monkeypatch.setattr(module, "tensor_arg", cpu_tensor_arg)
+    cpu_tensor_args(monkeypatch)
     H, Hkv, D, K, M = 4, 2, 16, 64, 3
     N = (H + 2 * Hkv) * D
     w = torch.randn(N, K).to(dtype)
@@ -300,3 +309,41 @@ def test_the_skinny_qkv_wrapper_names_a_built_entry_for_every_weight_and_cache(m
     want = (f"skinny_rope_kv{'fp8' if fp8_cache else ''}_{dt}{'_fp8' if fp8_weight else ''}_m8"
             f"{'_w16' if N // 16 <= wide_tiles else ''}")
     assert name == want and name in specs and num_args == len(specs[name])
+
+
+@pytest.mark.parametrize("M, bucket", [(3, 8), (13, 16), (32, 32)])
+def test_the_w8a8_skinny_wrappers_name_a_built_entry_with_its_arguments(monkeypatch, M, bucket):
+    """skinny_linear's store / silu / residual / rope_kv with x_scale (W8A8: E4M3 x and its per-row scales, a
+    per-channel FP8 weight) name skinny_<ep>_bf16_w8a8_m<bucket>, which the library declares, with as many
+    arguments as it declares; what W8A8 cannot take is refused with KernelArgError: a norm weight (x arrives
+    normalized), a 16-bit weight, 16-bit x, and scales of the wrong shape."""
+    from engine.cuda.wrappers import skinny_linear
+    from engine.quant import quantize_activations, quantize_fp8
+
+    cpu_tensor_args(monkeypatch)
+    specs = {s.name: s.args for s in MODULES["skinny_linear"]}
+    K, N, H, Hkv, D = 64, 128, 4, 2, 16
+    xq, scale = quantize_activations(torch.randn(M, K, dtype=torch.bfloat16))
+    w = quantize_fp8(torch.randn(N, K))
+    lib = EntryRecorder()
+    lib.skinny_wide_tiles = 0
+    bf = torch.bfloat16
+    skinny_linear.store(lib, torch.empty(M, N, dtype=bf), xq, w, x_scale=scale)
+    skinny_linear.silu(lib, torch.empty(M, N // 2, dtype=bf), xq, w, x_scale=scale)
+    skinny_linear.residual(lib, torch.zeros(M, N, dtype=bf), xq, w, x_scale=scale)
+    cache = torch.zeros(4, 16, Hkv, D, dtype=bf)
+    skinny_linear.rope_kv(lib, torch.empty(M, H, D, dtype=bf), xq, w, None, None, torch.zeros(64, D),
+                          torch.zeros(M, dtype=torch.long), cache, cache.clone(), torch.arange(M), H, Hkv, x_scale=scale)
+    assert [name for name, _ in lib.launched] == [f"skinny_{ep}_bf16_w8a8_m{bucket}"
+                                                  for ep in ("store", "silu", "residual", "rope_kv")]
+    assert all(num_args == len(specs[name]) for name, num_args in lib.launched)
+    out = torch.empty(M, N, dtype=bf)
+    with pytest.raises(KernelArgError, match="normalized"):
+        skinny_linear.store(lib, out, xq, w, norm_weight=torch.ones(K, dtype=bf), x_scale=scale)
+    with pytest.raises(KernelArgError, match="Fp8Weight"):
+        skinny_linear.store(lib, out, xq, torch.randn(N, K, dtype=bf), x_scale=scale)
+    with pytest.raises(KernelArgError):
+        skinny_linear.store(lib, out, torch.randn(M, K, dtype=bf), w, x_scale=scale)
+    with pytest.raises(KernelArgError):
+        skinny_linear.store(lib, out, xq, w, x_scale=scale[:1] if M > 1 else torch.ones(2, 1))
+    assert len(lib.launched) == 4
