@@ -122,7 +122,7 @@ class StepDispatch:
 
     def close(self, outputs) -> None:
         """Waits for the device, drops every graph, then the pinned buffers torch copied into on the compute
-        stream (outputs: the StepOutputs), then the streams."""
+        stream (outputs: the StepOutputs), then closes the streams (their events destroyed, the streams retired)."""
         self.synchronize()
         if self.graphs is not None:
             self.graphs.clear()

@@ -1,4 +1,5 @@
-"""EngineStreams: the engine's own CUDA streams and events, created once and destroyed on close().
+"""EngineStreams: the engine's own CUDA streams and events, created once; close() destroys the events and retires
+the streams (kept for the life of the process: _RETIRED_STREAMS).
 
 - compute: every kernel and torch op of a forward runs here (`with streams.compute_context():`), never
   on the legacy default stream.
@@ -22,6 +23,14 @@ import contextlib
 import torch
 
 from engine.cuda.driver import CudaError, check, cuda_driver
+
+# The streams of closed EngineStreams, kept for the life of the process. When a pinned host tensor that a copy used
+# on a stream is freed, torch's pinned-memory allocator records an event on that stream (and the caching allocator
+# does the same for device memory a stream was recorded on); an engine's tensors go whenever their last reference
+# does, which may be after Engine.close, and recording on a destroyed stream is undefined behaviour (the suspected
+# cause of the segfaults and "invalid device context" aborts seen when a closed engine was freed: bench/RESULTS.md).
+# Two idle streams an engine cost a few KB of driver memory.
+_RETIRED_STREAMS: list = []
 
 # Events in the mark ring. A mark's event is recorded again MARKS marks later; the engine looks at a
 # mark only while its step is in flight (at most 4) or, for a retired graph, to see that its last
@@ -193,8 +202,9 @@ class EngineStreams:
         check("cuStreamSynchronize", driver.cuStreamSynchronize(self._copy_handle))
 
     def close(self) -> None:
-        """Waits for both streams, then destroys the events and the streams. Call it after the tensors
-        used on these streams are released (torch's allocator may still refer to the streams)."""
+        """Waits for both streams, then destroys the events. The streams themselves are retired, not destroyed
+        (_RETIRED_STREAMS): tensors used on them may be freed after close, and torch's allocators then still
+        use the streams (below)."""
         if self._closed:
             return
         self._closed = True
@@ -202,8 +212,7 @@ class EngineStreams:
         self.synchronize()
         for event in (self._copy_done, self._compute_mark, *(e for pair in self._timers for e in pair), *self._marks):
             check("cuEventDestroy", driver.cuEventDestroy(event))
-        for stream in (self._compute_handle, self._copy_handle):
-            check("cuStreamDestroy", driver.cuStreamDestroy(stream))
+        _RETIRED_STREAMS.extend((self._compute_handle, self._copy_handle))
         if self._context is not None:
             check("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease(
                 check("cuDeviceGet", driver.cuDeviceGet(self.device.index or 0))))
