@@ -155,11 +155,16 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     async def _start(self, live: LiveRequest, spec: convert.GenerateSpec, grammar=None,
                      started: float | None = None) -> None:
-        """Allocates and prefills each choice's sequence, one after another (its first token is then on its
-        queue). A caller that goes away meanwhile leaves the start in progress to finish on the engine thread;
-        that sequence is stopped then. grammar: the compiled constraint (structured output), a Constraint of
-        its own for each choice, whose first token's mask is set with the allocation. started: time.perf_counter()
-        when the call came (time to first token)."""
+        """Allocates and prefills every choice's sequence, all started at once so that they share one engine call
+        and one prefill (GenerateStreams batches the starts queued together; each choice's first token is then on
+        its queue). A choice that finds no room waits as vLLM's queued requests do; the started ones decode on
+        meanwhile (their tokens queue until the call reads them, and they free their slots and blocks as they
+        end), so one that waits for them does not wait for good. If a start fails, the others are still
+        recorded (the caller's cleanup stops them) and the first failure is raised. A caller that goes away
+        cancels the starts: a waiting start is dropped, one that started anyway is stopped. grammar: the
+        compiled constraint (structured output), a Constraint of its own for each choice, whose first token's
+        mask is set with the allocation. started: time.perf_counter() when the call came (time to first token)."""
+        starts = []
         for choice in live.choices:
             request_id = live.request_id if spec.n == 1 else f"{live.request_id}/{choice.index}"
             choice.constraint = Constraint(grammar, self.facts.vocab_size) if grammar is not None else None
@@ -171,16 +176,21 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                     engine.set_token_mask(result.seq_id, constraint.mask())
                 return result
 
-            # Each choice waits for room as vLLM's queued requests do. The started ones decode on meanwhile (their
-            # tokens queue until all have started and the call reads them) and free their slots and blocks as they
-            # end, so a choice that waits for them does not wait for good.
-            start = asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint, started,
-                                                                    reserve=spec.max_total_tokens))
-            try:
-                choice.seq_id, choice.out = await start  # cancelled with the call: a waiting start is dropped
-            except asyncio.CancelledError:
-                start.add_done_callback(self._stop_orphan)  # (one cancelled after it started is stopped)
-                raise
+            starts.append(asyncio.ensure_future(self.runner.streams.start(spec.prompt, alloc, choice.constraint,
+                                                                          started, reserve=spec.max_total_tokens)))
+        try:
+            await asyncio.wait(starts)
+        except asyncio.CancelledError:
+            for start in starts:
+                start.cancel()  # a waiting start is dropped
+                start.add_done_callback(self._stop_orphan)  # one that started anyway is stopped
+            raise
+        for choice, start in zip(live.choices, starts):
+            if start.exception() is None:
+                choice.seq_id, choice.out = start.result()
+        failed = next((start.exception() for start in starts if start.exception() is not None), None)
+        if failed is not None:
+            raise failed
 
     def _stop_orphan(self, start: asyncio.Future) -> None:
         if not start.cancelled() and start.exception() is None:

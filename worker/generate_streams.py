@@ -50,8 +50,8 @@ _WAIT = object()  # _start_streams' outcome of a start that waits for room
 
 class _TokenQueue(asyncio.Queue):
     """A stream's queue of tokens; each take tells the decode loop (a held-back stream may go on). `read`: its
-    caller has begun taking (until then it is not held back: the choices of an n > 1 call start one after another
-    and are read once all have, so the started ones run on and free their slots for the later ones)."""
+    caller has begun taking (until then it is not held back: the choices of an n > 1 call are read once all have
+    started, so the started ones run on and free their slots for those that wait for room)."""
 
     def __init__(self, on_take: Callable[[], None]):
         super().__init__()
@@ -108,6 +108,7 @@ class GenerateStreams:
         self._starts: list[_Start] = []  # streams whose prefill call is queued, not started yet
         self._waiting: collections.deque[_Start] = collections.deque()  # refused for room for now, oldest first
         self._start_queued = False  # a call that takes the starts is queued and has not taken them yet
+        self._queue_soon = False  # _queue_new_starts is scheduled on the loop
         # (call, its answer) of the start calls queued whose answer has not been applied yet, oldest first
         self._unanswered: collections.deque[tuple[asyncio.Future, Callable[[], None]]] = collections.deque()
         self._retry: asyncio.TimerHandle | None = None
@@ -136,7 +137,9 @@ class GenerateStreams:
         out = _TokenQueue(self._taken.set)
         start = _Start(prompt, alloc, self.runner.loop.create_future(), reserve)
         self._starts.append(start)
-        self._queue_starts()
+        if not self._queue_soon:  # after the loop's ready callbacks: the starts made with this one join it
+            self._queue_soon = True
+            self.runner.loop.call_soon(self._queue_new_starts)
         first = await start.first
         out.put_nowait(first)
         if self.metrics is not None:
@@ -181,6 +184,13 @@ class GenerateStreams:
             start = self._waiting.popleft()
             if not start.first.done():
                 start.first.set_exception(error)
+
+    def _queue_new_starts(self) -> None:
+        """The new starts' engine call, queued once the loop has run what was ready when the first of them came:
+        starts made together (the choices of an n > 1 call, calls that came in one read of the socket) share one
+        call and one prefill, even when the runner would take a call at once (it is idle)."""
+        self._queue_soon = False
+        self._queue_starts()
 
     def _queue_starts(self) -> None:
         """Queues one engine call that allocates and prefills every start there is when it begins: the waiting

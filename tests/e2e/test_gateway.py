@@ -852,10 +852,22 @@ def test_a_generate_waits_for_room_in_arrival_order(tok_model):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_start_together_in_one_prefill(tok_server, vllm, stream):
+    """The choices of an n > 1 call start at once and share one engine prefill (Info's step counters: one prefill
+    call for the four, where starting them one after another took four)."""
+    prompt = random_prompts([9], VOCAB, seed=73)[0]
+    before = tok_server.stub().Info(pb.InfoRequest()).steps.prefill_calls
+    responses = list(vllm.Generate(generate_request(prompt, f"n4-one-prefill-{stream}", stream, temperature=1.0,
+                                                    seed=5, n=4, max_tokens=3, ignore_eos=True), timeout=60))
+    assert sorted(split_by_index(responses)[1]) == [0, 1, 2, 3]
+    assert tok_server.stub().Info(pb.InfoRequest()).steps.prefill_calls - before == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_beyond_the_free_slots_or_blocks_wait_for_room(tok_model, stream):
     """n = 3 with one slot of three free (two held by a router's sequences), then n = 2 whose KV reservations do not
-    fit the cache together (10 blocks each of 16): the choices start one after another, each waiting for the slot
-    or blocks the ones before free as they end (the started ones run on unread), and each is ModelWorker's
+    fit the cache together (10 blocks each of 16): the choices that find no room wait, each for the slot or blocks
+    the started ones free as they end (those run on unread), and each is ModelWorker's
     sequence with its seed, as with room for all. Nothing is left behind."""
     srv = start_server(tok_model, max_slots=3, num_kv_blocks=17)  # 16 usable blocks: 256 tokens of KV
     try:
