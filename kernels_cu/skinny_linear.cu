@@ -56,11 +56,12 @@
 // rotate-half, SiLU gate/up) are register-local. S = N for store / f32 / residual, 2I for silu (pair
 // = gate row p, up row I + p), D for rope_kv (pair = (i, i + D/2) of one head).
 //
-// Block = one tile (16 W rows), WARPS = 8 or 16 warps splitting K: warp w takes the 32-element chunks
-// w, w + WARPS, ... in groups of SK_GROUP = 4 chunks whose loads (8 16-byte W loads per lane, plus x
-// and norm_w) are all issued before the group's mmas; a last, predicated group takes the remainder (E4M3 at
-// 16 and 32 tokens: groups of 2, whose x pieces would not fit the registers at 4).
-// Chunk u of a group accumulates into chain u % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles
+// Block = one tile (16 W rows), WARPS = 8 or 16 warps splitting K: warp w takes the chunks (32 elements of k
+// for 16-bit W, 64 for E4M3 and E4M3A8: 16 bytes a lane either way) w, w + WARPS, ... in groups of SK_GROUP = 4
+// chunks whose loads (8 16-byte W loads per lane, plus x and norm_w) are all issued before the group's mmas; a
+// last, predicated group takes the remainder (E4M3 at 16 and 32 tokens and E4M3A8 at 32: groups of 2, whose x
+// would not fit the registers at 4).
+// Piece s of chunk u of a group accumulates into chain (u SUB + s) % CH (CH = 2 for NT <= 2, else 1: the NT n-tiles
 // already give independent chains), so the mma dependency chain is short; the chains are added in a
 // fixed order. W is read with ld.global.nc.L1::no_allocate (read once: it must not evict x, which
 // every block re-reads from L1/L2). The warps' fragments (and NORM's sums of squares) are summed
@@ -144,10 +145,11 @@ __device__ __forceinline__ Vec16 zero16() {
   Vec16 v = {{0u, 0u, 0u, 0u}};
   return v;
 }
+
 // FP8 x FP8 -> fp32 (sm_89+: the W8A8 skinny entries), m16n8k32: A = 16 x 32 E4M3 (row), B = 32 x 8 (col), four
-// bytes a register (lowest k in bits 0..7). a0 / a1 = rows g / g + 8 at k 4t .. 4t + 3, a2 / a3 the same at k 4t + 16 ..
-// 4t + 19; b0 / b1 = col g at k 4t .. 4t + 3 / 4t + 16 .. 4t + 19; C / D as m16n8k16's. Before sm_89 there is no
-// such instruction: the entries that use it trap there (the wrappers send them only FP8-capable devices).
+// bytes a register (lowest k in bits 0..7). a0 / a1 = rows g / g + 8 at k 4t .. 4t + 3, a2 / a3 the same at
+// k 4t + 16 .. 4t + 19; b0 / b1 = col g at k 4t .. 4t + 3 / 4t + 16 .. 4t + 19; C / D as m16n8k16's. Before sm_89
+// there is no such instruction: the entries that use it trap there (the wrappers send them only FP8-capable devices).
 struct MmaE4M3 {
   static __device__ __forceinline__ void run(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
