@@ -106,17 +106,6 @@ def w8a16_fallback(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     return finish_linear(acc * w.row_scale, None, None, x.dtype)
 
 
-def w8a8_swapped(lib, x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """fp8_scaled_mm's W8A8 with the GEMM computed as (W x^T)^T: W [N, K] as the row-major first operand, the
-    quantized x [M, K] as the column-major [K, M] second, so that a few rows of x are the GEMM's narrow N side
-    (small-M FP8 GEMMs are commonly run swapped); then transposed back into a contiguous [M, N]."""
-    from engine.cuda.wrappers import fp8_quant
-    xq, a_scale = fp8_quant.quantize_rows(lib, x)
-    y = torch._scaled_mm(weight.data, xq.t(), scale_a=weight.row_scale[:, None].contiguous(),
-                         scale_b=a_scale.t().contiguous(), out_dtype=torch.bfloat16)
-    return y.t().contiguous()
-
-
 def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -> dict:
     """{name: fn} for one shape and token count: torch's F.linear (Fp8Weight: the torch W8A16 fallback),
     skinny_store, and the fused epilogue."""
@@ -125,29 +114,15 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
     out = torch.empty(M, N, device=dev, dtype=dt)
     fp8 = isinstance(weights[0], Fp8Weight)
     torch_case = ("torch W8A16", w8a16_fallback) if fp8 else ("F.linear", F.linear)
-    if fp8 and M > 8:  # what CudaOps runs above 8 rows: W8A8 (the activations quantized, torch._scaled_mm)
+    if fp8:
         from engine.cuda.fp8_linear import fp8_scaled_mm
-        torch_case = ("W8A8 (CudaOps above 8 rows)", lambda x, w: fp8_scaled_mm(lib, x, w))
+    if fp8 and M > 8:  # W8A8 as CudaOps runs prompts past 8 rows: the activations quantized, torch._scaled_mm
+        torch_case = ("W8A8 _scaled_mm (CudaOps' prompts)", lambda x, w: fp8_scaled_mm(lib, x, w))
     kvfp8 = None
     cases = {torch_case[0]: rotating(lambda w: torch_case[1](x, w), weights),
              "skinny_store": rotating(lambda w: skinny_linear.store(lib, out, x, w), weights)}
-    if fp8:  # W8A8 by its GEMMs: the skinny W8A8 kernel (what CudaOps runs for 9-32 rows), torch._scaled_mm, and
-        # _scaled_mm with the operands swapped (W as the M side) then transposed back; each after the x quantization
-        from engine.cuda.wrappers import fp8_quant
-
-        def skinny_w8a8(w):
-            xq, a_scale = fp8_quant.quantize_rows(lib, x)
-            skinny_linear.store(lib, out, xq, w, x_scale=a_scale)
-
-        def scaled_mm(w):
-            xq, a_scale = fp8_quant.quantize_rows(lib, x)
-            return torch._scaled_mm(xq, w.data.t(), scale_a=a_scale, scale_b=w.row_scale[None, :],
-                                    out_dtype=torch.bfloat16)
-
-        cases["W8A8 skinny"] = rotating(skinny_w8a8, weights)
-        if M % 16 == 0:
-            cases["W8A8 _scaled_mm"] = rotating(scaled_mm, weights)
-            cases["W8A8 swapped"] = rotating(lambda w: w8a8_swapped(lib, x, w), weights)
+    if fp8:  # W8A8 on the skinny W8A8 kernel, as CudaOps' decode forwards of 9-32 rows run it (x quantized first)
+        cases["W8A8 skinny"] = rotating(lambda w: fp8_scaled_mm(lib, x, w, decode=True), weights)
     if ep == "f32":
         logits = torch.empty(M, N, device=dev)
         fused = rotating(lambda w: skinny_linear.store(lib, logits, x, w, norm_weight=nw), weights)

@@ -70,23 +70,32 @@ def takes_skinny_w8a8(x: torch.Tensor, weight: Fp8Weight) -> bool:
             and n % skinny_linear.SKINNY_TILE == 0)
 
 
+def _skinny_w8a8_x(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight,
+                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x quantized per row (E4M3, its scales) where a decode forward's x @ weight^T runs W8A8 on the skinny kernels
+    (takes_w8a8, takes_skinny_w8a8, and the quantization kernel takes x); None where it does not."""
+    if not (takes_w8a8(x, weight, out_dtype) and takes_skinny_w8a8(x, weight) and fp8_quant.takes(x)):
+        return None
+    return fp8_quant.quantize_rows(lib, x.contiguous())
+
+
 def w8a8_skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """A decode forward's h += x @ weight^T where it runs W8A8 on the skinny kernels (takes_w8a8, takes_skinny_w8a8):
-    x quantized, then one skinny W8A8 residual kernel (the GEMM's bf16 product, then added: the composition
-    fp8_projection runs with add_to, in one launch). False, doing nothing, where it does not."""
-    if not (takes_w8a8(x, weight, h.dtype) and takes_skinny_w8a8(x, weight) and fp8_quant.takes(x)):
+    """A decode forward's h += x @ weight^T where it runs W8A8 on the skinny kernels (_skinny_w8a8_x): one skinny
+    W8A8 residual kernel (the GEMM's bf16 product, then added: the composition fp8_projection runs with add_to, in
+    one launch). False, doing nothing, where it does not."""
+    quantized = _skinny_w8a8_x(lib, x, weight, h.dtype)
+    if quantized is None:
         return False
-    x_fp8, a_scale = fp8_quant.quantize_rows(lib, x.contiguous())
-    skinny_linear.residual(lib, h, x_fp8, weight, x_scale=a_scale)
+    skinny_linear.residual(lib, h, quantized[0], weight, x_scale=quantized[1])
     return True
 
 
 def w8a8_skinny_silu(lib: KernelLibrary, x: torch.Tensor, gate_up: Fp8Weight) -> torch.Tensor | None:
-    """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) on the skinny W8A8 silu kernel where
-    W8A8 takes it as w8a8_skinny_residual says, else None."""
-    if not (takes_w8a8(x, gate_up, x.dtype) and takes_skinny_w8a8(x, gate_up) and fp8_quant.takes(x)):
+    """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) on the skinny W8A8 silu kernel where it
+    runs W8A8 on the skinny kernels (_skinny_w8a8_x), else None."""
+    quantized = _skinny_w8a8_x(lib, x, gate_up, x.dtype)
+    if quantized is None:
         return None
-    x_fp8, a_scale = fp8_quant.quantize_rows(lib, x.contiguous())
     out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=x.dtype, device=x.device)
-    skinny_linear.silu(lib, out, x_fp8, gate_up, x_scale=a_scale)
+    skinny_linear.silu(lib, out, quantized[0], gate_up, x_scale=quantized[1])
     return out

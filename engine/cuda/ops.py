@@ -203,7 +203,7 @@ class CudaOps(TorchOps):
             if self._decode and isinstance(gate_up, Fp8Weight):  # W8A8 past the skinny kernels: silu fused there
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
                 out = fp8_linear.w8a8_skinny_silu(self.lib, x, gate_up)
-                return out if out is not None else self.silu_and_mul(self.linear(x, gate_up))
+                return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
         skinny_linear.silu(self.lib, out, h, gate_up, norm, eps)
