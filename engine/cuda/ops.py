@@ -56,8 +56,8 @@ SPLIT_K = 4  # ... over this many slices of K (fp32 partials summed by residual_
 DECODE_COUNTERS = 1 << 16  # decode attention's split tickets: one per (query row, KV head, head chunk)
 
 
-def skinny_fits(x: torch.Tensor, weight: Weight, span: int) -> bool:
-    """Whether the skinny kernels take x [M, K] @ weight^T: at most SKINNY_TOKENS rows of 16-bit x, and a weight
+def skinny_fits(x: torch.Tensor, weight: Weight, span: int, max_rows: int = SKINNY_TOKENS) -> bool:
+    """Whether the skinny kernels take x [M, K] @ weight^T: at most max_rows rows of 16-bit x, and a weight
     [N, K] they can cut into 16-row tiles of row pairs (r, r + span / 2): 16-bit, or an Fp8Weight with per-channel
     scales (the _fp8 kernels; other blocks keep CudaOps.linear's torch paths)."""
     if isinstance(weight, Fp8Weight):
@@ -66,7 +66,7 @@ def skinny_fits(x: torch.Tensor, weight: Weight, span: int) -> bool:
     elif weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
-    return (0 < x.shape[0] <= SKINNY_TOKENS and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
+    return (0 < x.shape[0] <= max_rows and x.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
@@ -211,8 +211,13 @@ class CudaOps(TorchOps):
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
+        """The skinny kernels (norm fused) for decode forwards of at most 8 rows, and for an FP8 LM head (per
+        channel) up to 32: past 8 rows it would otherwise take fp8_projection's W8A16, which converts the whole
+        head to 16 bits on every call (8B: ~1.5 ms a decode step at batch 32, bench/RESULTS.md)."""
         x = h if rows is None else h[rows]
-        if not self._skinny or not skinny_fits(x, lm_head, lm_head.shape[0]):
+        fp8_head = self._decode and isinstance(lm_head, Fp8Weight)
+        max_rows = skinny_linear.FP8_MAX_M if fp8_head else SKINNY_TOKENS
+        if not (self._skinny or fp8_head) or not skinny_fits(x, lm_head, lm_head.shape[0], max_rows):
             return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         skinny_linear.store(self.lib, out, x, lm_head, None, norm, eps)

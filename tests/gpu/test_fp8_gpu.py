@@ -549,8 +549,8 @@ def test_fp8_skinny_residual_then_norm_silu_replay_in_a_cuda_graph(lib, gen, m):
 
 
 def test_cuda_ops_route_per_channel_fp8_decode_through_the_skinny_kernels(ops, gen, monkeypatch):
-    """CudaOps: per-channel FP8 at <= 8 rows takes the _fp8 skinny kernels (fused ops and linear), block-scaled
-    weights keep the torch reference."""
+    """CudaOps: per-channel FP8 at <= 8 rows takes the _fp8 skinny kernels (fused ops and linear), and an FP8 LM
+    head up to 32 decode rows; block-scaled weights keep the torch reference."""
     from engine.cuda import ops as cuda_ops
 
     launched = []
@@ -577,6 +577,17 @@ def test_cuda_ops_route_per_channel_fp8_decode_through_the_skinny_kernels(ops, g
     assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2 ** -7 + 1e-4).all()
     out = ops.norm_gate_up(x, (1 + 0.1 * randn(576)).to(torch.bfloat16), weight(2 * 768, 576), EPS)
     assert launched[-1] == "silu" and out.shape == (3, 768)
+    # An FP8 LM head's logits in decode forwards of 9-32 rows: the skinny store, norm fused (not torch's W8A16,
+    # which converts the whole head per call); a prompt's logits keep the reference path.
+    head, nw = weight(4096, 576), (1 + 0.1 * randn(576)).to(torch.bfloat16)
+    for rows, decode, skinny in ((32, True, True), (13, True, True), (33, True, False), (32, False, False)):
+        ops.begin_forward(rows, decode=decode)
+        h = randn(rows, 576, dtype=torch.bfloat16)
+        del launched[:]
+        got = ops.norm_logits(h, None, nw, head, EPS)
+        assert launched == (["store"] if skinny else []), (rows, decode, launched)
+        want = fp8_linear(TORCH.rms_norm(h, nw, EPS), head, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and rel_err(got, want) <= TOL_NORM, (rows, decode)
 
 
 @pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static"])
