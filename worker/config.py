@@ -42,6 +42,9 @@ class WorkerConfig:
         "help": "the gateway service's streamed Generate: send a choice's tokens in chunks of this many (its first "
                 "token and its last chunk at once), as vLLM's --stream-interval: fewer messages for the event loop "
                 "that also launches the steps, at the cost of a burstier stream; 1: every token as it comes"})
+    profile_dir: str = field(default="", metadata={
+        "help": "directory the gateway service's StartProfile / StopProfile write torch.profiler traces under "
+                "(vLLM's VLLM_TORCH_PROFILER_DIR; a call may name a directory inside it); empty: profiling is off"})
     gil_switch_interval_us: int = field(default=0, metadata={
         "help": "the worker process's Python thread switch interval (sys.setswitchinterval), in microseconds: "
                 "how long a thread that wants the GIL waits before the holder is made to drop it; 0: Python's "

@@ -9,7 +9,8 @@ steps with each other and with ModelWorker's Generate streams.
 
 Like ModelWorkerServicer, this only translates: conversions are in worker/gateway_convert.py, engine
 errors map to status codes through worker/errors.py, anything else is INTERNAL (logged with the request
-id) and the worker keeps serving. RPCs a single-GPU text worker cannot honour answer UNIMPLEMENTED.
+id) and the worker keeps serving. StartProfile / StopProfile trace the worker with torch.profiler
+(worker/profiling.py). Embed, which a generative model does not serve, answers UNIMPLEMENTED.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Callable
 import grpc
 
 from engine.engine import Engine
-from engine.errors import EngineError, FailedPrecondition
+from engine.errors import EngineError, FailedPrecondition, InvalidArgument
 from engine.kv_events import follow
 from engine.tokenizer import Tokenizer
 from worker import gateway_convert as convert
@@ -35,6 +36,7 @@ from worker.convert import kv_event_batch
 from worker.gateway_pb import SERVICE_NAME, cpb, vpb, vpb_grpc
 from worker.gateway_requests import ABORTED, LiveRequest, Requests
 from worker.metrics import Metrics
+from worker.profiling import TraceProfiler
 from worker.runner import EngineRunner
 from worker.structured_output import Constraint, Grammars
 from worker.tokenizer_bundle import TokenizerBundle, chunks
@@ -64,8 +66,10 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     """health_reason() says why the worker is not serving (draining, the step watchdog), "" when it is;
     the Worker sets `runner` (attach) once the engine has loaded and `draining` when it drains."""
 
-    def __init__(self, metrics: Metrics, health_reason: Callable[[], str], stream_interval: int = 1):
+    def __init__(self, metrics: Metrics, health_reason: Callable[[], str], stream_interval: int = 1,
+                 profile_dir: str = ""):
         self.metrics = metrics
+        self.profiler = TraceProfiler(profile_dir)  # StartProfile / StopProfile (WorkerConfig.profile_dir)
         self.stream_interval = stream_interval  # tokens a streamed chunk waits for (WorkerConfig.stream_interval)
         self.health_reason = health_reason
         self.runner: EngineRunner | None = None
@@ -315,16 +319,28 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
 
+    # ------------------------------------------------------------------ profiling
+
+    @unary
+    async def StartProfile(self, request: cpb.StartProfileRequest, context) -> cpb.ProfileResponse:
+        for name in ("start_step", "num_steps"):
+            if request.HasField(name):
+                raise InvalidArgument(f"{name}: not supported; a profile runs from StartProfile to StopProfile")
+        if request.profile_by_stage:
+            raise InvalidArgument("profile_by_stage: not supported; a profile runs from StartProfile to StopProfile")
+        out_dir = self.profiler.start(request.output_dir, tuple(request.activities),
+                                      with_stack=request.with_stack, record_shapes=request.record_shapes)
+        return cpb.ProfileResponse(success=True, message=f"profiling; StopProfile writes the trace into {out_dir}")
+
+    @unary
+    async def StopProfile(self, request: cpb.StopProfileRequest, context) -> cpb.ProfileResponse:
+        path = await self.profiler.stop()
+        return cpb.ProfileResponse(success=True, message=f"trace written to {path}")
+
     # ------------------------------------------------------------------ not served
 
     async def Embed(self, request, context):
         await self._unimplemented(context, "Embed", "this worker serves a generative model, not embeddings")
-
-    async def StartProfile(self, request, context):
-        await self._unimplemented(context, "StartProfile", "profile with bench/profile_step.py instead")
-
-    async def StopProfile(self, request, context):
-        await self._unimplemented(context, "StopProfile", "profile with bench/profile_step.py instead")
 
     async def _unimplemented(self, context, name: str, why: str) -> None:
         with self.metrics.rpc(f"VllmEngine.{name}") as call:

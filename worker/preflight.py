@@ -3,6 +3,7 @@ of a typo in a flag at once: each problem is a ConfigError naming the flag, the 
 what to do (the command line prints it as one line and exits 2)."""
 from __future__ import annotations
 
+import os
 import pathlib
 import socket
 import ssl
@@ -57,6 +58,18 @@ def read_tls(cert_file: str, key_file: str, ca_file: str) -> tuple[bytes, bytes,
             raise ConfigError(f"--tls-client-ca-file {ca_file}: not a PEM CA bundle "
                               f"({getattr(e, 'reason', None) or e})") from e
     return key, cert, ca
+
+
+def check_writable_dir(path: str, flag: str) -> None:
+    """path is a directory this process can write into (made if missing)."""
+    directory = pathlib.Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".metrale-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: not a directory this worker can write into ({e.strerror or e})") from e
 
 
 def check_port(host: str, port: int, flag: str) -> None:

@@ -116,6 +116,8 @@ class Worker:
                            ("--metrics-port", cfg.metrics_port)):
             preflight.check_port(cfg.host, port, flag)
         preflight.check_model(self.engine_config.model)
+        if cfg.profile_dir:
+            preflight.check_writable_dir(cfg.profile_dir, "--profile-dir")
         ranks.check(self.engine_config)
 
         options = [("grpc.max_receive_message_length", cfg.max_message_bytes),
@@ -146,7 +148,7 @@ class Worker:
 
         self.servicer = ModelWorkerServicer(None, self.leases, self.metrics)
         pb_grpc.add_ModelWorkerServicer_to_server(self.servicer, self.server)
-        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason, cfg.stream_interval)
+        self.gateway = VllmEngineServicer(self.metrics, self._unhealthy_reason, cfg.stream_interval, cfg.profile_dir)
         vpb_grpc.add_VllmEngineServicer_to_server(self.gateway, self.server)
         if cfg.reflection:
             reflection.enable_server_reflection((SERVICE_NAME, GATEWAY_SERVICE_NAME, HEALTH_SERVICE,
@@ -256,6 +258,8 @@ class Worker:
             await self.health_server.stop(0)
         if self.runner is not None:
             await self.runner.shutdown()
+        if self.gateway is not None:
+            self.gateway.profiler.close()
         self.metrics.close()
         self._stopped.set()
 

@@ -126,7 +126,7 @@ def tls_files(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["token-missing", "token-empty", "token-dir", "cert-missing", "key-missing",
-                                  "key-of-another-cert", "ca-missing", "ca-not-pem"])
+                                  "key-of-another-cert", "ca-missing", "ca-not-pem", "profile-dir-a-file"])
 def test_a_missing_or_bad_token_or_tls_file_is_one_line_before_the_load(tmp_path, tiny_model, case):
     cert, key, _ = tls_files(tmp_path)
     (tmp_path / "other").mkdir()
@@ -147,6 +147,7 @@ def test_a_missing_or_bad_token_or_tls_file_is_one_line_before_the_load(tmp_path
                        ["--tls-client-ca-file", str(missing)]),
         "ca-not-pem": (["--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", junk],
                        ["--tls-client-ca-file", str(junk)]),
+        "profile-dir-a-file": (["--profile-dir", junk], ["--profile-dir", str(junk), "can write into"]),
     }[case]
     proc = cli(tmp_path, *serve_args(tiny_model, *map(str, flags)))
     one_line_error(proc, *names)

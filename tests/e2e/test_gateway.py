@@ -491,12 +491,64 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(tok_server, vllm)
     assert wait_until_no_live_sequences(tok_server) == 0
 
 
-def test_unimplemented_rpcs_say_so(vllm):
-    for call, req in [(vllm.Embed, vpb.EmbedRequest()), (vllm.StartProfile, cpb.StartProfileRequest()),
-                      (vllm.StopProfile, cpb.StopProfileRequest())]:
+def test_embed_is_unimplemented_and_profiling_needs_a_profile_dir(vllm):
+    with pytest.raises(grpc.RpcError) as e:
+        vllm.Embed(vpb.EmbedRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not served by this worker" in e.value.details()
+    for call, req in [(vllm.StartProfile, cpb.StartProfileRequest()), (vllm.StopProfile, cpb.StopProfileRequest())]:
         with pytest.raises(grpc.RpcError) as e:
             call(req, timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not served by this worker" in e.value.details()
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        vllm.StartProfile(cpb.StartProfileRequest(), timeout=10)
+    assert "profiling is off" in e.value.details() and "--profile-dir" in e.value.details()
+
+
+def test_start_and_stop_profile_write_a_trace_of_the_steps(tok_model, tmp_path):
+    """With --profile-dir: StartProfile, a Generate, StopProfile write a Chrome trace holding the forward's ops
+    under the directory (or a subdirectory the call names); bad requests get their status, naming the field, and
+    the worker keeps serving."""
+    root = tmp_path / "profiles"
+    srv = start_server(tok_model, worker_changes={"profile_dir": str(root)})
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        bad = [(cpb.StartProfileRequest(output_dir="../elsewhere"), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
+               (cpb.StartProfileRequest(output_dir="/etc"), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
+               (cpb.StartProfileRequest(activities=["bogus"]), grpc.StatusCode.INVALID_ARGUMENT, "activities"),
+               (cpb.StartProfileRequest(num_steps=4), grpc.StatusCode.INVALID_ARGUMENT, "num_steps"),
+               (cpb.StartProfileRequest(start_step=1), grpc.StatusCode.INVALID_ARGUMENT, "start_step"),
+               (cpb.StartProfileRequest(profile_by_stage=True), grpc.StatusCode.INVALID_ARGUMENT, "profile_by_stage")]
+        if not torch.cuda.is_available():
+            bad.append((cpb.StartProfileRequest(activities=["GPU"]), grpc.StatusCode.INVALID_ARGUMENT, "GPU"))
+        for req, code, named in bad:
+            with pytest.raises(grpc.RpcError) as e:
+                stub.StartProfile(req, timeout=10)
+            assert e.value.code() == code and named in e.value.details(), (req, e.value.details())
+        with pytest.raises(grpc.RpcError) as e:
+            stub.StopProfile(cpb.StopProfileRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+        for output_dir in ("", "run-2"):
+            started = stub.StartProfile(cpb.StartProfileRequest(output_dir=output_dir, activities=["cpu"],
+                                                                record_shapes=True), timeout=10)
+            assert started.success and str(root / output_dir).rstrip("/") in started.message
+            with pytest.raises(grpc.RpcError) as e:  # one profile at a time
+                stub.StartProfile(cpb.StartProfileRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "StopProfile" in e.value.details()
+            done = list(stub.Generate(generate_request([3, 5, 7], max_tokens=6, temperature=0.0, stream=True),
+                                      timeout=30))
+            assert done[-1].HasField("complete")
+            stopped = stub.StopProfile(cpb.StopProfileRequest(), timeout=60)
+            path = pathlib.Path(stopped.message.rsplit(" ", 1)[-1])
+            assert stopped.success and path.parent == (root / output_dir).resolve() and path.is_file()
+            names = {ev.get("name", "") for ev in json.loads(path.read_text())["traceEvents"]}
+            assert any(n.startswith("aten::") and ("mm" in n or "linear" in n) for n in names), sorted(names)[:20]
+        assert len(list(root.rglob("*.json"))) == 2
+        # and the worker still serves
+        assert list(stub.Generate(generate_request([3, 5], max_tokens=2, temperature=0.0), timeout=30))[-1] \
+            .HasField("complete")
+    finally:
+        srv.stop()
 
 
 def fetch_tokenizer(stub) -> tuple[bytes, list[cpb.GetTokenizerChunk]]:
