@@ -35,6 +35,7 @@ class ForwardBatch:
     # empty rows to a fixed length; given, attention reads it instead of the host lists (CUDA graphs).
     prefill_work: torch.Tensor | None = None
     max_kv_len: int = 0  # an upper bound of the keys any query row sees (prefill: sizes attention's key splits)
+    hidden_states: bool = False  # the forward returns the final-normed hidden rows (logits_indices), not logits
 
     @property
     def num_tokens(self) -> int:

@@ -218,6 +218,13 @@ class Engine:
         return self.scorer.score(token_ids)
 
     @mirrored
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """The embedding of a token sequence that is no live sequence: its last token's final-normed hidden state,
+        L2-normalized, [hidden] fp32 on the CPU (engine/scoring.py; a forward of its own, no prefix cache)."""
+        self.decoder.finish_all()
+        return self.scorer.embed(token_ids)
+
+    @mirrored
     def prompt_logprobs(self, token_ids: list[int], num_top: int = 0) -> api.PromptLogprobs:
         """vLLM's prompt_logprobs of a token sequence that is no live sequence: each token's log-probability
         after the ones before it (from the second token on) and the num_top (<= max_top_logprobs) most likely

@@ -1,6 +1,7 @@
 """Scorer: teacher-forced log-probabilities of a whole token sequence: every row (score: what perplexity and top-1
 agreement against a reference model are measured with), or each token's own and the top alternatives
-(prompt_logprobs: vLLM's prompt_logprobs, from the raw logits, reduced on the device).
+(prompt_logprobs: vLLM's prompt_logprobs, from the raw logits, reduced on the device); and its embedding (embed:
+the last token's final-normed hidden state, as vLLM embeds with a decoder model).
 
 One call prefills the tokens into a scratch slot and KV blocks of its own (no prefix cache: nothing is
 shared or registered), with logits for every row, and gives the slot and blocks back before it returns.
@@ -56,12 +57,28 @@ class Scorer:
         return api.PromptLogprobs(values.tolist(), torch.cat([i for _, i, _ in parts])[:last].tolist(),
                                   torch.cat([v for _, _, v in parts])[:last].tolist())
 
+    def embed(self, token_ids: list[int]) -> torch.Tensor:
+        """vLLM's embedding of a token sequence by a decoder model (pooling "LAST", normalized, as for
+        Qwen3-Embedding or e5-mistral): the hidden state of its last token after the model's final norm, scaled to
+        unit L2 norm, [hidden] fp32 on the CPU. Refuses as score() does."""
+        outs = self._forwards(token_ids, self.rt.config.max_prefill_tokens, hidden=True,
+                              rows_of=lambda n: [n - 1],  # each chunk's last row: the last chunk's is the one
+                              take=lambda h, start: h)
+        return torch.nn.functional.normalize(outs[-1][0].float(), dim=0).cpu()
+
     def _rows(self, token_ids: list[int], chunk: int, reduce) -> list:
         """reduce(fp32 log-softmax rows of a forward over token_ids[start:start + chunk], start) for each chunk,
         the forwards continuing one another's KV in a scratch slot (see score())."""
+        return self._forwards(token_ids, chunk, rows_of=lambda n: list(range(n)),
+                              take=lambda logits, start: reduce(torch.log_softmax(logits.float(), dim=-1), start))
+
+    def _forwards(self, token_ids: list[int], chunk: int, rows_of, take, hidden: bool = False) -> list:
+        """take(the forward's output rows rows_of(n), start) for each chunk of n tokens from token_ids[start], the
+        forwards continuing one another's KV in a scratch slot (see score()); the output: fp32 logits, or with
+        hidden the final-normed hidden states."""
         rt = self.rt
         if not 1 <= len(token_ids) <= rt.max_seq_len:
-            raise InvalidArgument(f"a scored sequence holds 1 to {rt.max_seq_len} tokens (--max-seq-len), "
+            raise InvalidArgument(f"a sequence scored or embedded holds 1 to {rt.max_seq_len} tokens (--max-seq-len), "
                                   f"got {len(token_ids)}")
         self.sequences.check_tokens(token_ids, "token_ids")
         if not self.slots.can_allocate():
@@ -75,8 +92,9 @@ class Scorer:
                 for start in range(0, len(token_ids), chunk):
                     tokens = token_ids[start:start + chunk]
                     batch = build_extend_batch(rt.state.block_table, [slot], [start], [tokens],
-                                               [list(range(len(tokens)))], rt.block_size, rt.device, rt.dynamic_rope)
-                    out.append(reduce(torch.log_softmax(rt.model.forward(batch).float(), dim=-1), start))
+                                               [rows_of(len(tokens))], rt.block_size, rt.device, rt.dynamic_rope)
+                    batch.hidden_states = hidden
+                    out.append(take(rt.model.forward(batch), start))
             return out
         finally:
             blocks.release()

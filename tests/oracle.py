@@ -22,6 +22,14 @@ def hf_logits(path: pathlib.Path, prompt: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
+def hf_embedding(path: pathlib.Path, prompt: list[int]) -> torch.Tensor:
+    """[hidden] fp32: the last token's final hidden state (transformers applies the model's final norm before it
+    reports it), L2-normalized: what vLLM's "LAST" pooling with normalization gives for a decoder model."""
+    out = hf_model(path)(torch.tensor([prompt]), output_hidden_states=True)
+    return torch.nn.functional.normalize(out.hidden_states[-1][0, -1].float(), dim=0)
+
+
+@torch.no_grad()
 def hf_greedy(path: pathlib.Path, prompt: list[int], max_new_tokens: int, **generate_kw) -> list[int]:
     """transformers' generate(do_sample=False), one sequence at a time (no padding); generate_kw: more
     generate() arguments (e.g. repetition_penalty)."""

@@ -9,8 +9,8 @@ steps with each other and with ModelWorker's Generate streams.
 
 Like ModelWorkerServicer, this only translates: conversions are in worker/gateway_convert.py, engine
 errors map to status codes through worker/errors.py, anything else is INTERNAL (logged with the request
-id) and the worker keeps serving. StartProfile / StopProfile trace the worker with torch.profiler
-(worker/profiling.py). Embed, which a generative model does not serve, answers UNIMPLEMENTED.
+id) and the worker keeps serving. Embed answers as vLLM embeds with a decoder model (Engine.embed);
+StartProfile / StopProfile trace the worker with torch.profiler (worker/profiling.py).
 """
 from __future__ import annotations
 
@@ -319,6 +319,19 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
                 call.code = status_of(e)
                 await context.abort(call.code, str(e))
 
+    # ------------------------------------------------------------------ embeddings
+
+    @unary
+    async def Embed(self, request: vpb.EmbedRequest, context) -> vpb.EmbedResponse:
+        """The prompt's embedding as vLLM gives one for a decoder model (OpenAI /v1/embeddings through smg): its
+        last token's hidden state after the final norm, L2-normalized (Engine.embed)."""
+        self._check_loaded()
+        ids = list(request.tokenized.input_ids)
+        if not ids:
+            raise InvalidArgument("tokenized.input_ids is empty: an embedding needs at least one token")
+        vector = await self.runner.call(lambda e: e.embed(ids))
+        return vpb.EmbedResponse(embedding=vector.tolist(), prompt_tokens=len(ids), embedding_dim=vector.numel())
+
     # ------------------------------------------------------------------ profiling
 
     @unary
@@ -336,13 +349,3 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
     async def StopProfile(self, request: cpb.StopProfileRequest, context) -> cpb.ProfileResponse:
         path = await self.profiler.stop()
         return cpb.ProfileResponse(success=True, message=f"trace written to {path}")
-
-    # ------------------------------------------------------------------ not served
-
-    async def Embed(self, request, context):
-        await self._unimplemented(context, "Embed", "this worker serves a generative model, not embeddings")
-
-    async def _unimplemented(self, context, name: str, why: str) -> None:
-        with self.metrics.rpc(f"VllmEngine.{name}") as call:
-            call.code = grpc.StatusCode.UNIMPLEMENTED
-            await context.abort(call.code, f"{name} is not served by this worker: {why}")

@@ -62,7 +62,8 @@ class LlamaModel:
                                        cfg.rms_norm_eps, cfg.sliding_window)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Returns fp32 logits [len(batch.logits_indices), vocab]."""
+        """Returns fp32 logits [len(batch.logits_indices), vocab]; with batch.hidden_states, those rows' hidden
+        states after the final norm instead, fp32 [rows, hidden] (no LM head: embeddings)."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
         meta = AttentionMeta(self.attention, cos_sin, rope_index, batch.slot_mapping, batch.block_tables,
@@ -83,6 +84,9 @@ class LlamaModel:
             next_norm = layers[i + 1].input_norm if i + 1 < len(layers) else (self.w.norm if rows is None else None)
             normed = linear_add(h, ops.norm_gate_up(h, layer.post_norm, layer.gate_up, eps, normed), layer.down,
                                 next_norm, eps)
+        if batch.hidden_states:  # every rank holds the whole residual stream (row-parallel sums are all-reduced)
+            return (normed if normed is not None else ops.rms_norm(h if rows is None else h[rows], self.w.norm,
+                                                                   eps)).float()
         logits = ops.norm_logits(h, rows, self.w.norm, self.w.lm_head, eps, normed)
         return logits if self.collectives is None else self.collectives.gather_vocab(logits)
 

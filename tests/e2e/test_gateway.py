@@ -491,10 +491,35 @@ def test_bad_requests_are_refused_and_the_worker_keeps_serving(tok_server, vllm)
     assert wait_until_no_live_sequences(tok_server) == 0
 
 
-def test_embed_is_unimplemented_and_profiling_needs_a_profile_dir(vllm):
-    with pytest.raises(grpc.RpcError) as e:
-        vllm.Embed(vpb.EmbedRequest(), timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED and "not served by this worker" in e.value.details()
+def test_embed_is_transformers_last_hidden_state_normalized(tok_model):
+    """Embed: the prompt's last token's hidden state after the final norm, L2-normalized (vLLM's embedding of a
+    decoder model), as transformers computes it on the same checkpoint (fp32), for prompts within one forward and
+    over several (max_prefill_tokens 16); bad prompts get INVALID_ARGUMENT; no slot or block stays taken."""
+    from tests.oracle import hf_embedding
+
+    srv = start_server(tok_model, max_prefill_tokens=16)
+    try:
+        stub = vpb_grpc.VllmEngineStub(grpc.insecure_channel(srv.address))
+        free_blocks = srv.engine_call(lambda e: e.blocks.num_free_blocks)
+        for prompt in random_prompts([1, 7, 16, 41], VOCAB, seed=5):
+            got = stub.Embed(vpb.EmbedRequest(request_id="e", tokenized=vpb.TokenizedInput(input_ids=prompt)),
+                             timeout=30)
+            want = hf_embedding(tok_model, prompt)
+            assert got.prompt_tokens == len(prompt) and got.embedding_dim == want.numel() == len(got.embedding)
+            assert torch.tensor(list(got.embedding)).sub(want).abs().max().item() <= 1e-4, len(prompt)
+        too_long = [1] * (srv.engine.config.max_seq_len + 1)
+        for ids, named in (([], "input_ids"), ([VOCAB + 3], "token_ids"), (too_long, "--max-seq-len")):
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=ids)), timeout=30)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and named in e.value.details(), e.value.details()
+        assert live_sequences(srv) == 0 and srv.engine_call(lambda e: e.blocks.num_free_blocks) == free_blocks
+        assert list(stub.Generate(generate_request([3, 5], max_tokens=2, temperature=0.0), timeout=30))[-1] \
+            .HasField("complete")
+    finally:
+        srv.stop()
+
+
+def test_profiling_needs_a_profile_dir(vllm):
     for call, req in [(vllm.StartProfile, cpb.StartProfileRequest()), (vllm.StopProfile, cpb.StopProfileRequest())]:
         with pytest.raises(grpc.RpcError) as e:
             call(req, timeout=10)

@@ -506,6 +506,22 @@ def test_json_schema_response_format(rr, workers):
     assert all(w.info().live_sequences == 0 for w in (workers["a"], workers["b"]))
 
 
+def test_embeddings_are_the_last_tokens_final_hidden_state_normalized(rr, oracle):
+    """/v1/embeddings: smg tokenizes the input and calls a worker's Embed; the vector is transformers' final
+    hidden state of the input's last token (after the model's norm), L2-normalized, as vLLM embeds with a decoder
+    model. (smg 1.13 answers a list of inputs with one item: one input a request here.)"""
+    for text in ["The capital of France is Paris.", "Embeddings of a decoder model pool its last token."]:
+        r = rr.post("/v1/embeddings", {"model": MODEL, "input": text})
+        assert r.status == 200, r.body
+        ids = oracle.text_ids(text)
+        with torch.no_grad():
+            hidden = oracle.model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        want = torch.nn.functional.normalize(hidden.float(), dim=0)
+        got = torch.tensor(r.body["data"][0]["embedding"])
+        assert got.numel() == want.numel() and (got - want).abs().max().item() <= 1e-4, text
+        assert r.body["usage"]["prompt_tokens"] == len(ids)
+
+
 def test_requests_are_spread_over_both_workers(rr, workers):
     pair = [workers["a"], workers["b"]]
     before = [(w.generates("OK"), w.info().prefix_cache.queries) for w in pair]

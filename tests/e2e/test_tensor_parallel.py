@@ -12,6 +12,7 @@ import time
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.checkpoint import write_checkpoint
@@ -183,8 +184,8 @@ def test_a_start_up_error_on_every_rank_is_rank_0s_one_line(tmp_path):
 
 def test_gateway_extras_under_tp_match_tp1(default_model):
     """The gateway service's per-step host work under TP = 3 (the real model): a structured-output stream (its
-    token masks set on every rank), prompt logprobs (a forward of their own) and a stop string give what TP = 1
-    gives."""
+    token masks set on every rank), prompt logprobs (a forward of their own), a stop string and an embedding (the
+    final hidden state, which every rank holds whole) give what TP = 1 gives."""
     pytest.importorskip("xgrammar")
     from engine.tokenizer import Tokenizer
     from worker.gateway_pb import vpb, vpb_grpc
@@ -205,11 +206,13 @@ def test_gateway_extras_under_tp_match_tp1(default_model):
                 lp = [round(e.value, 3) for e in done.input_logprobs.token_logprobs[1:]]
                 out.append((list(done.output_ids), done.finish_reason, done.matched_stop_str, lp,
                             [list(t.token_ids) for t in done.input_logprobs.top_logprobs]))
-            return out
+            embedding = stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=prompt)), timeout=120)
+            return out, torch.tensor(list(embedding.embedding))
         finally:
             srv.stop()
 
-    want, got = run(1), run(3)
+    (want, want_embedding), (got, got_embedding) = run(1), run(3)
+    assert want_embedding.numel() == 576 and (got_embedding - want_embedding).abs().max().item() <= 1e-4
     assert want[0][1] == "stop" and tok.decode(want[0][0]).startswith("The capital is ")
     assert want[1][3] and want[2][2] == " of"
     assert [g[:3] + (g[4],) for g in got] == [w[:3] + (w[4],) for w in want]
