@@ -90,6 +90,7 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         self.grammars = Grammars(facts.model_path, facts.vocab_size, facts.eos_token_ids)
         # HOOK(real model): a tokenizer directory of its own (a --tokenizer flag) would go here.
         self.tokenizer = TokenizerBundle(pathlib.Path(self.facts.model_path))
+        self.profiler.attach(runner)
         self.runner = runner
 
     @property
@@ -336,16 +337,15 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
 
     @unary
     async def StartProfile(self, request: cpb.StartProfileRequest, context) -> cpb.ProfileResponse:
-        for name in ("start_step", "num_steps"):
-            if request.HasField(name):
-                raise InvalidArgument(f"{name}: not supported; a profile runs from StartProfile to StopProfile")
         if request.profile_by_stage:
-            raise InvalidArgument("profile_by_stage: not supported; a profile runs from StartProfile to StopProfile")
-        out_dir = self.profiler.start(request.output_dir, tuple(request.activities),
-                                      with_stack=request.with_stack, record_shapes=request.record_shapes)
-        return cpb.ProfileResponse(success=True, message=f"profiling; StopProfile writes the trace into {out_dir}")
+            raise InvalidArgument("profile_by_stage: not supported; a profile covers every forward step")
+        message = self.profiler.start(
+            request.output_dir, tuple(request.activities), with_stack=request.with_stack,
+            record_shapes=request.record_shapes,
+            start_step=request.start_step if request.HasField("start_step") else None,
+            num_steps=request.num_steps if request.HasField("num_steps") else None)
+        return cpb.ProfileResponse(success=True, message=message)
 
     @unary
     async def StopProfile(self, request: cpb.StopProfileRequest, context) -> cpb.ProfileResponse:
-        path = await self.profiler.stop()
-        return cpb.ProfileResponse(success=True, message=f"trace written to {path}")
+        return cpb.ProfileResponse(success=True, message=await self.profiler.stop())

@@ -76,6 +76,8 @@ class EngineRunner:
         self._closed = False
         self._registration_queued = False  # an Engine.register_prompts call is on its way into the queue
         self.steps = 0  # engine calls run (steps, short and long calls)
+        self.forward_steps = 0  # decode steps and long calls (prefill, verify, ...) started: what a profile counts
+        self.step_listeners: list[Callable[[], None]] = []  # called on the loop as each of those starts
         self.streams = GenerateStreams(self)  # the Generate calls' sequences, decoded by the runner itself
         engine.runtime.dispatch.bind_thread()  # driver calls (graph replays) from the loop's thread need the context
 
@@ -182,6 +184,11 @@ class EngineRunner:
             self._polling = True
             self._loop.call_soon(self._poll)
 
+    def _forward_started(self) -> None:
+        self.forward_steps += 1
+        for listener in self.step_listeners:
+            listener()
+
     def _poll(self) -> None:
         self._polling = False
         if self._closed or (self._in_flight and not self.engine.step_ready(self._in_flight[0].step)):
@@ -193,6 +200,8 @@ class EngineRunner:
 
     def _run_inline(self, work: _Work) -> None:
         self.steps += 1
+        if work.kind == _STEP:
+            self._forward_started()
         started = time.monotonic()
         try:
             result = work.fn(self.engine, *work.args)
@@ -210,6 +219,7 @@ class EngineRunner:
 
     def _start_thread_call(self, work: _Work) -> None:
         self.steps += 1
+        self._forward_started()
         self._busy_since = time.monotonic()
         done = self._thread.submit(work.fn, self.engine, *work.args)
 

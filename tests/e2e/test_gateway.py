@@ -531,8 +531,8 @@ def test_profiling_needs_a_profile_dir(vllm):
 
 def test_start_and_stop_profile_write_a_trace_of_the_steps(tok_model, tmp_path):
     """With --profile-dir: StartProfile, a Generate, StopProfile write a Chrome trace holding the forward's ops
-    under the directory (or a subdirectory the call names); bad requests get their status, naming the field, and
-    the worker keeps serving."""
+    under the directory (or a subdirectory the call names); num_steps ends a profile by itself, start_step arms
+    one; bad requests get their status, naming the field, and the worker keeps serving."""
     root = tmp_path / "profiles"
     srv = start_server(tok_model, worker_changes={"profile_dir": str(root)})
     try:
@@ -540,8 +540,8 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps(tok_model, tmp_path):
         bad = [(cpb.StartProfileRequest(output_dir="../elsewhere"), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
                (cpb.StartProfileRequest(output_dir="/etc"), grpc.StatusCode.INVALID_ARGUMENT, "output_dir"),
                (cpb.StartProfileRequest(activities=["bogus"]), grpc.StatusCode.INVALID_ARGUMENT, "activities"),
-               (cpb.StartProfileRequest(num_steps=4), grpc.StatusCode.INVALID_ARGUMENT, "num_steps"),
-               (cpb.StartProfileRequest(start_step=1), grpc.StatusCode.INVALID_ARGUMENT, "start_step"),
+               (cpb.StartProfileRequest(num_steps=0), grpc.StatusCode.INVALID_ARGUMENT, "num_steps"),
+               (cpb.StartProfileRequest(start_step=-1), grpc.StatusCode.INVALID_ARGUMENT, "start_step"),
                (cpb.StartProfileRequest(profile_by_stage=True), grpc.StatusCode.INVALID_ARGUMENT, "profile_by_stage")]
         if not torch.cuda.is_available():
             bad.append((cpb.StartProfileRequest(activities=["GPU"]), grpc.StatusCode.INVALID_ARGUMENT, "GPU"))
@@ -569,6 +569,23 @@ def test_start_and_stop_profile_write_a_trace_of_the_steps(tok_model, tmp_path):
             names = {ev.get("name", "") for ev in json.loads(path.read_text())["traceEvents"]}
             assert any(n.startswith("aten::") and ("mm" in n or "linear" in n) for n in names), sorted(names)[:20]
         assert len(list(root.rglob("*.json"))) == 2
+
+        # num_steps: the profile ends by itself as the step after its third starts, and writes its trace
+        started = stub.StartProfile(cpb.StartProfileRequest(output_dir="bounded", num_steps=3), timeout=10)
+        assert started.success and "for 3 forward steps" in started.message
+        list(stub.Generate(generate_request([3, 5, 7], max_tokens=8, temperature=0.0, ignore_eos=True), timeout=30))
+        deadline = time.monotonic() + 30
+        while not list((root / "bounded").glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(grpc.RpcError) as e:  # written already: nothing runs
+            stub.StopProfile(cpb.StopProfileRequest(), timeout=60)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "bounded" in e.value.details()
+        trace = next((root / "bounded").glob("*.json"))
+        assert any(ev.get("name", "").startswith("aten::") for ev in json.loads(trace.read_text())["traceEvents"])
+        # start_step in the future: armed, and dropped by StopProfile before it begins
+        armed = stub.StartProfile(cpb.StartProfileRequest(start_step=10 ** 9), timeout=10)
+        assert "from forward step 1000000000" in armed.message
+        assert "dropped before it began" in stub.StopProfile(cpb.StopProfileRequest(), timeout=10).message
         # and the worker still serves
         assert list(stub.Generate(generate_request([3, 5], max_tokens=2, temperature=0.0), timeout=30))[-1] \
             .HasField("complete")
