@@ -409,8 +409,10 @@ def sample_rows(lib, dev) -> list[tuple]:
 
 def ncu_targets(ops, dev, dt) -> None:
     """Eager launches for Nsight Compute (`ncu --kernel-name regex:...`; bench/gpu_session.sh stage ncu):
-    sample_stats at batch 32 (greedy), and decode attention at 1B batch 32, context 256, with the fused
-    RoPE, twice each (ncu flushes the caches before each: the keys come from DRAM, as in a decode step)."""
+    sample_stats at batch 32 (greedy), decode attention at 1B batch 32, context 256, with the fused RoPE, and
+    decode attention at the 8B's heads (head_dim 128), batch 8, context 8k over a bf16 and then an E4M3 cache (the
+    FP8 KV entries read ~2 TB/s there against the bf16 ones' ~3.3: what stalls them), twice each (ncu flushes the
+    caches before each: the keys come from DRAM, as in a decode step)."""
     lib = ops.lib
     logits = torch.randn(32, VOCAB, device=dev) * 3
     splits = sample_kernels.vocab_splits(lib, 32, VOCAB)
@@ -431,6 +433,18 @@ def ncu_targets(ops, dev, dt) -> None:
     for _ in range(2):
         decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
                                 rope=(k, v, cos_sin, pos, slots))
+    batch, ctx, d = 8, 8192, 128
+    kc = torch.empty(batch * -(-ctx // BS), BS, HKV, d, device=dev, dtype=dt).normal_()
+    vc = torch.empty_like(kc).normal_()
+    table = torch.arange(kc.shape[0], device=dev, dtype=torch.int32).view(batch, -1)
+    q, out = torch.randn(batch, H, d, device=dev).to(dt), torch.empty(batch, H, d, device=dev, dtype=dt)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=dev)
+    for fp8, (kd, vd) in ((False, (kc, vc)), (True, (kc.to(FP8_DTYPE), vc.to(FP8_DTYPE)))):
+        splits = decode_attention.key_splits(lib, batch, H, HKV, d, 32768 + 64, fp8_kv=fp8)
+        po, pl = torch.empty(batch, H, splits, d, device=dev), torch.empty(batch, H, splits, device=dev)
+        for _ in range(2):
+            decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kd, vd, table, lens, d ** -0.5, 0,
+                                    splits)
     torch.cuda.synchronize()
 
 
