@@ -211,9 +211,8 @@ class CudaOps(TorchOps):
 
     def norm_logits(self, h: torch.Tensor, rows: torch.Tensor | None, norm: torch.Tensor, lm_head: torch.Tensor,
                     eps: float, normed: torch.Tensor | None = None) -> torch.Tensor:
-        """The skinny kernels (norm fused) for decode forwards of at most 8 rows, and for an FP8 LM head (per
-        channel) up to 32: past 8 rows it would otherwise take fp8_projection's W8A16, which converts the whole
-        head to 16 bits on every call (8B: ~1.5 ms a decode step at batch 32, bench/RESULTS.md)."""
+        """Skinny kernels (norm fused) for decode forwards of <= 8 rows, and <= 32 for an FP8 head (not
+        fp8_projection's W8A16, which converts the whole head per call: ~1.5 ms at 8B, bench/RESULTS.md)."""
         x = h if rows is None else h[rows]
         fp8_head = self._decode and isinstance(lm_head, Fp8Weight)
         max_rows = skinny_linear.FP8_MAX_M if fp8_head else SKINNY_TOKENS
