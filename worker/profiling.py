@@ -67,6 +67,7 @@ class TraceProfiler:
         self._began_at_step = 0
         self._started = 0.0
         self._finishing: asyncio.Task | None = None  # a num_steps profile being written
+        self._written = 0  # traces written: numbers each file name (two profiles may end in one second)
         self.last_trace: pathlib.Path | None = None
 
     def attach(self, runner) -> None:
@@ -148,8 +149,8 @@ class TraceProfiler:
         self._profile = self._plan = None
         try:
             prof.stop()
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            path = plan.out_dir / f"trace-{socket.gethostname()}-{os.getpid()}-{stamp}.pt.trace.json"
+            stamp, self._written = time.strftime("%Y%m%dT%H%M%S"), self._written + 1
+            path = plan.out_dir / f"trace-{socket.gethostname()}-{os.getpid()}-{stamp}-{self._written}.pt.trace.json"
             await asyncio.get_running_loop().run_in_executor(None, prof.export_chrome_trace, str(path))
         finally:
             self._finishing = None
