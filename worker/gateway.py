@@ -327,6 +327,8 @@ class VllmEngineServicer(vpb_grpc.VllmEngineServicer):
         """The prompt's embedding as vLLM gives one for a decoder model (OpenAI /v1/embeddings through smg): its
         last token's hidden state after the final norm, L2-normalized (Engine.embed)."""
         self._check_loaded()
+        if self.draining:
+            raise Unavailable("the worker is draining (shutting down); send the request to another worker")
         ids = list(request.tokenized.input_ids)
         if not ids:
             raise InvalidArgument("tokenized.input_ids is empty: an embedding needs at least one token")

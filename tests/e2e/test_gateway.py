@@ -729,6 +729,9 @@ def test_health_check_false_while_draining(tiny_model):
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(generate_request([5], max_tokens=2), timeout=10))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Embed(vpb.EmbedRequest(tokenized=vpb.TokenizedInput(input_ids=[5, 6])), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in e.value.details()
         assert stub.GetServerInfo(vpb.GetServerInfoRequest(), timeout=10).is_paused
         stream.cancel()
         drain.result(30)  # the drain ends with the worker stopped
