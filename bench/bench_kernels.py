@@ -412,7 +412,7 @@ def ncu_targets(ops, dev, dt) -> None:
     sample_stats at batch 32 (greedy), decode attention at 1B batch 32, context 256, with the fused RoPE, and
     decode attention at the 8B's heads (head_dim 128), batch 8, context 8k over a bf16 and then an E4M3 cache (the
     FP8 KV entries read ~2 TB/s there against the bf16 ones' ~3.3: what stalls them), twice each (ncu flushes the
-    caches before each: the keys come from DRAM, as in a decode step)."""
+    caches before each: the keys come from DRAM, as in a decode step), and the 8B's FP8 gate_up + SiLU at 1 token."""
     lib = ops.lib
     logits = torch.randn(32, VOCAB, device=dev) * 3
     splits = sample_kernels.vocab_splits(lib, 32, VOCAB)
@@ -445,7 +445,25 @@ def ncu_targets(ops, dev, dt) -> None:
         for _ in range(2):
             decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kd, vd, table, lens, d ** -0.5, 0,
                                     splits)
+    # The 8B's gate_up + SiLU on FP8 weights at 1 token (skinny_silu_bf16_fp8_m8): what bounds it below bf16's
+    # bytes per second
+    x, nw = torch.randn(1, 4096, device=dev).to(dt), torch.ones(4096, device=dev, dtype=dt)
+    w8 = quantize_fp8(torch.randn(28672, 4096, device=dev, dtype=dt) * 4096 ** -0.5)
+    act = torch.empty(1, 14336, device=dev, dtype=dt)
+    for _ in range(2):
+        skinny_linear.silu(lib, act, x, w8, nw)
     torch.cuda.synchronize()
+
+
+def variant_libs(dev, **kw) -> list[tuple[str, KernelLibrary]]:
+    """The kernel libraries of every `--variant SRC BUILD` pair on the command line, each tagged with the name of
+    SRC's parent folder (the variant's) for its rows."""
+    libs = []
+    for i, arg in enumerate(sys.argv):
+        if arg == "--variant":
+            src, out = (pathlib.Path(a) for a in sys.argv[i + 1:i + 3])
+            libs.append((f"[{src.parent.name}] ", KernelLibrary(dev, build_dir=out, kernel_dir=src, **kw)))
+    return libs
 
 
 def main() -> int:
@@ -458,8 +476,9 @@ def main() -> int:
     (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
-    --variant SRC BUILD with --skinny or --sample: also those rows of the kernels built from SRC into BUILD
-    (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run."""
+    --variant SRC BUILD with --skinny or --sample (repeatable): also those rows of the kernels built from SRC into
+    BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
+    folder's name."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
@@ -507,11 +526,7 @@ def main() -> int:
             print(f"{batch:>5}  {name:<32} {d_us:>10.2f}  {extra}")
         return 0
     if "--sample" in sys.argv:  # the sampling kernels alone (sample_stats, then the four) at decode batches
-        libs = [("", ops.lib)]
-        if "--variant" in sys.argv:
-            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
-            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
-                                                                        kernel_dir=pathlib.Path(src), pdl=True)))
+        libs = [("", ops.lib)] + variant_libs(dev, pdl=True)
         for tag, lib in libs:
             for batch, name, d_us, extra in sample_rows(lib, dev):
                 print(f"{batch:>5}  {tag + name:<40} {d_us:>10.2f}  {extra}")
@@ -520,11 +535,7 @@ def main() -> int:
         only = {}
         if "--tokens" in sys.argv:
             only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
-        libs = [("", ops.lib)]
-        if "--variant" in sys.argv:
-            src, out = sys.argv[sys.argv.index("--variant") + 1:][:2]
-            libs.append((f"[{pathlib.Path(src).name}] ", KernelLibrary(dev, build_dir=pathlib.Path(out),
-                                                                        kernel_dir=pathlib.Path(src))))
+        libs = [("", ops.lib)] + variant_libs(dev)
         for tag, lib in libs:
             rows = [] if "--fp8" in sys.argv else skinny_rows(lib, dev, dt, **only)
             for batch, name, d_us, h_us, extra in rows + fp8_skinny_rows(lib, dev, dt, **only):
