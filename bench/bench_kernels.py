@@ -148,22 +148,32 @@ def skinny_cases(lib, dev, dt, ep: str, M: int, N: int, K: int, weights: list) -
             kvfp8 = rotating(lambda w: skinny_linear.rope_kv(lib, q_out, x, w, None, nw, cs, pos, kc8, vc8, slots, H,
                                                              Hkv), weights)
     cases[f"skinny_{ep}"] = fused
-    wide = N // 16 <= lib.skinny_wide_tiles  # the width the wrapper picks; also time the other one
-    cases[f"skinny_{ep} {'w8' if wide else 'w16'}"] = forced_width(lib, fused, 0 if wide else 1 << 30)
+    # the block width the wrapper picks, and the others forced: 16 warps, 8, and 4 (E4M3 weights up to 8 tokens)
+    widths = {16: {"skinny_wide_tiles": 1 << 30}, 8: {"skinny_wide_tiles": 0, "skinny_fp8_warps": 8}}
+    if fp8 and M <= 8:
+        widths[4] = {"skinny_wide_tiles": 0, "skinny_fp8_warps": 4, "skinny_fp8_wave_tiles": 0}
+    shipped = (16 if N // 16 <= lib.skinny_wide_tiles else
+               lib.skinny_fp8_warps if fp8 and M <= 8 and N // 16 > lib.skinny_fp8_wave_tiles else 8)
+    for warps, attrs in widths.items():
+        if warps != shipped:
+            cases[f"skinny_{ep} w{warps}"] = forced(lib, fused, **attrs)
     if kvfp8 is not None:
         cases["skinny_rope_kvfp8"] = kvfp8
     return cases
 
 
-def forced_width(lib, fn, wide_tiles: int):
-    """fn, launching its skinny kernels with lib.skinny_wide_tiles = wide_tiles (0: always 8-warp blocks,
-    huge: always 16)."""
+def forced(lib, fn, **attrs):
+    """fn, run with those attributes of the kernel library set (e.g. skinny_wide_tiles = 0: no 16-warp blocks;
+    huge: always 16) and restored after."""
     def run():
-        shipped, lib.skinny_wide_tiles = lib.skinny_wide_tiles, wide_tiles
+        shipped = {name: getattr(lib, name) for name in attrs}
+        for name, value in attrs.items():
+            setattr(lib, name, value)
         try:
             fn()
         finally:
-            lib.skinny_wide_tiles = shipped
+            for name, value in shipped.items():
+                setattr(lib, name, value)
     return run
 
 

@@ -704,6 +704,11 @@ SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 8, 1)
 SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 16, 2)
 SKINNY_ENTRIES(bf16_fp8, Bf16, E4M3, 32, 4)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 8, 1)
+// 4-warp blocks, four an SM (suffix _w4), for E4M3 weights up to 8 tokens: a 16-row tile's E4M3 bytes are half a
+// 16-bit tile's, so over 4 warps each warp streams as many load groups as an 8-warp block's warps do for 16-bit
+// weights, and an SM holds twice the tiles at once (the same 16 warps).
+SKINNY_ENTRIES_W(bf16_fp8, Bf16, E4M3, SK_E4M3_PARAMS, SK_E4M3_SET, 8, 1, 4, 4, _w4)
+SKINNY_ENTRIES_W(fp16_fp8, Fp16, E4M3, SK_E4M3_PARAMS, SK_E4M3_SET, 8, 1, 4, 4, _w4)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 16, 2)
 SKINNY_ENTRIES(fp16_fp8, Fp16, E4M3, 32, 4)
 

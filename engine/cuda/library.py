@@ -25,8 +25,8 @@ from engine.cuda import build
 from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX, KV_FP8_SUFFIX
 from engine.cuda.driver import Kernel, KernelLoadError, check, cuda_driver, error_text
 from engine.cuda.wrappers import decode_attention, prefill_attention
-from engine.cuda.wrappers.skinny_linear import (SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS, SKINNY_M_BUCKETS,
-                                                SKINNY_W8A8_EPILOGUE_ARGS)
+from engine.cuda.wrappers.skinny_linear import (SKINNY_BLOCKS_PER_SM, SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS,
+                                                SKINNY_FP8_WARPS, SKINNY_M_BUCKETS, SKINNY_W8A8_EPILOGUE_ARGS)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,8 @@ MODULES: dict[str, list[KernelSpec]] = {
                       for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
     + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m{m}{w}", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
        for dt in ("bf16", "fp16") for m in SKINNY_M_BUCKETS for w in ("", "_w16")]
+    + [KernelSpec(f"skinny_{ep}_{dt}_fp8_m8_w4", args) for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()
+       for dt in ("bf16", "fp16")]
     + [KernelSpec(f"skinny_{ep}_bf16_w8a8_m{m}{w}", args) for ep, args in SKINNY_W8A8_EPILOGUE_ARGS.items()
        for m in SKINNY_M_BUCKETS for w in ("", "_w16")],
     "sampling": [KernelSpec("sample_stats", "p" * 9 + "ii"), KernelSpec("sample_select", "p" * 10 + "ii"),
@@ -145,6 +147,10 @@ class KernelLibrary:
         self.max_smem_optin = check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(
             attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._cu_device))
         self.skinny_wide_tiles = self.num_sms  # skinny grids of at most this many tiles use 16-warp blocks
+        # warps per block of the E4M3-weight skinny kernels up to 8 tokens on grids of more than skinny_fp8_wave_tiles
+        # tiles (one wave of 8-warp blocks)
+        self.skinny_fp8_warps = SKINNY_FP8_WARPS
+        self.skinny_fp8_wave_tiles = SKINNY_BLOCKS_PER_SM * self.num_sms
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = decode_attention.DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1

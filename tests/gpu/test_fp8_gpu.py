@@ -346,13 +346,17 @@ LAYER_SHAPES_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 SMALL_SHAPES = [(48, 96), (16, 32), (32, 2144), (1024, 2144)]
 
 
-@pytest.fixture(params=[8, 16], ids=["8warps", "16warps"])
+@pytest.fixture(params=[4, 8, 16], ids=["4warps", "8warps", "16warps"])
 def width(request, lib):
-    """8-warp or 16-warp blocks, forced (the wrapper picks 16 for grids of at most lib.skinny_wide_tiles tiles)."""
-    wide = lib.skinny_wide_tiles
+    """4-, 8- or 16-warp blocks, forced (the wrapper picks 16 for grids of at most lib.skinny_wide_tiles tiles, else
+    lib.skinny_fp8_warps for E4M3 weights up to 8 tokens on grids past lib.skinny_fp8_wave_tiles, else 8; W8A8 and
+    16 or 32 tokens run 8 under "4warps")."""
+    saved = lib.skinny_wide_tiles, lib.skinny_fp8_warps, lib.skinny_fp8_wave_tiles
     lib.skinny_wide_tiles = 1 << 30 if request.param == 16 else 0
+    lib.skinny_fp8_warps = 4 if request.param == 4 else 8
+    lib.skinny_fp8_wave_tiles = 0
     yield request.param
-    lib.skinny_wide_tiles = wide
+    lib.skinny_wide_tiles, lib.skinny_fp8_warps, lib.skinny_fp8_wave_tiles = saved
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

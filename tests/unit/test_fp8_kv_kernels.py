@@ -161,9 +161,9 @@ def test_every_attention_and_cache_write_entry_has_an_fp8_kv_twin():
         assert all(args[n] == args[n + KV_FP8_SUFFIX] for n in base), module
     skinny = {s.name: s.args for s in MODULES["skinny_linear"]}
     rope = [n for n in skinny if n.startswith("skinny_rope_kv_")]
-    # 16-bit weights and E4M3 weights (…_fp8_m*) alike: 2 dtypes x 3 token buckets x 2 widths; W8A8 (…_w8a8_m*):
-    # bf16 x 3 token buckets x 2 widths
-    assert len(rope) == 12 + 12 + 6 and sum("_fp8_" in n for n in rope) == 12 and sum("_w8a8_" in n for n in rope) == 6
+    # 16-bit weights and E4M3 weights (…_fp8_m*) alike: 2 dtypes x 3 token buckets x 2 widths, and for E4M3 the 4-warp
+    # blocks of the 8-token bucket (…_fp8_m8_w4); W8A8 (…_w8a8_m*): bf16 x 3 token buckets x 2 widths
+    assert len(rope) == 12 + 14 + 6 and sum("_fp8_" in n for n in rope) == 14 and sum("_w8a8_" in n for n in rope) == 6
     assert all(skinny[n.replace("rope_kv_", "rope_kvfp8_")] == skinny[n] for n in rope)
     # the programmatic-dependent-launch chain keeps its members: decode attention and the skinny QKV kernel
     assert all(n.startswith(PDL_PREFIXES) for n in names if n.startswith(("decode_attention_", "skinny_rope_kvfp8")))
@@ -251,6 +251,7 @@ class EntryRecorder:
     argument count."""
 
     skinny_wide_tiles = 132
+    skinny_fp8_warps, skinny_fp8_wave_tiles = 4, 264
 
     def __init__(self):
         self.launched: list[tuple[str, int]] = []
@@ -347,3 +348,26 @@ def test_the_w8a8_skinny_wrappers_name_a_built_entry_with_its_arguments(monkeypa
     with pytest.raises(KernelArgError):
         skinny_linear.store(lib, out, xq, w, x_scale=scale[:1] if M > 1 else torch.ones(2, 1))
     assert len(lib.launched) == 4
+
+
+@pytest.mark.parametrize("fp8_weight", [False, True], ids=["w16", "w_fp8"])
+@pytest.mark.parametrize("M", [1, 8, 9])
+def test_skinny_block_width_follows_the_grid(monkeypatch, fp8_weight, M):
+    """The skinny wrappers' block width: 16 warps on grids of at most skinny_wide_tiles tiles; past that 8, except
+    E4M3 weights up to 8 tokens on grids of more than one wave of 8-warp blocks (skinny_fp8_wave_tiles), which take
+    4-warp blocks (…_fp8_m8_w4). Every entry named is one the library declares."""
+    from engine.cuda.wrappers import skinny_linear
+    from engine.quant import quantize_fp8
+
+    cpu_tensor_args(monkeypatch)
+    specs = {s.name for s in MODULES["skinny_linear"]}
+    lib = EntryRecorder()
+    lib.skinny_wide_tiles, lib.skinny_fp8_wave_tiles = 4, 8  # grids of 4 and 8 tiles: one wave
+    K = 64
+    for tiles, want in ((4, "_w16"), (5, ""), (8, ""), (9, "_w4" if fp8_weight and M <= 8 else "")):
+        w = torch.randn(16 * tiles, K).to(torch.bfloat16)
+        weight = quantize_fp8(w) if fp8_weight else w
+        skinny_linear.store(lib, torch.empty(M, 16 * tiles, dtype=torch.bfloat16), torch.randn(M, K).to(torch.bfloat16),
+                            weight)
+        name, _ = lib.launched[-1]
+        assert name.endswith(f"_m{8 if M <= 8 else 16}{want}") and name in specs, (tiles, name)

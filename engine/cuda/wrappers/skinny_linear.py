@@ -25,6 +25,8 @@ SKINNY_MAX_M = 32
 SKINNY_M_BUCKETS = (8, 16, 32)  # _m8 / _m16 / _m32: 1, 2 or 4 tensor-core n-tiles of 8 tokens
 SKINNY_TILE = 16  # weight rows per block (one m16n8k16 A tile)
 SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, or one (entry suffix _w16)
+SKINNY_FP8_WARPS = 4  # E4M3 weights, up to 8 tokens, grids past one wave of 8-warp blocks: 4-warp blocks (_w4)
+SKINNY_BLOCKS_PER_SM = 2  # 8-warp blocks an SM holds (__launch_bounds__(256, 2))
 SKINNY_K_ALIGN = 32  # K elements per warp step
 FP8_MAX_M = SKINNY_MAX_M  # the E4M3-weight kernels exist for every bucket (CudaOps sends them at most 8 tokens)
 SKINNY_EPILOGUE_ARGS = {
@@ -40,6 +42,9 @@ SKINNY_EPILOGUE_ARGS = {
 SKINNY_FP8_EPILOGUE_ARGS = {ep: args[:3] + "p" + args[3:] for ep, args in SKINNY_EPILOGUE_ARGS.items()}
 # W8A8 (skinny_<ep>_bf16_w8a8_m<bucket>[_w16], sm_89+): the same with x E4M3 and its scale [M] fp32 after x.
 SKINNY_W8A8_EPILOGUE_ARGS = {ep: args[:2] + "p" + args[2:] for ep, args in SKINNY_FP8_EPILOGUE_ARGS.items()}
+
+
+WIDTH_SUFFIX = {SKINNY_WIDE_WARPS: "_w16", SKINNY_WARPS: "", SKINNY_FP8_WARPS: "_w4"}  # entry suffix by warps
 
 
 def m_bucket(num_tokens: int) -> int:
@@ -134,7 +139,12 @@ def _bias(bias: torch.Tensor | None, what: str, dtype: torch.dtype, N: int) -> i
 
 def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> None:
     """One block per 16-row tile. A grid of at most lib.skinny_wide_tiles tiles (default: one per SM) gets
-    16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it.
+    16-warp blocks, so each SM has as many weight loads in flight as two 8-warp blocks would give it. E4M3 weights
+    up to 8 tokens on grids past one wave of 8-warp blocks (lib.skinny_fp8_wave_tiles: two an SM) get
+    lib.skinny_fp8_warps (4: four 4-warp blocks an SM, each warp streaming as many load groups as an 8-warp block's
+    do over a 16-bit tile twice the bytes, and one wave holding twice the tiles). On grids of one wave 4-warp blocks
+    would halve the SMs' warps: 8B o and down (256 tiles) took 9.05 / 24.20 us on them against 8.21 / 22.15 on
+    8-warp ones, qkv (384 tiles) 11.71 against 13.38 and the LM head 181.9 against 189.1 (H100, bench/RESULTS.md).
 
     The residual epilogue (o_proj after attention, down after gate_up) on 8-warp blocks launches without
     programmatic dependent launch: its blocks, started early, sat on the SMs the kernel before still needed,
@@ -142,9 +152,11 @@ def _launch(lib: KernelLibrary, ep: str, sfx: str, M: int, N: int, *args) -> Non
     On 16-warp blocks (the 1B's o_proj and down) early launch is a measured gain and stays."""
     tiles = N // SKINNY_TILE
     wide = tiles <= lib.skinny_wide_tiles
-    lib.kernels[f"skinny_{ep}_{sfx}_m{m_bucket(M)}{'_w16' if wide else ''}"](
-        (tiles, 1, 1), (32 * (SKINNY_WIDE_WARPS if wide else SKINNY_WARPS), 1, 1), 0, lib.stream(), *args,
-        pdl=wide or ep != "residual")
+    warps = SKINNY_WIDE_WARPS if wide else SKINNY_WARPS
+    if not wide and sfx.endswith("_fp8") and M <= 8 and tiles > lib.skinny_fp8_wave_tiles:
+        warps = lib.skinny_fp8_warps
+    lib.kernels[f"skinny_{ep}_{sfx}_m{m_bucket(M)}{WIDTH_SUFFIX[warps]}"](
+        (tiles, 1, 1), (32 * warps, 1, 1), 0, lib.stream(), *args, pdl=wide or ep != "residual")
 
 
 def store(lib: KernelLibrary, out: torch.Tensor, x: torch.Tensor, weight: Weight,
