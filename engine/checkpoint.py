@@ -49,14 +49,17 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "*
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _compressed_tensors(strategy: str, dynamic_input: bool, ignore: list[str], block=None) -> dict:
-    """llm-compressor's FP8 / FP8_DYNAMIC quantization_config (compressed-tensors float-quantized)."""
+def _compressed_tensors(strategy: str, dynamic_input: bool | None, ignore: list[str], block=None) -> dict:
+    """llm-compressor's FP8 / FP8_DYNAMIC quantization_config (compressed-tensors float-quantized); dynamic_input
+    None: no input activations (weight-only FP8, "input_activations": null)."""
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": strategy,
                "group_size": None, "block_structure": block, "actorder": None, "observer": "minmax",
                "observer_kwargs": {}}
     inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": dynamic_input,
               "strategy": "token" if dynamic_input else "tensor", "group_size": None, "block_structure": None,
               "actorder": None, "observer": None if dynamic_input else "minmax", "observer_kwargs": {}}
+    if dynamic_input is None:
+        inputs = None
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs,
                                           "output_activations": None}},
@@ -79,6 +82,8 @@ FP8_LAYOUTS: dict[str, dict] = {
     "ct-channel": _compressed_tensors("channel", True, []),
     # compressed-tensors FP8: per-tensor weights, static per-tensor input scales (input_scale); lm_head ignored.
     "ct-tensor-static": _compressed_tensors("tensor", False, ["lm_head"]),
+    # compressed-tensors weight-only FP8: per-channel weights, "input_activations": null (served W8A16).
+    "ct-channel-weight-only": _compressed_tensors("channel", None, []),
 }
 STATIC_INPUT_SCALE = 0.02  # the input_scale a static layout's writer stores (the engine does not use it)
 

@@ -16,10 +16,19 @@ Two layouts load as they are (no re-quantization; the scales are the checkpoint'
   "dynamic": true | false, ...}}}, "ignore": [...]}. A quantized Linear holds <name>.weight float8_e4m3fn
   [N, K] and <name>.weight_scale ([N, 1] per channel, [1] or a scalar per tensor, [ceil(N / bn), ceil(K / bk)]
   per block; fp32, bf16 or fp16) with w = weight * weight_scale; a static input scheme's <name>.input_scale is
-  accepted and not used: the engine handles activations its own way (16-bit activations, or on the GPU's
-  W8A8 path a dynamic per-token E4M3 scale, which tracks each row's range at least as closely as one static
+  accepted and not used: the engine handles activations its own way (16-bit activations, or where W8A8
+  runs a dynamic per-token E4M3 scale, which tracks each row's range at least as closely as one static
   per-tensor scale does).
 A format, method or scheme outside these is a ConfigError naming it.
+
+Activation schemes (engine.quant's module docstring): a compressed-tensors checkpoint whose config groups have
+"input_activations": null is weight-only (Fp8Layout.activation_scheme "none": W8A16 at every batch, as vLLM serves
+it); one with 8-bit float input activations, dynamic or static, and every Hugging Face fp8 checkpoint (activation
+scheme dynamic or static) is "dynamic" (W8A8 above 8 rows; a static scale is not used, as said above). Config
+groups that disagree are a ConfigError, as groups of different weight schemes are. What the engine runs
+(resolve_activation_scheme): weight-only where the checkpoint declares it or --fp8-activation-scheme none asks for
+it (the flag overrides a checkpoint's dynamic scheme; the default, dynamic, keeps the checkpoint's own); the same
+for every FP8 weight of the model, those quantized at load (--quantization fp8) included.
 
 Per-tensor scales load as per-channel ones (each row gets the tensor's scale: exact), so they take the
 per-channel kernels. Fused projections (q/k/v -> qkv, gate/up -> gate_up) concatenate data and scales when the
@@ -35,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import ConfigError
-from engine.quant import Fp8Weight
+from engine.quant import DYNAMIC, WEIGHT_ONLY, Fp8Weight
 
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"  # safetensors' header name of float8_e4m3fn
 SCALE_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -53,6 +62,7 @@ class Fp8Layout:
     targets: tuple[str, ...] = ("Linear",)  # what is quantized: "Linear" (every linear), names or "re:" regexes
     ignore: tuple[str, ...] = ()  # what is not, in the same forms
     static_input: bool = False  # static activation scales on disk (input_scale / activation_scale), not used
+    activation_scheme: str = DYNAMIC  # WEIGHT_ONLY: compressed-tensors without input activations (module docstring)
 
     @property
     def description(self) -> str:
@@ -77,14 +87,23 @@ class Fp8Layout:
             return [(n, 1), (n,)]
         return [(), (1,), (1, 1)]
 
-    def weight(self, data: torch.Tensor, scale: torch.Tensor) -> Fp8Weight:
+    def weight(self, data: torch.Tensor, scale: torch.Tensor, activation_scheme: str = DYNAMIC) -> Fp8Weight:
         """data [N, K] float8_e4m3fn and its scale (a shape of scale_shapes, checked) -> Fp8Weight with fp32
-        scales; per-tensor and per-channel scales become [N, 1] (block 1 x K)."""
+        scales and the given activation scheme (resolve_activation_scheme's); per-tensor and per-channel scales
+        become [N, 1] (block 1 x K)."""
         n, k = data.shape
         scale = scale.float()
         if self.strategy == "block":
-            return Fp8Weight(data.contiguous(), scale.contiguous(), self.block)
-        return Fp8Weight(data.contiguous(), scale.reshape(-1, 1).expand(n, 1).contiguous(), (1, k))
+            return Fp8Weight(data.contiguous(), scale.contiguous(), self.block, activation_scheme)
+        return Fp8Weight(data.contiguous(), scale.reshape(-1, 1).expand(n, 1).contiguous(), (1, k), activation_scheme)
+
+
+def resolve_activation_scheme(flag: str, layout: Fp8Layout | None) -> str:
+    """The activation scheme of every FP8 weight the engine holds (module docstring): WEIGHT_ONLY where
+    --fp8-activation-scheme (EngineConfig.fp8_activation_scheme, `flag`) is "none" or the checkpoint's layout is
+    weight-only, else DYNAMIC."""
+    weight_only = flag == WEIGHT_ONLY or (layout is not None and layout.activation_scheme == WEIGHT_ONLY)
+    return WEIGHT_ONLY if weight_only else DYNAMIC
 
 
 def _matches(module: str, pattern: str) -> bool:
@@ -171,14 +190,14 @@ def _parse_compressed_tensors(qc: dict) -> Fp8Layout:
             raise ConfigError(f"{where}: config group {name!r} has {act.get('num_bits')}-bit {act.get('type')} input "
                               f"activations; supported: none or 8-bit float")
         static |= act is not None and not act.get("dynamic")
-        layouts.add((strategy, block))
+        layouts.add((strategy, block, DYNAMIC if act is not None else WEIGHT_ONLY))
         targets += list(group.get("targets") or ["Linear"])
     if len(layouts) > 1:
-        raise ConfigError(f"{where} mixes weight schemes across config groups ({sorted(map(str, layouts))}); one "
-                          f"scheme for every layer is supported")
-    (strategy, block), = layouts
+        raise ConfigError(f"{where} mixes weight schemes across config groups (strategy, block, input activations: "
+                          f"{sorted(map(str, layouts))}); one scheme for every layer is supported")
+    (strategy, block, scheme), = layouts
     return Fp8Layout("compressed-tensors", "weight_scale", strategy, block, tuple(targets),
-                     tuple(qc.get("ignore") or ()), static)
+                     tuple(qc.get("ignore") or ()), static, scheme)
 
 
 def fuse(parts: list[Fp8Weight]) -> Fp8Weight:
@@ -186,18 +205,21 @@ def fuse(parts: list[Fp8Weight]) -> Fp8Weight:
     docstring): data and scales concatenated where the scale rows line up, else as 1 x bk row blocks."""
     if len(parts) == 1:
         return parts[0]
+    scheme = parts[0].activation_scheme
+    if any(p.activation_scheme != scheme for p in parts):
+        raise ValueError(f"fuse: the parts have different activation schemes {[p.activation_scheme for p in parts]}")
     data = torch.cat([p.data for p in parts])
     if all(p.per_channel for p in parts):
-        return Fp8Weight(data, torch.cat([p.scale for p in parts]), (1, data.shape[1]))
+        return Fp8Weight(data, torch.cat([p.scale for p in parts]), (1, data.shape[1]), scheme)
     bn, bk = parts[0].block
     if all(p.block == (bn, bk) for p in parts) and all(p.shape[0] % bn == 0 for p in parts[:-1]):
-        return Fp8Weight(data, torch.cat([p.scale for p in parts]), (bn, bk))
+        return Fp8Weight(data, torch.cat([p.scale for p in parts]), (bn, bk), scheme)
     rows = [p.scale.repeat_interleave(p.block[0], dim=0)[:p.shape[0]] for p in parts]  # [N_i, ceil(K / bk)] each
-    return Fp8Weight(data, torch.cat(rows).contiguous(), (1, bk))
+    return Fp8Weight(data, torch.cat(rows).contiguous(), (1, bk), scheme)
 
 
 def to_device(w: Fp8Weight, device: torch.device) -> Fp8Weight:
-    return Fp8Weight(w.data.to(device), w.scale.to(device), w.block)
+    return Fp8Weight(w.data.to(device), w.scale.to(device), w.block, w.activation_scheme)
 
 
 def check_scale_values(name: str, scale: torch.Tensor) -> None:

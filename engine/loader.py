@@ -17,8 +17,8 @@ from engine.config import ModelConfig
 from engine.errors import ConfigError, LoadCancelled
 from engine.models.llama import LayerWeights, ModelWeights
 from engine.fp8_checkpoint import (FP8_SAFETENSORS_DTYPE, SCALE_DTYPES, Fp8Layout, check_scale_values, fuse,
-                                   to_device)
-from engine.quant import Fp8Weight, quantize_fp8
+                                   resolve_activation_scheme, to_device)
+from engine.quant import DYNAMIC, Fp8Weight, quantize_fp8
 
 # Checkpoint tensor names, per LayerWeights field. A list is concatenated along dim 0 (fused).
 LAYER_TENSORS: dict[str, list[str]] = {
@@ -231,14 +231,16 @@ def _check_fp8(tensors: _Tensors, cfg: ModelConfig, shapes: dict[str, tuple[int,
 
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none", quantize_lm_head: bool = False,
-                 fp8_block: tuple[int, int] | None = None, shard=None) -> ModelWeights:
+                 fp8_block: tuple[int, int] | None = None, shard=None,
+                 fp8_activation_scheme: str = DYNAMIC) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
     checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
     An FP8 checkpoint's FP8 weights load with their own scales (engine/fp8_checkpoint.py) whatever
     `quantization` says; with "fp8" its 16-bit projections (an ignore list's) and, with quantize_lm_head, a
-    16-bit LM head are quantized as above.
+    16-bit LM head are quantized as above. Every Fp8Weight gets the activation scheme engine.fp8_checkpoint's
+    resolve_activation_scheme makes of fp8_activation_scheme (EngineConfig's) and the checkpoint's layout.
     shard: an engine.shard.ShardPlan (tensor parallelism): only this rank's slices of each tensor are read
     (16/32-bit checkpoints: an FP8 one is refused with tensor parallelism for now). Raises LoadCancelled, between tensors, once cancel_loading() was called."""
     if shard is not None and cfg.fp8_layout:
@@ -251,11 +253,12 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     total = sum(math.prod(s) for s in shapes.values()) * element
     loaded = 0
     fp8 = quantization == "fp8"
+    scheme = resolve_activation_scheme(fp8_activation_scheme, cfg.fp8_layout)
 
     def read_fp8(name: str) -> Fp8Weight:
         scale = tensors.get(scale_name(cfg.fp8_layout, name))
         check_scale_values(scale_name(cfg.fp8_layout, name), scale)
-        return cfg.fp8_layout.weight(tensors.get(name), scale)
+        return cfg.fp8_layout.weight(tensors.get(name), scale, scheme)
 
     def fetch(names: list[str], quantize: bool = False, part=None):
         nonlocal loaded
@@ -266,7 +269,8 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
                 slices = [part or (shard.slice_for(n) if shard else None) for n in names]
                 parts = [tensors.get(n) if p is None else tensors.get(n, p) for n, p in zip(names, slices)]
                 t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-                t = quantize_fp8(t.to(device), fp8_block) if quantize else t.to(device=device, dtype=dtype).contiguous()
+                t = (quantize_fp8(t.to(device), fp8_block, scheme) if quantize
+                     else t.to(device=device, dtype=dtype).contiguous())
         except torch.OutOfMemoryError as e:
             raise ConfigError(f"the weights ({total / 2**30:.2f} GiB as {dtype}) do not fit in {device} memory: "
                               f"out of memory at {names[0]!r} after {loaded / 2**30:.2f} GiB") from e

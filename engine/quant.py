@@ -32,15 +32,25 @@ accumulation.
   (data[n, k] * scale[n // bn, k // bk], one fp32 rounding per element, 2^-24 relative), which is the same
   sum up to fp32 rounding.
 
-W8A8 (both backends, one rule: takes_w8a8): a per-channel weight times more than W8A16_MAX_ROWS rows of bf16
-activations into a 16-bit output (prefill, big decode batches), K and N multiples of 16, quantizes the
-activations too: each row of x to E4M3 with its own dynamic scale amax / 448 (quantize_activations), then
+Activation schemes: each Fp8Weight carries one (Fp8Weight.activation_scheme), which decides with the rows of x
+what the projection computes; both backends decide through one rule, takes_w8a8.
+- "dynamic" (the default, W8A8 where it pays): a per-channel weight times more than W8A16_MAX_ROWS rows of bf16
+  activations into a 16-bit output (prefill, big decode batches), K and N multiples of 16, quantizes the
+  activations too: each row of x to E4M3 with its own dynamic scale amax / 448 (quantize_activations), then
       y[m, n] = (sum_k xq[m, k] * data[n, k]) * a_scale[m] * scale[n, 0], rounded to bf16,
-which is what torch._scaled_mm's row-wise scaling and the skinny W8A8 kernels (decode batches of 9-32 rows)
-compute on FP8 tensor cores (CudaOps) and w8a8_linear
-computes in fp32 in torch (TorchOps): the kernels engine and the torch-ops engine run the same arithmetic at
-every batch, so each is the other's reference. Up to W8A16_MAX_ROWS rows (decode) stay W8A16: there the step
-reads the weights and the tensor cores idle, and activation quantization would cost accuracy for nothing."""
+  which is what torch._scaled_mm's row-wise scaling and the skinny W8A8 kernels (decode batches of 9-32 rows)
+  compute on FP8 tensor cores (CudaOps) and w8a8_linear computes in fp32 in torch (TorchOps): the kernels engine
+  and the torch-ops engine run the same arithmetic at every batch, so each is the other's reference. Up to
+  W8A16_MAX_ROWS rows (decode) stay W8A16: there the step reads the weights and the tensor cores idle, and
+  activation quantization would cost accuracy for nothing.
+- "none" (weight-only): W8A16, the reference arithmetic above, at every row count: what vLLM serves a
+  compressed-tensors checkpoint without input activations as (Marlin), and on the default model the scheme that
+  holds the accuracy floors in bf16, which W8A8 misses (tests/e2e/test_fp8_accuracy.py). On the GPU
+  (engine/cuda/fp8_linear.py) the skinny _fp8 kernels serve decode batches of up to 32 rows, and larger ones a
+  16-bit GEMM of x with the E4M3 values converted to x's dtype (exact) into an fp32 output, scaled per row in fp32
+  and rounded once: fp8_linear's arithmetic up to the order of the fp32 sums.
+The scheme comes from --fp8-activation-scheme and a published checkpoint's quantization_config
+(engine/fp8_checkpoint.py resolve_activation_scheme says which wins); Info reports it (fp8_activation_scheme)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,6 +66,10 @@ FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Compute capability FP8 tensor cores (and torch._scaled_mm) need: Ada (8.9) and Hopper (9.0) on.
 FP8_MIN_CAPABILITY = (8, 9)
 W8A16_MAX_ROWS = 8  # projections of more rows than this take W8A8 where takes_w8a8 allows (module docstring)
+# Fp8Weight.activation_scheme (EngineConfig.fp8_activation_scheme): "dynamic" (W8A8 above W8A16_MAX_ROWS rows where
+# takes_w8a8 allows) or "none" (weight-only: W8A16 at every row count); module docstring.
+DYNAMIC, WEIGHT_ONLY = "dynamic", "none"
+ACTIVATION_SCHEMES = (DYNAMIC, WEIGHT_ONLY)
 CHANNEL = "channel"  # EngineConfig.fp8_weight_block's value for one scale per output channel
 
 
@@ -74,13 +88,18 @@ def parse_block(text: str) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class Fp8Weight:
     """A linear layer's weight [N, K] as E4M3 values and one fp32 scale per block of block[0] rows x block[1]
-    columns: w[n, k] ~ data[n, k] * scale[n // block[0], k // block[1]] (module docstring)."""
+    columns: w[n, k] ~ data[n, k] * scale[n // block[0], k // block[1]], and how its activations are treated
+    (module docstring)."""
 
     data: torch.Tensor  # [N, K] float8_e4m3fn, contiguous
     scale: torch.Tensor  # [ceil(N / bn), ceil(K / bk)] float32, contiguous
     block: tuple[int, int]  # (bn, bk); per output channel: (1, K)
+    activation_scheme: str = DYNAMIC  # DYNAMIC (W8A8 where takes_w8a8 allows) or WEIGHT_ONLY (W8A16 always)
 
     def __post_init__(self):
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"an FP8 weight's activation_scheme must be one of {ACTIVATION_SCHEMES}, got "
+                             f"{self.activation_scheme!r}")
         (n, k), (bn, bk) = self.data.shape, self.block
         if self.scale.shape != (-(-n // bn), -(-k // bk)):
             raise ValueError(f"an FP8 weight [{n}, {k}] in blocks {bn}x{bk} needs scales [{-(-n // bn)}, "
@@ -122,9 +141,10 @@ class Fp8Weight:
 Weight = torch.Tensor | Fp8Weight
 
 
-def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8Weight:
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None,
+                 activation_scheme: str = DYNAMIC) -> Fp8Weight:
     """w [N, K] (any float dtype) -> Fp8Weight on w's device with scales per `block` (rows, columns; None: per
-    output channel); the arithmetic in fp32."""
+    output channel) and the given activation scheme; the arithmetic in fp32."""
     if w.dim() != 2:
         raise ValueError(f"quantize_fp8 takes a 2-D weight [N, K], got shape {tuple(w.shape)}")
     n, k = w.shape
@@ -134,14 +154,14 @@ def quantize_fp8(w: torch.Tensor, block: tuple[int, int] | None = None) -> Fp8We
     wf = w.float()
     if bn == 1 and bk >= k:  # per output channel
         data, scale = quantize_rows(wf)
-        return Fp8Weight(data, scale, (bn, bk))
+        return Fp8Weight(data, scale, (bn, bk), activation_scheme)
     nb, kb = -(-n // bn), -(-k // bk)
     # zero padding to whole blocks leaves every block's amax as it is
     padded = torch.nn.functional.pad(wf.abs(), (0, kb * bk - k, 0, nb * bn - n))
     amax = padded.view(nb, bn, kb, bk).amax(dim=(1, 3))  # [nb, kb]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)).contiguous()
     data = to_e4m3(wf, expand_scale(scale, (bn, bk), (n, k))).contiguous()
-    return Fp8Weight(data, scale, (bn, bk))
+    return Fp8Weight(data, scale, (bn, bk), activation_scheme)
 
 
 def to_e4m3(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -243,11 +263,12 @@ def fp8_linear(x: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, 
 
 
 def takes_w8a8(x: torch.Tensor, w: Fp8Weight, out_dtype: torch.dtype) -> bool:
-    """Whether x [M, K] @ w^T runs W8A8 (module docstring): a per-channel weight, more than W8A16_MAX_ROWS rows of
-    bf16 x, a bf16 output (not fp32 logits, not fp16), K and N multiples of 16 (what _scaled_mm takes)."""
+    """Whether x [M, K] @ w^T runs W8A8 (module docstring): a per-channel weight of the "dynamic" activation scheme
+    (never a weight-only one), more than W8A16_MAX_ROWS rows of bf16 x, a bf16 output (not fp32 logits, not fp16),
+    K and N multiples of 16 (what _scaled_mm takes)."""
     n, k = w.shape
-    return (w.per_channel and x.shape[0] > W8A16_MAX_ROWS and x.dtype == torch.bfloat16
-            and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0)
+    return (w.activation_scheme == DYNAMIC and w.per_channel and x.shape[0] > W8A16_MAX_ROWS
+            and x.dtype == torch.bfloat16 and out_dtype == torch.bfloat16 and k % 16 == 0 and n % 16 == 0)
 
 
 def w8a8_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:

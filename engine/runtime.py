@@ -18,6 +18,7 @@ from engine.default_model import resolve_model_dir
 from engine.device import select_device, select_dtype
 from engine.cuda.dispatch import StepDispatch
 from engine.errors import ConfigError
+from engine.fp8_checkpoint import resolve_activation_scheme
 from engine.kv_cache import KVCache
 from engine.loader import load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
@@ -76,6 +77,15 @@ class Runtime:
         return layout.fp8_weight_block if layout else self.config.fp8_weight_block if self.quantization == "fp8" else ""
 
     @property
+    def fp8_activation_scheme(self) -> str:
+        """What the FP8 projections do with their activations ("dynamic": W8A8 above 8 rows, or "none": weight-only;
+        EngineConfig.fp8_activation_scheme's spelling, engine/fp8_checkpoint.py resolve_activation_scheme); "" without
+        FP8."""
+        if self.quantization != "fp8":
+            return ""
+        return resolve_activation_scheme(self.config.fp8_activation_scheme, self.model_config.fp8_layout)
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.block_size)
 
@@ -95,7 +105,7 @@ class Runtime:
         t0 = time.perf_counter()
         shard = ShardPlan(mc, parallel.rank, parallel.size) if parallel else ShardPlan(mc)
         weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
-                               config.fp8_block, shard if shard.size > 1 else None)
+                               config.fp8_block, shard if shard.size > 1 else None, config.fp8_activation_scheme)
         num_blocks = _num_kv_blocks(config, mc, kv_dtype, device, shard.num_kv_heads)
         if parallel is not None:  # block ids are the same on every rank: the smallest cache of all
             num_blocks = parallel.min_int(num_blocks)
@@ -121,7 +131,8 @@ class Runtime:
                  outputs, frozenset(mc.eos_token_ids), shard)
         log.info("loaded %s (%s, %d layers, %.1f MB) on %s as %s (quantization %s%s) in %.1fs; KV cache %d blocks "
                  "x %d tokens (%.1f MB)", model_path, mc.architecture, mc.num_layers, weight_bytes(weights) / 1e6,
-                 device, dtype, rt.quantization, (f", {rt.fp8_weight_block} blocks" if rt.fp8_weight_block else "")
+                 device, dtype, rt.quantization, (f", {rt.fp8_weight_block} blocks, activation scheme "
+                                                  f"{rt.fp8_activation_scheme}" if rt.fp8_weight_block else "")
                  + (f", from a {mc.fp8_layout.description} checkpoint" if mc.fp8_layout else "")
                  + (", LM head too" if isinstance(weights.lm_head, Fp8Weight) else ""),
                  time.perf_counter() - t0, kv.num_blocks, config.block_size, kv.nbytes / 1e6)

@@ -86,10 +86,12 @@ class _EngineCollector:
         weights = GaugeMetricFamily("metrale_weights_info", "always 1: how the model's weights are held (dtype of "
                                     "activations and unquantized weights; quantization of the projections: none or "
                                     "fp8; whether the LM head is quantized too; the fp8 scale blocks: channel or "
-                                    "RxC, empty without fp8)",
-                                    labels=["model", "dtype", "quantization", "lm_head_quantized", "fp8_weight_block"])
+                                    "RxC, empty without fp8; the fp8 activation scheme: dynamic (W8A8 above 8 "
+                                    "rows) or none (weight-only W8A16), empty without fp8)",
+                                    labels=["model", "dtype", "quantization", "lm_head_quantized", "fp8_weight_block",
+                                            "fp8_activation_scheme"])
         weights.add_metric([info.model_id, info.dtype, info.quantization, str(info.quantized_lm_head).lower(),
-                            info.fp8_weight_block], 1)
+                            info.fp8_weight_block, info.fp8_activation_scheme], 1)
         yield weights
         yield GaugeMetricFamily("metrale_tensor_parallel_size", "processes (GPUs) the model is split over",
                                 value=info.tensor_parallel_size)

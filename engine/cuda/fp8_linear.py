@@ -1,5 +1,5 @@
 """CudaOps' projections of FP8 weights (engine/quant.py Fp8Weight): the skinny FP8 kernels, W8A8 on the FP8 tensor
-cores, or torch's W8A16 and fp32 references, by the weight's blocks and the rows of x."""
+cores, or torch's W8A16 and fp32 references, by the weight's blocks, its activation scheme and the rows of x."""
 from __future__ import annotations
 
 import torch
@@ -7,25 +7,30 @@ import torch
 from engine import env
 from engine.cuda.library import KernelLibrary
 from engine.cuda.wrappers import fp8_quant, skinny_linear
-from engine.quant import Fp8Weight, finish_linear, fp8_linear, quantize_activations, takes_w8a8
+from engine.quant import (W8A16_MAX_ROWS, WEIGHT_ONLY, Fp8Weight, finish_linear, fp8_linear, quantize_activations,
+                          takes_w8a8)
 
 
 def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None,
                    add_to: torch.Tensor | None, out_dtype: torch.dtype | None, skinny: bool,
                    decode: bool = False) -> torch.Tensor:
-    """TorchOps.linear's contract for an Fp8Weight. skinny: the skinny kernels take x and weight (CudaOps'
-    skinny_fits, and a bias of x's dtype if any). decode: a decode forward's (W8A8 may take the skinny W8A8
-    kernel; a prompt's GEMM must not depend on how many rows share its forward). By the weight and x:
-    - per-channel scales that the skinny kernels take (up to 8 rows): the skinny FP8 kernel (skinny_store /
-      skinny_f32 with the weight converted in registers: the reference W8A16 arithmetic up to the order of
-      the fp32 sums); with add_to, its fp32 result added in place (one rounding, as the reference). Not the
-      residual kernel: it reads add_to before its wait, which only the fused ops' launch order makes safe;
-    - where engine.quant.takes_w8a8 says (per-channel scales, more than 8 rows of bf16 x into a bf16 output:
-      prefill, large decode batches): W8A8 on the tensor cores, x quantized per row to E4M3 with a dynamic
-      scale (fp8_scaled_mm), the arithmetic TorchOps runs in fp32 (engine.quant.w8a8_linear);
-    - other per-channel cases (fp32 logits of more rows, shapes neither kernel takes): W8A16, the reference
-      arithmetic with the weights converted to x's dtype on every call. Correct but slow: it reads and writes
-      a 16-bit copy of the weight per call;
+    """TorchOps.linear's contract for an Fp8Weight. skinny: the skinny W8A16 kernels take x and weight (CudaOps'
+    skinny_fits up to skinny_rows(weight, decode) rows, and a bias of x's dtype if any). decode: a decode
+    forward's (W8A8 may take the skinny W8A8 kernel, a weight-only weight the skinny W8A16 kernels up to 32 rows;
+    a prompt's GEMM must not depend on how many rows share its forward). By the weight and x:
+    - per-channel scales that the skinny kernels take (up to 8 rows; a weight-only weight's up to 32 in a decode
+      forward): the skinny FP8 kernel (skinny_store / skinny_f32 with the weight converted in registers: the
+      reference W8A16 arithmetic up to the order of the fp32 sums); with add_to, its fp32 result added in place
+      (one rounding, as the reference). Not the residual kernel: it reads add_to before its wait, which only the
+      fused ops' launch order makes safe;
+    - where engine.quant.takes_w8a8 says (per-channel scales of the "dynamic" activation scheme, more than 8 rows
+      of bf16 x into a bf16 output: prefill, large decode batches): W8A8 on the tensor cores, x quantized per row
+      to E4M3 with a dynamic scale (fp8_scaled_mm), the arithmetic TorchOps runs in fp32
+      (engine.quant.w8a8_linear);
+    - other per-channel cases (a weight-only weight's prefill and decode batches past the skinny kernels, fp32
+      logits of more rows, shapes neither kernel takes): W8A16 (w8a16_mm), the reference arithmetic with the
+      weights converted to x's dtype on every call. Correct; it reads and writes a 16-bit copy of the weight per
+      call, which a prompt's GEMM amortises over its rows;
     - any other block (--fp8-weight-block RxC): the fp32 reference itself (engine.quant.fp8_linear: the
       weight dequantized to fp32, one fp32 matmul). Correct and slow (an fp32 copy of the weight and an
       fp32 GEMM per call); a block-scaled FP8 kernel will replace it.
@@ -40,8 +45,25 @@ def fp8_projection(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, bias:
         return finish_linear(y, None, add_to, out)
     if takes_w8a8(x, weight, out):
         return finish_linear(fp8_scaled_mm(lib, x, weight, decode), bias, add_to, out)
-    acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # fp32 accumulation
-    return finish_linear(acc * weight.row_scale, bias, add_to, out)
+    return finish_linear(w8a16_mm(x, weight), bias, add_to, out)
+
+
+def w8a16_mm(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """W8A16 for a per-channel weight in torch: [M, N] fp32 = (x @ data^T) * row_scale, engine.quant.fp8_linear's
+    arithmetic before its epilogue. The E4M3 values convert exactly to x's dtype (bf16 or fp16: E4M3 is a subset
+    of both), every product of two 16-bit values is exact in fp32, and out_dtype=float32 makes cuBLAS accumulate
+    and return fp32 (no rounding of the sum to 16 bits), so only the order of the fp32 sums differs from the
+    reference's fp32 matmul; the per-row scale multiplies the fp32 result, rounded once by the caller's epilogue.
+    CUDA only: torch has no CPU kernel for mm's out_dtype (TorchOps computes the same in fp32: fp8_linear)."""
+    acc = torch.mm(x, weight.data.to(x.dtype).t(), out_dtype=torch.float32)  # [M, N] fp32 accumulation
+    return acc * weight.row_scale
+
+
+def skinny_rows(weight: Fp8Weight, decode: bool) -> int:
+    """The most rows of x CudaOps sends to the skinny W8A16 (_fp8) kernels for `weight`: a weight-only weight's
+    decode forwards up to FP8_MAX_M (32) rows (the rows 9-32 that a "dynamic" weight runs W8A8 on the skinny W8A8
+    kernels), else W8A16_MAX_ROWS (8)."""
+    return skinny_linear.FP8_MAX_M if decode and weight.activation_scheme == WEIGHT_ONLY else W8A16_MAX_ROWS
 
 
 def fp8_scaled_mm(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, decode: bool = False) -> torch.Tensor:
@@ -79,10 +101,15 @@ def _skinny_w8a8_x(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight,
     return fp8_quant.quantize_rows(lib, x.contiguous())
 
 
-def w8a8_skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, weight: Fp8Weight) -> bool:
-    """A decode forward's h += x @ weight^T where it runs W8A8 on the skinny kernels (_skinny_w8a8_x): one skinny
-    W8A8 residual kernel (the GEMM's bf16 product, then added: the composition fp8_projection runs with add_to, in
-    one launch). False, doing nothing, where it does not."""
+def skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, weight: Fp8Weight, w8a16: bool) -> bool:
+    """A decode forward's h += x @ weight^T past the skinny forwards (9-32 rows) on one skinny kernel where one serves
+    it: w8a16 (CudaOps' skinny_fits up to skinny_rows: a weight-only weight) the W8A16 residual kernel (the fp32 sum
+    added, one rounding: fp8_projection's result with add_to); else where it runs W8A8 on the skinny kernels
+    (_skinny_w8a8_x) the W8A8 residual kernel (the GEMM's bf16 product, then added: the composition fp8_projection
+    runs with add_to, in one launch). False, doing nothing, where neither does."""
+    if w8a16:
+        skinny_linear.residual(lib, h, x.contiguous(), weight)
+        return True
     quantized = _skinny_w8a8_x(lib, x, weight, h.dtype)
     if quantized is None:
         return False
@@ -90,12 +117,16 @@ def w8a8_skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, w
     return True
 
 
-def w8a8_skinny_silu(lib: KernelLibrary, x: torch.Tensor, gate_up: Fp8Weight) -> torch.Tensor | None:
-    """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) on the skinny W8A8 silu kernel where it
-    runs W8A8 on the skinny kernels (_skinny_w8a8_x), else None."""
-    quantized = _skinny_w8a8_x(lib, x, gate_up, x.dtype)
-    if quantized is None:
+def skinny_silu(lib: KernelLibrary, x: torch.Tensor, gate_up: Fp8Weight, w8a16: bool) -> torch.Tensor | None:
+    """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) past the skinny forwards, on one skinny
+    silu kernel where one serves it (skinny_residual's rule: W8A16 for a weight-only weight, else W8A8 where it
+    runs on the skinny kernels), else None."""
+    quantized = None if w8a16 else _skinny_w8a8_x(lib, x, gate_up, x.dtype)
+    if not w8a16 and quantized is None:
         return None
     out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=x.dtype, device=x.device)
-    skinny_linear.silu(lib, out, quantized[0], gate_up, x_scale=quantized[1])
+    if w8a16:
+        skinny_linear.silu(lib, out, x, gate_up)
+    else:
+        skinny_linear.silu(lib, out, quantized[0], gate_up, x_scale=quantized[1])
     return out

@@ -70,6 +70,12 @@ def skinny_fits(x: torch.Tensor, weight: Weight, span: int, max_rows: int = SKIN
             and k % 32 == 0 and span % 16 == 0 and n % span == 0)
 
 
+def fp8_skinny_fits(x: torch.Tensor, weight: Fp8Weight, decode: bool) -> bool:
+    """Whether the skinny W8A16 (_fp8) kernels take x @ weight^T in CudaOps: skinny_fits up to
+    engine/cuda/fp8_linear.py skinny_rows (32 rows of a weight-only weight's decode forward, else 8)."""
+    return skinny_fits(x, weight, weight.shape[0], fp8_linear.skinny_rows(weight, decode))
+
+
 class CudaOps(TorchOps):
     name = "cuda"
 
@@ -172,18 +178,18 @@ class CudaOps(TorchOps):
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
         """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
-        Decode forwards of up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into
-        fp32 partials, then residual_norm sums them into h and makes the next op's rms_norm in the same
-        launch: faster than cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the
-        norm launch after it (bench/split_k_gemm.py; bench/RESULTS.md). gate_up stays on cuBLAS (slower
-        split).
-        Otherwise TorchOps' addmm_."""
+        Larger decode forwards: an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
+        up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into fp32 partials, then
+        residual_norm sums them into h and makes the next op's rms_norm in the same launch: faster than
+        cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm launch after it
+        (bench/split_k_gemm.py; bench/RESULTS.md). gate_up stays on cuBLAS (slower split). Else TorchOps'."""
         if self._skinny and skinny_fits(h, weight, weight.shape[0]):
             skinny_linear.residual(self.lib, h, x.contiguous(), weight)
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
-        if self._decode and isinstance(weight, Fp8Weight) and fp8_linear.w8a8_skinny_residual(self.lib, h, x, weight):
+        if self._decode and isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
+                self.lib, h, x, weight, fp8_skinny_fits(x, weight, True)):
             return None if norm is None else self.rms_norm(h, norm, eps)
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
@@ -200,9 +206,9 @@ class CudaOps(TorchOps):
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
-            if self._decode and isinstance(gate_up, Fp8Weight):  # W8A8 past the skinny kernels: silu fused there
+            if self._decode and isinstance(gate_up, Fp8Weight):  # past the skinny forwards: FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
-                out = fp8_linear.w8a8_skinny_silu(self.lib, x, gate_up)
+                out = fp8_linear.skinny_silu(self.lib, x, gate_up, fp8_skinny_fits(x, gate_up, True))
                 return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
@@ -227,7 +233,7 @@ class CudaOps(TorchOps):
         """TorchOps.linear; an Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
         if not isinstance(weight, Fp8Weight):
             return super().linear(x, weight, bias, add_to, out_dtype)
-        skinny = skinny_fits(x, weight, weight.shape[0]) and (bias is None or bias.dtype == x.dtype)
+        skinny = fp8_skinny_fits(x, weight, self._decode) and (bias is None or bias.dtype == x.dtype)
         return fp8_projection(self.lib, x, weight, bias, add_to, out_dtype, skinny, self._decode)
 
     # ---------------------------------------------------------------------------------------------

@@ -141,7 +141,8 @@ class TorchOps:
         """x [M, K] @ weight^T (+ bias) for a weight [N, K]: returned as out_dtype (default x's), or with add_to
         [M, N] added into it in place, rounded once (returns add_to). Every projection of the model runs
         through here: an Fp8Weight takes engine.quant's reference arithmetic, W8A8 where takes_w8a8 says (as
-        CudaOps does on the tensor cores), W8A16 elsewhere."""
+        CudaOps does on the tensor cores), W8A16 elsewhere (always for a weight-only weight, activation_scheme
+        "none")."""
         if isinstance(weight, Fp8Weight):
             out = add_to.dtype if add_to is not None else out_dtype or x.dtype
             if takes_w8a8(x, weight, out):

@@ -29,7 +29,7 @@ def fp8_server(request, checkpoints):
 def test_info_reports_fp8(fp8_server):
     info = fp8_server.stub().Info(pb.InfoRequest())
     assert info.quantization == "fp8" and info.quantized_lm_head is fp8_server.lm_head
-    assert info.fp8_weight_block == fp8_server.block
+    assert info.fp8_weight_block == fp8_server.block and info.fp8_activation_scheme == "dynamic"
     assert info.dtype == "float32"  # the activations, embeddings and norms
 
 
@@ -48,19 +48,20 @@ def test_greedy_tokens_over_grpc_are_the_fp8_models_own_predictions(fp8_server):
 def test_unquantized_info_reports_none(server):
     info = server.stub().Info(pb.InfoRequest())
     assert info.quantization == "none" and info.quantized_lm_head is False and info.fp8_weight_block == ""
+    assert info.fp8_activation_scheme == ""
 
 
 def test_metrics_say_what_is_quantized(checkpoints):
     port = free_port()
     srv = start_server(checkpoints["llama-gqa"], worker_changes={"metrics_port": port}, quantization="fp8",
-                       fp8_weight_block="1x64")
+                       fp8_weight_block="1x64", fp8_activation_scheme="none")
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         srv.stop()
     line = next(l for l in text.splitlines() if l.startswith("metrale_weights_info{"))
     assert 'quantization="fp8"' in line and 'lm_head_quantized="false"' in line and line.endswith(" 1.0")
-    assert 'fp8_weight_block="1x64"' in line
+    assert 'fp8_weight_block="1x64"' in line and 'fp8_activation_scheme="none"' in line
 
 
 def test_an_unknown_quantization_is_one_line_and_exit_2(tiny_model):
@@ -90,3 +91,20 @@ def test_a_bad_fp8_weight_block_is_one_line_and_exit_2(tiny_model, args, line):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [line]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--fp8-activation-scheme", "none"],
+     "metrale-worker: fp8_activation_scheme none needs quantization fp8 (--quantization fp8)"),
+    (["--quantization", "fp8", "--fp8-activation-scheme", "static"],
+     "argument --fp8-activation-scheme: invalid choice: 'static'"),
+])
+def test_a_bad_fp8_activation_scheme_is_one_line_and_exit_2(tiny_model, args, line):
+    proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(tiny_model), "--port", "0", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    if line.startswith("metrale-worker:"):
+        assert lines == [line]
+    else:  # argparse: its usage, then the error line (how it lists the choices differs by Python version)
+        assert line in lines[-1], lines[-1]

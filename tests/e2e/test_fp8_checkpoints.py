@@ -142,7 +142,7 @@ def test_info_reports_what_is_loaded(fp8_dirs, quantization):
     finally:
         engine.close()
     assert (info.quantization, info.fp8_weight_block, info.checkpoint_quantization) == ("fp8", "32x32", "fp8 32x32")
-    assert info.quantized_lm_head is False
+    assert info.quantized_lm_head is False and info.fp8_activation_scheme == "dynamic"
     engine = Engine(engine_config(fp8_dirs["llama-ct-channel"][0]))
     try:
         info = engine.info()
@@ -160,6 +160,7 @@ def test_an_fp8_checkpoint_served_over_grpc(fp8_dirs):
         info = stub.Info(pb.InfoRequest())
         assert (info.quantization, info.fp8_weight_block) == ("fp8", "channel")
         assert info.checkpoint_quantization == "compressed-tensors tensor" and not info.quantized_lm_head
+        assert info.fp8_activation_scheme == "dynamic"  # static input scales: W8A8, the scales not used
         prompts = random_prompts([6, 21], info.vocab_size, seed=5)
         outputs = generate_via_grpc(stub, prompts, max_new_tokens=10)
     finally:

@@ -14,8 +14,8 @@ from engine.cuda.wrappers import skinny_linear
 from engine.engine import Engine
 from engine.ops.torch_ops import TorchOps
 from engine.ops import torch_ops
-from engine.quant import (FP8_DTYPE, FP8_MIN_CAPABILITY, W8A16_MAX_ROWS, Fp8Weight, dequantize, fp8_linear,
-                          quantize_activations, quantize_fp8)
+from engine.quant import (FP8_DTYPE, FP8_MIN_CAPABILITY, W8A16_MAX_ROWS, WEIGHT_ONLY, Fp8Weight, dequantize,
+                          fp8_linear, quantize_activations, quantize_fp8)
 from gpu.helpers import dev, greedy_run, nan, randn
 
 pytestmark = [pytest.mark.gpu,
@@ -189,7 +189,108 @@ def test_w8a8_skinny_residual_and_silu_are_the_composed_ops(ops, gen, m):
         want = ops.silu_and_mul(w8a8_linear(ops.rms_norm(h, nw, 1e-5), w_gu))
         assert got.shape == (m, 1536)
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=1e-3)
-        assert fp8_linear.w8a8_skinny_silu(ops.lib, randn(40, 576, dtype=torch.bfloat16), w_gu) is None  # > 32 rows
+        assert fp8_linear.skinny_silu(ops.lib, randn(40, 576, dtype=torch.bfloat16), w_gu, False) is None  # > 32 rows
+    finally:
+        ops.begin_forward(1, decode=False)
+
+
+def weight_only(n: int, k: int) -> Fp8Weight:
+    return quantize_fp8(randn(n, k, scale=0.05), activation_scheme=WEIGHT_ONLY)
+
+
+def forbid_w8a8(monkeypatch) -> list[int]:
+    """Makes any W8A8 step (activation quantization, torch._scaled_mm) fail the test; returns the rows of each
+    skinny_linear.store launch, recorded."""
+    from engine.cuda import fp8_linear
+    from engine.cuda.wrappers import fp8_quant
+
+    def fail(*args, **kwargs):
+        pytest.fail("a weight-only projection ran W8A8")
+    for module, name in ((torch, "_scaled_mm"), (fp8_linear, "quantize_activations"), (fp8_quant, "quantize_rows")):
+        monkeypatch.setattr(module, name, fail)
+    stores, real = [], skinny_linear.store
+    monkeypatch.setattr(skinny_linear, "store", lambda lib, out, x, *a, **kw: stores.append(x.shape[0]) or real(
+        lib, out, x, *a, **kw))
+    return stores
+
+
+@pytest.mark.parametrize("m, decode", [(16, True), (32, True), (512, True), (16, False), (512, False)])
+@pytest.mark.parametrize("n, k", [(96, 64), (1536, 576), (576, 1536)])
+def test_weight_only_rows_match_the_reference(ops, gen, monkeypatch, m, decode, n, k):
+    """A weight-only FP8 weight (activation_scheme "none") above 8 rows of bf16 x is W8A16 at every row count, never
+    W8A8: decode forwards of up to 32 rows on the skinny _fp8 kernels (_m16 / _m32 entries), everything else
+    fp8_linear.w8a16_mm (the E4M3 values converted exactly to bf16, a GEMM into fp32, the row scale after); either
+    is the TorchOps reference (engine.quant.fp8_linear) up to the order of the fp32 sums: fp32 outputs within 1e-4,
+    bf16 outputs and the residual form within one bf16 rounding."""
+    stores = forbid_w8a8(monkeypatch)
+    x, w, bias = randn(m, k, dtype=torch.bfloat16), weight_only(n, k), randn(n, dtype=torch.bfloat16)
+    try:
+        ops.begin_forward(m, decode=decode)
+        got = ops.linear(x, w, bias, out_dtype=torch.float32)
+        torch.testing.assert_close(got, TORCH.linear(x, w, bias, out_dtype=torch.float32), rtol=1e-4, atol=1e-4)
+        y, want = ops.linear(x, w, bias), TORCH.linear(x, w, bias)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert ((y.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-4).all()
+        h = randn(m, n, dtype=torch.bfloat16)
+        h_ref = h.clone()
+        ops.linear(x, w, add_to=h)
+        TORCH.linear(x, w, add_to=h_ref)
+        assert ((h.float() - h_ref.float()).abs() <= h_ref.float().abs() * 2 ** -7 + 1e-4).all()
+    finally:
+        ops.begin_forward(1, decode=False)
+    assert stores == ([m] * 3 if decode and m <= skinny_linear.FP8_MAX_M else []), stores
+
+
+@pytest.mark.parametrize("m", [16, 32])
+def test_weight_only_decode_residual_and_silu_take_the_w8a16_kernels(ops, gen, monkeypatch, m):
+    """A decode forward's weight-only linear_add and norm_gate_up of 9-32 rows: one skinny W8A16 residual / silu
+    launch each (the fp32 sum added and rounded once; silu of the rounded halves), against TorchOps' composition
+    of the reference (fp8_linear), and the next op's rms_norm made after the residual add."""
+    from engine.cuda import fp8_linear as cuda_fp8
+
+    forbid_w8a8(monkeypatch)
+    launched = []
+    for name in ("residual", "silu"):
+        real = getattr(skinny_linear, name)
+        monkeypatch.setattr(skinny_linear, name, lambda *a, _n=name, _r=real, **kw: launched.append(_n) or _r(*a, **kw))
+    w_o, w_gu = weight_only(576, 1536), weight_only(2 * 1536, 576)
+    x, h = randn(m, 1536, dtype=torch.bfloat16), randn(m, 576, dtype=torch.bfloat16, scale=4.0)
+    nw = (1 + 0.1 * randn(576)).to(torch.bfloat16)
+    try:
+        ops.begin_forward(m, decode=True)
+        got = h.clone()
+        normed = ops.linear_add(got, x, w_o, nw, EPS)
+        want = h.clone()
+        TORCH.linear_add(want, x, w_o)
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -7 + 1e-4).all()
+        assert rel_err(normed, TORCH.rms_norm(got, nw, EPS)) <= TOL_16
+        out = ops.norm_gate_up(h, nw, w_gu, EPS)
+        assert out.shape == (m, 1536)
+        assert rel_err(out, TORCH.silu_and_mul(fp8_linear(TORCH.rms_norm(h, nw, EPS), w_gu))) <= TOL_NORM
+        assert launched == ["residual", "silu"], launched
+        # past 32 rows neither skinny kernel serves a weight-only weight (and W8A8 never does)
+        assert cuda_fp8.skinny_silu(ops.lib, randn(40, 576, dtype=torch.bfloat16), w_gu, False) is None
+    finally:
+        ops.begin_forward(1, decode=False)
+
+
+@pytest.mark.parametrize("m, decode", [(16, True), (64, False)])
+def test_weight_only_projections_capture_in_a_cuda_graph(ops, gen, m, decode):
+    """The weight-only paths (the skinny _m16 entry, and w8a16_mm: the conversion, the GEMM into fp32, the scale)
+    run with no host sync: captured once, a replay on new inputs equals an eager call."""
+    w = weight_only(1536, 576)
+    x = randn(m, 576, dtype=torch.bfloat16)
+    out = torch.empty(m, 1536, dtype=torch.bfloat16, device=dev())
+    try:
+        ops.begin_forward(m, decode=decode)
+        ops.linear(x, w)  # warm up (cuBLAS picks its kernel outside the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.copy_(ops.linear(x, w))
+        x.copy_(randn(m, 576, dtype=torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, ops.linear(x, w))
     finally:
         ops.begin_forward(1, decode=False)
 
@@ -324,6 +425,44 @@ def test_fp8_engine_on_the_kernels_matches_the_fp8_torch_ops_engine(ckpt, head, 
         assert_greedy_flips_are_near_ties(ref, ps, greedy_run(fast, ps, 16), greedy_run(ref, ps, 16), f"batch {batch}",
                                           bar, w8a8_decode=batch > 8)
     assert ("rope_kvfp8_bf16_fp8" if kv == "fp8" else "rope_kv_bf16_fp8") in launched, sorted(launched)
+    for e in (fast, ref):
+        e.close()
+
+
+def test_weight_only_fp8_engine_on_the_kernels_matches_the_torch_ops_engine(ckpt, monkeypatch):
+    """--fp8-activation-scheme none: both engines run W8A16 at every batch (the kernels: skinny _fp8 entries up to 32
+    decode rows, fp8_linear.w8a16_mm for prompts; torch: engine.quant.fp8_linear). Teacher-forced over 200 positions
+    (one prompt forward) every top-1 flip is a near-tie of the reference's, and the kernels' log-probs are closer to
+    the W8A16 reference than to the same weights run W8A8; greedy decoding of 4 and 16 sequences (16: the skinny
+    W8A16 residual / silu / store entries at 16 rows) diverges only at near-ties; no activation is quantized."""
+    from engine import quant
+    from engine.cuda.wrappers import fp8_quant
+
+    ref = fp8_engine(ckpt, kernels="torch", fp8_activation_scheme="none")
+    fast = fp8_engine(ckpt, fp8_activation_scheme="none")
+    assert fast.runtime.ops.name == "cuda" and fast.info().fp8_activation_scheme == "none"
+    assert fast.runtime.weights.layers[0].qkv.activation_scheme == quant.WEIGHT_ONLY
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
+    with pytest.MonkeyPatch.context() as patch:  # the kernels engine must not quantize an activation
+        patch.setattr(fp8_quant, "quantize_rows", lambda *a, **kw: pytest.fail("W8A8 ran"))
+        patch.setattr(torch, "_scaled_mm", lambda *a, **kw: pytest.fail("W8A8 ran"))
+        a = fast.score(tokens)
+    b = ref.score(tokens)
+    with pytest.MonkeyPatch.context() as patch:  # the same weights through W8A8 (the other arithmetic)
+        patch.setattr(torch_ops, "takes_w8a8", lambda x, w, out: quant.takes_w8a8(
+            x, Fp8Weight(w.data, w.scale, w.block), out))
+        c = ref.score(tokens)
+    own, other = (a - b).abs().mean().item(), (a - c).abs().mean().item()
+    print(f"weight-only, 200 positions: mean |dlogp| vs W8A16 torch {own:.4f}, vs W8A8 torch {other:.4f}")
+    assert own < other
+    rows = (a.argmax(-1) != b.argmax(-1)).nonzero().flatten()
+    gaps = b[rows, b.argmax(-1)[rows]] - b[rows, a.argmax(-1)[rows]]
+    assert (gaps < NEAR_TIE).all(), gaps.tolist()
+    for batch in (4, 16):
+        ps = [torch.randint(0, 4096, (n,), generator=g).tolist() for n in [7, 30, 61, 100] * (batch // 4)]
+        assert_greedy_flips_are_near_ties(ref, ps, greedy_run(fast, ps, 16), greedy_run(ref, ps, 16),
+                                          f"weight-only batch {batch}", NEAR_TIE, w8a8_decode=False)
     for e in (fast, ref):
         e.close()
 
@@ -594,13 +733,15 @@ def test_cuda_ops_route_per_channel_fp8_decode_through_the_skinny_kernels(ops, g
         assert got.dtype == torch.float32 and rel_err(got, want) <= TOL_NORM, (rows, decode)
 
 
-@pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static"])
+@pytest.mark.parametrize("layout", ["fp8", "fp8-32x32", "fp8-tensor-static", "ct-channel", "ct-tensor-static",
+                                    "ct-channel-weight-only"])
 def test_published_fp8_checkpoints_on_the_kernels_match_the_torch_ops_engine(tmp_path, layout):
     """A bf16 checkpoint in each published FP8 layout (engine/fp8_checkpoint.py) loads as FP8 on the GPU (whatever
     --quantization says) and the kernels engine agrees with the torch-ops engine on the same weights (the same
     arithmetic: W8A8 prefill for per-channel and per-tensor weights, the fp32 reference for block scales, W8A16
-    decode): teacher-forced over 200 positions (assert_closer_to_its_own_arithmetic; block scales: every flip a
-    near-tie) and greedy decoding of 4 sequences (flips within the engines' measured difference)."""
+    decode; W8A16 everywhere for the weight-only layout): teacher-forced over 200 positions
+    (assert_closer_to_its_own_arithmetic; block scales and weight-only: every flip a near-tie) and greedy decoding
+    of 4 sequences (flips within the engines' measured difference)."""
     path = write_checkpoint(tmp_path / layout, arch="qwen3", shape="tiny", seed=9, dtype="bfloat16", vocab_size=4096,
                             fp8_layout=layout)
     fast, ref = fp8_engine(path, quantization="none"), fp8_engine(path, quantization="none", kernels="torch")
@@ -609,8 +750,9 @@ def test_published_fp8_checkpoints_on_the_kernels_match_the_torch_ops_engine(tmp
     assert isinstance(fast.runtime.weights.layers[0].qkv, Fp8Weight)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randint(0, 4096, (200,), generator=g).tolist()
-    per_channel = fast.runtime.weights.layers[0].qkv.per_channel  # W8A8 prompts; block scales: the fp32 reference
-    if per_channel:
+    qkv = fast.runtime.weights.layers[0].qkv  # W8A8 prompts; block scales: the fp32 reference; weight-only: W8A16
+    assert info.fp8_activation_scheme == ("none" if layout.endswith("weight-only") else "dynamic")
+    if qkv.per_channel and qkv.activation_scheme == "dynamic":
         bar = assert_closer_to_its_own_arithmetic(fast, ref, tokens, f"{layout}: 200 positions")
     else:
         bar = NEAR_TIE

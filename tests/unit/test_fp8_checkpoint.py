@@ -6,7 +6,7 @@ import torch
 
 from engine.checkpoint import FP8_LAYOUTS
 from engine.errors import ConfigError
-from engine.fp8_checkpoint import Fp8Layout, fuse, parse_layout
+from engine.fp8_checkpoint import Fp8Layout, fuse, parse_layout, resolve_activation_scheme, to_device
 from engine.quant import dequantize, quantize_fp8
 
 
@@ -23,6 +23,59 @@ def test_published_layouts_parse():
     assert parse_layout(None) is None
     per_tensor = parse_layout({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None})
     assert per_tensor.strategy == "tensor" and per_tensor.static_input
+
+
+def test_the_activation_scheme_a_layout_declares():
+    """compressed-tensors without input activations is weight-only; with 8-bit float ones, dynamic or static, and
+    every Hugging Face fp8 layout (activation_scheme dynamic or static) is dynamic (W8A8 above 8 rows)."""
+    weight_only = parse_layout(FP8_LAYOUTS["ct-channel-weight-only"])
+    assert (weight_only.activation_scheme, weight_only.strategy, weight_only.static_input) == ("none", "channel",
+                                                                                              False)
+    assert weight_only.description == "compressed-tensors channel"
+    for name in ("ct-channel", "ct-tensor-static", "fp8", "fp8-32x32", "fp8-tensor-static"):
+        assert parse_layout(FP8_LAYOUTS[name]).activation_scheme == "dynamic", name
+    groups = {"g": {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]},
+                    "input_activations": None}}
+    block = parse_layout({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": groups})
+    assert (block.activation_scheme, block.block) == ("none", (128, 128))
+
+
+@pytest.mark.parametrize("flag, layout, scheme", [
+    ("dynamic", None, "dynamic"), ("none", None, "none"),  # quantized at load: the flag's value
+    ("dynamic", "ct-channel", "dynamic"), ("none", "ct-channel", "none"),  # none overrides a dynamic checkpoint
+    ("dynamic", "fp8", "dynamic"), ("none", "fp8-tensor-static", "none"),
+    ("dynamic", "ct-channel-weight-only", "none"), ("none", "ct-channel-weight-only", "none"),  # weight-only stays
+])
+def test_the_activation_scheme_rule(flag, layout, scheme):
+    assert resolve_activation_scheme(flag, parse_layout(FP8_LAYOUTS[layout]) if layout else None) == scheme
+
+
+@pytest.mark.parametrize("layout, flag, scheme", [("ct-channel-weight-only", "dynamic", "none"),
+                                                  ("ct-channel", "dynamic", "dynamic"), ("ct-channel", "none", "none"),
+                                                  ("fp8-32x32", "none", "none")])
+def test_loaded_checkpoint_weights_carry_the_scheme(tmp_path, layout, flag, scheme):
+    """Every FP8 weight of the checkpoint (fused q/k/v and gate/up, and its FP8 LM head) gets the scheme."""
+    from engine.checkpoint import write_checkpoint
+    from engine.config import ModelConfig
+    from engine.loader import load_weights
+    from engine.quant import Fp8Weight
+
+    path = write_checkpoint(tmp_path / layout, arch="llama", shape="tiny", fp8_layout=layout)
+    weights = load_weights(path, ModelConfig.from_dir(path), torch.float32, torch.device("cpu"),
+                           "fp8" if flag == "none" else "none", fp8_activation_scheme=flag)
+    found = [getattr(layer, f) for layer in weights.layers for f in ("qkv", "o_proj", "gate_up", "down")]
+    found += [weights.lm_head] if isinstance(weights.lm_head, Fp8Weight) else []
+    assert all(isinstance(w, Fp8Weight) for w in found)
+    assert {w.activation_scheme for w in found} == {scheme}
+
+
+def test_fuse_and_to_device_keep_the_scheme():
+    g = torch.Generator().manual_seed(1)
+    parts = [quantize_fp8(torch.randn(n, 48, generator=g), None, "none") for n in (64, 32, 32)]
+    assert fuse(parts).activation_scheme == "none" and to_device(parts[0], torch.device("cpu")).activation_scheme == \
+        "none"
+    with pytest.raises(ValueError, match="different activation schemes"):
+        fuse([parts[0], quantize_fp8(torch.randn(32, 48, generator=g))])
 
 
 def test_module_patterns():
@@ -53,6 +106,12 @@ def test_module_patterns():
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
         "a": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}},
         "b": {"weights": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}}, "mixes weight schemes"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {
+        "a": {"targets": ["re:.*self_attn.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+              "input_activations": None},
+        "b": {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+              "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}}},
+     "mixes weight schemes across config groups (strategy, block, input activations"),
     ("fp8", "must be a JSON object"),
 ])
 def test_unsupported_configs_are_one_clear_error(qc, words):

@@ -94,6 +94,7 @@ class RecordingLib:
     device = torch.device("cpu")
     decode_cluster = 8
     skinny_wide_tiles = 132
+    skinny_fp8_warps, skinny_fp8_wave_tiles = 4, 264
 
     def __init__(self):
         self.launches: list[tuple[str, dict]] = []
@@ -143,14 +144,16 @@ def violations(launches: list[tuple[str, dict]]) -> list[str]:
 
 
 def decode_launches(model_dir, batch_size: int, monkeypatch, kv_dtype: torch.dtype = torch.bfloat16,
-                    quantization: str = "none", quantize_lm_head: bool = False) -> list[tuple[str, dict]]:
+                    quantization: str = "none", quantize_lm_head: bool = False,
+                    fp8_activation_scheme: str = "dynamic") -> list[tuple[str, dict]]:
     """The launches of one decode step of batch_size sequences through CudaOps and KernelSlotIO, as
     DecodePipeline._step_into_outputs issues them: decode_prepare, the model's forward, the sampling chain,
     decode_commit. kv_dtype: the KV cache's (bf16, or E4M3: --kv-cache-dtype fp8). quantization "fp8":
-    per-channel FP8 projections (the skinny kernels' _fp8 entries)."""
+    per-channel FP8 projections (the skinny kernels' _fp8 entries) of fp8_activation_scheme."""
     cfg = ModelConfig.from_dir(model_dir)
     dev, dt = torch.device("cpu"), torch.bfloat16
-    weights = load_weights(model_dir, cfg, dt, dev, quantization=quantization, quantize_lm_head=quantize_lm_head)
+    weights = load_weights(model_dir, cfg, dt, dev, quantization=quantization, quantize_lm_head=quantize_lm_head,
+                           fp8_activation_scheme=fp8_activation_scheme)
     block_size, blocks_per_seq = 16, 4
     B, S = batch_size, batch_size + 2
     kv = KVCache(cfg.num_layers, S * blocks_per_seq + 1, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, dev)
@@ -208,6 +211,25 @@ def test_fp8_decode_step_keeps_the_reads_before_the_wait_contract(checkpoints, n
     if kv_dtype == FP8_DTYPE:
         caches = [t for _, ts in launches for k, t in ts.items() if k in ("k_cache", "v_cache")]
         assert caches and all(t.dtype == FP8_DTYPE for t in caches)
+
+
+@pytest.mark.parametrize("batch_size", [16, 32])
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-bias-tied", "qwen3-qknorm"])
+def test_weight_only_fp8_decode_past_8_rows_takes_the_skinny_w8a16_kernels(checkpoints, name, batch_size,
+                                                                            monkeypatch):
+    """Weight-only FP8 (--fp8-activation-scheme none) in decode forwards of 9-32 rows: every projection on the skinny
+    kernels' W8A16 (_fp8) entries (store for the QKV projection and the LM head, residual for o_proj and down, silu
+    for gate_up; no activation quantization), and the launch order keeps the contract (the residual kernels read h
+    early: the rms_norm launched after each residual add reads it only)."""
+    launches = decode_launches(checkpoints[name], batch_size, monkeypatch, quantization="fp8", quantize_lm_head=True,
+                               fp8_activation_scheme="none")
+    names = [n for n, _ in launches]
+    num_layers = ModelConfig.from_dir(checkpoints[name]).num_layers
+    assert names.count("skinny_linear.residual") == 2 * num_layers and names.count("skinny_linear.silu") == num_layers
+    assert names.count("skinny_linear.store") == num_layers + 1  # each layer's QKV projection, then the LM head
+    assert all(ts["x"].dtype == torch.bfloat16 and "x_scale" not in ts
+               for n, ts in launches if n.startswith("skinny_linear."))
+    assert violations(launches) == []
 
 
 def test_the_check_finds_a_launch_that_writes_what_the_next_reads_early(checkpoints, monkeypatch):

@@ -28,7 +28,7 @@ SKINNY_WARPS, SKINNY_WIDE_WARPS = 8, 16  # warps per block: two blocks per SM, o
 SKINNY_FP8_WARPS = 4  # E4M3 weights, up to 8 tokens, grids past one wave of 8-warp blocks: 4-warp blocks (_w4)
 SKINNY_BLOCKS_PER_SM = 2  # 8-warp blocks an SM holds (__launch_bounds__(256, 2))
 SKINNY_K_ALIGN = 32  # K elements per warp step
-FP8_MAX_M = SKINNY_MAX_M  # the E4M3-weight kernels exist for every bucket (CudaOps sends them at most 8 tokens)
+FP8_MAX_M = SKINNY_MAX_M  # the E4M3-weight kernels exist for every bucket (CudaOps: up to 8 tokens, 32 weight-only)
 SKINNY_EPILOGUE_ARGS = {
     "store": "ppppp" + "iii" + "f",     # out, x, w, bias, norm_w, M, N, K, eps
     "f32": "ppppp" + "iii" + "f",       # the same, fp32 out
