@@ -278,19 +278,9 @@ def test_weight_only_decode_residual_and_silu_take_the_w8a16_kernels(ops, gen, m
 def test_weight_only_projections_capture_in_a_cuda_graph(ops, gen, m, decode):
     """The weight-only paths (the skinny _m16 entry, and w8a16_mm: the conversion, the GEMM into fp32, the scale)
     run with no host sync: captured once, a replay on new inputs equals an eager call."""
-    w = weight_only(1536, 576)
-    x = randn(m, 576, dtype=torch.bfloat16)
-    out = torch.empty(m, 1536, dtype=torch.bfloat16, device=dev())
     try:
         ops.begin_forward(m, decode=decode)
-        ops.linear(x, w)  # warm up (cuBLAS picks its kernel outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(ops.linear(x, w))
-        x.copy_(randn(m, 576, dtype=torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ops.linear(x, w))
+        assert_replay_equals_eager(ops, weight_only(1536, 576), m)
     finally:
         ops.begin_forward(1, decode=False)
 
@@ -299,16 +289,21 @@ def test_fp8_linear_captures_in_a_cuda_graph(ops, gen):
     """Both FP8 paths run with no host sync: captured once, a replay on new inputs equals an eager call."""
     w = weight(1536, 576)
     for m in (4, 64):
-        x = randn(m, 576, dtype=torch.bfloat16)
-        out = torch.empty(m, 1536, dtype=torch.bfloat16, device=dev())
-        ops.linear(x, w)  # warm up (cuBLAS picks its kernel outside the capture)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out.copy_(ops.linear(x, w))
-        x.copy_(randn(m, 576, dtype=torch.bfloat16))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, ops.linear(x, w))
+        assert_replay_equals_eager(ops, w, m)
+
+
+def assert_replay_equals_eager(ops, w: Fp8Weight, m: int) -> None:
+    """ops.linear of m rows of x through w captured in a CUDA graph, replayed on new x: equal to an eager call."""
+    x = randn(m, w.shape[1], dtype=torch.bfloat16)
+    out = torch.empty(m, w.shape[0], dtype=torch.bfloat16, device=dev())
+    ops.linear(x, w)  # warm up (cuBLAS picks its kernel outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ops.linear(x, w))
+    x.copy_(randn(m, w.shape[1], dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, ops.linear(x, w))
 
 
 @pytest.mark.parametrize("m", [1, 8, 64])
