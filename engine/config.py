@@ -61,13 +61,15 @@ class EngineConfig:
                 "exists. An FP8 checkpoint's weights keep the checkpoint's blocks; this applies to what is "
                 "quantized at load"})
     fp8_activation_scheme: str = field(default=DYNAMIC, metadata={
-        "help": "with --quantization fp8, what the FP8 projections do with their 16-bit activations: dynamic "
+        "help": "what the FP8 projections (--quantization fp8, or an FP8 checkpoint's) do with their 16-bit "
+                "activations: dynamic "
                 "(W8A8 above 8 rows of bf16 activations, i.e. prompts and large decode batches: each row quantized "
                 "to E4M3 with its own scale, for the FP8 tensor cores) or none (weight-only: W8A16 at every batch; "
                 "slower prompts, more accurate: the default model meets the FP8 accuracy floors with it and not "
                 "with W8A8, tests/e2e/test_fp8_accuracy.py). An FP8 checkpoint's weights take it too: none "
                 "overrides a checkpoint's dynamic scheme, and a weight-only checkpoint (compressed-tensors without "
-                "input_activations) runs weight-only under either value (engine/fp8_checkpoint.py)",
+                "input_activations) runs weight-only under either value (engine/fp8_checkpoint.py); none without "
+                "FP8 weights is refused at load",
         "choices": ACTIVATION_SCHEMES})
     kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto: the KV cache in the model's dtype; fp8: E4M3 with a scale of 1 (half the bytes of a 16-bit "
@@ -146,9 +148,6 @@ class EngineConfig:
         if self.fp8_activation_scheme not in ACTIVATION_SCHEMES:
             raise ConfigError(f"fp8_activation_scheme must be one of {ACTIVATION_SCHEMES}, got "
                               f"{self.fp8_activation_scheme!r}")
-        if self.fp8_activation_scheme != DYNAMIC and self.quantization != "fp8":
-            raise ConfigError(f"fp8_activation_scheme {self.fp8_activation_scheme} needs quantization fp8 "
-                              f"(--quantization fp8)")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.max_steps_in_flight > 4:

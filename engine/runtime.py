@@ -25,7 +25,7 @@ from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
 from engine.parallel import Collectives, ParallelGroup
-from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, Fp8Weight, check_device
+from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, WEIGHT_ONLY, Fp8Weight, check_device
 from engine.shard import ShardPlan
 from engine.state import SlotState
 
@@ -100,6 +100,10 @@ class Runtime:
         dtype = select_dtype(config, mc, device)
         check_device("fp8" if mc.fp8_layout else config.quantization, device,
                      mc.fp8_layout.description if mc.fp8_layout else "")
+        if config.fp8_activation_scheme == WEIGHT_ONLY and config.quantization != "fp8" and not mc.fp8_layout:
+            raise ConfigError(f"fp8_activation_scheme none needs FP8 weights (--quantization fp8, or an FP8 "
+                              f"checkpoint: config.json's quantization_config); {model_path} holds {mc.torch_dtype} "
+                              f"weights")
         kv_dtype = kv_cache_dtype(config, dtype, device)
         max_seq_len = config.max_seq_len or mc.max_position_embeddings
         t0 = time.perf_counter()
