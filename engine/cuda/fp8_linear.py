@@ -92,41 +92,37 @@ def takes_skinny_w8a8(x: torch.Tensor, weight: Fp8Weight) -> bool:
             and n % skinny_linear.SKINNY_TILE == 0)
 
 
-def _skinny_w8a8_x(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight,
-                   out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x quantized per row (E4M3, its scales) where a decode forward's x @ weight^T runs W8A8 on the skinny kernels
-    (takes_w8a8, takes_skinny_w8a8, and the quantization kernel takes x); None where it does not."""
+def _skinny_x(lib: KernelLibrary, x: torch.Tensor, weight: Fp8Weight, out_dtype: torch.dtype,
+              w8a16: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The skinny kernels' x operands (x, x_scale) for a decode forward's x @ weight^T past the skinny forwards (9-32
+    rows): w8a16 (CudaOps' skinny_fits up to skinny_rows: a weight-only weight) x itself, no scale (the W8A16
+    kernels); else, where it runs W8A8 on the skinny kernels (takes_w8a8, takes_skinny_w8a8, and the quantization
+    kernel takes x), x quantized per row (E4M3, its scales); None where neither kernel serves it."""
+    if w8a16:
+        return x.contiguous(), None
     if not (takes_w8a8(x, weight, out_dtype) and takes_skinny_w8a8(x, weight) and fp8_quant.takes(x)):
         return None
     return fp8_quant.quantize_rows(lib, x.contiguous())
 
 
 def skinny_residual(lib: KernelLibrary, h: torch.Tensor, x: torch.Tensor, weight: Fp8Weight, w8a16: bool) -> bool:
-    """A decode forward's h += x @ weight^T past the skinny forwards (9-32 rows) on one skinny kernel where one serves
-    it: w8a16 (CudaOps' skinny_fits up to skinny_rows: a weight-only weight) the W8A16 residual kernel (the fp32 sum
-    added, one rounding: fp8_projection's result with add_to); else where it runs W8A8 on the skinny kernels
-    (_skinny_w8a8_x) the W8A8 residual kernel (the GEMM's bf16 product, then added: the composition fp8_projection
-    runs with add_to, in one launch). False, doing nothing, where neither does."""
-    if w8a16:
-        skinny_linear.residual(lib, h, x.contiguous(), weight)
-        return True
-    quantized = _skinny_w8a8_x(lib, x, weight, h.dtype)
-    if quantized is None:
+    """A decode forward's h += x @ weight^T past the skinny forwards on one skinny residual kernel where one serves it
+    (_skinny_x): W8A16, the fp32 sum added with one rounding (fp8_projection's result with add_to); W8A8, the GEMM's
+    bf16 product, then added (the composition fp8_projection runs with add_to, in one launch). False, doing nothing,
+    where neither does."""
+    operands = _skinny_x(lib, x, weight, h.dtype, w8a16)
+    if operands is None:
         return False
-    skinny_linear.residual(lib, h, quantized[0], weight, x_scale=quantized[1])
+    skinny_linear.residual(lib, h, operands[0], weight, x_scale=operands[1])
     return True
 
 
 def skinny_silu(lib: KernelLibrary, x: torch.Tensor, gate_up: Fp8Weight, w8a16: bool) -> torch.Tensor | None:
     """A decode forward's silu(gate) * up of x @ gate_up^T (x normalized) past the skinny forwards, on one skinny
-    silu kernel where one serves it (skinny_residual's rule: W8A16 for a weight-only weight, else W8A8 where it
-    runs on the skinny kernels), else None."""
-    quantized = None if w8a16 else _skinny_w8a8_x(lib, x, gate_up, x.dtype)
-    if not w8a16 and quantized is None:
+    silu kernel where one serves it (_skinny_x), else None."""
+    operands = _skinny_x(lib, x, gate_up, x.dtype, w8a16)
+    if operands is None:
         return None
     out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=x.dtype, device=x.device)
-    if w8a16:
-        skinny_linear.silu(lib, out, x, gate_up)
-    else:
-        skinny_linear.silu(lib, out, quantized[0], gate_up, x_scale=quantized[1])
+    skinny_linear.silu(lib, out, operands[0], gate_up, x_scale=operands[1])
     return out
