@@ -327,7 +327,7 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
-def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None) -> list[tuple]:
+def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=None) -> list[tuple]:
     """Decode attention from DRAM at long contexts, 32 query heads over 8 KV heads at head_dim 64 (1B) and 128
     (8B): batches 1, 8, 32 by contexts 2k, 8k, 32k, with the shipped key splits (*, max_seq_len 32k + 64) and
     with half, twice and four times as many, and the shipped count again over blocks scattered at random
@@ -337,8 +337,10 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None) -> l
     The same shapes over an E4M3 cache (--kv-cache-dtype fp8: the _kvfp8 entries, half the bytes; rows "fp8"),
     the same copies of the same values converted, with the E4M3 entries' own shipped splits (and half and twice
     as many): KV bytes read, GB/s, and the speed-up over the bf16 row of the same blocks and shipped splits (x).
-    shapes: [(batch, context)] to run (default: all nine)."""
-    lib, rows = ops.lib, []
+    shapes: [(batch, context)] to run (default: all nine). lib: the kernel library to time (default ops.lib; a
+    --variant's). Rows marked "wave" use as many splits as one wave of blocks holds (where the shipped count is
+    fewer)."""
+    lib, rows = lib or ops.lib, []
     for d in (64, 128):
         for batch, ctx in shapes or itertools.product((1, 8, 32), (2048, 8192, 32768)):
             blocks = -(-ctx // BS)
@@ -367,6 +369,10 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None) -> l
                 variants = [(shipped, ordered, "*"), (shipped, scattered, "* scattered")]
                 variants += [(s, ordered, "") for s in ((shipped // 2, shipped * 2) if fp8 else
                                                         (shipped // 2, shipped * 2, shipped * 4)) if usable(s)]
+                wave = decode_attention.blocks_per_sm(lib, d, fp8) * lib.num_sms // (batch * HKV)
+                wave = wave if wave <= lib.decode_cluster else wave // lib.decode_cluster * lib.decode_cluster
+                if wave not in (shipped, shipped // 2, shipped * 2, shipped * 4) and shipped < wave and usable(wave):
+                    variants.append((wave, ordered, " wave"))
                 nbytes = kv_bytes // 2 if fp8 else kv_bytes
                 for splits, tables, tag in variants:
                     po = torch.empty(batch, H, splits, d, device=dev)
@@ -486,8 +492,8 @@ def main() -> int:
     (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
-    --variant SRC BUILD with --skinny or --sample (repeatable): also those rows of the kernels built from SRC into
-    BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
+    --variant SRC BUILD with --skinny, --sample or --long (repeatable): also those rows of the kernels built from SRC
+    into BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
     folder's name."""
     dev = torch.device("cuda", torch.cuda.current_device())
     ops = CudaOps.create(dev, max_seq_len=8192)
@@ -502,8 +508,9 @@ def main() -> int:
         if "--shapes" in sys.argv:
             spec = sys.argv[sys.argv.index("--shapes") + 1]
             shapes = [tuple(int(x) for x in bc.split("x")) for bc in spec.split(",")]
-        for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes):
-            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
+        for tag, lib in [("", ops.lib)] + variant_libs(dev):
+            for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes, lib):
+                print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--attention" in sys.argv:
         for batch, name, d_us, _, extra in attention_split_rows(ops, dev, dt):

@@ -92,6 +92,7 @@
 
 #define DA_THREADS 128
 #define DA_TILE 64
+#define DA_CLUSTER_MAX 8  // the largest cluster a launch uses (DECODE_CLUSTER in the wrapper)
 
 template <int D>
 struct DecodeCfg {
@@ -116,10 +117,13 @@ __device__ __forceinline__ void add_weighted(float (&acc)[8], const float4& lo, 
   acc[7] += hi.w * w;
 }
 
-// Merges the splits of one (b, h) row with one warp: lanes read the splits' lse in parallel; then the
-// lanes form 32 / (D / 8) groups, group g summing splits g, g + groups, ... for its 8-element vectors
-// (independent loads in flight), and the groups are added with shuffles. Partials are read with
-// ld.global.cg (L2): other blocks wrote them during this launch.
+// Merges the splits of one (b, h) row with one warp, with every load independent of the others (the merge of
+// a long sequence's 32-48 splits was a chain of dependent L2 round trips): a pass takes 32 splits; lane i reads
+// split i's lse and holds its weight 2^(lse - M); then the lanes form 32 / (D / 8) groups, group g summing splits
+// g, g + groups, ... of the pass for its 8-element vectors, MERGE_UNROLL of them loaded before any is added, the
+// weights taken from their lanes by shuffles; the groups are added with shuffles at the end. Partials are read
+// with ld.global.cg (L2): other blocks wrote them during this launch.
+#define MERGE_UNROLL 4
 template <class T>
 __device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* __restrict__ part_o,
                                             const float* __restrict__ part_lse, i64 row, int num_splits, int used,
@@ -132,27 +136,42 @@ __device__ __forceinline__ void combine_row(u16* __restrict__ out, const float* 
   for (int s = lane; s < used; s += 32) M = fmaxf(M, __ldcg(lse + s));
   M = warp_max(M);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float L = 0.f;
-  if (M != NEG_INF && grp < groups) {
-    for (int s = grp; s < used; s += groups) {
-      const float ls = __ldcg(lse + s);
-      if (ls == NEG_INF) continue;
-      const float wgt = exp2f(ls - M);
-      L += wgt;
-      const float4* src = reinterpret_cast<const float4*>(part_o + (row * num_splits + s) * D + c * 8);
-      const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
-      add_weighted(acc, lo, hi, wgt);
+  float L = 0.f;  // this lane's splits' weights (summed over the warp below)
+  if (M != NEG_INF) {  // warp-uniform
+    for (int base = 0; base < used; base += 32) {
+      const float ls = base + lane < used ? __ldcg(lse + base + lane) : NEG_INF;
+      const float w_lane = ls == NEG_INF ? 0.f : exp2f(ls - M);
+      L += w_lane;
+      const int n = min(32, used - base);
+      for (int k0 = 0; k0 < n; k0 += groups * MERGE_UNROLL) {  // uniform trip count (the shuffles)
+        float4 lo[MERGE_UNROLL], hi[MERGE_UNROLL];
+        float w[MERGE_UNROLL];
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; ++u) {
+          const int k = k0 + u * groups + grp;
+          w[u] = __shfl_sync(FULL_MASK, w_lane, k & 31);
+          if (grp < groups && k < n && w[u] != 0.f) {  // lanes past the last full group idle
+            const float4* src = reinterpret_cast<const float4*>(part_o + (row * num_splits + base + k) * D + c * 8);
+            lo[u] = __ldcg(src);
+            hi[u] = __ldcg(src + 1);
+          } else {
+            w[u] = 0.f;
+            lo[u] = hi[u] = make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < MERGE_UNROLL; ++u) add_weighted(acc, lo[u], hi[u], w[u]);
+      }
     }
   }
+  L = warp_sum(L);
   for (int g = 1; g < groups; ++g) {  // group 0 gathers the other groups (uniform trip count)
     const int src_lane = (lane + g * vpr) & 31;
-    const float l2 = __shfl_sync(FULL_MASK, L, src_lane);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float a2 = __shfl_sync(FULL_MASK, acc[e], src_lane);
       if (grp == 0) acc[e] += a2;
     }
-    if (grp == 0) L += l2;
   }
   if (grp != 0) return;
   const float inv = L > 0.f ? 1.f / L : 0.f;
@@ -297,12 +316,29 @@ __device__ __forceinline__ void decode_attention_impl(
   // Rows of positions >= late are the kernel before's (or the fused RoPE's) and are loaded after the wait.
   const int late = min(early ? seq_len - fresh : 0, new_slot >= 0 ? seq_len - 1 : seq_len);
   // part 0: every row; 1: the rows before `late` only (before the wait); 2: the rows from `late` on.
+  // The block-table entries of a tile are read once, one or two per lane (all of them independent loads), and
+  // handed to the copying threads by shuffles: a table read per copy made every copy wait for an L1 round trip.
+  // A tile's keys span at most 64 entries (block_size 1; block_size 2 at an unaligned start: 33).
   auto load_tile = [&](int tile, int stage, int part) {
     const int base = t0 + tile * DA_TILE;
+    const int first = base >> bs_log2;
+    const int last = (min(base + DA_TILE, t1) - 1) >> bs_log2;  // the tile's last entry with keys
+    const int e0 = first + lane <= last ? table[first + lane] : 0;
+    const int e1 = bs_log2 <= 1 && first + 32 + lane <= last ? table[first + 32 + lane] : 0;
+    auto entry = [&](int pos) {  // the table entry of key pos of this tile; every lane of the warp calls it
+      const int idx = (pos >> bs_log2) - first;
+      int ent = __shfl_sync(FULL_MASK, e0, idx & 31);
+      if (bs_log2 <= 1) {  // block-uniform
+        const int ent1 = __shfl_sync(FULL_MASK, e1, idx & 31);
+        if (idx >= 32) ent = ent1;
+      }
+      return ent;
+    };
     if constexpr (KV8) {  // 16 E4M3 values per copy; the new token's k and v (T) to their staging rows
       for (int i = tid; i < DA_TILE * VPR8; i += DA_THREADS) {
         const int tok = i / VPR8, c = i - tok * VPR8;
         const int pos = base + tok;
+        const i64 blk = entry(pos);
         if (part != 0 && (pos < late) != (part == 1)) continue;
         const bool valid = pos < t1;
         if (new_slot >= 0 && pos == seq_len - 1) {
@@ -316,7 +352,6 @@ __device__ __forceinline__ void decode_attention_impl(
         const unsigned char* ksrc = k_cache;
         const unsigned char* vsrc = v_cache;
         if (valid) {
-          const i64 blk = table[pos >> bs_log2];
           const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
           ksrc = k_cache + row * D + c * 16;
           vsrc = v_cache + row * D + c * 16;
@@ -329,6 +364,7 @@ __device__ __forceinline__ void decode_attention_impl(
     for (int i = tid; i < DA_TILE * VPR; i += DA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
+      const i64 blk = entry(pos);
       if (part != 0 && (pos < late) != (part == 1)) continue;
       const bool valid = pos < t1;
       const KV* ksrc = k_cache;
@@ -337,7 +373,6 @@ __device__ __forceinline__ void decode_attention_impl(
         ksrc = k_new + b * kv_stride + (i64)hkv * D + c * 8;
         vsrc = v_new + b * kv_stride + (i64)hkv * D + c * 8;
       } else if (valid) {
-        const i64 blk = table[pos >> bs_log2];
         const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
         ksrc = k_cache + row * D + c * 8;
         vsrc = v_cache + row * D + c * 8;
@@ -661,18 +696,36 @@ __device__ __forceinline__ void decode_attention_impl(
   if (cmerge) {  // the leader (split 0) merges the cluster's splits from their shared memory, in split order
     cluster_sync();
     TRACE_MARK(3);
-    if (split == 0) {
+    if (split == 0) {  // every split's lse, then its partial, loaded before any is used (at most 8 splits)
       for (int i = tid; i < rows * VPR; i += DA_THREADS) {
         const int r = i / VPR, c = i - r * VPR;
+        float ls[DA_CLUSTER_MAX];
         float M = NEG_INF;
-        for (int sp = 0; sp < used; ++sp) M = fmaxf(M, ld_cluster_f32(cluster_map(cm_lse + r, sp)));
+#pragma unroll
+        for (int sp = 0; sp < DA_CLUSTER_MAX; ++sp) {
+          ls[sp] = sp < used ? ld_cluster_f32(cluster_map(cm_lse + r, sp)) : NEG_INF;
+          M = fmaxf(M, ls[sp]);
+        }
         float L = 0.f, acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int sp = 0; sp < used; ++sp) {
-          const float wgt = exp2f(ld_cluster_f32(cluster_map(cm_lse + r, sp)) - M);
-          const u32 src = cluster_map(cm_o + r * D + c * 8, sp);
-          const float4 lo = ld_cluster_f32x4(src), hi = ld_cluster_f32x4(src + 16);
-          L += wgt;
-          add_weighted(acc, lo, hi, wgt);
+#pragma unroll
+        for (int s0 = 0; s0 < DA_CLUSTER_MAX; s0 += 4) {
+          float4 lo[4], hi[4];
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (s0 + u < used) {
+              const u32 src = cluster_map(cm_o + r * D + c * 8, s0 + u);
+              lo[u] = ld_cluster_f32x4(src);
+              hi[u] = ld_cluster_f32x4(src + 16);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            if (s0 + u < used) {
+              const float wgt = exp2f(ls[s0 + u] - M);
+              L += wgt;
+              add_weighted(acc, lo[u], hi[u], wgt);
+            }
+          }
         }
         const float inv = 1.f / L;
 #pragma unroll

@@ -199,7 +199,7 @@ def test_decode_attention_on_an_fp8_cache(lib, gen, dtype, B, ctx, H, Hkv, D, bs
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
     counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
     shipped = decode_attention.key_splits(lib, B, H, Hkv, D, MAX_SEQ_LEN, fp8_kv=True)
-    for splits in sorted({shipped, 1, 7, 16}):
+    for splits in sorted({shipped, 1, 7, 16, 48}):
         for cluster in sorted({1, decode_attention.cluster_size(lib, splits)}):
             outs = []
             for _ in range(2):

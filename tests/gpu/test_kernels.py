@@ -282,6 +282,9 @@ DECODE_CASES = [
     (3, 500, 4, 2, 16, 16, 0),  # the tiny test models' head_dim
     (2, 700, 8, 2, 32, 16, 64),
     (2, 1200, 16, 2, 80, 32, 0),
+    (3, 400, 32, 8, 64, 1, 0),  # block_size 1: a tile's 64 keys in 64 blocks (two table entries a lane)
+    (2, 3500, 16, 4, 128, 2, 333),  # block_size 2 and a window: tiles start mid-block (33 entries)
+    (2, 5000, 32, 8, 64, 128, 0),  # a block longer than a tile
 ]
 
 
@@ -295,7 +298,8 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
     scale = D ** -0.5
     ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, scale, window)
     counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
-    for splits in sorted({decode_attention.key_splits(lib, B, H, Hkv, D, MAX_SEQ_LEN), 1, 7, 16}):
+    # 48: more splits than a warp's lanes (the global merge takes them in two passes)
+    for splits in sorted({decode_attention.key_splits(lib, B, H, Hkv, D, MAX_SEQ_LEN), 1, 7, 16, 48}):
         # clusters (sm_90): the splits of a sequence whose keys fit in one cluster merge in shared memory
         for cluster in sorted({1, decode_attention.cluster_size(lib, splits)}):
             outs = []
