@@ -50,6 +50,8 @@ class Prefiller:
         # the positions its prompt made final: hashing and registering a 4k-token prompt's 256 blocks takes ~1.3 ms
         # of host time, which the call's reply need not wait for.
         self._unregistered: collections.deque[tuple[Sequence, int]] = collections.deque()
+        # Sequences started by this call whose sampling rows are not yet written (_write_sampling_rows).
+        self._unwritten_rows: list[Sequence] = []
 
     def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
         """Every item extends a sequence whose prompt is not complete, within its reservation."""
@@ -74,10 +76,13 @@ class Prefiller:
         that wrote them have completed when this returns): first thing in the next call, or sooner by the caller."""
         self.register_prompts()  # the earlier prompts' blocks, before this call's prompts are matched against them
         with self.rt.dispatch.on_device() as timer:
-            for seq, it in zip(seqs, items):
-                self._extend(seq, it)
-            computed = sum(seq.seq_len - seq.num_cached for seq in seqs)
-            sampled = self._run(seqs, items)
+            try:
+                for seq, it in zip(seqs, items):
+                    self._extend(seq, it)
+                computed = sum(seq.seq_len - seq.num_cached for seq in seqs)
+                sampled = self._run(seqs, items)
+            finally:  # rows no forward wrote (every chunk cached, or a failure): none is left for a later call
+                self._write_sampling_rows()
         tokens = [sampled[it.seq_id] for it in items if not it.partial]
         for seq in seqs:  # the forwards have completed: the sampled tokens were read back
             blocks = seq.blocks
@@ -128,14 +133,24 @@ class Prefiller:
         if not first:
             state.set_blocks(seq.slot, start, new)
             return
-        # The slot's device row starts here, its shared and new blocks in one write.
-        state.assign(seq.slot, blocks.block_ids, seq.sampling, seq.stopping)
-        if seq.num_cached and seq.sampling.repetition_penalty != 1.0:
-            # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
-            # repetition penalty).
-            shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.cached_prompt_tokens], dtype=np.int64))
-            shared = shared.to(self.rt.device, non_blocking=True)
-            state.mark_seen(torch.full_like(shared, seq.slot), shared)
+        # The slot's block-table row starts here, its shared and new blocks in one write; its sampling rows wait
+        # for the first forward's launch (_write_sampling_rows).
+        state.start_row(seq.slot, blocks.block_ids)
+        self._unwritten_rows.append(seq)
+
+    def _write_sampling_rows(self) -> None:
+        """The sampling rows of the sequences that started in this call (SlotState.assign_sampling), queued after the
+        first forward's launch and before anything that reads them (the prompt's seen marks, the sampling)."""
+        state = self.rt.state
+        for seq in self._unwritten_rows:
+            state.assign_sampling(seq.slot, seq.sampling, seq.stopping)
+            if seq.cached_prompt_tokens and seq.sampling.repetition_penalty != 1.0:
+                # The cached tokens skip the forward, where prompt tokens are marked seen (read only by the
+                # repetition penalty).
+                shared = torch.from_numpy(np.asarray(seq.token_ids[:seq.cached_prompt_tokens], dtype=np.int64))
+                shared = shared.to(self.rt.device, non_blocking=True)
+                state.mark_seen(torch.full_like(shared, seq.slot), shared)
+        self._unwritten_rows.clear()
 
     def _run(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> dict[int, api.TokenResult]:
         completes = {seq.seq_id: not it.partial for seq, it in zip(seqs, items)}
@@ -189,6 +204,7 @@ class Prefiller:
             logits = logits_out[:len(to_sample)]
         else:
             logits = rt.model.forward(batch)
+        self._write_sampling_rows()
         # Queued behind the forward (the host reaches the GPU with it first): the prompt counts for repetition
         # penalty (real tokens only: pads come after them), and the sampled rows' slots and positions.
         state.mark_seen(token_slots, input_ids)

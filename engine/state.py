@@ -117,8 +117,22 @@ class SlotState:
 
     def assign(self, slot: int, block_ids: list[int], params: SamplingParams,
                stopping: StoppingCriteria | None = None) -> None:
-        self.block_table[slot].zero_()
-        self.set_blocks(slot, 0, block_ids)
+        """A sequence starts in the slot: its block-table row and its sampling rows."""
+        self.start_row(slot, block_ids)
+        self.assign_sampling(slot, params, stopping)
+
+    def start_row(self, slot: int, block_ids: list[int]) -> None:
+        """The slot's block-table row: block_ids, then 0 (the scratch block) to its end, in one copy from pageable
+        memory (no wait for the device: the driver stages the bytes before it returns). No step in flight may
+        read the row."""
+        row = np.zeros(self.block_table.shape[1], dtype=np.int32)
+        row[:len(block_ids)] = block_ids
+        self.block_table[slot].copy_(torch.from_numpy(row), non_blocking=True)
+
+    def assign_sampling(self, slot: int, params: SamplingParams, stopping: StoppingCriteria | None = None) -> None:
+        """The slot's sampling and step rows (last token, cached count, parameters, seen tokens, processors). A
+        prefill's forward reads none of them: the prefill queues these writes behind its forward's launch, so the
+        device runs the forward while the host issues them."""
         put(self.last_token, slot, 0)
         put(self.num_cached, slot, 0)
         put(self.temperature, slot, params.temperature)
