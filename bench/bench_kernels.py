@@ -396,6 +396,33 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
     return rows
 
 
+def prefill_rows(lib, dev, dt) -> list[tuple]:
+    """The paged prefill attention kernel (and its merge, where split) at the 1B (head_dim 64) and 8B (128) heads,
+    32 query heads over 8 KV heads: a 128-token chunk continuing a 3,968-token cached prefix (issue 40's TTFT), a
+    fresh 1,024-token prompt and 8 fresh 512-token ones, with the shipped key splits; device us and TFLOP/s (causal
+    FLOPs only)."""
+    from engine.batch import prefill_work
+    from engine.cuda.wrappers import prefill_attention
+    rows = []
+    for d in (64, 128):
+        for name, cached, new, seqs in (("128 on 3968 cached", 3968, 128, 1), ("1 x 1024", 0, 1024, 1),
+                                        ("8 x 512", 0, 512, 8)):
+            total = cached + new
+            blocks = -(-total // BS)
+            kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
+            vc = torch.randn_like(kc)
+            table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
+            q = torch.randn(seqs * new, H, d, device=dev).to(dt)
+            out = torch.empty_like(q)
+            qsl = [i * new for i in range(seqs + 1)]
+            work = torch.tensor(prefill_work(qsl, [total] * seqs), dtype=torch.int32, device=dev)
+            splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
+            d_us = device_us(lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits))
+            flops = seqs * 4 * H * d * (new * cached + new * (new + 1) / 2)
+            rows.append((seqs, f"prefill d{d} {name} splits={splits}", d_us, 0.0, f"{flops / d_us / 1e6:8.1f} TFLOP/s"))
+    return rows
+
+
 def sample_rows(lib, dev) -> list[tuple]:
     """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
     rows = []
@@ -492,7 +519,8 @@ def main() -> int:
     (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
-    --variant SRC BUILD with --skinny, --sample or --long (repeatable): also those rows of the kernels built from SRC
+    --prefill (only the paged prefill attention, prefill_rows);
+    --variant SRC BUILD with --skinny, --sample, --long or --prefill (repeatable): also those rows of the kernels built from SRC
     into BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
     folder's name."""
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -510,6 +538,11 @@ def main() -> int:
             shapes = [tuple(int(x) for x in bc.split("x")) for bc in spec.split(",")]
         for tag, lib in [("", ops.lib)] + variant_libs(dev):
             for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes, lib):
+                print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
+        return 0
+    if "--prefill" in sys.argv:
+        for tag, lib in [("", ops.lib)] + variant_libs(dev):
+            for batch, name, d_us, _, extra in prefill_rows(lib, dev, dt):
                 print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--attention" in sys.argv:

@@ -206,8 +206,8 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
     prefiller, state = engine.prefiller, engine.runtime.state
     spent: collections.Counter = collections.Counter()
     timed(spent, prefiller, "_extend", "extend: match + slot rows + blocks")
-    timed(spent, state, "assign", "  extend: SlotState.assign")
-    timed(spent, state, "set_blocks", "  extend: SlotState.set_blocks")
+    timed(spent, state, "start_row", "  extend: SlotState.start_row")
+    timed(spent, prefiller, "_write_sampling_rows", "  forward: sampling rows (SlotState.assign_sampling)")
     timed(spent, prefiller, "_forward", "forward (launch, sample, read back)")
     timed(spent, engine.runtime.dispatch, "run_shape", "  forward: run_shape (graph or eager)")
     timed(spent, engine.runtime.outputs, "read", "  forward: outputs.read (waits for the GPU)")

@@ -46,6 +46,11 @@
 #define PA_ROWS 64
 #define PA_TILE 64
 #define PA_STAGES 2
+// The entries' launch bounds: a hint of 2 blocks an SM made ptxas schedule the 128-wide entries 12-14% faster
+// (bench_kernels --prefill, H100); at head_dim 64 a hint of 3 or 4 spills (4: no faster) and 1 costs a block an SM,
+// so the others have none.
+#define PA_BOUNDS_D128 (PA_THREADS, 2)
+#define PA_BOUNDS (PA_THREADS)
 
 // KV: the cache's element, u16 (T) or unsigned char (E4M3: the _kvfp8 entries).
 template <class T, int D, class KV>
@@ -86,17 +91,33 @@ __device__ __forceinline__ void prefill_attention_impl(
 
   const int* table = block_tables + (i64)b * bt_stride;
   const int bs_mask = (1 << bs_log2) - 1;
+  // The block-table entries of a tile are read once, one or two per lane (independent loads), and handed to the
+  // copying threads by shuffles (decode_attention.cu does the same): a table read per copy made every copy wait for
+  // an L1 round trip. A tile's keys span at most 64 entries (block_size 1; block_size 2 at an unaligned start: 33).
   auto load_tile = [&](int tile, int stage) {
     const int base = kv_lo + (tile_begin + tile) * PA_TILE;
+    const int first = base >> bs_log2;
+    const int last = (min(base + PA_TILE, kv_hi) - 1) >> bs_log2;  // the tile's last entry with keys
+    const int e0 = first + lane <= last ? table[first + lane] : 0;
+    const int e1 = bs_log2 <= 1 && first + 32 + lane <= last ? table[first + 32 + lane] : 0;
+    auto entry = [&](int pos) {  // the table entry of key pos of this tile; every lane of the warp calls it
+      const int idx = (pos >> bs_log2) - first;
+      int ent = __shfl_sync(FULL_MASK, e0, idx & 31);
+      if (bs_log2 <= 1) {  // block-uniform
+        const int ent1 = __shfl_sync(FULL_MASK, e1, idx & 31);
+        if (idx >= 32) ent = ent1;
+      }
+      return ent;
+    };
     if constexpr (KV8) {  // 16 E4M3 values per copy
       for (int i = tid; i < PA_TILE * VPR8; i += PA_THREADS) {
         const int tok = i / VPR8, c = i - tok * VPR8;
         const int pos = base + tok;
         const bool valid = pos < kv_hi;
+        const i64 blk = entry(pos);
         const unsigned char* ksrc = k_cache;
         const unsigned char* vsrc = v_cache;
         if (valid) {
-          const i64 blk = table[pos >> bs_log2];
           const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
           ksrc = k_cache + row * D + c * 16;
           vsrc = v_cache + row * D + c * 16;
@@ -110,10 +131,10 @@ __device__ __forceinline__ void prefill_attention_impl(
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
       const bool valid = pos < kv_hi;
+      const i64 blk = entry(pos);
       const KV* ksrc = k_cache;
       const KV* vsrc = v_cache;
       if (valid) {
-        const i64 blk = table[pos >> bs_log2];
         const i64 row = ((blk << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
         ksrc = k_cache + row * D + c * 8;
         vsrc = v_cache + row * D + c * 8;
@@ -196,15 +217,30 @@ __device__ __forceinline__ void prefill_attention_impl(
         }
       }
       float mx[2] = {NEG_INF, NEG_INF};
+      // Every key of the tile visible to every row of the warp (past its rows, before kv_hi, inside the window):
+      // no mask (warp-uniform).
+      const bool unmasked = tile_start + PA_TILE - 1 <= warp_qmin && tile_start + PA_TILE <= kv_hi &&
+                            (window <= 0 || tile_start > warp_qmax - window);
+      if (unmasked) {
 #pragma unroll
-      for (int j = 0; j < PA_TILE / 8; ++j) {
+        for (int j = 0; j < PA_TILE / 8; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
-          const int p = qp[e >> 1];
-          const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
-          s[j][e] = valid ? s[j][e] * scale_log2 : NEG_INF;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          for (int e = 0; e < 4; ++e) {
+            s[j][e] *= scale_log2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < PA_TILE / 8; ++j) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
+            const int p = qp[e >> 1];
+            const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
+            s[j][e] = valid ? s[j][e] * scale_log2 : NEG_INF;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          }
         }
       }
       float alpha[2], mu[2];
@@ -331,8 +367,8 @@ __device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ o
   }
 }
 
-#define PREFILL_ENTRY1(NAME, T, D, KV)                                                                      \
-  extern "C" __global__ void __launch_bounds__(PA_THREADS) NAME(                                            \
+#define PREFILL_ENTRY1(NAME, T, D, KV, BOUNDS)                                                              \
+  extern "C" __global__ void __launch_bounds__ BOUNDS NAME(                                                 \
       u16* out, const u16* q, const KV* k_cache, const KV* v_cache, const int* block_tables, const int* work, \
       i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* part_o,  \
       float* part_ml, int num_q) {                                                                          \
@@ -340,23 +376,23 @@ __device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ o
                                      Hkv, bs_log2, window, scale_log2, part_o, part_ml, num_q);             \
   }
 // prefill_attention_*: a 16-bit cache; *_kvfp8: E4M3 (the merge does not read the cache: one per dtype and D).
-#define PREFILL_ENTRY(SUFFIX, T, D)                                                                         \
-  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D, T, D, u16)                                               \
-  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D##_kvfp8, T, D, unsigned char)                             \
+#define PREFILL_ENTRY(SUFFIX, T, D, BOUNDS)                                                                 \
+  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D, T, D, u16, BOUNDS)                                       \
+  PREFILL_ENTRY1(prefill_attention_##SUFFIX##_d##D##_kvfp8, T, D, unsigned char, BOUNDS)                     \
   extern "C" __global__ void __launch_bounds__(PA_THREADS) prefill_attention_merge_##SUFFIX##_d##D(         \
       u16* out, const float* part_o, const float* part_ml, const int* work, int num_q, int H, int splits) {   \
     prefill_attention_merge_impl<T, D>(out, part_o, part_ml, work, num_q, H, splits);                       \
   }
 
-PREFILL_ENTRY(bf16, Bf16, 16)
-PREFILL_ENTRY(bf16, Bf16, 32)
-PREFILL_ENTRY(bf16, Bf16, 64)
-PREFILL_ENTRY(bf16, Bf16, 80)
-PREFILL_ENTRY(bf16, Bf16, 96)
-PREFILL_ENTRY(bf16, Bf16, 128)
-PREFILL_ENTRY(fp16, Fp16, 16)
-PREFILL_ENTRY(fp16, Fp16, 32)
-PREFILL_ENTRY(fp16, Fp16, 64)
-PREFILL_ENTRY(fp16, Fp16, 80)
-PREFILL_ENTRY(fp16, Fp16, 96)
-PREFILL_ENTRY(fp16, Fp16, 128)
+PREFILL_ENTRY(bf16, Bf16, 16, PA_BOUNDS)
+PREFILL_ENTRY(bf16, Bf16, 32, PA_BOUNDS)
+PREFILL_ENTRY(bf16, Bf16, 64, PA_BOUNDS)
+PREFILL_ENTRY(bf16, Bf16, 80, PA_BOUNDS)
+PREFILL_ENTRY(bf16, Bf16, 96, PA_BOUNDS)
+PREFILL_ENTRY(bf16, Bf16, 128, PA_BOUNDS_D128)
+PREFILL_ENTRY(fp16, Fp16, 16, PA_BOUNDS)
+PREFILL_ENTRY(fp16, Fp16, 32, PA_BOUNDS)
+PREFILL_ENTRY(fp16, Fp16, 64, PA_BOUNDS)
+PREFILL_ENTRY(fp16, Fp16, 80, PA_BOUNDS)
+PREFILL_ENTRY(fp16, Fp16, 96, PA_BOUNDS)
+PREFILL_ENTRY(fp16, Fp16, 128, PA_BOUNDS_D128)
