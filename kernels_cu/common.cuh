@@ -314,6 +314,29 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(gmem),
                "r"(src_bytes));
 }
+// The paged-KV block-table entries of one tile of keys [base, end) (end - base <= 64), read once, one or two per
+// lane (independent loads), and handed to the copying threads by shuffles: a table read per copy made every copy wait
+// for an L1 round trip. A tile spans at most 64 entries (block_size 1; block_size 2 at an unaligned start: 33).
+// Every lane of the warp constructs it and calls at() together (the shuffles), with the same block-uniform bs_log2.
+struct TileTable {
+  int first, e0, e1;
+  __device__ __forceinline__ TileTable(const int* __restrict__ table, int base, int end, int bs_log2, int lane)
+      : first(base >> bs_log2) {
+    const int last = (end - 1) >> bs_log2;  // the tile's last entry with keys
+    e0 = first + lane <= last ? table[first + lane] : 0;
+    e1 = bs_log2 <= 1 && first + 32 + lane <= last ? table[first + 32 + lane] : 0;
+  }
+  __device__ __forceinline__ int at(int pos, int bs_log2) const {  // the entry of key pos of the tile
+    const int idx = (pos >> bs_log2) - first;
+    int ent = __shfl_sync(FULL_MASK, e0, idx & 31);
+    if (bs_log2 <= 1) {
+      const int ent1 = __shfl_sync(FULL_MASK, e1, idx & 31);
+      if (idx >= 32) ent = ent1;
+    }
+    return ent;
+  }
+};
+
 // Thread-block clusters (sm_90): a shared-memory address of this block mapped to the same variable in
 // block `rank` of the cluster (distributed shared memory), loads from such an address, and a barrier of
 // every thread of the cluster (release / acquire: shared-memory writes before it are visible after it).

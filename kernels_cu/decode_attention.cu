@@ -316,29 +316,14 @@ __device__ __forceinline__ void decode_attention_impl(
   // Rows of positions >= late are the kernel before's (or the fused RoPE's) and are loaded after the wait.
   const int late = min(early ? seq_len - fresh : 0, new_slot >= 0 ? seq_len - 1 : seq_len);
   // part 0: every row; 1: the rows before `late` only (before the wait); 2: the rows from `late` on.
-  // The block-table entries of a tile are read once, one or two per lane (all of them independent loads), and
-  // handed to the copying threads by shuffles: a table read per copy made every copy wait for an L1 round trip.
-  // A tile's keys span at most 64 entries (block_size 1; block_size 2 at an unaligned start: 33).
   auto load_tile = [&](int tile, int stage, int part) {
     const int base = t0 + tile * DA_TILE;
-    const int first = base >> bs_log2;
-    const int last = (min(base + DA_TILE, t1) - 1) >> bs_log2;  // the tile's last entry with keys
-    const int e0 = first + lane <= last ? table[first + lane] : 0;
-    const int e1 = bs_log2 <= 1 && first + 32 + lane <= last ? table[first + 32 + lane] : 0;
-    auto entry = [&](int pos) {  // the table entry of key pos of this tile; every lane of the warp calls it
-      const int idx = (pos >> bs_log2) - first;
-      int ent = __shfl_sync(FULL_MASK, e0, idx & 31);
-      if (bs_log2 <= 1) {  // block-uniform
-        const int ent1 = __shfl_sync(FULL_MASK, e1, idx & 31);
-        if (idx >= 32) ent = ent1;
-      }
-      return ent;
-    };
+    const TileTable entries(table, base, min(base + DA_TILE, t1), bs_log2, lane);
     if constexpr (KV8) {  // 16 E4M3 values per copy; the new token's k and v (T) to their staging rows
       for (int i = tid; i < DA_TILE * VPR8; i += DA_THREADS) {
         const int tok = i / VPR8, c = i - tok * VPR8;
         const int pos = base + tok;
-        const i64 blk = entry(pos);
+        const i64 blk = entries.at(pos, bs_log2);
         if (part != 0 && (pos < late) != (part == 1)) continue;
         const bool valid = pos < t1;
         if (new_slot >= 0 && pos == seq_len - 1) {
@@ -364,7 +349,7 @@ __device__ __forceinline__ void decode_attention_impl(
     for (int i = tid; i < DA_TILE * VPR; i += DA_THREADS) {
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
-      const i64 blk = entry(pos);
+      const i64 blk = entries.at(pos, bs_log2);
       if (part != 0 && (pos < late) != (part == 1)) continue;
       const bool valid = pos < t1;
       const KV* ksrc = k_cache;

@@ -91,30 +91,15 @@ __device__ __forceinline__ void prefill_attention_impl(
 
   const int* table = block_tables + (i64)b * bt_stride;
   const int bs_mask = (1 << bs_log2) - 1;
-  // The block-table entries of a tile are read once, one or two per lane (independent loads), and handed to the
-  // copying threads by shuffles (decode_attention.cu does the same): a table read per copy made every copy wait for
-  // an L1 round trip. A tile's keys span at most 64 entries (block_size 1; block_size 2 at an unaligned start: 33).
   auto load_tile = [&](int tile, int stage) {
     const int base = kv_lo + (tile_begin + tile) * PA_TILE;
-    const int first = base >> bs_log2;
-    const int last = (min(base + PA_TILE, kv_hi) - 1) >> bs_log2;  // the tile's last entry with keys
-    const int e0 = first + lane <= last ? table[first + lane] : 0;
-    const int e1 = bs_log2 <= 1 && first + 32 + lane <= last ? table[first + 32 + lane] : 0;
-    auto entry = [&](int pos) {  // the table entry of key pos of this tile; every lane of the warp calls it
-      const int idx = (pos >> bs_log2) - first;
-      int ent = __shfl_sync(FULL_MASK, e0, idx & 31);
-      if (bs_log2 <= 1) {  // block-uniform
-        const int ent1 = __shfl_sync(FULL_MASK, e1, idx & 31);
-        if (idx >= 32) ent = ent1;
-      }
-      return ent;
-    };
+    const TileTable entries(table, base, min(base + PA_TILE, kv_hi), bs_log2, lane);
     if constexpr (KV8) {  // 16 E4M3 values per copy
       for (int i = tid; i < PA_TILE * VPR8; i += PA_THREADS) {
         const int tok = i / VPR8, c = i - tok * VPR8;
         const int pos = base + tok;
         const bool valid = pos < kv_hi;
-        const i64 blk = entry(pos);
+        const i64 blk = entries.at(pos, bs_log2);
         const unsigned char* ksrc = k_cache;
         const unsigned char* vsrc = v_cache;
         if (valid) {
@@ -131,7 +116,7 @@ __device__ __forceinline__ void prefill_attention_impl(
       const int tok = i / VPR, c = i - tok * VPR;
       const int pos = base + tok;
       const bool valid = pos < kv_hi;
-      const i64 blk = entry(pos);
+      const i64 blk = entries.at(pos, bs_log2);
       const KV* ksrc = k_cache;
       const KV* vsrc = v_cache;
       if (valid) {
@@ -384,15 +369,13 @@ __device__ __forceinline__ void prefill_attention_merge_impl(u16* __restrict__ o
     prefill_attention_merge_impl<T, D>(out, part_o, part_ml, work, num_q, H, splits);                       \
   }
 
-PREFILL_ENTRY(bf16, Bf16, 16, PA_BOUNDS)
-PREFILL_ENTRY(bf16, Bf16, 32, PA_BOUNDS)
-PREFILL_ENTRY(bf16, Bf16, 64, PA_BOUNDS)
-PREFILL_ENTRY(bf16, Bf16, 80, PA_BOUNDS)
-PREFILL_ENTRY(bf16, Bf16, 96, PA_BOUNDS)
-PREFILL_ENTRY(bf16, Bf16, 128, PA_BOUNDS_D128)
-PREFILL_ENTRY(fp16, Fp16, 16, PA_BOUNDS)
-PREFILL_ENTRY(fp16, Fp16, 32, PA_BOUNDS)
-PREFILL_ENTRY(fp16, Fp16, 64, PA_BOUNDS)
-PREFILL_ENTRY(fp16, Fp16, 80, PA_BOUNDS)
-PREFILL_ENTRY(fp16, Fp16, 96, PA_BOUNDS)
-PREFILL_ENTRY(fp16, Fp16, 128, PA_BOUNDS_D128)
+#define PREFILL_ENTRIES(SUFFIX, T)            \
+  PREFILL_ENTRY(SUFFIX, T, 16, PA_BOUNDS)      \
+  PREFILL_ENTRY(SUFFIX, T, 32, PA_BOUNDS)      \
+  PREFILL_ENTRY(SUFFIX, T, 64, PA_BOUNDS)      \
+  PREFILL_ENTRY(SUFFIX, T, 80, PA_BOUNDS)      \
+  PREFILL_ENTRY(SUFFIX, T, 96, PA_BOUNDS)      \
+  PREFILL_ENTRY(SUFFIX, T, 128, PA_BOUNDS_D128)
+
+PREFILL_ENTRIES(bf16, Bf16)
+PREFILL_ENTRIES(fp16, Fp16)
