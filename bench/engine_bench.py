@@ -25,7 +25,6 @@ import pathlib
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from engine.api import PrefillItem, VerifyItem  # noqa: E402
-from engine.checkpoint import write_checkpoint  # noqa: E402
+from engine.checkpoint import write_temporary_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.loader import weight_bytes  # noqa: E402
@@ -434,8 +433,7 @@ def main(argv=None) -> int:
 
     bw = guarded(results, "copy_bandwidth_TBps", lambda: copy_bandwidth(device) / 1e12)
     t0 = time.perf_counter()
-    model_dir = args.model or str(write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch=args.arch,
-                                                   shape=args.shape, device=str(device)))
+    model_dir = args.model or str(write_temporary_checkpoint(args.shape, arch=args.arch, device=str(device)))
     results["meta"]["checkpoint_write_s"] = round(time.perf_counter() - t0, 1)
 
     max_len = 2048 + 16 if not args.quick else 512

@@ -683,7 +683,7 @@ def main(argv=None) -> int:
     if args.prefix and args.gateway:
         p.error("--prefix and --gateway are separate runs")
 
-    from engine.checkpoint import write_checkpoint
+    from engine.checkpoint import write_temporary_checkpoint
     from engine.config import EngineConfig
     from engine.engine import Engine
 
@@ -692,8 +692,7 @@ def main(argv=None) -> int:
         from engine.default_model import default_model_dir
         model = str(default_model_dir())
     elif not model:
-        model = str(write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / args.shape, arch="llama", shape=args.shape,
-                                     device="cuda" if _has_cuda() else "cpu"))
+        model = str(write_temporary_checkpoint(args.shape, device="cuda" if _has_cuda() else "cpu"))
     max_c = max(args.concurrency + ([16] if args.soak else []))
     engine_flags = ["--max-slots", str(max(256, 2 * max_c)), "--max-batch-size", str(max(256, 2 * max_c)),
                     *args.engine_flags.split()]

@@ -17,7 +17,6 @@ import pstats
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -28,7 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from engine.api import PrefillItem, VerifyItem  # noqa: E402
-from engine.checkpoint import write_checkpoint  # noqa: E402
+from engine.checkpoint import write_temporary_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine import decode as decode_module  # noqa: E402
 from engine import sequence_blocks  # noqa: E402
@@ -506,7 +505,7 @@ def main() -> None:
                    help="the decode and prefill sections' engine (fp8: W8A8 prompts, FP8 skinny decode)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     args = p.parse_args()
-    path = args.model or write_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "m", shape=args.shape, device="cuda")
+    path = args.model or write_temporary_checkpoint(args.shape, device="cuda")
     if args.only in ("replay", "verify_replay", "ttft", "prefix"):
         if args.only == "replay":
             host_call_costs()

@@ -6,6 +6,7 @@ loads them as the correctness oracle. With an FP8 layout (FP8_LAYOUTS) the rando
 that published layout (engine/fp8_checkpoint.py), as its quantizer would write them."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pathlib
@@ -165,6 +166,15 @@ def random_weights(cfg: ModelConfig, seed: int, dtype: torch.dtype,
             t = t / shape[1] ** 0.5
         out[name] = t.to(dtype)
     return out
+
+
+def write_temporary_checkpoint(shape: str, arch: str = "llama", device: str = "cpu", **kwargs) -> pathlib.Path:
+    """write_checkpoint into a new temporary directory that is removed when the process exits (the benchmarks'
+    random-weight models: an 8B one is 16 GB, and a device session's runs filled its 64 GB disk when they were left
+    behind). Returns the checkpoint's directory."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="metrale-model-"))
+    atexit.register(shutil.rmtree, tmp, True)
+    return write_checkpoint(tmp / shape, arch=arch, shape=shape, device=device, **kwargs)
 
 
 def write_checkpoint(out_dir: str | pathlib.Path, arch: str = "llama", shape: str = "tiny", seed: int = 0,

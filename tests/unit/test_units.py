@@ -136,6 +136,19 @@ def test_sharded_checkpoint_loads_like_a_single_file(tmp_path):
     assert torch.equal(a.layers[1].qkv_bias, b.layers[1].qkv_bias) and torch.equal(a.lm_head, b.lm_head)
 
 
+def test_a_temporary_checkpoint_is_gone_when_its_process_exits():
+    """The benchmarks' written models (write_temporary_checkpoint) do not outlive the process that wrote them."""
+    import pathlib
+    import subprocess
+    import sys
+    code = ("from engine.checkpoint import write_temporary_checkpoint as w; p = w('tiny'); "
+            "print(p, (p / 'config.json').exists())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=pathlib.Path(__file__).resolve().parents[2]).stdout.split()
+    path, existed = pathlib.Path(out[0]), out[1] == "True"
+    assert existed and not path.exists() and not path.parent.exists()
+
+
 @pytest.mark.parametrize("cls,change", [
     (EngineConfig, dict(max_slots=0)), (EngineConfig, dict(block_size=12)), (EngineConfig, dict(device="tpu")),
     (EngineConfig, dict(warm_up_widths=-2)), (EngineConfig, dict(max_steps_in_flight=5)),
