@@ -28,6 +28,8 @@
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)
 #   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
 #              beside their floors; torch.profiler's kernel times at the points of lowest share
+#   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
+#              and KV dtype; ~5 minutes on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
 #   loadc1     load.py batch 1 over gRPC, 1-3 in flight, Decode calls and DecodeStream
 #   load32     load.py at C = 32 and 128, 2-3 in flight
@@ -144,6 +146,10 @@ for what in "$@"; do
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
     scale)      TAIL=${TAIL:-110} stage scale 540 python3 bench/scale_bench.py --shape 1b 8b --profile --out "$OUT" ;;
+    floors)     for shape in 1b 8b; do  # checkpoints written once, kept for later stages of the call
+                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                done
+                TAIL=${TAIL:-30} stage floors 540 python3 bench/issue_floors.py --model-1b /tmp/floors-1b --model-8b /tmp/floors-8b --out "$OUT" ;;
     load1b)     stage load-1b 540 "${LOAD_1B[@]}" --concurrency 1 4 16 32 64 128 --pipeline 1 2 3 ;;
     loadc1)     stage load-1b-c1 300 "${LOAD_1B[@]}" --concurrency 1 --pipeline 1 2 3 --decode call stream --no-plots ;;
     load32)     stage load-1b-c32 420 "${LOAD_1B[@]}" --concurrency 32 128 --pipeline 2 3 --no-plots ;;

@@ -254,3 +254,36 @@ def test_trace_step_cuts_records_into_launches_and_steps():
     steps = ts.steps_of(launches, len(pattern))
     text = ts.describe(steps)
     assert "median 10.0 us over 4 steps; 5 launches a step" in text  # 5 launches of 2 us each
+
+
+def test_issue_floors_quick_runs(tmp_path):
+    """bench/issue_floors.py --quick on CPU: every floor row gets its figure from the engines it names (the tiny
+    shape standing in, so no row claims a floor met), ratios are the quotients of their two figures, --issues
+    keeps only those rows, and a checkpoint directory without config.json is refused in one line, exit 2."""
+    out = subprocess.run([sys.executable, "bench/issue_floors.py", "--quick", "--out", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [path] = tmp_path.glob("floors-*.json")
+    res = json.loads(path.read_text())
+    rows, values = res["rows"], res["measurements"]
+    assert {r["issue"] for r in rows} == {40, 42, 43} and len(rows) == 19
+    assert not res["meta"]["errors"], res["meta"]["errors"]
+    for r in rows:
+        assert r["value"] is not None and r["value"] > 0 and r["met"] is None, r
+        if r["measurement"].startswith("ratio ("):
+            a, b = r["measurement"][len("ratio ("):-1].split(") / (")
+            assert r["value"] == pytest.approx(values[a] / values[b])
+        else:
+            assert r["value"] == values[r["measurement"]]
+    assert "step 8b FP8 FP8-KV b2 c128" in values and "ttft 1b" in values and "prefill 1b 2x32" in values
+    assert "no floor applies" in out.stdout
+
+    only = subprocess.run([sys.executable, "bench/issue_floors.py", "--quick", "--issues", "40", "--out",
+                           str(tmp_path / "only")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert only.returncode == 0, only.stderr[-3000:]
+    [path] = (tmp_path / "only").glob("floors-*.json")
+    assert [r["issue"] for r in json.loads(path.read_text())["rows"]] == [40, 40]
+
+    bad = subprocess.run([sys.executable, "bench/issue_floors.py", "--model-1b", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no config.json there" in bad.stderr and "Traceback" not in bad.stderr
