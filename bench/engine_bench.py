@@ -388,6 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--no-hf-compile", action="store_true")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="the engine's dtype (EngineConfig.dtype; auto: bf16 on a GPU, "
+                                                  "fp32 on CPU)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--kernels", nargs=2, metavar=("SOURCES", "BUILD"),
                    help="(GPU, A/B of kernel variants) load the kernels of this source dir from this build dir "
@@ -422,7 +424,8 @@ def main(argv=None) -> int:
     results: dict = {"meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        "shape": args.shape, "arch": args.arch, "torch": torch.__version__, "python": platform.python_version(),
+        "shape": pathlib.Path(args.model).name if args.model else args.shape, "arch": args.arch,
+        "torch": torch.__version__, "python": platform.python_version(),
         "argv": sys.argv[1:]}}
     try:
         import transformers
@@ -439,7 +442,7 @@ def main(argv=None) -> int:
     max_len = 2048 + 16 if not args.quick else 512
     cfg = EngineConfig(model=model_dir, device=device.type, max_slots=256, max_batch_size=256,
                        max_seq_len=args.max_seq_len or max_len + 512, max_prefill_tokens=8192,
-                       kv_cache_memory=0.5 if device.type == "cuda" else 0.9)
+                       kv_cache_memory=0.5 if device.type == "cuda" else 0.9, dtype=args.dtype)
     engine = Engine(cfg)
     lib = getattr(engine.runtime.ops, "lib", None)
     if lib is not None:  # before any step is captured
