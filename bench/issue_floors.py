@@ -98,9 +98,9 @@ QUICK_LENGTH = {128: 64, 512: 32, 8192: 128, 32768: 256}  # decode contexts and 
 QUICK_TTFT = (320, 256)
 
 
-def measurement_keys() -> list[tuple]:
+def measurement_keys(floors: list[tuple]) -> list[tuple]:
     keys = []
-    for _, _, key, _, _ in FLOORS:
+    for _, _, key, _, _ in floors:
         keys.extend(key[1:] if key[0] == "ratio" else [key])
     return keys
 
@@ -206,10 +206,10 @@ def describe(key: tuple) -> str:
     return f"ttft {key[1]}"
 
 
-def rows(m: Measurer) -> list[dict]:
+def rows(m: Measurer, floors: list[tuple]) -> list[dict]:
     """One per floor; met None where nothing was measured, or with --quick (stand-ins: no floor applies)."""
     out = []
-    for issue, what, key, floor, better in FLOORS:
+    for issue, what, key, floor, better in floors:
         v = m.value(key)
         met = None if v is None or m.quick else (v <= floor if better == "max" else v >= floor)
         out.append({"issue": issue, "what": what, "measurement": describe(sized(key, m.quick)), "value": v,
@@ -246,13 +246,11 @@ def main(argv=None) -> int:
         d = getattr(args, flag)
         if d and not (pathlib.Path(d) / "config.json").is_file():
             p.error(f"--{flag.replace('_', '-')} {d}: no config.json there (a checkpoint directory)")
-    global FLOORS
-    if args.issues:
-        FLOORS = [f for f in FLOORS if f[0] in args.issues]
+    floors = [f for f in FLOORS if not args.issues or f[0] in args.issues]
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     m = Measurer(args, device)
-    keys = measurement_keys()
+    keys = measurement_keys(floors)
     for setup, plan in plans(keys, args.quick).items():
         m.run_engine(setup, plan)
     for shape in dict.fromkeys(k[1] for k in keys if k[0] == "ttft"):
@@ -263,7 +261,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "argv": sys.argv[1:], "quick": args.quick, "steps": 4 if args.quick else STEPS,
         "copy_bandwidth_TBps": m.bandwidth / 1e12, "matmul_TFLOPs": m.peak / 1e12, "engines": m.engines,
         "errors": {k: v["error"] for k, v in m.log.items() if isinstance(v, dict) and "error" in v}},
-        "rows": rows(m), "measurements": {describe(k): v for k, v in m.values.items()}}
+        "rows": rows(m, floors), "measurements": {describe(k): v for k, v in m.values.items()}}
     print(table(result), flush=True)
     return write_results(result, args, results_path(result, args.out, "floors"))
 
