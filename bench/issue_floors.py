@@ -165,12 +165,12 @@ class Measurer:
             for b, n in plan.prefills:
                 r = guarded(self.log, f"{setup.label} prefill {b}x{n}", engine_prefill, engine, b, n, 3)
                 if "tokens_per_s" in r:
-                    self.values[("prefill", setup, b, n)] = r["tokens_per_s"]
+                    self.record(("prefill", setup, b, n), r["tokens_per_s"])
             for b, c in sorted(plan.points, key=lambda p: (p[1], p[0])):
                 p = guarded(self.log, f"{setup.label} b{b} c{c}", measure_point, engine, b, c, steps, room,
                             self.bandwidth, self.peak)
                 if "step_ms" in p:
-                    self.values[("step", setup, b, c)] = p["step_ms"]
+                    self.record(("step", setup, b, c), p["step_ms"])
         finally:
             engine.close()
 
@@ -183,9 +183,14 @@ class Measurer:
             r = guarded(self.log, f"{shape} prefix ttft", engine_prefix_ttft, engine, prompt, cached,
                         3 if self.quick else 10)
             if "speedup" in r:
-                self.values[("ttft", shape)] = r["speedup"]
+                self.record(("ttft", shape), r["speedup"])
         finally:
             engine.close()
+
+    def record(self, key: tuple, value: float) -> None:
+        """Keeps a figure and prints it at once: a call cut short by its time limit still shows what it measured."""
+        self.values[key] = value
+        print(f"  {describe(key)}: {value:.4g}", flush=True)
 
     def value(self, key: tuple) -> float | None:
         """key's figure (scaled with --quick), None where it was not measured."""
