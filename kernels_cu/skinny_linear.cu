@@ -216,7 +216,10 @@ struct E4M3 {
 // two k32 mmas take words {0, 1} and {2, 3} of each (the k-slot permutation of the 16-bit mapping: the slots
 // of thread t map to its own 8 elements for A and B alike). The epilogue multiplies the fp32 accumulator by the
 // row's weight scale and the token's x scale (engine.quant.w8a8_linear's arithmetic up to the order of the fp32
-// sums). No NORM prologue (x arrives quantized, so normalized before).
+// sums). No NORM prologue (x arrives quantized, so normalized before). On sm_90 mma.sync has no FP8 tensor-core
+// instruction (Hopper's FP8 MMA is wgmma's): ptxas lowers each m16n8k32 e4m3 mma to E4M3 -> f16 unpacks of both
+// operands and two f16 HMMA.16816 (skinny_store_bf16_w8a8_m32's sm_90 SASS: 384 F2FP.F16.E4M3.UNPACK_B, 128 HMMA, no
+// QMMA), so there x costs a conversion per element and tile, as W does.
 struct E4M3A8 {
   typedef unsigned char Elem;
   typedef unsigned char XElem;
