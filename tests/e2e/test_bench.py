@@ -266,8 +266,11 @@ def test_issue_floors_quick_runs(tmp_path):
     [path] = tmp_path.glob("floors-*.json")
     res = json.loads(path.read_text())
     rows, values = res["rows"], res["measurements"]
-    assert {r["issue"] for r in rows} == {40, 42, 43} and len(rows) == 19
+    assert {r["issue"] for r in rows} == {40, 42, 43} and len(rows) == 21
     assert not res["meta"]["errors"], res["meta"]["errors"]
+    engines = res["meta"]["engines"]  # the engine each setup names, as it loaded
+    assert engines["1b FP8 FP8-head"]["quantized_lm_head"] and not engines["1b FP8"]["quantized_lm_head"]
+    assert engines["8b FP8 FP8-KV"]["quantization"] == "fp8" and engines["8b"]["quantization"] == "none"
     for r in rows:
         assert r["value"] is not None and r["value"] > 0 and r["met"] is None, r
         if r["measurement"].startswith("ratio ("):
