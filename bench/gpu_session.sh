@@ -29,7 +29,7 @@
 #   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
 #              beside their floors; torch.profiler's kernel times at the points of lowest share
 #   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
-#              and KV dtype; ~5 minutes on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
+#              and KV dtype; 43 s on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
 #   loadc1     load.py batch 1 over gRPC, 1-3 in flight, Decode calls and DecodeStream
 #   load32     load.py at C = 32 and 128, 2-3 in flight

@@ -139,6 +139,7 @@ class Measurer:
 
     def __init__(self, args, device: torch.device):
         self.args, self.device, self.quick = args, device, args.quick
+        self.steps = 4 if args.quick else STEPS  # measured decode steps a point
         self.bandwidth, self.peak = copy_bandwidth(device), matmul_peak(device, 256 if args.quick else 8192,
                                                                         torch.bfloat16 if device.type == "cuda"
                                                                         else torch.float32)
@@ -157,7 +158,7 @@ class Measurer:
         return self._models[shape]
 
     def run_engine(self, setup: Setup, plan: Plan) -> None:
-        steps = 4 if self.quick else STEPS
+        steps = self.steps
         room = CAPTURE_AFTER + 3 + steps + 8
         args = argparse.Namespace(batches=[b for b, _ in plan.points] or [1], prefill=plan.prefills,
                                   max_prefill_tokens=EngineConfig.max_prefill_tokens, kv_memory_gib=None,
@@ -167,9 +168,8 @@ class Measurer:
         free_device_memory(self.device)
         engine = make_engine(self.model(setup.shape), self.device, args, max_seq_len)
         info = engine.info()
-        self.engines[setup.label] = {"dtype": str(engine.dtype), "kv_cache_dtype": str(engine.runtime.kv.k.dtype),
-                                     "kernel_backend": engine.runtime.ops.name, "quantization": info.quantization,
-                                     "quantized_lm_head": info.quantized_lm_head}
+        self.engines[setup.label] = {name: getattr(info, name) for name in (
+            "dtype", "kv_cache_dtype", "kernel_backend", "quantization", "quantized_lm_head")}
         try:
             randomize_kv(engine)
             for b, n in plan.prefills:
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     result = {"meta": {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
-        "torch": torch.__version__, "argv": sys.argv[1:], "quick": args.quick, "steps": 4 if args.quick else STEPS,
+        "torch": torch.__version__, "argv": sys.argv[1:], "quick": args.quick, "steps": m.steps,
         "copy_bandwidth_TBps": m.bandwidth / 1e12, "matmul_TFLOPs": m.peak / 1e12, "engines": m.engines,
         "errors": {k: v["error"] for k, v in m.log.items() if isinstance(v, dict) and "error" in v}},
         "rows": rows(m, floors), "measurements": {describe(k): v for k, v in m.values.items()}}
