@@ -235,7 +235,7 @@ def make_engine(model_dir: str, device: torch.device, args, max_seq_len: int) ->
                        max_seq_len=max_seq_len, max_prefill_tokens=args.max_prefill_tokens, capture_after=CAPTURE_AFTER,
                        prefix_caching=False, kv_cache_memory=0.8 if device.type == "cuda" else 0.9,
                        quantization=args.quantization, quantize_lm_head=args.quantize_lm_head,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       fp8_activation_scheme=args.fp8_activation_scheme, kv_cache_dtype=args.kv_cache_dtype)
     if args.kv_memory_gib:
         mc = ModelConfig.from_dir(model_dir)
         kv_dtype = FP8_DTYPE if args.kv_cache_dtype == "fp8" else select_dtype(cfg, mc, device)
@@ -372,6 +372,8 @@ def parse_args(argv):
     p.add_argument("--matmul-size", type=int, default=8192, help="the matmul whose FLOP/s is the prefill's peak")
     p.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the engine's weight quantization")
     p.add_argument("--quantize-lm-head", action="store_true", help="with --quantization fp8, the LM head too")
+    p.add_argument("--fp8-activation-scheme", default="dynamic", choices=["dynamic", "none"],
+                   help="with --quantization fp8: dynamic (W8A8 past 8 rows) or none (W8A16 throughout)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the engine's KV cache: the model dtype, or E4M3 (half the KV bytes a step reads)")
     p.add_argument("--profile", action="store_true", help="profile the points of lowest share")
