@@ -252,6 +252,7 @@ def run_shape(label: str, model_dir: str, device: torch.device, args, bandwidth:
     out: dict = {"meta": {
         "model": model_dir, "dtype": str(engine.dtype), "kernel_backend": engine.runtime.ops.name,
         "kv_cache_dtype": str(engine.runtime.kv.k.dtype).removeprefix("torch."),
+        "quantization": engine.runtime.quantization, "fp8_activation_scheme": engine.runtime.fp8_activation_scheme,
         "weight_bytes": weight_bytes(engine.runtime.weights), "kv_token_bytes": kv_token_bytes(engine),
         "kv_cache_gib": engine.blocks.num_usable_blocks * kv_token_bytes(engine) * engine.block_size / 2 ** 30,
         "max_seq_len": max_seq_len, "max_prefill_tokens": engine.config.max_prefill_tokens,

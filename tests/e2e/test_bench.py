@@ -175,6 +175,18 @@ def test_engine_benchmark_quick_runs(tmp_path):
     assert q["interval_ms_median"] > 0 and 0 <= q["finish_ms_median"] and 0 < q["launch_ms_median"]
 
 
+@pytest.mark.parametrize("scheme", ["dynamic", "none"])
+def test_scale_benchmark_passes_the_fp8_activation_scheme(tmp_path, scheme):
+    """--quantization fp8 --fp8-activation-scheme reaches the engine: the JSON's shape meta says which ran."""
+    out = subprocess.run([sys.executable, "bench/scale_bench.py", "--quick", "--quantization", "fp8",
+                          "--fp8-activation-scheme", scheme, "--batches", "1", "--contexts", "64", "--out",
+                          str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    [path] = tmp_path.glob("scale-tiny-*.json")
+    meta = json.loads(path.read_text())["shapes"]["tiny"]["meta"]
+    assert (meta["quantization"], meta["fp8_activation_scheme"]) == ("fp8", scheme)
+
+
 def test_scale_benchmark_quick_runs(tmp_path):
     """bench/scale_bench.py --quick on CPU: every point that fits has a step time, a floor and a share; one whose
     KV cannot fit in the (forced small) KV cache is reported skipped; the prefills have their FLOPs floor; the
