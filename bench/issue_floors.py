@@ -163,7 +163,7 @@ class Measurer:
         args = argparse.Namespace(batches=[b for b, _ in plan.points] or [1], prefill=plan.prefills,
                                   max_prefill_tokens=EngineConfig.max_prefill_tokens, kv_memory_gib=None,
                                   quantization=setup.quantization, quantize_lm_head=setup.lm_head,
-                                  fp8_activation_scheme="dynamic", kv_cache_dtype=setup.kv)
+                                  fp8_activation_scheme=EngineConfig.fp8_activation_scheme, kv_cache_dtype=setup.kv)
         max_seq_len = max([c + room for _, c in plan.points] + [n + 2 for _, n in plan.prefills])
         free_device_memory(self.device)
         engine = make_engine(self.model(setup.shape), self.device, args, max_seq_len)
