@@ -423,6 +423,107 @@ def prefill_rows(lib, dev, dt) -> list[tuple]:
     return rows
 
 
+def event_ms(fn, reps: int = 5) -> float:
+    """Median wall time of one eager call between CUDA events (calls of milliseconds: launch gaps do not count)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def merge_lse(o1, lse1, o2, lse2):
+    """Two attentions over disjoint key sets of the same queries, merged by their log-sum-exps ([B, H, L])."""
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    den = w1 + w2
+    return (o1 * (w1 / den).unsqueeze(-1).to(o1.dtype) + o2 * (w2 / den).unsqueeze(-1).to(o2.dtype))
+
+
+def long_prefill_rows(lib, dev, dt) -> list[tuple]:
+    """Prefill attention of long prompts at the 1B (head_dim 64) and 8B (128) heads, 32 query heads over 8 KV
+    heads, by every route there is: the paged kernel (kernels_cu/prefill_attention.cu, shipped key splits);
+    torch's FlashAttention (the varlen entry, causal aligned to the last key, GQA native) on K/V gathered from
+    the cache; cuDNN's fused attention (causal aligned to the first key, so a chunk after a cached prefix is two
+    calls, the prefix unmasked and the chunk causal, merged by their log-sum-exps; K/V heads expanded); and the
+    gather of the keys alone. Chunks: a fresh 8k and 32k prompt, and 8k chunks after 8k / 24k cached tokens (a
+    32k prompt's later chunks at the default max_prefill_tokens). ms and causal TFLOP/s."""
+    from engine.batch import prefill_work
+    from engine.cuda.wrappers import prefill_attention
+    aten = torch.ops.aten
+    rows = []
+    for d in (64, 128):
+        for cached, new in ((0, 8192), (8192, 8192), (24576, 8192), (0, 32768)):
+            total = cached + new
+            blocks = -(-total // BS)
+            kc = torch.randn(blocks + 1, BS, HKV, d, device=dev).to(dt)
+            vc = torch.randn_like(kc)
+            table = (torch.randperm(blocks, device=dev).to(torch.int32) + 1).view(1, blocks)
+            q = torch.randn(new, H, d, device=dev).to(dt)
+            out = torch.empty_like(q)
+            flops = 4 * H * d * (new * cached + new * (new + 1) / 2)
+            name = f"d{d} {new} on {cached} cached"
+            work = torch.tensor(prefill_work([0, new], [total]), dtype=torch.int32, device=dev)
+            splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
+            routes = {"paged kernel": lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0,
+                                                                       splits)}
+            pos = torch.arange(total, device=dev)
+            index = table[0, pos // BS].long() * BS + pos % BS
+            kf, vf = kc.view(-1, HKV, d), vc.view(-1, HKV, d)
+            routes["gather K and V"] = lambda: (kf[index], vf[index])
+            cu_q = torch.tensor([0, new], dtype=torch.int32, device=dev)
+            cu_k = torch.tensor([0, total], dtype=torch.int32, device=dev)
+
+            def flash():
+                return aten._flash_attention_forward(q, kf[index], vf[index], cu_q, cu_k, new, total, 0.0, True,
+                                                     False, scale=d ** -0.5)[0]
+            routes["flash varlen (gathered)"] = flash
+            kg, vg = kf[index], vf[index]
+            routes["flash varlen (K/V given)"] = lambda: aten._flash_attention_forward(
+                q, kg, vg, cu_q, cu_k, new, total, 0.0, True, False, scale=d ** -0.5)[0]
+            qb = q.unsqueeze(0).transpose(1, 2)
+            ke = kg.repeat_interleave(H // HKV, dim=1).unsqueeze(0).transpose(1, 2)
+            ve = vg.repeat_interleave(H // HKV, dim=1).unsqueeze(0).transpose(1, 2)
+
+            def cudnn():
+                if not cached:
+                    return aten._scaled_dot_product_cudnn_attention(qb, ke, ve, None, False, 0.0, True, False,
+                                                                    scale=d ** -0.5)[0]
+                o1, l1 = aten._scaled_dot_product_cudnn_attention(qb, ke[:, :, :cached], ve[:, :, :cached], None,
+                                                                  True, 0.0, False, False, scale=d ** -0.5)[:2]
+                o2, l2 = aten._scaled_dot_product_cudnn_attention(qb, ke[:, :, cached:], ve[:, :, cached:], None,
+                                                                  True, 0.0, True, False, scale=d ** -0.5)[:2]
+                return merge_lse(o1, l1.view(o1.shape[:3]), o2, l2.view(o2.shape[:3]))
+            routes["cuDNN (K/V given, expanded)"] = cudnn
+            ref = None
+            for route, fn in routes.items():
+                try:
+                    ms = event_ms(fn)
+                except Exception as exc:  # a backend that refuses the shape: say so and go on
+                    rows.append((1, f"{name}: {route}", float("nan"), 0.0, f"failed: {str(exc)[:80]}"))
+                    continue
+                err = ""
+                if route not in ("gather K and V",):
+                    o = fn()
+                    o = out if o is None else o
+                    o = o.transpose(1, 2)[0] if o.dim() == 4 else o
+                    if ref is None:
+                        ref = o.float()
+                    else:
+                        err = f"  max|diff| vs paged {(o.float() - ref).abs().max().item():.4f}"
+                tflops = "" if route.startswith("gather") else f"{flops / ms / 1e9:7.1f} TFLOP/s"
+                rows.append((1, f"{name}: {route}", ms * 1e3, 0.0, tflops + err))
+            del kc, vc, kg, vg, ke, ve
+            torch.cuda.empty_cache()
+    return rows
+
+
 def sample_rows(lib, dev) -> list[tuple]:
     """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
     rows = []
@@ -520,6 +621,7 @@ def main() -> int:
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --prefill (only the paged prefill attention, prefill_rows);
+    --prefill-long (only long prompts' attention by every route: paged kernel, FlashAttention, cuDNN; long_prefill_rows);
     --variant SRC BUILD with --skinny, --sample, --long or --prefill (repeatable): also those rows of the kernels built from SRC
     into BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
     folder's name."""
@@ -539,6 +641,10 @@ def main() -> int:
         for tag, lib in [("", ops.lib)] + variant_libs(dev):
             for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes, lib):
                 print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
+        return 0
+    if "--prefill-long" in sys.argv:
+        for batch, name, d_us, _, extra in long_prefill_rows(ops.lib, dev, dt):
+            print(f"{batch:>5}  {name:<52} {d_us:>10.1f}  {extra}", flush=True)
         return 0
     if "--prefill" in sys.argv:
         for tag, lib in [("", ops.lib)] + variant_libs(dev):

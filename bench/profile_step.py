@@ -452,33 +452,29 @@ def profile_ttft(path, n: int = 24) -> None:
     kernel_table(prof, 1, f"warm prefill of {lengths[0]} tokens (wall {wall:.2f} ms, profiled)", top=12)
     gaps_table(prof, f"warm prefill of {lengths[0]} tokens timeline")
 
-    # Where the fused attention (gathered keys) pays off against the paged kernel: warm wall time of
-    # each on the same prompts; CudaOps.sdpa_min_tokens picks between them.
+    # Where FlashAttention (gathered keys) pays off against the paged kernel: warm wall time of each on the
+    # same prompts; CudaOps.flash_min_tokens picks between them.
     ops = engine.runtime.ops
-    if not hasattr(ops, "sdpa_min_tokens"):
+    if not hasattr(ops, "flash_min_tokens"):
         return
-    from torch.nn.attention import SDPBackend
-    default, default_backends = ops.sdpa_min_tokens, ops.sdpa_backends
+    default = ops.flash_min_tokens
     graphs = engine.runtime.dispatch.graphs
-    paths = (("graph", 1 << 30, None, graphs), ("paged", 1 << 30, None, None), ("sdpa", 0, None, None),
-             ("flash", 0, [SDPBackend.FLASH_ATTENTION], None))
+    paths = (("graph", 1 << 30, graphs), ("paged", 1 << 30, None), ("flash", 0, None))
     print(f"\n== prefill wall ms (warm, median of 5): the CUDA graph of the padded shape (paged kernel; forwards "
-          f"of up to {engine.prefiller.staging.max_tokens} tokens), the paged kernel eagerly, torch's fused "
-          f"attention as torch picks it, and restricted to FlashAttention; sdpa_min_tokens now {default}")
+          f"of up to {engine.prefiller.staging.max_tokens} tokens), the paged kernel eagerly, and FlashAttention's "
+          f"varlen entry on gathered keys; flash_min_tokens now {default}")
     for batch, length in ((1, 128), (1, 512), (1, 1024), (1, 2048), (4, 256), (8, 512), (4, 2048)):
         walls = {}
-        for name, threshold, backends, engine.runtime.dispatch.graphs in paths:
-            ops.sdpa_min_tokens, ops.sdpa_backends = threshold, backends
+        for name, threshold, engine.runtime.dispatch.graphs in paths:
+            ops.flash_min_tokens = threshold
             walls[name] = sorted(run(length, batch=batch) for _ in range(6))[2]
         print(f"  {batch}x{length:<5d} " + "  ".join(f"{k} {v:7.2f}" for k, v in walls.items()))
     engine.runtime.dispatch.graphs = graphs
-    print("\n== prefill wall ms at new lengths >= sdpa_min_tokens (cold shapes for the fused attention)")
-    for name, backends in (("as torch picks", None), ("FlashAttention only", [SDPBackend.FLASH_ATTENTION])):
-        ops.sdpa_min_tokens, ops.sdpa_backends = 0, backends
-        offset = 0 if backends is None else 64
-        walls = [run(2048 + offset + 129 * i) for i in range(4)]
-        print(f"  {name}: " + ", ".join(f"{w:.1f}" for w in walls))
-    ops.sdpa_min_tokens, ops.sdpa_backends = default, default_backends
+    ops.flash_min_tokens = 0
+    walls = [run(2048 + 129 * i) for i in range(4)]
+    print("\n== prefill wall ms at new lengths >= flash_min_tokens (cold shapes for FlashAttention): "
+          + ", ".join(f"{w:.1f}" for w in walls))
+    ops.flash_min_tokens = default
 
     # cuBLAS's per-shape cost: the host time of a GEMM call the first time its M is seen, and again.
     w = engine.runtime.model.w.layers[0].gate_up

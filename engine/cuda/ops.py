@@ -17,7 +17,7 @@ copies a small work list to the device (it runs eagerly).
 
 The KV cache is the activations' dtype or E4M3 (--kv-cache-dtype fp8): every kernel that writes or reads it
 (rope_cache_write, the skinny QKV kernel's rope_kv, decode and prefill attention) has a _kvfp8 entry, which the
-wrappers pick from the cache's dtype; the prefill path through torch's fused attention converts the gathered keys.
+wrappers pick from the cache's dtype; the prefill path through FlashAttention converts the gathered keys.
 
 Beyond TorchOps: `accept_drafts` (batched speculative acceptance, the sync-free form of
 engine.sampling.accept_drafts for B sequences with K drafts each).
@@ -25,7 +25,6 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 from __future__ import annotations
 
 import torch
-from torch.nn.attention import SDPBackend
 
 from engine import env, sampling
 from engine.batch import prefill_work
@@ -33,7 +32,7 @@ from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
 from engine.cuda import fp8_linear
 from engine.cuda.fp8_linear import fp8_projection
 from engine.cuda.library import KernelLibrary
-from engine.cuda.prefill_sdpa import SDPA_MIN_TOKENS, attend, sdpa_plan
+from engine.cuda.prefill_flash import FLASH_MIN_TOKENS, FlashPlan, attend, flash_plan
 from engine.cuda.wrappers import (
     decode_attention,
     embedding,
@@ -89,14 +88,9 @@ class CudaOps(TorchOps):
         self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
-        self._sdpa_key: tuple | None = None
-        self._sdpa_plan: list = []
-        self.sdpa_min_tokens = SDPA_MIN_TOKENS
-        # FlashAttention only. Left to itself torch picks cuDNN's attention on Hopper, which plans every
-        # new shape: the first prefill at each new padded length of >= sdpa_min_tokens tokens pays tens of
-        # milliseconds, a stall no router can predict. FlashAttention plans nothing, and warm it is about
-        # as fast (bench/RESULTS.md). None: torch's choice.
-        self.sdpa_backends: list | None = [SDPBackend.FLASH_ATTENTION]
+        self._flash_key: tuple | None = None
+        self._flash_plan: FlashPlan | None = None
+        self.flash_min_tokens = FLASH_MIN_TOKENS
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
@@ -130,7 +124,7 @@ class CudaOps(TorchOps):
         self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
-        self._prefill_work_key = self._sdpa_key = None
+        self._prefill_work_key = self._flash_key = None
 
     def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
                       normed: torch.Tensor | None = None) -> torch.Tensor:
@@ -285,11 +279,12 @@ class CudaOps(TorchOps):
                           scale: float, sliding_window: int = 0, work: torch.Tensor | None = None,
                           max_kv_len: int = 0) -> torch.Tensor:
         """With `work` (a staged, padded work list: a forward replayed from a CUDA graph), the paged
-        kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise: forwards of at least sdpa_min_tokens fresh prompts (no cached prefix, no active sliding window)
-        run through torch's fused scaled_dot_product_attention on the keys gathered from the cache;
-        everything else (short prompts, chunks that continue a cached prefix) runs the paged kernel of
-        kernels_cu/prefill_attention.cu: one launch per layer and no gathers, which short prompts,
-        bound by host time, pay for more than they gain from the fused call (profile_step --only ttft)."""
+        kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise:
+        forwards of at least flash_min_tokens prompt tokens (fresh prompts or chunks after a cached prefix, no
+        active sliding window) run through FlashAttention's varlen entry on the keys gathered from the cache
+        (prefill_flash); shorter ones run the paged kernel of kernels_cu/prefill_attention.cu: one launch per
+        layer and no gathers, which short prompts, bound by host time, pay for more than they gain from the
+        fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             # a staged work list has an empty row per padded sequence row (prefill_work_rows): one at least
@@ -299,10 +294,13 @@ class CudaOps(TorchOps):
                                      sliding_window, splits)
             return out
         key = (tuple(query_start_loc), tuple(seq_lens))
-        fresh = all(query_start_loc[b + 1] - query_start_loc[b] == n for b, n in enumerate(seq_lens))
-        if (fresh and q.shape[0] >= self.sdpa_min_tokens
+        num_tokens = query_start_loc[-1] if query_start_loc else 0
+        if (0 < num_tokens and num_tokens >= self.flash_min_tokens
                 and (not sliding_window or max(seq_lens, default=0) <= sliding_window)):
-            return self._prefill_sdpa(q, k_cache, v_cache, block_tables, key, scale)
+            if self._flash_key != key:  # once per forward: every layer has the same plan
+                self._flash_plan = flash_plan(*key, q.shape[0], block_tables, k_cache.shape[1])
+                self._flash_key = key
+            return attend(self._flash_plan, q, k_cache, v_cache, scale)
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
         if self._prefill_work_key != key:
@@ -318,14 +316,6 @@ class CudaOps(TorchOps):
         prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work_t, scale,
                                  sliding_window, splits)
         return out
-
-    def _prefill_sdpa(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      key: tuple, scale: float) -> torch.Tensor:
-        """prefill_sdpa.attend with the forward's plan (made once per forward: every layer has the same)."""
-        if self._sdpa_key != key:
-            self._sdpa_plan = sdpa_plan(*key, block_tables, k_cache.shape[1])
-            self._sdpa_key = key
-        return attend(self._sdpa_plan, q, k_cache, v_cache, scale, self.sdpa_backends)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)

@@ -360,9 +360,9 @@ def test_prefill_attention_split_over_keys_on_an_fp8_cache(lib, gen, dtype, seqs
 
 @pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
                                              ([2048], 16, 16, 64), ([7, 7, 300], 8, 1, 96)])
-@pytest.mark.parametrize("path", ["sdpa", "paged"])
+@pytest.mark.parametrize("path", ["flash", "paged"])
 def test_fresh_prompts_through_cuda_ops_on_an_fp8_cache(ops, gen, lengths, H, Hkv, D, path):
-    """CudaOps.prefill_attention's two paths for fresh prompts over an E4M3 cache: torch's fused attention on the
+    """CudaOps.prefill_attention's two paths for fresh prompts over an E4M3 cache: FlashAttention on the
     keys gathered (as bytes) and converted, or the paged kernel's _kvfp8 entry."""
     bs = 16
     blocks_per = [-(-n // bs) for n in lengths]
@@ -380,13 +380,13 @@ def test_fresh_prompts_through_cuda_ops_on_an_fp8_cache(ops, gen, lengths, H, Hk
         qsl.append(qsl[-1] + n)
     q = randn(qsl[-1], H, D, dtype=torch.bfloat16)
     scale = D ** -0.5
-    default = ops.sdpa_min_tokens
-    ops.sdpa_min_tokens = 0 if path == "sdpa" else 1 << 30
+    default = ops.flash_min_tokens
+    ops.flash_min_tokens = 0 if path == "flash" else 1 << 30
     try:
         ops.begin_forward(qsl[-1], decode=False)
         out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
     finally:
-        ops.sdpa_min_tokens = default
+        ops.flash_min_tokens = default
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale, 0)
     check(f"prefill_attention fp8 kv ({path})", out, ref, BF16_TOL)
 

@@ -193,36 +193,56 @@ def test_vllm_flag_names_set_the_same_fields():
         with pytest.raises(ConfigError, match="served_model_name"):
             EngineConfig(served_model_name=name)
 
-def test_sdpa_plan_pads_prompts_to_buckets_and_covers_every_row_once():
-    """The fused prefill attention's plan (engine/cuda/ops.py; index math only, so it runs on CPU):
-    prompts grouped by length rounded up to SDPA_BUCKET; each padded position repeats its sequence's
-    last query row and key; every real query row is written exactly once."""
+def _varlen_causal_attention(q, k, v, cu_q, cu_k, scale):
+    """FlashAttention's varlen contract written out in torch (the test's oracle of what the call computes):
+    sequence b's queries cu_q[b]..cu_q[b+1] attend to its keys cu_k[b]..cu_k[b+1], causal with the mask aligned
+    to the last key; K/V heads shared by groups of query heads."""
+    import torch
+    out = torch.zeros_like(q)
+    group = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        kb = k[k0:k1].repeat_interleave(group, dim=1)
+        vb = v[k0:k1].repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[q0:q1], kb) * scale
+        q_pos = torch.arange(k1 - k0 - (q1 - q0), k1 - k0)[:, None]
+        scores = scores.masked_fill(torch.arange(k1 - k0)[None, :] > q_pos, float("-inf"))
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vb)
+    return out
+
+
+def test_flash_plan_attends_fresh_prompts_and_chunks_after_a_cached_prefix_like_the_reference():
+    """The varlen FlashAttention plan (engine/cuda/prefill_flash.py; index math only, so it runs on CPU): with
+    its gathered keys and cu_seqlens, FlashAttention's contract (written out above) gives TorchOps' prefill
+    attention for a fresh prompt, chunks after cached prefixes and a one-token chunk; the forward's pad rows
+    form one more sequence, so the call covers every row of q."""
     import torch
 
-    from engine.cuda.prefill_sdpa import SDPA_BUCKET, sdpa_plan
-    bs, lens = 16, [5, 130, 128, 1, 300]
+    from engine.cuda.prefill_flash import flash_plan
+    from engine.ops.torch_ops import TorchOps
+    torch.manual_seed(0)
+    bs, H, Hkv, D = 16, 8, 2, 32
+    cached, new, pad = [0, 37, 64, 200], [50, 20, 16, 1], 9
+    lens = [c + n for c, n in zip(cached, new)]
+    tables = (torch.randperm(4 * 17) + 1).to(torch.int32).view(4, 17)  # scattered blocks, 264 keys at most
+    k_cache, v_cache = torch.randn(4 * 17 + 1, bs, Hkv, D), torch.randn(4 * 17 + 1, bs, Hkv, D)
     qsl = [0]
-    for n in lens:
+    for n in new:
         qsl.append(qsl[-1] + n)
-    tables = torch.randperm(5 * 40).to(torch.int32).view(5, 40)
-    plan = sdpa_plan(tuple(qsl), tuple(lens), tables, bs)
-    assert sorted((g.num_seqs, g.length) for g in plan) == [(1, 256), (1, 384), (3, 128)]
-    written = []
-    for g in plan:
-        assert g.length % SDPA_BUCKET == 0
-        q_index, kv_index = g.q_index.view(g.num_seqs, g.length), g.kv_index.view(g.num_seqs, g.length)
-        real = set(g.real.tolist())
-        for r in range(g.num_seqs):
-            b = qsl.index(int(q_index[r, 0]))
-            for p in range(g.length):
-                pc = min(p, lens[b] - 1)
-                assert int(q_index[r, p]) == qsl[b] + pc
-                assert int(kv_index[r, p]) == int(tables[b, pc // bs]) * bs + pc % bs
-                assert ((r * g.length + p) in real) == (p < lens[b])
-        written += g.out_rows.tolist()
-    assert sorted(written) == list(range(qsl[-1]))
-    whole = sdpa_plan((0, 512, 1024), (512, 512), tables, bs)
-    assert len(whole) == 1 and whole[0].q_index is None and whole[0].out_rows is None
+    q = torch.randn(qsl[-1] + pad, H, D)
+    plan = flash_plan(tuple(qsl), tuple(lens), q.shape[0], tables, bs)
+    assert plan.cu_q.tolist() == qsl + [qsl[-1] + pad]
+    assert plan.cu_k.tolist()[:5] == [0, 50, 107, 187, 388] and plan.cu_k.tolist()[5] == 388 + pad
+    assert (plan.max_q, plan.max_k) == (50, 201)
+    assert plan.cu_q.dtype == plan.cu_k.dtype == torch.int32
+    k = k_cache.view(-1, Hkv, D)[plan.kv_index]
+    v = v_cache.view(-1, Hkv, D)[plan.kv_index]
+    out = _varlen_causal_attention(q, k, v, plan.cu_q, plan.cu_k, D ** -0.5)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    ref = TorchOps().prefill_attention(q[:qsl[-1]], k_cache, v_cache, tables, qsl, lens, D ** -0.5)
+    torch.testing.assert_close(out[:qsl[-1]], ref, rtol=1e-5, atol=1e-5)
+    whole = flash_plan((0, 512, 1024), (512, 512), 1024, torch.arange(64, dtype=torch.int32).view(2, 32), bs)  # no pad rows: no extra sequence
+    assert whole.cu_q.tolist() == [0, 512, 1024] and whole.cu_k.tolist() == [0, 512, 1024]
 
 
 @pytest.mark.parametrize("cluster", [1, 8])
