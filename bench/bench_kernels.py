@@ -438,28 +438,24 @@ def event_ms(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def merge_lse(o1, lse1, o2, lse2):
-    """Two attentions over disjoint key sets of the same queries, merged by their log-sum-exps ([B, H, L])."""
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
-    den = w1 + w2
-    return (o1 * (w1 / den).unsqueeze(-1).to(o1.dtype) + o2 * (w2 / den).unsqueeze(-1).to(o2.dtype))
-
-
 def long_prefill_rows(lib, dev, dt) -> list[tuple]:
     """Prefill attention of long prompts at the 1B (head_dim 64) and 8B (128) heads, 32 query heads over 8 KV
     heads, by every route there is: the paged kernel (kernels_cu/prefill_attention.cu, shipped key splits);
     torch's FlashAttention (the varlen entry, causal aligned to the last key, GQA native) on K/V gathered from
-    the cache; cuDNN's fused attention (causal aligned to the first key, so a chunk after a cached prefix is two
-    calls, the prefix unmasked and the chunk causal, merged by their log-sum-exps; K/V heads expanded); and the
-    gather of the keys alone. Chunks: a fresh 8k and 32k prompt, and 8k chunks after 8k / 24k cached tokens (a
-    32k prompt's later chunks at the default max_prefill_tokens). ms and causal TFLOP/s."""
+    the cache; cuDNN's fused attention on the gathered K/V with their own 8 heads (causal aligned to the first key,
+    so a chunk after a cached prefix is two calls, the prefix unmasked and the chunk causal, merged by their
+    log-sum-exps), and the engine's cuDNN route (engine/cuda/prefill_cudnn.py: gathers, bucketed blocks, K/V heads
+    repeated, merge); and the gather of the keys alone. Chunks: a fresh 8k and 32k prompt, 8k chunks after 8k / 24k
+    cached tokens (a 32k prompt's later chunks at the default max_prefill_tokens), and 5000 tokens after 3000 (a
+    prefix that is no multiple of the buckets). ms and causal TFLOP/s. Then cudnn_plan_rows: what cuDNN's planning
+    of a new shape costs."""
     from engine.batch import prefill_work
+    from engine.cuda import prefill_cudnn
     from engine.cuda.wrappers import prefill_attention
     aten = torch.ops.aten
     rows = []
     for d in (64, 128):
-        for cached, new in ((0, 8192), (8192, 8192), (24576, 8192), (0, 32768)):
+        for cached, new in ((0, 8192), (8192, 8192), (24576, 8192), (0, 32768), (3000, 5000)):
             total = cached + new
             blocks = -(-total // BS)
             kc = torch.randn(blocks + 1, BS, HKV, d, device=dev).to(dt)
@@ -488,19 +484,20 @@ def long_prefill_rows(lib, dev, dt) -> list[tuple]:
             routes["flash varlen (K/V given)"] = lambda: aten._flash_attention_forward(
                 q, kg, vg, cu_q, cu_k, new, total, 0.0, True, False, scale=d ** -0.5)[0]
             qb = q.unsqueeze(0).transpose(1, 2)
-            ke = kg.repeat_interleave(H // HKV, dim=1).unsqueeze(0).transpose(1, 2)
-            ve = vg.repeat_interleave(H // HKV, dim=1).unsqueeze(0).transpose(1, 2)
+            kb, vb = kg.unsqueeze(0).transpose(1, 2), vg.unsqueeze(0).transpose(1, 2)
 
-            def cudnn():
+            def cudnn_native():  # K/V with their 8 heads: does the entry take GQA as it is?
                 if not cached:
-                    return aten._scaled_dot_product_cudnn_attention(qb, ke, ve, None, False, 0.0, True, False,
-                                                                    scale=d ** -0.5)[0]
-                o1, l1 = aten._scaled_dot_product_cudnn_attention(qb, ke[:, :, :cached], ve[:, :, :cached], None,
-                                                                  True, 0.0, False, False, scale=d ** -0.5)[:2]
-                o2, l2 = aten._scaled_dot_product_cudnn_attention(qb, ke[:, :, cached:], ve[:, :, cached:], None,
-                                                                  True, 0.0, True, False, scale=d ** -0.5)[:2]
-                return merge_lse(o1, l1.view(o1.shape[:3]), o2, l2.view(o2.shape[:3]))
-            routes["cuDNN (K/V given, expanded)"] = cudnn
+                    return prefill_cudnn.cudnn_attention(qb, kb, vb, True, False, d ** -0.5)[0]
+                o1, l1 = prefill_cudnn.cudnn_attention(qb, kb[:, :, :cached], vb[:, :, :cached], False, True,
+                                                       d ** -0.5)
+                o2, l2 = prefill_cudnn.cudnn_attention(qb, kb[:, :, cached:], vb[:, :, cached:], True, True,
+                                                       d ** -0.5)
+                return prefill_cudnn.merge(o2, l2.view(o2.shape[:3]), o1, l1.view(o1.shape[:3]))
+            routes["cuDNN, K/V heads as they are"] = cudnn_native
+            plan = prefill_cudnn.plan((0, new), (total,), new, table, BS)
+            routes["cuDNN route (engine: gather, repeat heads, merge)"] = lambda: prefill_cudnn.attend(
+                plan, q, kc, vc, d ** -0.5)
             ref = None
             for route, fn in routes.items():
                 try:
@@ -519,10 +516,38 @@ def long_prefill_rows(lib, dev, dt) -> list[tuple]:
                         err = f"  max|diff| vs paged {(o.float() - ref).abs().max().item():.4f}"
                 tflops = "" if route.startswith("gather") else f"{flops / ms / 1e9:7.1f} TFLOP/s"
                 rows.append((1, f"{name}: {route}", ms * 1e3, 0.0, tflops + err))
-            del kc, vc, kg, vg, ke, ve
+            routes.clear()
             torch.cuda.empty_cache()
     return rows
 
+
+def cudnn_plan_rows(dev, dt) -> list[tuple]:
+    """cuDNN's fused attention plans every new shape (engine/cuda/prefill_cudnn.py buckets them): the wall time of
+    the engine's cuDNN route at a new (side, prefix) shape, its first call against the next (32 query heads over 8,
+    head_dim 64 and 128, one sequence; synchronised around each call)."""
+    from engine.cuda import prefill_cudnn
+    rows = []
+    for d in (64, 128):
+        for cached, new in ((0, 2048), (0, 2304), (0, 4096), (0, 8192), (8192, 8192), (16384, 8192), (1000, 3000)):
+            total = cached + new
+            blocks = -(-total // BS)
+            kc = torch.randn(blocks + 1, BS, HKV, d, device=dev).to(dt)
+            vc = torch.randn_like(kc)
+            table = (torch.arange(blocks, device=dev, dtype=torch.int32) + 1).view(1, blocks)
+            q = torch.randn(new, H, d, device=dev).to(dt)
+            plan = prefill_cudnn.plan((0, new), (total,), new, table, BS)
+            walls = []
+            for _ in range(3):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                prefill_cudnn.attend(plan, q, kc, vc, d ** -0.5)
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t0) * 1e3)
+            side = plan[0].side
+            cut = 0 if plan[0].pre_index is None else plan[0].pre_index.shape[0]
+            rows.append((1, f"d{d} {new} on {cached} (side {side}, prefix {cut}): first / second / third call",
+                         walls[0] * 1e3, 0.0, f"{walls[1]:.2f} / {walls[2]:.2f} ms"))
+    return rows
 
 def sample_rows(lib, dev) -> list[tuple]:
     """sample_stats alone and the four sampling kernels (as CudaOps.sample runs them) at the 1B vocabulary."""
@@ -643,8 +668,8 @@ def main() -> int:
                 print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--prefill-long" in sys.argv:
-        for batch, name, d_us, _, extra in long_prefill_rows(ops.lib, dev, dt):
-            print(f"{batch:>5}  {name:<52} {d_us:>10.1f}  {extra}", flush=True)
+        for batch, name, d_us, _, extra in long_prefill_rows(ops.lib, dev, dt) + cudnn_plan_rows(dev, dt):
+            print(f"{batch:>5}  {name:<60} {d_us:>10.1f}  {extra}", flush=True)
         return 0
     if "--prefill" in sys.argv:
         for tag, lib in [("", ops.lib)] + variant_libs(dev):

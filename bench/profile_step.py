@@ -453,28 +453,28 @@ def profile_ttft(path, n: int = 24) -> None:
     gaps_table(prof, f"warm prefill of {lengths[0]} tokens timeline")
 
     # Where FlashAttention (gathered keys) pays off against the paged kernel: warm wall time of each on the
-    # same prompts; CudaOps.flash_min_tokens picks between them.
+    # same prompts; CudaOps.fused_min_tokens picks between them.
     ops = engine.runtime.ops
-    if not hasattr(ops, "flash_min_tokens"):
+    if not hasattr(ops, "fused_min_tokens"):
         return
-    default = ops.flash_min_tokens
+    default = ops.fused_min_tokens
     graphs = engine.runtime.dispatch.graphs
     paths = (("graph", 1 << 30, graphs), ("paged", 1 << 30, None), ("flash", 0, None))
     print(f"\n== prefill wall ms (warm, median of 5): the CUDA graph of the padded shape (paged kernel; forwards "
           f"of up to {engine.prefiller.staging.max_tokens} tokens), the paged kernel eagerly, and FlashAttention's "
-          f"varlen entry on gathered keys; flash_min_tokens now {default}")
+          f"varlen entry on gathered keys; fused_min_tokens now {default}")
     for batch, length in ((1, 128), (1, 512), (1, 1024), (1, 2048), (4, 256), (8, 512), (4, 2048)):
         walls = {}
         for name, threshold, engine.runtime.dispatch.graphs in paths:
-            ops.flash_min_tokens = threshold
+            ops.fused_min_tokens = threshold
             walls[name] = sorted(run(length, batch=batch) for _ in range(6))[2]
         print(f"  {batch}x{length:<5d} " + "  ".join(f"{k} {v:7.2f}" for k, v in walls.items()))
     engine.runtime.dispatch.graphs = graphs
-    ops.flash_min_tokens = 0
+    ops.fused_min_tokens = 0
     walls = [run(2048 + 129 * i) for i in range(4)]
-    print("\n== prefill wall ms at new lengths >= flash_min_tokens (cold shapes for FlashAttention): "
+    print("\n== prefill wall ms at new lengths >= fused_min_tokens (cold shapes for FlashAttention): "
           + ", ".join(f"{w:.1f}" for w in walls))
-    ops.flash_min_tokens = default
+    ops.fused_min_tokens = default
 
     # cuBLAS's per-shape cost: the host time of a GEMM call the first time its M is seen, and again.
     w = engine.runtime.model.w.layers[0].gate_up

@@ -32,7 +32,7 @@ from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
 from engine.cuda import fp8_linear
 from engine.cuda.fp8_linear import fp8_projection
 from engine.cuda.library import KernelLibrary
-from engine.cuda.prefill_flash import FLASH_MIN_TOKENS, FlashPlan, attend, flash_plan
+from engine.cuda.prefill_fused import FUSED_MIN_TOKENS, FusedPrefill
 from engine.cuda.wrappers import (
     decode_attention,
     embedding,
@@ -88,9 +88,8 @@ class CudaOps(TorchOps):
         self._rows_per_seq = 1
         self._prefill_work_key: tuple | None = None
         self._prefill_work: torch.Tensor | None = None
-        self._flash_key: tuple | None = None
-        self._flash_plan: FlashPlan | None = None
-        self.flash_min_tokens = FLASH_MIN_TOKENS
+        self.fused_min_tokens = FUSED_MIN_TOKENS
+        self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
@@ -124,7 +123,8 @@ class CudaOps(TorchOps):
         self._rows_per_seq = rows_per_seq
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
-        self._prefill_work_key = self._flash_key = None
+        self._prefill_work_key = None
+        self.fused_prefill.forget()
 
     def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
                       normed: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,9 +280,9 @@ class CudaOps(TorchOps):
                           max_kv_len: int = 0) -> torch.Tensor:
         """With `work` (a staged, padded work list: a forward replayed from a CUDA graph), the paged
         kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise:
-        forwards of at least flash_min_tokens prompt tokens (fresh prompts or chunks after a cached prefix, no
-        active sliding window) run through FlashAttention's varlen entry on the keys gathered from the cache
-        (prefill_flash); shorter ones run the paged kernel of kernels_cu/prefill_attention.cu: one launch per
+        forwards of at least fused_min_tokens prompt tokens (fresh prompts or chunks after a cached prefix, no
+        active sliding window) run through a fused attention on the keys gathered from the cache (prefill_fused:
+        cuDNN's or FlashAttention's); shorter ones run the paged kernel of kernels_cu/prefill_attention.cu: one launch per
         layer and no gathers, which short prompts, bound by host time, pay for more than they gain from the
         fused call (profile_step --only ttft)."""
         if work is not None:
@@ -295,12 +295,9 @@ class CudaOps(TorchOps):
             return out
         key = (tuple(query_start_loc), tuple(seq_lens))
         num_tokens = query_start_loc[-1] if query_start_loc else 0
-        if (0 < num_tokens and num_tokens >= self.flash_min_tokens
+        if (0 < num_tokens and num_tokens >= self.fused_min_tokens
                 and (not sliding_window or max(seq_lens, default=0) <= sliding_window)):
-            if self._flash_key != key:  # once per forward: every layer has the same plan
-                self._flash_plan = flash_plan(*key, q.shape[0], block_tables, k_cache.shape[1])
-                self._flash_key = key
-            return attend(self._flash_plan, q, k_cache, v_cache, scale)
+            return self.fused_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
         if self._prefill_work_key != key:

@@ -1,13 +1,14 @@
 """Prefill attention of long forwards through FlashAttention's variable-length entry (torch's vendored
-FlashAttention 2, `aten._flash_attention_forward`): CudaOps.prefill_attention takes it for eager forwards of at
-least FLASH_MIN_TOKENS prompt tokens, fresh prompts and chunks that continue a cached prefix alike. Every
-sequence's keys are gathered from the paged cache into one packed K and V (flash_plan's index, made once per
+FlashAttention 2, `aten._flash_attention_forward`): prefill_fused takes it (where env.PREFILL_ATTENTION says so, or
+cuDNN refused a shape) for eager forwards of at least FUSED_MIN_TOKENS prompt tokens, fresh prompts and chunks that
+continue a cached prefix alike. Every
+sequence's keys are gathered from the paged cache into one packed K and V (plan's index, made once per
 forward), and one call attends every sequence: no padding, no output scatter.
 
 Why this entry: its causal mask is aligned to each sequence's last key (query i of a sequence with n_q queries and
 n_k keys sees keys up to n_k - n_q + i), which is exactly a chunk after a cached prefix; GQA is native (K/V keep
-their heads); and it plans nothing per shape (cuDNN's fused attention, which torch would pick on Hopper, plans
-every new shape for tens of milliseconds, and aligns its causal mask to the first key). Its block-table entry
+their heads); and it plans nothing per shape (cuDNN's fused attention plans every new shape and aligns its causal mask
+to the first key: prefill_cudnn). Its block-table entry
 wants pages of 256 tokens, so the keys are gathered rather than read in place."""
 from __future__ import annotations
 
@@ -17,9 +18,6 @@ import numpy as np
 import torch
 
 from engine.ops.torch_ops import kv_rows
-
-FLASH_MIN_TOKENS = 2048  # eager forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
-
 
 @dataclass
 class FlashPlan:
@@ -35,7 +33,7 @@ class FlashPlan:
     kv_index: torch.Tensor  # int64 [cu_k[-1]]: flat cache row of each gathered key
 
 
-def flash_plan(query_start_loc: tuple, seq_lens: tuple, num_rows: int, block_tables: torch.Tensor,
+def plan(query_start_loc: tuple, seq_lens: tuple, num_rows: int, block_tables: torch.Tensor,
                block_size: int) -> FlashPlan:
     """The plan of a forward whose sequence b has queries query_start_loc[b]..query_start_loc[b+1] (the last of
     its seq_lens[b] keys) in a q of num_rows rows. Index arithmetic in numpy, one upload."""

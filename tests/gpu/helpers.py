@@ -2,6 +2,8 @@
 current CUDA device."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -48,3 +50,25 @@ def greedy_run(engine, ps: list[list[int]], n: int) -> list[list[int]]:
             out[t.seq_id].append(t.token_id)
     engine.release(ids)
     return [out[i] for i in ids]
+
+
+PREFILL_PATHS = ["cudnn", "flash", "paged"]
+
+
+@contextlib.contextmanager
+def prefill_path(ops, path: str):
+    """CudaOps.prefill_attention's eager forwards through one route whatever their size: cuDNN's or FlashAttention's
+    fused attention (prefill_fused), or the paged kernel. A cuDNN route that fell back to FlashAttention fails the
+    test (the fallback is for shapes cuDNN refuses, and the tests' shapes are ones it must take)."""
+    from engine.cuda import prefill_cudnn
+    from engine.cuda.prefill_fused import FusedPrefill
+    default, fused = ops.fused_min_tokens, ops.fused_prefill
+    ops.fused_min_tokens = 1 << 30 if path == "paged" else 0
+    ops.fused_prefill = FusedPrefill(path)
+    try:
+        yield
+        if path == "cudnn":
+            assert ops.fused_prefill.route is prefill_cudnn, "cuDNN refused the prefill (see the warning)"
+    finally:
+        ops.fused_min_tokens, ops.fused_prefill = default, fused
+

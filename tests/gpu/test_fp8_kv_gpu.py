@@ -25,7 +25,7 @@ from engine.cuda.wrappers import decode_attention, prefill_attention, rope_cache
 from engine.ops.torch_ops import LayerKV, TorchOps
 from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, fp8_kv, quantize_fp8
 from engine.sampling import SamplingParams, StoppingCriteria
-from gpu.helpers import attention_layer, attention_meta, dev, greedy_run, nan, randn
+from gpu.helpers import PREFILL_PATHS, attention_layer, attention_meta, dev, greedy_run, nan, prefill_path, randn
 from gpu.test_engine_gpu import churn_workload, gpu_engine, prompts, verify_workload
 from gpu.test_kernels import (
     BF16_TOL,
@@ -360,10 +360,10 @@ def test_prefill_attention_split_over_keys_on_an_fp8_cache(lib, gen, dtype, seqs
 
 @pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
                                              ([2048], 16, 16, 64), ([7, 7, 300], 8, 1, 96)])
-@pytest.mark.parametrize("path", ["flash", "paged"])
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_fresh_prompts_through_cuda_ops_on_an_fp8_cache(ops, gen, lengths, H, Hkv, D, path):
-    """CudaOps.prefill_attention's two paths for fresh prompts over an E4M3 cache: FlashAttention on the
-    keys gathered (as bytes) and converted, or the paged kernel's _kvfp8 entry."""
+    """CudaOps.prefill_attention's paths for fresh prompts over an E4M3 cache: a fused attention (cuDNN's or
+    FlashAttention's) on the keys gathered (as bytes) and converted, or the paged kernel's _kvfp8 entry."""
     bs = 16
     blocks_per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1
@@ -380,13 +380,9 @@ def test_fresh_prompts_through_cuda_ops_on_an_fp8_cache(ops, gen, lengths, H, Hk
         qsl.append(qsl[-1] + n)
     q = randn(qsl[-1], H, D, dtype=torch.bfloat16)
     scale = D ** -0.5
-    default = ops.flash_min_tokens
-    ops.flash_min_tokens = 0 if path == "flash" else 1 << 30
-    try:
+    with prefill_path(ops, path):
         ops.begin_forward(qsl[-1], decode=False)
         out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
-    finally:
-        ops.flash_min_tokens = default
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale, 0)
     check(f"prefill_attention fp8 kv ({path})", out, ref, BF16_TOL)
 

@@ -30,7 +30,7 @@ from engine.cuda.wrappers import (
 from engine.cuda.wrappers import sampling as sample_kernels
 from engine.ops.torch_ops import LayerKV, TorchOps
 from engine.slot_io import KernelSlotIO, SlotIO
-from gpu.helpers import attention_layer, attention_meta, dev, nan, randn
+from gpu.helpers import PREFILL_PATHS, attention_layer, attention_meta, dev, nan, prefill_path, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -1058,10 +1058,10 @@ def test_fused_ops_match_the_torch_reference(ops, gen, dtype, T):
 
 @pytest.mark.parametrize("lengths,H,Hkv,D", [([512] * 8, 32, 8, 64), ([5, 31, 128, 200, 31], 32, 8, 128),
                                              ([2048], 16, 16, 64), ([7, 7, 300], 8, 1, 96)])
-@pytest.mark.parametrize("path", ["flash", "paged"])
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, Hkv, D, path):
-    """Fresh prompts through FlashAttention's varlen entry on keys gathered from the paged cache (forwards of
-    at least flash_min_tokens tokens), or through the paged kernel (shorter ones)."""
+    """Fresh prompts through a fused attention (cuDNN's or FlashAttention's) on keys gathered from the paged cache
+    (forwards of at least fused_min_tokens tokens), or through the paged kernel (shorter ones)."""
     bs = 16
     blocks_per = [-(-n // bs) for n in lengths]
     perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1  # scattered blocks
@@ -1079,13 +1079,9 @@ def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, 
         qsl.append(qsl[-1] + n)
     q = randn(qsl[-1], H, D, dtype=torch.bfloat16)
     scale = D ** -0.5
-    default = ops.flash_min_tokens
-    ops.flash_min_tokens = 0 if path == "flash" else 1 << 30
-    try:
+    with prefill_path(ops, path):
         ops.begin_forward(qsl[-1], decode=False)
         out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
-    finally:
-        ops.flash_min_tokens = default
     ref = TORCH.prefill_attention(q.float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale, 0)
     check(f"prefill_attention ({path})", out, ref, BF16_TOL)
 
@@ -1093,12 +1089,13 @@ def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, 
 @pytest.mark.parametrize("cached,new,H,Hkv,D,pad", [([3000, 0, 2100], [1000, 700, 37], 32, 8, 64, 0),
                                                     ([8192], [2048], 32, 8, 128, 0),
                                                     ([129, 16], [1500, 900], 8, 1, 96, 77)])
-@pytest.mark.parametrize("path", ["flash", "paged"])
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 def test_prefill_attention_chunks_after_a_cached_prefix(ops, gen, cached, new, H, Hkv, D, pad, path):
     """Chunks that continue a cached prefix (a long prompt's later chunks, a prompt whose start the prefix cache
     held) beside a fresh prompt: each chunk's queries see the prefix and the chunk causally. FlashAttention's
-    causal mask is aligned to each sequence's last key; the pad rows after the last chunk (a bucketed forward)
-    must not disturb the real ones."""
+    causal mask is aligned to each sequence's last key; cuDNN's to the first, so that route cuts each prefix into a
+    bucketed unmasked part and a causal block (prefill_cudnn). The pad rows after the last chunk (a bucketed
+    forward) must not disturb the real ones."""
     bs = 16
     lengths = [c + n for c, n in zip(cached, new)]
     blocks_per = [-(-n // bs) for n in lengths]
@@ -1116,13 +1113,9 @@ def test_prefill_attention_chunks_after_a_cached_prefix(ops, gen, cached, new, H
         qsl.append(qsl[-1] + n)
     q = randn(qsl[-1] + pad, H, D, dtype=torch.bfloat16)
     scale = D ** -0.5
-    default = ops.flash_min_tokens
-    ops.flash_min_tokens = 0 if path == "flash" else 1 << 30
-    try:
+    with prefill_path(ops, path):
         ops.begin_forward(q.shape[0], decode=False)
         out = ops.prefill_attention(q, k_cache, v_cache, table, qsl, lengths, scale, 0)
-    finally:
-        ops.flash_min_tokens = default
     assert out.shape == q.shape
     ref = TORCH.prefill_attention(q[:qsl[-1]].float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale,
                                   0)

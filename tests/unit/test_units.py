@@ -218,7 +218,7 @@ def test_flash_plan_attends_fresh_prompts_and_chunks_after_a_cached_prefix_like_
     form one more sequence, so the call covers every row of q."""
     import torch
 
-    from engine.cuda.prefill_flash import flash_plan
+    from engine.cuda.prefill_flash import plan as flash_plan
     from engine.ops.torch_ops import TorchOps
     torch.manual_seed(0)
     bs, H, Hkv, D = 16, 8, 2, 32
@@ -243,6 +243,53 @@ def test_flash_plan_attends_fresh_prompts_and_chunks_after_a_cached_prefix_like_
     torch.testing.assert_close(out[:qsl[-1]], ref, rtol=1e-5, atol=1e-5)
     whole = flash_plan((0, 512, 1024), (512, 512), 1024, torch.arange(64, dtype=torch.int32).view(2, 32), bs)  # no pad rows: no extra sequence
     assert whole.cu_q.tolist() == [0, 512, 1024] and whole.cu_k.tolist() == [0, 512, 1024]
+
+
+def _first_key_aligned_attention(q, k, v, causal, with_lse, scale):
+    """cuDNN's contract written out in torch ([B, H, L, D] views; its causal mask aligned to the first key)."""
+    import torch
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("bhqk,bhkd->bhqd", torch.softmax(scores, dim=-1), v.float()).to(q.dtype), lse
+
+
+@pytest.mark.parametrize("cached,new,pad,groups", [
+    ([0, 0, 0], [300, 256, 37], 0, 2),  # fresh prompts: sides 512, 256 and 256 (one call for the two)
+    ([1500, 2048, 0, 1030], [700, 256, 512, 1], 40, 4),  # after cached prefixes: (side, cut) 1280 / 1024, 256 / 2048,
+                                                         # 512 / 0, 256 / 1024
+    ([4096], [1024], 0, 1)])  # a long prompt's chunk: q's rows as they are
+def test_cudnn_plan_cuts_prefixes_into_bucketed_blocks_and_matches_the_reference(cached, new, pad, groups):
+    """The cuDNN route's plan (engine/cuda/prefill_cudnn.py; index math and the merge, on CPU with torch math in
+    cuDNN's place): each sequence's attention as a square causal block of a bucketed side, the prefix's last keys
+    brought in by dummy queries, plus the unmasked bucketed prefix, merged by log-sum-exps, gives TorchOps' prefill
+    attention; shapes come from the buckets only."""
+    import torch
+
+    from engine.cuda.prefill_cudnn import PREFIX_BUCKET, SQUARE_BUCKET, attend
+    from engine.cuda.prefill_cudnn import plan as cudnn_plan
+    from engine.ops.torch_ops import TorchOps
+    torch.manual_seed(0)
+    bs, H, Hkv, D = 16, 4, 2, 16
+    lens = [c + n for c, n in zip(cached, new)]
+    width = max(-(-n // bs) for n in lens)
+    tables = (torch.randperm(len(lens) * width) + 1).to(torch.int32).view(len(lens), width)
+    k_cache, v_cache = (torch.randn(len(lens) * width + 1, bs, Hkv, D, dtype=torch.float64) for _ in range(2))
+    qsl = [0]
+    for n in new:
+        qsl.append(qsl[-1] + n)
+    q = torch.randn(qsl[-1] + pad, H, D, dtype=torch.float64)
+    plan = cudnn_plan(tuple(qsl), tuple(lens), q.shape[0], tables, bs)
+    for g in plan:
+        assert g.side % SQUARE_BUCKET == 0
+        assert g.pre_index is None or g.pre_index.shape[0] % (g.num_seqs * PREFIX_BUCKET) == 0
+    assert len(plan) == groups and sum(g.num_seqs for g in plan) == len(lens)
+    if len(new) == 1:  # a chunk of whole buckets after a bucketed prefix: q's own rows, nothing gathered
+        assert plan[0].q_index is None and plan[0].pre_index.shape[0] == 4096
+    out = attend(plan, q, k_cache, v_cache, D ** -0.5, attention=_first_key_aligned_attention)
+    ref = TorchOps().prefill_attention(q[:qsl[-1]], k_cache, v_cache, tables, qsl, lens, D ** -0.5)
+    torch.testing.assert_close(out[:qsl[-1]], ref, rtol=1e-4, atol=1e-5)  # both in fp32; a wrong mask: ~1e-1
 
 
 @pytest.mark.parametrize("cluster", [1, 8])
