@@ -1,6 +1,7 @@
 """Warm-up before serving: one real step, then every prefill shape and decode batch width the engine will run,
 so that no request pays a shape's first call (cuBLAS picks its kernels per new GEMM shape, ~6 ms of host time
-per prefill forward at 1B) or a width's CUDA-graph capture (~5-10 ms). Scratch sequences, released after."""
+per prefill forward at 1B; cuDNN's attention plans each new shape, ~45 ms) or a width's CUDA-graph capture (~5-10
+ms). Scratch sequences, released after."""
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,12 @@ def warm_up(engine) -> None:
         engine.release([seq.seq_id])
     t0 = time.perf_counter()
     forwards = warm_up_prefill(engine)
-    if forwards:
-        log.info("warmed up %d prefill sizes in %.1fs", forwards, time.perf_counter() - t0)
+    rt = engine.runtime
+    shapes = rt.ops.warm_up_prefill_attention(rt.shard.num_heads, rt.shard.num_kv_heads, engine.model_config.head_dim,
+                                              rt.dtype, engine.config.max_prefill_tokens, engine.max_seq_len)
+    if forwards or shapes:
+        log.info("warmed up %d prefill sizes and %d long-prompt attention shapes in %.1fs", forwards, shapes,
+                 time.perf_counter() - t0)
     t0 = time.perf_counter()
     widths = warm_up_decode(engine)
     if widths:

@@ -117,6 +117,11 @@ class CudaOps(TorchOps):
     def prefill_buckets(self, limit: int) -> list[int]:
         return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
 
+    def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                  chunk_tokens: int, max_seq_len: int) -> int:
+        return self.fused_prefill.warm_up(num_heads, num_kv_heads, head_dim, dtype, self.lib.device, chunk_tokens,
+                                          max_seq_len)
+
     def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
         self._decode = decode

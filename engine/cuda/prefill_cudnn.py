@@ -13,8 +13,8 @@ cached prefix of P = n_k - n_q keys before them), is cut at P' = P rounded down 
   - while P' > 0, the same S queries against the keys [0, P') unmasked;
 merged by their log-sum-exps. The shapes, (S, S) causal and (S, P') unmasked, come from bounded sets (S a multiple
 of SQUARE_BUCKET up to max_prefill_tokens + PREFIX_BUCKET, P' a multiple of PREFIX_BUCKET), so the planning is paid
-once per bucket pair, not per prompt length. K and V are gathered from the paged cache and their heads repeated for
-the query heads (the entry takes one head count)."""
+once per bucket pair, not per prompt length. K and V are gathered from the paged cache and keep their heads (the entry takes GQA
+as it is)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -86,16 +86,17 @@ def plan(query_start_loc: tuple, seq_lens: tuple, num_rows: int, block_tables: t
     return plan
 
 
-def _heads(kv: torch.Tensor, num_seqs: int, group: int) -> torch.Tensor:
-    """[B * L, Hkv, D] gathered keys -> [B, H, L, D] (each KV head repeated for its group of query heads)."""
-    kv = kv.repeat_interleave(group, dim=1) if group > 1 else kv
+def _heads(kv: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[B * L, Hkv, D] gathered keys -> a [B, Hkv, L, D] view (the entry serves each KV head's group of query heads
+    itself: GQA as it is)."""
     return kv.view(num_seqs, -1, *kv.shape[1:]).transpose(1, 2)
 
 
 def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, with_lse: bool,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuDNN's fused attention of [B, H, L, D] views (causal: aligned to the first key): the output [B, H, Lq, D] and,
-    with_lse, the natural-log log-sum-exps of the scaled scores ([B, H, Lq] elements)."""
+    """cuDNN's fused attention of [B, H, Lq, D] queries over [B, Hkv, Lk, D] keys and values (views; causal: aligned to
+    the first key): the output [B, H, Lq, D] and, with_lse, the natural-log log-sum-exps of the scaled scores ([B, H,
+    Lq] elements)."""
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, with_lse, 0.0, causal, False,
                                                               scale=scale)[:2]
 
@@ -107,16 +108,15 @@ def attend(plan: list[CudnnGroup], q: torch.Tensor, k_cache: torch.Tensor, v_cac
     attention: cudnn_attention's contract (a test passes torch math in its place)."""
     num_heads = q.shape[1]
     num_kv_heads, head_dim = k_cache.shape[2:]
-    group = num_heads // num_kv_heads
     k_flat, v_flat = (cache.view(-1, num_kv_heads, head_dim) for cache in (k_cache, v_cache))
     out = torch.empty_like(q)
     for g in plan:
         qs = q[g.q0:g.q0 + g.side] if g.q_index is None else q[g.q_index]
         qb = qs.view(g.num_seqs, g.side, num_heads, head_dim).transpose(1, 2)
-        k, v = (_heads(kv_rows(flat, g.sq_index).to(q.dtype), g.num_seqs, group) for flat in (k_flat, v_flat))
+        k, v = (_heads(kv_rows(flat, g.sq_index).to(q.dtype), g.num_seqs) for flat in (k_flat, v_flat))
         o, lse = attention(qb, k, v, True, g.pre_index is not None, scale)
         if g.pre_index is not None:
-            k, v = (_heads(kv_rows(flat, g.pre_index).to(q.dtype), g.num_seqs, group) for flat in (k_flat, v_flat))
+            k, v = (_heads(kv_rows(flat, g.pre_index).to(q.dtype), g.num_seqs) for flat in (k_flat, v_flat))
             o_pre, lse_pre = attention(qb, k, v, False, True, scale)
             o = merge(o, lse.view(o.shape[:3]), o_pre, lse_pre.view(o.shape[:3]))
         o = o.transpose(1, 2).reshape(g.num_seqs * g.side, num_heads, head_dim)
@@ -134,3 +134,23 @@ def merge(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Te
     w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
     total = w1 + w2
     return (o1.float() * (w1 / total).unsqueeze(-1) + o2.float() * (w2 / total).unsqueeze(-1)).to(o1.dtype)
+
+
+def warm_up(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+            chunk_tokens: int, max_seq_len: int) -> int:
+    """Runs once each shape a long prompt's chunks of chunk_tokens take after a prefix of whole chunks (plan's
+    blocks: the causal block with its log-sum-exps, and the unmasked prefix of each whole-chunk length below
+    max_seq_len), on zeros, so that cuDNN plans them now. Returns the shapes run."""
+    prefix = chunk_tokens // PREFIX_BUCKET * PREFIX_BUCKET
+    if prefix != chunk_tokens:  # chunks then leave a remainder before the next one's cut: no fixed shapes to plan
+        return 0
+    side = -(-chunk_tokens // SQUARE_BUCKET) * SQUARE_BUCKET
+    q = torch.zeros(side, num_heads, head_dim, dtype=dtype, device=device).view(1, side, num_heads, head_dim)
+    q = q.transpose(1, 2)  # the layouts attend passes (strides are part of a plan's key)
+    kv = torch.zeros(max(side, max_seq_len - chunk_tokens), num_kv_heads, head_dim, dtype=dtype, device=device)
+    cudnn_attention(q, _heads(kv[:side], 1), _heads(kv[:side], 1), True, True, 1.0)
+    shapes = 1
+    for cut in range(chunk_tokens, max_seq_len - chunk_tokens + 1, chunk_tokens):
+        cudnn_attention(q, _heads(kv[:cut], 1), _heads(kv[:cut], 1), False, True, 1.0)
+        shapes += 1
+    return shapes

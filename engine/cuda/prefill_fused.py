@@ -1,7 +1,8 @@
 """The fused attention of long eager prefill forwards (CudaOps.prefill_attention hands it forwards of at least
-FUSED_MIN_TOKENS prompt tokens): cuDNN's (prefill_cudnn) or FlashAttention's varlen entry (prefill_flash), as
-env.PREFILL_ATTENTION says, on the keys gathered from the paged cache. A shape cuDNN refuses moves it to
-FlashAttention for good."""
+FUSED_MIN_TOKENS prompt tokens), on the keys gathered from the paged cache: cuDNN's (prefill_cudnn) for forwards
+whose longest sequence has at least CUDNN_MIN_KEYS keys, FlashAttention's varlen entry (prefill_flash) for the rest,
+or FlashAttention for all where env.PREFILL_ATTENTION is "flash". A shape cuDNN refuses moves it to FlashAttention
+for good. Figures behind the rule: bench/RESULTS.md ("Long prompts")."""
 from __future__ import annotations
 
 import logging
@@ -13,16 +14,19 @@ from engine.cuda import prefill_cudnn, prefill_flash
 log = logging.getLogger(__name__)
 
 FUSED_MIN_TOKENS = 2048  # eager forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
+CUDNN_MIN_KEYS = 4096  # cuDNN where a sequence attends to this many keys (8 x 512 prompts ran 2-5% faster on Flash)
 
 
 class FusedPrefill:
-    """route: the module that plans and attends (prefill_cudnn or prefill_flash). The plan is made at a forward's
-    first layer and serves its other layers (forget() at each forward's start: it holds that forward's cache rows)."""
+    """route: the module that plans and attends long forwards (prefill_cudnn or prefill_flash); shorter ones take
+    prefill_flash. The plan is made at a forward's first layer and serves its other layers (forget() at each
+    forward's start: it holds that forward's cache rows)."""
 
     def __init__(self, backend: str):
         self.route = prefill_flash if backend == "flash" else prefill_cudnn
         self._key: tuple | None = None
         self._plan = None
+        self._planned_by = None
 
     def forget(self) -> None:
         self._key = None
@@ -31,14 +35,26 @@ class FusedPrefill:
                  query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
         key = (tuple(query_start_loc), tuple(seq_lens))
         if self._key != key:
-            self._plan = self.route.plan(*key, q.shape[0], block_tables, k_cache.shape[1])
-            self._key = key
+            route = self.route if max(seq_lens) >= CUDNN_MIN_KEYS else prefill_flash
+            self._plan = route.plan(*key, q.shape[0], block_tables, k_cache.shape[1])
+            self._key, self._planned_by = key, route
         try:
-            return self.route.attend(self._plan, q, k_cache, v_cache, scale)
+            return self._planned_by.attend(self._plan, q, k_cache, v_cache, scale)
         except RuntimeError as e:
-            if self.route is prefill_flash:
+            if self._planned_by is prefill_flash:
                 raise
             log.warning("cuDNN's fused attention refused a prefill (%s); long prefills use FlashAttention from now on",
                         str(e).splitlines()[0][:200])
             self.route, self._key = prefill_flash, None
             return self(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+
+    def warm_up(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                chunk_tokens: int, max_seq_len: int) -> int:
+        """cuDNN plans each new shape once, ~45 ms of host time (bench/RESULTS.md): plans the shapes of a long
+        prompt's chunks of chunk_tokens (max_prefill_tokens) after a prefix of whole chunks, up to max_seq_len keys,
+        before a request meets them. The warm-up's bucketed prefills plan the fresh prompts' shapes. Returns the
+        shapes planned."""
+        if self.route is not prefill_cudnn:
+            return 0
+        return prefill_cudnn.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, chunk_tokens, max_seq_len)
+

@@ -80,6 +80,12 @@ class TorchOps:
         small enough to warm up (Engine.warm_up_prefill); none here: no per-shape costs to pay."""
         return []
 
+    def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                                  chunk_tokens: int, max_seq_len: int) -> int:
+        """Pays, before serving, the per-shape costs of long prompts' attention that warm_up_prefill's bucketed
+        prefills do not reach (their chunks after a cached prefix); none here. Returns the shapes warmed."""
+        return 0
+
     def begin_forward(self, num_tokens: int, decode: bool, rows_per_seq: int = 1) -> None:
         """Called by the model before each forward: a backend may pick its kernels by the forward's shape
         (the same choice for every op of the forward, from host-known values only). rows_per_seq: a

@@ -246,8 +246,11 @@ def test_flash_plan_attends_fresh_prompts_and_chunks_after_a_cached_prefix_like_
 
 
 def _first_key_aligned_attention(q, k, v, causal, with_lse, scale):
-    """cuDNN's contract written out in torch ([B, H, L, D] views; its causal mask aligned to the first key)."""
+    """cuDNN's contract written out in torch ([B, H, Lq, D] queries over [B, Hkv, Lk, D] keys and values, each KV head
+    serving H / Hkv query heads; its causal mask aligned to the first key)."""
     import torch
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q.float(), k.float()) * scale
     if causal:
         scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
