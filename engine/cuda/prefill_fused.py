@@ -1,7 +1,7 @@
 """The fused attention of long eager prefill forwards (CudaOps.prefill_attention hands it forwards of at least
 FUSED_MIN_TOKENS prompt tokens), on the keys gathered from the paged cache: cuDNN's (prefill_cudnn) for forwards
 whose longest sequence has at least CUDNN_MIN_KEYS keys, FlashAttention's varlen entry (prefill_flash) for the rest,
-or FlashAttention for all where env.PREFILL_ATTENTION is "flash". A shape cuDNN refuses moves it to FlashAttention
+or FlashAttention for all where env.PREFILL_ATTENTION is "flash" (the default). A shape cuDNN refuses moves it to FlashAttention
 for good. Figures behind the rule: bench/RESULTS.md ("Long prompts")."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ class FusedPrefill:
 
     def __init__(self, backend: str):
         self.route = prefill_flash if backend == "flash" else prefill_cudnn
+        self.cudnn_min_keys = CUDNN_MIN_KEYS
         self._key: tuple | None = None
         self._plan = None
         self._planned_by = None
@@ -35,7 +36,7 @@ class FusedPrefill:
                  query_start_loc: list[int], seq_lens: list[int], scale: float) -> torch.Tensor:
         key = (tuple(query_start_loc), tuple(seq_lens))
         if self._key != key:
-            route = self.route if max(seq_lens) >= CUDNN_MIN_KEYS else prefill_flash
+            route = self.route if max(seq_lens) >= self.cudnn_min_keys else prefill_flash
             self._plan = route.plan(*key, q.shape[0], block_tables, k_cache.shape[1])
             self._key, self._planned_by = key, route
         try:
@@ -56,5 +57,11 @@ class FusedPrefill:
         shapes planned."""
         if self.route is not prefill_cudnn:
             return 0
-        return prefill_cudnn.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, chunk_tokens, max_seq_len)
+        try:
+            return prefill_cudnn.warm_up(num_heads, num_kv_heads, head_dim, dtype, device, chunk_tokens, max_seq_len)
+        except RuntimeError as e:  # as a refused prefill would: FlashAttention from now on
+            log.warning("cuDNN's fused attention refused a warm-up shape (%s); long prefills use FlashAttention",
+                        str(e).splitlines()[0][:200])
+            self.route = prefill_flash
+            return 0
 

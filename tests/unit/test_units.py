@@ -295,6 +295,53 @@ def test_cudnn_plan_cuts_prefixes_into_bucketed_blocks_and_matches_the_reference
     torch.testing.assert_close(out[:qsl[-1]], ref, rtol=1e-4, atol=1e-5)  # both in fp32; a wrong mask: ~1e-1
 
 
+def test_fused_prefill_routes_long_forwards_to_cudnn_and_falls_back_to_flash_for_good(monkeypatch):
+    """FusedPrefill (engine/cuda/prefill_fused.py; the two routes replaced by recorders, so it runs on CPU): with
+    cuDNN chosen, forwards whose longest sequence reaches cudnn_min_keys go to cuDNN and shorter ones to
+    FlashAttention; a RuntimeError from cuDNN (a shape it refuses) reruns the forward on FlashAttention and keeps
+    it there, as a failed warm-up does; FlashAttention's own errors are not swallowed."""
+    import torch
+
+    from engine.cuda import prefill_cudnn, prefill_flash
+    from engine.cuda.prefill_fused import CUDNN_MIN_KEYS, FusedPrefill
+    calls = []
+
+    def route(name, fail=False):
+        def attend(plan, q, k_cache, v_cache, scale):
+            calls.append((name, plan))
+            if fail:
+                raise RuntimeError("cuDNN Frontend error: no valid engine configs\nmore")
+            return q
+        return attend
+    monkeypatch.setattr(prefill_flash, "plan", lambda *a: ("flash plan", a[1]))
+    monkeypatch.setattr(prefill_cudnn, "plan", lambda *a: ("cudnn plan", a[1]))
+    monkeypatch.setattr(prefill_flash, "attend", route("flash"))
+    monkeypatch.setattr(prefill_cudnn, "attend", route("cudnn"))
+    q, cache, tables = torch.zeros(4, 2, 8), torch.zeros(3, 16, 1, 8), torch.zeros(1, 1, dtype=torch.int32)
+    fused = FusedPrefill("cudnn")
+    fused(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS - 1], 1.0)
+    fused.forget()
+    fused(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS], 1.0)
+    fused(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS], 1.0)  # the next layer: the same plan
+    assert [c[0] for c in calls] == ["flash", "cudnn", "cudnn"]
+    assert calls[1][1] == ("cudnn plan", (CUDNN_MIN_KEYS,))
+    calls.clear()
+    monkeypatch.setattr(prefill_cudnn, "attend", route("cudnn", fail=True))
+    fused.forget()
+    assert fused(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS + 4], 1.0) is q
+    fused.forget()
+    fused(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS + 8], 1.0)
+    assert [c[0] for c in calls] == ["cudnn", "flash", "flash"] and fused.route is prefill_flash
+    assert FusedPrefill("flash").warm_up(2, 1, 8, torch.float32, torch.device("cpu"), 8192, 32768) == 0
+    warmed = FusedPrefill("cudnn")
+    monkeypatch.setattr(prefill_cudnn, "warm_up", lambda *a: (_ for _ in ()).throw(RuntimeError("refused")))
+    assert warmed.warm_up(2, 1, 8, torch.float32, torch.device("cpu"), 8192, 32768) == 0
+    assert warmed.route is prefill_flash
+    monkeypatch.setattr(prefill_flash, "attend", route("flash", fail=True))
+    with pytest.raises(RuntimeError):
+        warmed(q, cache, cache, tables, [0, 4], [CUDNN_MIN_KEYS], 1.0)
+
+
 @pytest.mark.parametrize("cluster", [1, 8])
 def test_decode_attention_grid_rules(cluster):
     """Decode attention's grid (engine/cuda/wrappers/decode_attention.py; arithmetic on device properties
