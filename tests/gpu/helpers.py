@@ -55,6 +55,19 @@ def greedy_run(engine, ps: list[list[int]], n: int) -> list[list[int]]:
 PREFILL_PATHS = ["cudnn", "flash", "paged"]
 
 
+def scattered_tables(lengths: list[int], block_size: int) -> tuple[torch.Tensor, int]:
+    """Block tables on the device for sequences of `lengths` tokens over randomly scattered blocks (block 0 unused),
+    and the number of cache blocks they need (a few spare)."""
+    blocks_per = [-(-n // block_size) for n in lengths]
+    perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1
+    table = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(blocks_per):
+        table[b, :nb] = perm[at:at + nb]
+        at += nb
+    return table.to(dev()), sum(blocks_per) + 4
+
+
 @contextlib.contextmanager
 def prefill_path(ops, path: str):
     """CudaOps.prefill_attention's eager forwards through one route whatever their size: cuDNN's or FlashAttention's

@@ -25,7 +25,8 @@ from engine.cuda.wrappers import decode_attention, prefill_attention, rope_cache
 from engine.ops.torch_ops import LayerKV, TorchOps
 from engine.quant import FP8_DTYPE, FP8_MIN_CAPABILITY, fp8_kv, quantize_fp8
 from engine.sampling import SamplingParams, StoppingCriteria
-from gpu.helpers import PREFILL_PATHS, attention_layer, attention_meta, dev, greedy_run, nan, prefill_path, randn
+from gpu.helpers import (PREFILL_PATHS, attention_layer, attention_meta, dev, greedy_run, nan, prefill_path, randn,
+                         scattered_tables)
 from gpu.test_engine_gpu import churn_workload, gpu_engine, prompts, verify_workload
 from gpu.test_kernels import (
     BF16_TOL,
@@ -365,15 +366,7 @@ def test_fresh_prompts_through_cuda_ops_on_an_fp8_cache(ops, gen, lengths, H, Hk
     """CudaOps.prefill_attention's paths for fresh prompts over an E4M3 cache: a fused attention (cuDNN's or
     FlashAttention's) on the keys gathered (as bytes) and converted, or the paged kernel's _kvfp8 entry."""
     bs = 16
-    blocks_per = [-(-n // bs) for n in lengths]
-    perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1
-    table = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
-    at = 0
-    for b, nb in enumerate(blocks_per):
-        table[b, :nb] = perm[at:at + nb]
-        at += nb
-    table = table.to(dev())
-    num_blocks = sum(blocks_per) + 4
+    table, num_blocks = scattered_tables(lengths, bs)
     k_cache, v_cache = fp8_cache(num_blocks, bs, Hkv, D), fp8_cache(num_blocks, bs, Hkv, D)
     qsl = [0]
     for n in lengths:

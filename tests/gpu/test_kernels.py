@@ -30,7 +30,8 @@ from engine.cuda.wrappers import (
 from engine.cuda.wrappers import sampling as sample_kernels
 from engine.ops.torch_ops import LayerKV, TorchOps
 from engine.slot_io import KernelSlotIO, SlotIO
-from gpu.helpers import PREFILL_PATHS, attention_layer, attention_meta, dev, nan, prefill_path, randn
+from gpu.helpers import (PREFILL_PATHS, attention_layer, attention_meta, dev, nan, prefill_path, randn,
+                         scattered_tables)
 
 pytestmark = pytest.mark.gpu
 
@@ -1063,15 +1064,7 @@ def test_prefill_attention_fresh_prompts_through_cuda_ops(ops, gen, lengths, H, 
     """Fresh prompts through a fused attention (cuDNN's or FlashAttention's) on keys gathered from the paged cache
     (forwards of at least fused_min_tokens tokens), or through the paged kernel (shorter ones)."""
     bs = 16
-    blocks_per = [-(-n // bs) for n in lengths]
-    perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1  # scattered blocks
-    table = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
-    at = 0
-    for b, nb in enumerate(blocks_per):
-        table[b, :nb] = perm[at:at + nb]
-        at += nb
-    table = table.to(dev())
-    num_blocks = sum(blocks_per) + 4
+    table, num_blocks = scattered_tables(lengths, bs)
     k_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
     v_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
     qsl = [0]
@@ -1098,16 +1091,9 @@ def test_prefill_attention_chunks_after_a_cached_prefix(ops, gen, cached, new, H
     forward) must not disturb the real ones."""
     bs = 16
     lengths = [c + n for c, n in zip(cached, new)]
-    blocks_per = [-(-n // bs) for n in lengths]
-    perm = torch.randperm(sum(blocks_per) + 3)[:sum(blocks_per)] + 1
-    table = torch.zeros(len(lengths), max(blocks_per), dtype=torch.int32)
-    at = 0
-    for b, nb in enumerate(blocks_per):
-        table[b, :nb] = perm[at:at + nb]
-        at += nb
-    table = table.to(dev())
-    k_cache = randn(sum(blocks_per) + 4, bs, Hkv, D, dtype=torch.bfloat16)
-    v_cache = randn(sum(blocks_per) + 4, bs, Hkv, D, dtype=torch.bfloat16)
+    table, num_blocks = scattered_tables(lengths, bs)
+    k_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
+    v_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
     qsl = [0]
     for n in new:
         qsl.append(qsl[-1] + n)
