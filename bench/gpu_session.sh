@@ -28,6 +28,9 @@
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)
 #   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
 #              beside their floors; torch.profiler's kernel times at the points of lowest share
+#   prefill    long prompts' attention (engine/cuda/prefill_fused.py): the prefill attention GPU tests over every route,
+#              bench_kernels --prefill-long (paged kernel, FlashAttention, cuDNN; cuDNN's planning costs), then scale_bench
+#              1B / 8B prefills of 1 x 32k and 8 x 512 with METRALE_PREFILL_ATTENTION=flash and =cudnn alternating
 #   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
 #              and KV dtype; 43 s on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
@@ -146,6 +149,20 @@ for what in "$@"; do
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
     scale)      TAIL=${TAIL:-110} stage scale 540 python3 bench/scale_bench.py --shape 1b 8b --profile --out "$OUT" ;;
+    prefill)    # long prompts' attention: every route's GPU tests, kernel figures and cuDNN's planning costs, then
+                # 1 x 32k and 8 x 512 prefills with FlashAttention and with cuDNN, PREFILL_ROUNDS (2) rounds alternating
+                for shape in 1b 8b; do
+                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                done
+                stage gpu-prefill-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_fp8_kv_gpu.py -m gpu -q -k "prefill or fresh_prompts" -p no:cacheprovider --confcutdir=tests/gpu -n 4
+                TAIL=${TAIL:-90} stage prefill-long 300 python3 bench/bench_kernels.py --prefill-long
+                for round in $(seq 1 "${PREFILL_ROUNDS:-2}"); do
+                  for route in flash cudnn; do
+                    for shape in 1b 8b; do
+                      METRALE_PREFILL_ATTENTION=$route TAIL=4 stage "prefill-$route-$shape-$round" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 1 --contexts 256 --steps 5 --prefill 1x32768 8x512 --out "$OUT/prefill-$route"
+                    done
+                  done
+                done ;;
     floors)     for shape in 1b 8b; do  # checkpoints written once, kept for later stages of the call
                   [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
                 done
