@@ -1,7 +1,7 @@
 """Prefill attention of long forwards through cuDNN's fused attention (`aten._scaled_dot_product_cudnn_attention`,
 FlashAttention-3-class kernels on Hopper: 1.5-1.9x torch's FlashAttention 2 at long prompts, bench/RESULTS.md "Kernel
-benchmarks"). CudaOps.prefill_attention takes it, where env.PREFILL_ATTENTION says so, for the eager forwards that
-would otherwise run prefill_flash.
+benchmarks"). prefill_fused takes it, where env.PREFILL_ATTENTION says so, for the long eager forwards with a
+sequence of CUDNN_MIN_KEYS keys or more.
 
 Two properties of cuDNN's entry shape this module. Its causal mask is aligned to the first key, and it plans every
 new shape once (the plan then cached by torch). So sequence b's attention, n_q queries at the end of its n_k keys (a
