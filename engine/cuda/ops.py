@@ -287,9 +287,9 @@ class CudaOps(TorchOps):
         kernel runs it as given, split over the keys for its max_kv_len (prefill_attention.key_splits). Otherwise:
         forwards of at least fused_min_tokens prompt tokens (fresh prompts or chunks after a cached prefix, no
         active sliding window) run through a fused attention on the keys gathered from the cache (prefill_fused:
-        cuDNN's or FlashAttention's); shorter ones run the paged kernel of kernels_cu/prefill_attention.cu: one launch per
-        layer and no gathers, which short prompts, bound by host time, pay for more than they gain from the
-        fused call (profile_step --only ttft)."""
+        cuDNN's or FlashAttention's); shorter ones run the paged kernel of kernels_cu/prefill_attention.cu: one
+        launch per layer and no gathers, which short prompts, bound by host time, pay for more than they gain from
+        the fused call (profile_step --only ttft)."""
         if work is not None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             # a staged work list has an empty row per padded sequence row (prefill_work_rows): one at least
@@ -298,11 +298,11 @@ class CudaOps(TorchOps):
             prefill_attention.launch(self.lib, out, q, k_cache, v_cache, block_tables.to(torch.int32), work, scale,
                                      sliding_window, splits)
             return out
-        key = (tuple(query_start_loc), tuple(seq_lens))
         num_tokens = query_start_loc[-1] if query_start_loc else 0
         if (0 < num_tokens and num_tokens >= self.fused_min_tokens
                 and (not sliding_window or max(seq_lens, default=0) <= sliding_window)):
             return self.fused_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        key = (tuple(query_start_loc), tuple(seq_lens))
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
         if self._prefill_work_key != key:

@@ -13,8 +13,8 @@ cached prefix of P = n_k - n_q keys before them), is cut at P' = P rounded down 
   - while P' > 0, the same S queries against the keys [0, P') unmasked;
 merged by their log-sum-exps. The shapes, (S, S) causal and (S, P') unmasked, come from bounded sets (S a multiple
 of SQUARE_BUCKET up to max_prefill_tokens + PREFIX_BUCKET, P' a multiple of PREFIX_BUCKET), so the planning is paid
-once per bucket pair, not per prompt length. K and V are gathered from the paged cache and keep their heads (the entry takes GQA
-as it is)."""
+once per bucket pair, not per prompt length. K and V are gathered from the paged cache and keep their heads (the
+entry takes GQA as it is)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,8 +1,8 @@
 """The fused attention of long eager prefill forwards (CudaOps.prefill_attention hands it forwards of at least
 FUSED_MIN_TOKENS prompt tokens), on the keys gathered from the paged cache: cuDNN's (prefill_cudnn) for forwards
 whose longest sequence has at least CUDNN_MIN_KEYS keys, FlashAttention's varlen entry (prefill_flash) for the rest,
-or FlashAttention for all where env.PREFILL_ATTENTION is "flash" (the default). A shape cuDNN refuses moves it to FlashAttention
-for good. Figures behind the rule: bench/RESULTS.md ("Long prompts")."""
+or FlashAttention for all where env.PREFILL_ATTENTION is "flash" (the default). A shape cuDNN refuses moves it to
+FlashAttention for good. Figures behind the rule: bench/RESULTS.md ("Long prompts")."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +13,8 @@ from engine.cuda import prefill_cudnn, prefill_flash
 
 log = logging.getLogger(__name__)
 
-FUSED_MIN_TOKENS = 2048  # eager forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
+# eager forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
+FUSED_MIN_TOKENS = 2048
 CUDNN_MIN_KEYS = 4096  # cuDNN where a sequence attends to this many keys (8 x 512 prompts ran 2-5% faster on Flash)
 
 

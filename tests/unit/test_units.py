@@ -241,7 +241,8 @@ def test_flash_plan_attends_fresh_prompts_and_chunks_after_a_cached_prefix_like_
     assert out.shape == q.shape and torch.isfinite(out).all()
     ref = TorchOps().prefill_attention(q[:qsl[-1]], k_cache, v_cache, tables, qsl, lens, D ** -0.5)
     torch.testing.assert_close(out[:qsl[-1]], ref, rtol=1e-5, atol=1e-5)
-    whole = flash_plan((0, 512, 1024), (512, 512), 1024, torch.arange(64, dtype=torch.int32).view(2, 32), bs)  # no pad rows: no extra sequence
+    # no pad rows: no extra sequence
+    whole = flash_plan((0, 512, 1024), (512, 512), 1024, torch.arange(64, dtype=torch.int32).view(2, 32), bs)
     assert whole.cu_q.tolist() == [0, 512, 1024] and whole.cu_k.tolist() == [0, 512, 1024]
 
 
