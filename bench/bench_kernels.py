@@ -496,7 +496,7 @@ def long_prefill_rows(lib, dev, dt) -> list[tuple]:
                 return prefill_cudnn.merge(o2, l2.view(o2.shape[:3]), o1, l1.view(o1.shape[:3]))
             routes["cuDNN, K/V heads as they are"] = cudnn_native
             plan = prefill_cudnn.plan((0, new), (total,), new, table, BS)
-            routes["cuDNN route (engine: gather, repeat heads, merge)"] = lambda: prefill_cudnn.attend(
+            routes["cuDNN route (engine: gather, blocks, merge)"] = lambda: prefill_cudnn.attend(
                 plan, q, kc, vc, d ** -0.5)
             ref = None
             for route, fn in routes.items():

@@ -24,8 +24,8 @@ STEP_WAIT = os.environ.get("METRALE_STEP_WAIT", "poll")
 # W8A8 projections of at most this many rows (FP8 weights, bf16 x: decode batches of 9-32, short prompts) on the
 # skinny W8A8 kernel instead of torch._scaled_mm (engine/cuda/fp8_linear.py); "0": always _scaled_mm (the A/B).
 W8A8_SKINNY_ROWS = int(os.environ.get("METRALE_W8A8_SKINNY_ROWS", "32"))
-# Attention of eager prefill forwards of >= 2048 prompt tokens (engine/cuda/prefill_fused.py): "flash" (torch's
-# FlashAttention 2 varlen entry, engine/cuda/prefill_flash.py) or "cudnn" (cuDNN's fused attention where a sequence has
-# 4096+ keys, engine/cuda/prefill_cudnn.py: 1.14-1.19x Flash's 1 x 32k prefill on an H100, bench/RESULTS.md; opt-in
-# until its GPU tests have passed in its current form, then the default).
-PREFILL_ATTENTION = os.environ.get("METRALE_PREFILL_ATTENTION", "flash")
+# Attention of eager prefill forwards of >= 2048 prompt tokens (engine/cuda/prefill_fused.py): "cudnn" (cuDNN's fused
+# attention where a sequence has 4096+ keys, FlashAttention below; engine/cuda/prefill_cudnn.py: 1.20x / 1.23x Flash's
+# 1 x 32k prefill at 1B / 8B, bench/RESULTS.md) or "flash" (torch's FlashAttention 2 varlen entry for all,
+# engine/cuda/prefill_flash.py: no cuDNN planning, ~45 ms a new shape, at all).
+PREFILL_ATTENTION = os.environ.get("METRALE_PREFILL_ATTENTION", "cudnn")

@@ -1,7 +1,7 @@
 """The fused attention of long eager prefill forwards (CudaOps.prefill_attention hands it forwards of at least
 FUSED_MIN_TOKENS prompt tokens), on the keys gathered from the paged cache: cuDNN's (prefill_cudnn) for forwards
-whose longest sequence has at least CUDNN_MIN_KEYS keys, FlashAttention's varlen entry (prefill_flash) for the rest,
-or FlashAttention for all where env.PREFILL_ATTENTION is "flash" (the default). A shape cuDNN refuses moves it to
+whose longest sequence has at least CUDNN_MIN_KEYS keys, FlashAttention's varlen entry (prefill_flash) for the rest
+(env.PREFILL_ATTENTION "cudnn", the default), or FlashAttention for all where it is "flash". A shape cuDNN refuses moves it to
 FlashAttention for good. Figures behind the rule: bench/RESULTS.md ("Long prompts")."""
 from __future__ import annotations
 
