@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device import upload
+
 
 @dataclass
 class ForwardBatch:
@@ -71,8 +73,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     num_padded: when larger than the token count, pad tokens are appended up to it (so GEMMs see a few
     bucketed shapes, see CudaOps.prefill_tokens): token 0 at position 0, in no sequence, with cache
     slot -1 (no cache write); no logits row, no attention work and token_slots cover real tokens only."""
-    # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one upload of
-    # everything: each pageable copy waits for the device work queued before it.
+    # Host-side index arithmetic in numpy (a prompt can be thousands of tokens), then one upload of everything.
     num_seqs = len(tokens)
     qsl_a, seq_index_a, positions_a, kv_lens, logits_idx = _extend_index(starts, tokens, logits_rows)
     num_tokens = int(qsl_a[-1])
@@ -91,7 +92,7 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     if pad and not num_seqs:
         raise ValueError("a padded forward needs a sequence")
     sizes = [len(a) for a in parts]
-    ids, pos_t, seq_index, logits_t, slots_t, seq_lens_t = torch.from_numpy(np.concatenate(parts)).to(device).split(
+    ids, pos_t, seq_index, logits_t, slots_t, seq_lens_t = upload(np.concatenate(parts), device).split(
         [sizes[0] + sizes[1], sizes[2] + sizes[3], sizes[4] + sizes[5], *sizes[6:]])
     tables = block_table[slots_t]
     block_ids = tables[seq_index, pos_t // block_size].long()

@@ -1,8 +1,10 @@
-"""Device and dtype selection: a GPU when cuda-python finds one (and torch can use it), else the CPU."""
+"""Device and dtype selection: a GPU when cuda-python finds one (and torch can use it), else the CPU; and the
+host-to-device upload that does not wait for the GPU."""
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig, ModelConfig
@@ -45,3 +47,14 @@ def select_dtype(config: EngineConfig, model: ModelConfig, device: torch.device)
     if device.type == "cpu":
         return torch.float32
     return torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
+
+
+def upload(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """array on device, without waiting for the work queued there: torch's `.to(device)` from pageable memory
+    synchronizes the stream (a prefill forward's plan made at its first layer left the GPU idle while the host
+    launched the next kernels), so on a GPU the bytes go through a pinned buffer of torch's host allocator (reused
+    only once the copy has run). On the CPU the array's own memory, as `torch.from_numpy`."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device import upload
 from engine.ops.torch_ops import kv_rows
 
 SQUARE_BUCKET = 256  # the causal block's side is a multiple of this
@@ -75,7 +76,7 @@ def plan(query_start_loc: tuple, seq_lens: tuple, num_rows: int, block_tables: t
         parts = [seq_of, np.concatenate((sq_pos, pre_pos))]
         if not whole:
             parts += [np.concatenate(q_rows), np.concatenate(real), np.concatenate(out_rows)]
-        uploaded = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(block_tables.device).split(
+        uploaded = upload(np.concatenate(parts).astype(np.int64), block_tables.device).split(
             [len(x) for x in parts])
         seq_t, pos_t = uploaded[:2]
         rows = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.device import upload
 from engine.ops.torch_ops import kv_rows
 
 @dataclass
@@ -49,7 +50,7 @@ def plan(query_start_loc: tuple, seq_lens: tuple, num_rows: int, block_tables: t
         seq = np.concatenate((seq, np.zeros(pad, np.int64)))
         pos = np.concatenate((pos, np.zeros(pad, np.int64)))
     parts = [q_starts, k_starts, seq, pos]
-    cu_q, cu_k, seq_t, pos_t = torch.from_numpy(np.concatenate(parts)).to(block_tables.device).split(
+    cu_q, cu_k, seq_t, pos_t = upload(np.concatenate(parts), block_tables.device).split(
         [len(a) for a in parts])
     kv_index = block_tables[seq_t, pos_t // block_size].long() * block_size + pos_t % block_size
     return FlashPlan(cu_q.to(torch.int32), cu_k.to(torch.int32), int(np.diff(q_starts).max(initial=0)),

@@ -9,13 +9,15 @@ import logging
 
 import torch
 
+from engine import env
 from engine.cuda import prefill_cudnn, prefill_flash
 
 log = logging.getLogger(__name__)
 
 # eager forwards of fewer prompt tokens use the paged kernel (bench/profile_step.py --only ttft)
 FUSED_MIN_TOKENS = 2048
-CUDNN_MIN_KEYS = 4096  # cuDNN where a sequence attends to this many keys (8 x 512 prompts ran 2-5% faster on Flash)
+CUDNN_MIN_KEYS = env.CUDNN_MIN_KEYS  # cuDNN where a sequence attends to this many keys (8 x 512 prompts ran 2-5%
+# faster on Flash when cuDNN's K/V heads were repeated to the query heads)
 
 
 class FusedPrefill:

@@ -47,3 +47,22 @@ def test_waiting_on_a_mark_lets_other_threads_run():
         assert progress > 10_000, f"{progress} iterations in {seconds * 1e3:.1f} ms of waiting"
     finally:
         streams.close()
+
+
+def test_upload_does_not_wait_for_the_queued_work():
+    """engine.device.upload returns while the GPU still runs the work queued before it (torch's `.to(device)` from
+    pageable memory would return only after it: a prefill's plan, made at its first layer, then left the GPU idle),
+    and the uploaded values arrive in stream order. The sleep kernel runs ~50 ms."""
+    import numpy as np
+
+    from engine.device import upload
+    dev = torch.device("cuda", torch.cuda.current_device())
+    values = np.arange(70_000, dtype=np.int64)  # over the 64 KB the driver stages without waiting
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)
+    t = upload(values, dev)
+    assert not torch.cuda.current_stream().query(), "upload waited for the queued sleep"
+    assert torch.equal(t.cpu(), torch.from_numpy(values))
+    torch.cuda._sleep(100_000_000)
+    torch.from_numpy(values).to(dev)  # what it replaces: the check above can tell the two apart
+    assert torch.cuda.current_stream().query()
