@@ -31,6 +31,9 @@
 #   prefill    long prompts' attention (engine/cuda/prefill_fused.py): the prefill attention GPU tests over every route,
 #              bench_kernels --prefill-long (paged kernel, FlashAttention, cuDNN; cuDNN's planning costs), then scale_bench
 #              1B / 8B prefills of 1 x 32k and 8 x 512 with METRALE_PREFILL_ATTENTION=flash and =cudnn alternating
+#   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 (the default) and up to 4096 padded tokens
+#              (METRALE_PREFILL_GRAPH_TOKENS, --max-graphs 1024), alternating: the warm-up's time, graphs and pool
+#              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default)
 #   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
 #              and KV dtype; 43 s on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
@@ -161,6 +164,15 @@ for what in "$@"; do
                     for shape in 1b 8b; do
                       METRALE_PREFILL_ATTENTION=$route TAIL=4 stage "prefill-$route-$shape-$round" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 1 --contexts 256 --steps 5 --prefill 1x32768 8x512 --out "$OUT/prefill-$route"
                     done
+                  done
+                done ;;
+    prefillgraphs) for shape in 1b 8b; do
+                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                done
+                for round in 1 2; do
+                  for shape in 1b 8b; do
+                    TAIL=3 stage "graphs-1024-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
+                    METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --max-graphs 1024 --out "$OUT"
                   done
                 done ;;
     floors)     for shape in 1b 8b; do  # checkpoints written once, kept for later stages of the call

@@ -29,5 +29,7 @@ W8A8_SKINNY_ROWS = int(os.environ.get("METRALE_W8A8_SKINNY_ROWS", "32"))
 # 1 x 32k prefill at 1B / 8B, bench/RESULTS.md) or "flash" (torch's FlashAttention 2 varlen entry for all,
 # engine/cuda/prefill_flash.py: no cuDNN planning, ~45 ms a new shape, at all).
 PREFILL_ATTENTION = os.environ.get("METRALE_PREFILL_ATTENTION", "cudnn")
+# Prefill forwards of at most this many padded tokens replay CUDA graphs (engine/prefill.py; larger ones run eager).
+PREFILL_GRAPH_TOKENS = int(os.environ.get("METRALE_PREFILL_GRAPH_TOKENS", "1024"))
 # With "cudnn": the keys a forward's longest sequence must have for cuDNN to take it (FlashAttention below).
 CUDNN_MIN_KEYS = int(os.environ.get("METRALE_CUDNN_MIN_KEYS", "4096"))

@@ -15,7 +15,7 @@ import collections
 import numpy as np
 import torch
 
-from engine import api, logits_processors
+from engine import api, env, logits_processors
 from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
 from engine.errors import FailedPrecondition, InvalidArgument
 from engine.runtime import Runtime
@@ -24,8 +24,8 @@ from engine.tokens import commit_tokens
 
 # Prefill forwards of at most this many (padded) tokens over at most PREFILL_GRAPH_SEQS sequences replay CUDA
 # graphs: a short prompt's forward is bound by its ~200-300 launches; from ~1k tokens on at 1B the device time
-# hides them.
-PREFILL_GRAPH_TOKENS = 1024
+# hides them (METRALE_PREFILL_GRAPH_TOKENS sets it).
+PREFILL_GRAPH_TOKENS = env.PREFILL_GRAPH_TOKENS
 PREFILL_GRAPH_SEQS = 16
 
 

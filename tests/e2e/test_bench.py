@@ -3,6 +3,7 @@ no growth in memory or used KV blocks."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -302,3 +303,24 @@ def test_issue_floors_quick_runs(tmp_path):
     bad = subprocess.run([sys.executable, "bench/issue_floors.py", "--model-1b", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no config.json there" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_warm_up_cost_reports_the_setting_it_ran_under(tmp_path):
+    """bench/warm_up_cost.py on CPU (no graphs there): the setting of METRALE_PREFILL_GRAPH_TOKENS it ran under, the
+    warm-up's figures and each prefill shape's row; a directory without config.json is refused in one line, exit 2."""
+    model = tmp_path / "tiny"
+    subprocess.run([sys.executable, "-m", "worker", "make-model", str(model), "--shape", "tiny", "--device", "cpu"],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    env = {**os.environ, "METRALE_PREFILL_GRAPH_TOKENS": "2048"}
+    out = subprocess.run([sys.executable, "bench/warm_up_cost.py", "--model", str(model), "--max-seq-len", "512",
+                          "--prefill", "2x64", "1x96", "--repeats", "1", "--out", str(tmp_path / "out")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["prefill_graph_tokens"] == 2048 and res["device"] == "cpu" and res["graphs_held"] == 0
+    assert [(r["batch"], r["length"]) for r in res["prefill"]] == [(2, 64), (1, 96)]
+    assert all(r["tokens_per_s"] > 0 for r in res["prefill"]) and res["warm_up_s"] >= 0
+    assert len(list((tmp_path / "out").glob("warm-up-cost-2048-*.json"))) == 1
+    bad = subprocess.run([sys.executable, "bench/warm_up_cost.py", "--model", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [f"warm_up_cost: no config.json in {tmp_path}"]
