@@ -125,6 +125,16 @@ class KvEventLog:
         else:
             self._pending.append(["stored", parent_hash, [block]])
 
+    def stored_run(self, parent_hash: int | None, blocks: list[KvBlock]) -> None:
+        """stored for a chain of blocks, each the child of the one before (the first: of parent_hash): one
+        event, or the last event continued, as storing them one by one would."""
+        last = self._pending[-1] if self._pending else None
+        if last is not None and last[0] == "stored" and last[2][-1].block_hash == parent_hash \
+                and last[2][-1].block_size == blocks[0].block_size:
+            last[2].extend(blocks)
+        else:
+            self._pending.append(["stored", parent_hash, list(blocks)])
+
     def removed(self, block_hash: int) -> None:
         if self._pending and self._pending[-1][0] == "removed":
             self._pending[-1][1].append(block_hash)

@@ -333,25 +333,61 @@ class BlockPool:
         block_id stays uncached (the caller may switch to the returned block and release its own).
         key: the block's index fingerprint (PrefixIndex.keys, with the extra bytes its hash was made
         with), which makes match_prefix find it; None: found by match() alone."""
-        if len(token_ids) != self.block_size:
-            raise ValueError(f"register: a block holds {self.block_size} tokens, got {len(token_ids)}")
-        if not 0 < block_id < self.num_blocks or self._refs[block_id] == 0:
-            raise ValueError(f"register: block {block_id} is not referenced")
-        if self._hash_of.get(block_id, block_hash) != block_hash:
-            raise ValueError(f"register: block {block_id} is already cached under {self._hash_of[block_id]}")
-        cached = self._cached.get(block_hash)
-        if cached is not None:
-            if cached.block_id != block_id:
-                self.stats.duplicate_blocks += 1
-            return cached.block_id
-        tokens = array.array("I", token_ids)
-        self._cached[block_hash] = _Cached(block_id, parent_hash, tokens)
-        self._hash_of[block_id] = block_hash
-        if key is not None:
-            self.index.add(block_id, key, block_hash, parent_hash, tokens, extra)
-        self.stats.stored_blocks += 1
-        self.events.stored(block_hash, parent_hash, tuple(tokens), self.block_size)
-        return block_id
+        return self.register_run([block_id], [block_hash], parent_hash, [token_ids],
+                                 None if key is None else [key], extra)[0]
+
+    def register_run(self, block_ids: Sequence[int], hashes: Sequence[int], parent_hash: int | None,
+                     token_rows, keys: Sequence[int] | None = None, extra: bytes = b"") -> list[int]:
+        """register for consecutive full blocks of one sequence: block_ids[i] holds token_rows[i] (uint32
+        [n, block_size], or n sequences of block_size ids) under hashes[i], whose parent is hashes[i - 1] (the
+        first's: parent_hash); keys: their fingerprints, or None. Every block is checked before any is cached
+        (ValueError: nothing changed). The index gets the new blocks in one write, the event log one stored
+        event per stretch of new blocks (a block found cached under another block ends a stretch), as register
+        block by block would log them. Returns, per block, the block cached under its hash."""
+        rows = np.asarray(token_rows, dtype=np.uint32)
+        n = len(block_ids)
+        if rows.ndim != 2 or rows.shape[1] != self.block_size:
+            got = rows.shape[-1] if rows.ndim else 0
+            raise ValueError(f"register: a block holds {self.block_size} tokens, got {got}")
+        if rows.shape[0] != n or len(hashes) != n or (keys is not None and len(keys) != n):
+            raise ValueError(f"register: {n} blocks need as many hashes, token rows and keys")
+        refs, hash_of = self._refs, self._hash_of
+        for b, h in zip(block_ids, hashes):
+            if not 0 < b < self.num_blocks or refs[b] == 0:
+                raise ValueError(f"register: block {b} is not referenced")
+            if hash_of.get(b, h) != h:
+                raise ValueError(f"register: block {b} is already cached under {hash_of[b]}")
+        if len(set(block_ids)) != n:
+            raise ValueError(f"register: duplicate block ids in {list(block_ids)}")
+        token_lists = rows.tolist()
+        out, new = [], []  # new: positions of the blocks cached here
+        stretch: list[KvBlock] = []
+        stretch_parent = parent_hash
+        for i, (b, h) in enumerate(zip(block_ids, hashes)):
+            cached = self._cached.get(h)
+            if cached is not None:
+                if cached.block_id != b:
+                    self.stats.duplicate_blocks += 1
+                out.append(cached.block_id)
+                if stretch:
+                    self.events.stored_run(stretch_parent, stretch)
+                    stretch = []
+                stretch_parent = h
+                continue
+            tokens = token_lists[i]
+            self._cached[h] = _Cached(b, hashes[i - 1] if i else parent_hash, array.array("I", tokens))
+            hash_of[b] = h
+            stretch.append(KvBlock(h, tuple(tokens), self.block_size))
+            new.append(i)
+            out.append(b)
+        if stretch:
+            self.events.stored_run(stretch_parent, stretch)
+        self.stats.stored_blocks += len(new)
+        if keys is not None and new:
+            parents = [hashes[i - 1] if i else parent_hash for i in new]
+            self.index.add_run([block_ids[i] for i in new], [keys[i] for i in new], [hashes[i] for i in new],
+                               parents, rows[new], extra)
+        return out
 
     def _uncache(self, block_id: int) -> None:
         block_hash = self._hash_of.pop(block_id)

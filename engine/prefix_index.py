@@ -93,17 +93,30 @@ class PrefixIndex:
     def add(self, block_id: int, key: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],
             extra: bytes) -> None:
         """Indexes a block the pool has just cached (unless another block holds its fingerprint)."""
-        if key in self._block_of:
+        self.add_run([block_id], [key], [block_hash], [parent_hash], [token_ids], extra)
+
+    def add_run(self, block_ids: Sequence[int], keys: Sequence[int], hashes: Sequence[int],
+                parents: Sequence[int | None], token_rows, extra: bytes) -> None:
+        """add for several blocks the pool has just cached, in order (a fingerprint already held, or held by an
+        earlier block of the run, keeps its block): one write of the tables' rows."""
+        taken = []
+        for j, (b, k) in enumerate(zip(block_ids, keys)):
+            if k not in self._block_of:
+                self._block_of[k] = b
+                taken.append(j)
+        if not taken:
             return
-        if block_id >= self._size:
-            self._grow(block_id)
-        self._block_of[key] = block_id
-        self._tokens[block_id] = token_ids
-        self._hash[block_id] = block_hash
-        self._has_parent[block_id] = parent_hash is not None
-        self._parent[block_id] = parent_hash if parent_hash is not None else 0
-        self._extra[block_id] = self._extra_id(extra)
-        self._key[block_id] = key
+        ids = np.asarray([block_ids[j] for j in taken], dtype=np.int64)
+        top = int(ids.max())
+        if top >= self._size:
+            self._grow(top)
+        par = [parents[j] for j in taken]
+        self._tokens[ids] = np.asarray(token_rows, dtype=np.uint32)[taken]
+        self._hash[ids] = [hashes[j] for j in taken]
+        self._has_parent[ids] = [p is not None for p in par]
+        self._parent[ids] = [0 if p is None else p for p in par]
+        self._extra[ids] = self._extra_id(extra)
+        self._key[ids] = np.asarray([keys[j] for j in taken], dtype=np.uint64)
 
     def remove(self, block_id: int) -> None:
         """Forgets a block the pool no longer caches (nothing if it was not indexed)."""

@@ -99,18 +99,17 @@ class SequenceBlocks:
             start = len(self.hashes) * bs
             self.hashes += block_hashes(token_ids[start:full * bs], bs, self.extra,
                                         self.hashes[-1] if self.hashes else None)
+        first = min(self.num_registered, len(self.keys))
+        rows = blocks_of(token_ids[first * bs:full * bs], bs)  # blocks first .. full - 1
         if len(self.keys) < full:
-            start = len(self.keys)
-            self.keys += self.pool.index.keys(blocks_of(token_ids[start * bs:full * bs], bs), start,
+            self.keys += self.pool.index.keys(rows[len(self.keys) - first:], len(self.keys),
                                               self.keys[-1] if self.keys else None, self.extra)
-        stored = 0
-        for i in range(self.num_registered, full):
-            parent = self.hashes[i - 1] if i else None
-            if self.pool.register(self.block_ids[i], self.hashes[i], parent, token_ids[i * bs:(i + 1) * bs],
-                                  self.keys[i], self.extra) == self.block_ids[i]:
-                stored += 1
-            else:
-                self.num_duplicates += 1
+        start = self.num_registered
+        ids = self.block_ids[start:full]
+        cached = self.pool.register_run(ids, self.hashes[start:full], self.hashes[start - 1] if start else None,
+                                        rows[start - first:], self.keys[start:full], self.extra)
+        stored = sum(c == b for c, b in zip(cached, ids))
+        self.num_duplicates += len(ids) - stored
         self.num_registered = full
         return stored
 

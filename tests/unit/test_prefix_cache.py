@@ -176,6 +176,47 @@ def test_misuse_is_refused_and_changes_nothing():
         pool.register(b, 8, None, [1, 2, 3, 4])  # one hash per block
 
 
+def test_a_registered_run_is_what_registering_block_by_block_makes():
+    """register_run (SequenceBlocks' one call for a prompt's blocks) against pool.register block by block, on two
+    pools fed the same history: a run that continues the last stored event, holds a block already cached under
+    another block in its middle, and a fingerprint held already. Same returns, stats, events (stretches split at the
+    duplicate), index matches; a run with one bad block changes nothing."""
+    bs, tokens = 2, [5, 1, 5, 2, 7, 7, 5, 3, 8, 8, 9, 9]
+    hashes = block_hashes(tokens, bs)
+    rows = blocks_of(tokens, bs)
+    pools = [BlockPool(32, bs), BlockPool(32, bs)]
+    for pool in pools:  # history: blocks 0-1 registered, and another sequence's copy of block 3 cached
+        first = pool.allocate(2)
+        keys = pool.index.keys(rows, 0, None, b"")
+        assert pool.register_run(first, hashes[:2], None, rows[:2], keys[:2]) == first
+        [other] = pool.allocate(1)
+        pool.register(other, hashes[3], hashes[2], tokens[6:8])
+    results = []
+    for pool, by_block in zip(pools, (False, True)):
+        run = pool.allocate(4)  # blocks 2-5 of the sequence
+        keys = pool.index.keys(rows, 0, None, b"")
+        if by_block:
+            got = [pool.register(b, hashes[2 + i], hashes[1 + i], tokens[(2 + i) * bs:(3 + i) * bs], keys[2 + i])
+                   for i, b in enumerate(run)]
+        else:
+            got = pool.register_run(run, hashes[2:], hashes[1], rows[2:], keys[2:])
+        pool.events.publish()
+        events = [(ev.data.parent_block_hash, [blk.block_hash for blk in ev.data.blocks], [blk.token_ids
+                   for blk in ev.data.blocks]) for batch in pool.events.read(1) for ev in batch.events]
+        matched = pool.match_prefix(rows, keys)
+        results.append((got, dataclasses.asdict(pool.stats), events, matched, [pool.block_hash(b) for b in run]))
+        assert got[1] != run[1] and got[:1] + got[2:] == run[:1] + run[2:]  # block 3 is the other's
+    assert results[0] == results[1]
+    assert [e[1] for e in results[0][2]] == [hashes[:2], [hashes[3]], [hashes[2]], hashes[4:]]
+    pool = pools[0]
+    [a, b] = pool.allocate(2)
+    with pytest.raises(ValueError):
+        pool.register_run([a, b + 1], [11, 12], None, [[1, 2], [3, 4]])  # b + 1: not referenced
+    with pytest.raises(ValueError):
+        pool.register_run([a, b], [11, 12], None, [[1, 2], [3, 4, 5]])
+    assert pool.block_hash(a) is None and pool.events.publish() is None  # no event pending
+
+
 def test_eviction_is_lru_tail_first_and_never_touches_referenced_blocks():
     pool = BlockPool(11, 2)  # 10 usable
     old = fill(pool, list(range(8)))  # 4 blocks
