@@ -644,10 +644,13 @@ def test_sigkill_fails_only_the_requests_the_worker_held(start_gateway, workers)
     a, c = workers["a"], workers["c"]
     gw = start_gateway("ac", "round_robin")
     model = MODEL
+    # The streams must outlive the landing of both non-streaming requests below on a loaded two-core box:
+    # at 48 tokens the survivor's stream could end first, and its worker never held two sequences.
+    stream_tokens = 256
     streamed = {}
     for topic in ("cats", "the sea"):  # round robin: one stream on each worker
         s = gw.stream("/v1/chat/completions", chat_request(
-            model, [{"role": "user", "content": f"A story about {topic}."}], max_tokens=48, ignore_eos=True,
+            model, [{"role": "user", "content": f"A story about {topic}."}], max_tokens=stream_tokens, ignore_eos=True,
             stream_options={"include_usage": True}))
         streamed[s.worker] = s
     assert set(streamed) == {a.url, c.url}
@@ -683,7 +686,7 @@ def test_sigkill_fails_only_the_requests_the_worker_held(start_gateway, workers)
     # The stream on the survivor is whole.
     survived = firsts[a.url] + rest[a.url]
     assert not any("error" in e for e in survived)
-    assert [e["usage"]["completion_tokens"] for e in survived if e.get("usage")] == [48]
+    assert [e["usage"]["completion_tokens"] for e in survived if e.get("usage")] == [stream_tokens]
     # Non-streaming requests: smg retried the one the killed worker held on the survivor.
     assert [(r.status, r.worker, r.body["usage"]["completion_tokens"]) for r in replies.values()] == \
         [(200, a.url, 24)] * 2, [r.body for r in replies.values()]
