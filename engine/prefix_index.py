@@ -26,6 +26,10 @@ from typing import Sequence
 import numpy as np
 
 _NONE = -1  # block table entry of a block the index does not hold
+_MASK64 = (1 << 64) - 1
+# Runs of at most this many blocks (a decode step's newly filled block) take Python-int arithmetic and per-row table
+# writes: numpy's per-call costs (~1 us an op) dominate there; longer runs (prompts) take the vectorized forms.
+SMALL_RUN = 2
 
 
 class PrefixIndex:
@@ -35,6 +39,7 @@ class PrefixIndex:
         self._rng = np.random.default_rng(seed)
         self._r = self._odd(block_size)
         self._q = self._odd(64)  # grown on demand
+        self._r_ints, self._q_ints = self._r.tolist(), self._q.tolist()  # the same, as Python ints (SMALL_RUN)
         self.num_blocks = num_blocks
         self._size = 0  # rows of the tables below: grown (doubling) to the largest block id added
         self._tokens = np.zeros((0, block_size), dtype=np.uint32)
@@ -82,6 +87,15 @@ class PrefixIndex:
         end = first_block + n
         while len(self._q) < end:
             self._q = np.concatenate([self._q, self._odd(len(self._q))])
+            self._q_ints = self._q.tolist()
+        if n <= SMALL_RUN:  # the same sums mod 2**64 in Python ints
+            k = int(self._seed(extra)) if prev_key is None else prev_key
+            out = []
+            for i, row in enumerate(ids.tolist(), first_block):
+                f = sum((t + 1) * r for t, r in zip(row, self._r_ints))
+                k = (k + f * self._q_ints[i]) & _MASK64
+                out.append(k)
+            return out
         with np.errstate(over="ignore"):
             f = ((ids.astype(np.uint64) + np.uint64(1)) * self._r).sum(axis=1, dtype=np.uint64)
             k = np.cumsum(f * self._q[first_block:end], dtype=np.uint64)
@@ -106,10 +120,21 @@ class PrefixIndex:
                 taken.append(j)
         if not taken:
             return
-        ids = np.asarray([block_ids[j] for j in taken], dtype=np.int64)
-        top = int(ids.max())
+        top = max(block_ids[j] for j in taken)
         if top >= self._size:
             self._grow(top)
+        if len(taken) <= SMALL_RUN:  # row by row: the same writes without numpy's per-call costs
+            extra_id = self._extra_id(extra)
+            for j in taken:
+                b, parent = block_ids[j], parents[j]
+                self._tokens[b] = token_rows[j]
+                self._hash[b] = hashes[j]
+                self._has_parent[b] = parent is not None
+                self._parent[b] = 0 if parent is None else parent
+                self._extra[b] = extra_id
+                self._key[b] = keys[j]
+            return
+        ids = np.asarray([block_ids[j] for j in taken], dtype=np.int64)
         par = [parents[j] for j in taken]
         self._tokens[ids] = np.asarray(token_rows, dtype=np.uint32)[taken]
         self._hash[ids] = [hashes[j] for j in taken]

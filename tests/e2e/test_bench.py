@@ -324,3 +324,21 @@ def test_warm_up_cost_reports_the_setting_it_ran_under(tmp_path):
     bad = subprocess.run([sys.executable, "bench/warm_up_cost.py", "--model", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [f"warm_up_cost: no config.json in {tmp_path}"]
+
+
+def test_commit_host_cost_times_the_registration_of_the_blocks_decode_filled(tmp_path):
+    """bench/commit_host_cost.py on CPU: 8 sequences of 8-token prompts and 40 decode steps hold final KV at positions
+    0-47, three full 16-token blocks each (the prompt filled none), all registered by the cache; a directory without
+    config.json is refused in one line, exit 2."""
+    out = subprocess.run([sys.executable, "bench/commit_host_cost.py", "--batch", "8", "--steps", "40"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (res["batch"], res["steps"], res["block_size"], res["blocks_filled"]) == (8, 40, 16, 24)
+    assert res["blocks_registered"] == 24  # the cache's own count
+    assert res["register_ms_max"] >= res["register_ms_median"] > 0 and res["register_us_per_block"] > 0
+    assert res["commit_ms_max"] >= res["commit_ms_median"] > 0
+    bad = subprocess.run([sys.executable, "bench/commit_host_cost.py", "--model", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [f"commit_host_cost: no config.json in {tmp_path}"]

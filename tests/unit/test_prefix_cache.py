@@ -9,10 +9,12 @@ import collections
 import dataclasses
 import hashlib
 import os
+import random
 import subprocess
 import sys
 import threading
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -22,7 +24,7 @@ from engine.errors import ConfigError, OutOfRange, ResourceExhausted
 from engine.kv_cache import BlockAllocator
 from engine.kv_events import KvBlocksRemoved, KvBlocksStored, KvCacheCleared, KvEventLog, follow
 from engine.prefix_cache import BlockPool, block_hashes, extra_key, hash_block
-from engine.prefix_index import blocks_of
+from engine.prefix_index import PrefixIndex, blocks_of
 from engine.sequence_blocks import SequenceBlocks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -415,6 +417,41 @@ def test_the_prefix_index_fingerprints_a_sequence_in_pieces_as_in_one():
         blocks_of([1, -2, 3, 4], 4)
     with pytest.raises(ValueError):
         blocks_of([1, 2 ** 32, 3, 4], 4)
+
+
+def test_short_runs_fingerprint_hash_and_index_as_long_ones():
+    """Runs of 1-2 blocks (a decode step's filled block) take Python-int and row-by-row forms of the vectorized
+    ones (prefix_index.SMALL_RUN, block_hashes' struct packing): the same keys, hashes and index tables, with token
+    ids up to 2**32 - 1 (the sums wrap mod 2**64)."""
+    rng = random.Random(5)
+    tokens = [rng.choice([0, 1, 2 ** 32 - 1, rng.randrange(2 ** 32)]) for _ in range(9 * 4)]
+    whole, short = PrefixIndex(64, 4, seed=3), PrefixIndex(64, 4, seed=3)
+    keys = whole.keys(blocks_of(tokens, 4), 0, None, b"x")
+    pieces, start = [], 0
+    for n in (1, 2, 1, 2, 2, 1):
+        pieces += short.keys(blocks_of(tokens[4 * start:4 * (start + n)], 4), start, pieces[-1] if pieces else None,
+                             b"x")
+        start += n
+    assert pieces == keys
+    hashes = block_hashes(tokens, 4, b"x")
+    chained, parent = [], None
+    for n in (2, 1, 2, 2, 1, 1):
+        chained += block_hashes(tokens[4 * len(chained):4 * (len(chained) + n)], 4, b"x", parent)
+        parent = chained[-1]
+    assert chained == hashes == [hash_block(None if i == 0 else hashes[i - 1], tokens[4 * i:4 * i + 4], b"x")
+                                 for i in range(9)]
+    with pytest.raises(ValueError):
+        block_hashes([1, 2, 2 ** 32, 3], 4)
+    ids = list(range(3, 12))
+    rows = blocks_of(tokens, 4)
+    whole.add_run(ids, keys, hashes, [None] + hashes[:-1], rows, b"x")
+    for i in range(0, 9, 2):
+        j = min(i + 2, 9)
+        short.add_run(ids[i:j], keys[i:j], hashes[i:j], ([None] + hashes[:-1])[i:j], rows[i:j], b"x")
+    for table in ("_tokens", "_hash", "_parent", "_has_parent", "_extra", "_key"):
+        assert np.array_equal(getattr(whole, table), getattr(short, table)), table
+    assert whole._block_of == short._block_of
+    assert short.match(rows, keys, b"x") == (ids, hashes)
 
 
 def test_a_fingerprint_collision_costs_a_hit_but_never_shares_a_wrong_block(monkeypatch):
