@@ -21,6 +21,7 @@ from engine.cuda.graphs import GraphCache
 from engine.errors import EngineError, InvalidArgument
 from engine.runtime import Runtime
 from engine.sequence import Sequence, SequenceTable
+from engine.sequence_blocks import SequenceBlocks
 from engine.slot_io import SlotIO
 from engine.tokens import commit_tokens, in_request_order
 
@@ -239,10 +240,8 @@ class DecodePipeline:
         hold their final KV once the steps that wrote them finished (the steps still in flight write later
         positions only)."""
         block_size = self.rt.block_size
-        for seq in seqs:
-            blocks = seq.blocks
-            if seq.seq_len > (blocks.num_registered + 1) * block_size and blocks.caching:
-                blocks.register(seq.token_ids, seq.seq_len - 1)
+        SequenceBlocks.register_filled([(seq.blocks, seq.token_ids, seq.seq_len - 1) for seq in seqs
+                                        if seq.seq_len > (seq.blocks.num_registered + 1) * block_size])
 
     def _refuse_in_flight(self) -> None:
         """The oldest launched step holds a sequence an earlier step ended: refuses it, rolls every launched

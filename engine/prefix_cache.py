@@ -131,6 +131,22 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
 _INT64 = struct.Struct("<q")
 
 
+def child_hashes(rows: np.ndarray, parents: Sequence[int | None], extra: bytes = b"") -> list[int]:
+    """The hash of each block rows[i] (uint32 [n, block_size]) as the child of parents[i] (None: a first block):
+    hash_block's values, one sha256 a block over one packing of every row (a decode step's filled blocks across
+    sequences)."""
+    packed = rows.astype("<u4", copy=False).tobytes()
+    head = hashlib.sha256(HASH_DOMAIN + struct.pack("<I", len(extra)) + extra)
+    step = 4 * rows.shape[1] if rows.ndim == 2 else 0
+    out = []
+    for i, parent in enumerate(parents):
+        h = head.copy()
+        h.update(b"\x00" if parent is None else b"\x01" + _INT64.pack(parent))
+        h.update(packed[i * step:(i + 1) * step])
+        out.append(int.from_bytes(h.digest()[:8], "big", signed=True))
+    return out
+
+
 @dataclass
 class CacheStats:
     """Counters since start. Queries and hits are counted per prompt by record_query."""
@@ -343,17 +359,24 @@ class BlockPool:
                      token_rows, keys: Sequence[int] | None = None, extra: bytes = b"") -> list[int]:
         """register for consecutive full blocks of one sequence: block_ids[i] holds token_rows[i] (uint32
         [n, block_size], or n sequences of block_size ids) under hashes[i], whose parent is hashes[i - 1] (the
-        first's: parent_hash); keys: their fingerprints, or None. Every block is checked before any is cached
-        (ValueError: nothing changed). The index gets the new blocks in one write, the event log one stored
-        event per stretch of new blocks (a block found cached under another block ends a stretch), as register
-        block by block would log them. Returns, per block, the block cached under its hash."""
+        first's: parent_hash); keys: their fingerprints, or None. See register_blocks."""
+        return self.register_blocks(block_ids, hashes, [parent_hash, *hashes[:-1]], token_rows, keys, extra)
+
+    def register_blocks(self, block_ids: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None],
+                        token_rows, keys: Sequence[int] | None = None, extra: bytes = b"") -> list[int]:
+        """register for several full blocks, each under hashes[i] with the parent hash parents[i] (a run of one
+        sequence, or the blocks one decode step filled across sequences), in order: every block is checked before
+        any is cached (ValueError: nothing changed). The index gets the new blocks in one write, the event log
+        one stored event per stretch of new blocks each the child of the one before (a block found cached under
+        another block ends a stretch), as register block by block would log them. Returns, per block, the block
+        cached under its hash."""
         rows = np.asarray(token_rows, dtype=np.uint32)
         n = len(block_ids)
         if rows.ndim != 2 or rows.shape[1] != self.block_size:
             got = rows.shape[-1] if rows.ndim else 0
             raise ValueError(f"register: a block holds {self.block_size} tokens, got {got}")
-        if rows.shape[0] != n or len(hashes) != n or (keys is not None and len(keys) != n):
-            raise ValueError(f"register: {n} blocks need as many hashes, token rows and keys")
+        if rows.shape[0] != n or len(hashes) != n or len(parents) != n or (keys is not None and len(keys) != n):
+            raise ValueError(f"register: {n} blocks need as many hashes, parents, token rows and keys")
         refs, hash_of = self._refs, self._hash_of
         for b, h in zip(block_ids, hashes):
             if not 0 < b < self.num_blocks or refs[b] == 0:
@@ -365,7 +388,7 @@ class BlockPool:
         token_lists = rows.tolist()
         out, new = [], []  # new: positions of the blocks cached here
         stretch: list[KvBlock] = []
-        stretch_parent = parent_hash
+        stretch_parent = None
         for i, (b, h) in enumerate(zip(block_ids, hashes)):
             cached = self._cached.get(h)
             if cached is not None:
@@ -375,10 +398,15 @@ class BlockPool:
                 if stretch:
                     self.events.stored_run(stretch_parent, stretch)
                     stretch = []
-                stretch_parent = h
                 continue
+            parent = parents[i]
+            if stretch and parent != stretch[-1].block_hash:
+                self.events.stored_run(stretch_parent, stretch)
+                stretch = []
+            if not stretch:
+                stretch_parent = parent
             tokens = token_lists[i]
-            self._cached[h] = _Cached(b, hashes[i - 1] if i else parent_hash, array.array("I", tokens))
+            self._cached[h] = _Cached(b, parent, array.array("I", tokens))
             hash_of[b] = h
             stretch.append(KvBlock(h, tuple(tokens), self.block_size))
             new.append(i)
@@ -387,9 +415,8 @@ class BlockPool:
             self.events.stored_run(stretch_parent, stretch)
         self.stats.stored_blocks += len(new)
         if keys is not None and new:
-            parents = [hashes[i - 1] if i else parent_hash for i in new]
             self.index.add_run([block_ids[i] for i in new], [keys[i] for i in new], [hashes[i] for i in new],
-                               parents, rows[new], extra)
+                               [parents[i] for i in new], rows if len(new) == n else rows[new], extra)
         return out
 
     def _uncache(self, block_id: int) -> None:

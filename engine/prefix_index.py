@@ -102,6 +102,25 @@ class PrefixIndex:
             k += self._seed(extra) if prev_key is None else np.uint64(prev_key)
         return k.tolist()
 
+    def child_keys(self, ids: np.ndarray, block_index: Sequence[int], prev_keys: Sequence[int | None],
+                   extra: bytes) -> list[int]:
+        """The fingerprint of each block ids[i] (uint32 [n, block_size]) as block block_index[i] of its own sequence,
+        after a block of fingerprint prev_keys[i] (None: block 0): keys() of one block each, for blocks of many
+        sequences in one pass (a decode step's filled blocks)."""
+        n = ids.shape[0]
+        if n == 0:
+            return []
+        while len(self._q) <= max(block_index):
+            self._q = np.concatenate([self._q, self._odd(len(self._q))])
+            self._q_ints = self._q.tolist()
+        if n <= SMALL_RUN:
+            return [self.keys(ids[i:i + 1], block_index[i], prev_keys[i], extra)[0] for i in range(n)]
+        seed = int(self._seed(extra))
+        prev = np.asarray([seed if k is None else k for k in prev_keys], dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            f = ((ids.astype(np.uint64) + np.uint64(1)) * self._r).sum(axis=1, dtype=np.uint64)
+            return (prev + f * self._q[np.asarray(block_index, dtype=np.int64)]).tolist()
+
     # The cached blocks ---------------------------------------------------------------------------
 
     def add(self, block_id: int, key: int, block_hash: int, parent_hash: int | None, token_ids: Sequence[int],

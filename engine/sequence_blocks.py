@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from engine.prefix_cache import BlockPool, block_hashes
+from engine.prefix_cache import BlockPool, block_hashes, child_hashes
 from engine.prefix_index import blocks_of
 
 
@@ -111,6 +111,60 @@ class SequenceBlocks:
         stored = sum(c == b for c, b in zip(cached, ids))
         self.num_duplicates += len(ids) - stored
         self.num_registered = full
+        return stored
+
+    @staticmethod
+    def register_filled(items: Sequence[tuple[SequenceBlocks, Sequence[int], int]]) -> int:
+        """register(token_ids, num_final) for each (blocks, token_ids, num_final) of items, in order, as a decode
+        step does for the blocks its tokens filled: the same hashes, fingerprints, cache entries and events in the
+        same order, with each stretch of consecutive sequences that register exactly one block (their hashes and
+        keys known up to it, one pool and extra key) hashed from one packing, fingerprinted in one numpy pass and
+        cached in one pool call. Returns how many blocks were newly registered."""
+        stored, batch = 0, []
+        for blocks, token_ids, num_final in items:
+            if not blocks.caching:
+                continue
+            full = min(max(num_final, 0) // blocks.block_size, len(blocks.block_ids))
+            if full <= blocks.num_registered:
+                continue
+            one = full == blocks.num_registered + 1 and len(blocks.hashes) == full - 1 <= len(blocks.keys)
+            if batch and not (one and blocks.pool is batch[0][0].pool and blocks.extra == batch[0][0].extra):
+                stored += SequenceBlocks._register_next(batch)
+                batch = []
+            if one:
+                batch.append((blocks, token_ids))
+            else:
+                stored += blocks.register(token_ids, num_final)
+        return stored + (SequenceBlocks._register_next(batch) if batch else 0)
+
+    @staticmethod
+    def _register_next(group: list[tuple[SequenceBlocks, Sequence[int]]]) -> int:
+        """register_filled for sequences of one pool and extra key that each register their next block."""
+        first = group[0][0]
+        pool, extra, bs = first.pool, first.extra, first.block_size
+        flat: list[int] = []
+        for blocks, token_ids in group:
+            start = blocks.num_registered * bs
+            flat += token_ids[start:start + bs]
+        rows = blocks_of(flat, bs)
+        parents = [blocks.hashes[-1] if blocks.hashes else None for blocks, _ in group]
+        hashes = child_hashes(rows, parents, extra)
+        # The fingerprints a prompt's match did not compute already, in one pass.
+        todo = [i for i, (blocks, _) in enumerate(group) if len(blocks.keys) == blocks.num_registered]
+        computed = pool.index.child_keys(
+            rows[todo], [group[i][0].num_registered for i in todo],
+            [group[i][0].keys[-1] if group[i][0].keys else None for i in todo], extra) if todo else []
+        for i, k in zip(todo, computed):
+            group[i][0].keys.append(k)
+        keys = [blocks.keys[blocks.num_registered] for blocks, _ in group]
+        ids = [blocks.block_ids[blocks.num_registered] for blocks, _ in group]
+        cached = pool.register_blocks(ids, hashes, parents, rows, keys, extra)
+        stored = 0
+        for (blocks, _), h, b, c in zip(group, hashes, ids, cached):
+            blocks.hashes.append(h)
+            blocks.num_registered += 1
+            stored += c == b
+            blocks.num_duplicates += c != b
         return stored
 
     def release(self) -> None:

@@ -454,6 +454,57 @@ def test_short_runs_fingerprint_hash_and_index_as_long_ones():
     assert short.match(rows, keys, b"x") == (ids, hashes)
 
 
+def test_a_steps_filled_blocks_register_as_sequence_by_sequence():
+    """SequenceBlocks.register_filled (a decode step's one call) against register() sequence by sequence, on two
+    pools fed the same history, 9 sequences: 0-2 register one block each, its fingerprint not known yet (1 a
+    duplicate of 0's, 2 after a matched prefix: a stretch past SMALL_RUN, the numpy forms), 3 one of another extra
+    key (a stretch of one), 4 has caching off, 5 registers two blocks (register() itself), 6 nothing, 7-8 one each (a
+    stretch of two; 8's fingerprint computed by its prompt's match). Same returns, sequence state, pool stats, events
+    in the same order, index tables and prefix matches."""
+    bs, num_seqs = 4, 9
+    rng = random.Random(9)
+    prompts = [[rng.randrange(100) for _ in range(n)] for n in (4, 4, 7, 4, 4, 6, 3, 4, 6)]
+    prompts[1] = list(prompts[0])  # block 0 equal: the second's registration is a duplicate
+    outputs = [[rng.randrange(100) for _ in range(4 * 3)] for _ in range(num_seqs)]
+    results = []
+    for batched in (False, True):
+        pool = BlockPool(256, bs)
+        pool.index = PrefixIndex(256, bs, seed=11)  # the same fingerprint multipliers in both pools
+        shared = SequenceBlocks(pool, 3)
+        shared.match(prompts[2] + [0])
+        shared.grow_all()
+        shared.register(prompts[2][:4] + [0] * 8, 4)  # a cached first block for sequence 2 to match
+        seqs = []
+        for i, prompt in enumerate(prompts):
+            blocks = SequenceBlocks(pool, 4, extra=b"x" if i == 3 else b"", caching=i != 4)
+            blocks.match(prompt)
+            blocks.grow_all()
+            seqs.append(blocks)
+        tokens = [p + o for p, o in zip(prompts, outputs)]
+        # sequence 5 registers two blocks (final 8), sequence 6 none (final 3), the rest one (final 4, or 8 where
+        # their first block was matched)
+        finals = [8 if i == 5 or seqs[i].num_registered else 3 if i == 6 else 4 for i in range(num_seqs)]
+        items = [(b, t, f) for b, t, f in zip(seqs, tokens, finals)]
+        if batched:
+            got = SequenceBlocks.register_filled(items)
+        else:
+            got = sum(b.register(t, f) for b, t, f in items)
+        pool.events.publish()
+        events = [(ev.data.parent_block_hash, [blk.block_hash for blk in ev.data.blocks])
+                  for batch in pool.events.read(1) for ev in batch.events if hasattr(ev.data, "blocks")]
+        state = [(b.hashes, b.keys, b.num_registered, b.num_duplicates) for b in seqs]
+        tables = [getattr(pool.index, t).tolist() for t in ("_tokens", "_hash", "_parent", "_has_parent", "_extra",
+                                                           "_key")]
+        probe = blocks_of(tokens[0], bs)
+        matched = pool.match_prefix(probe, pool.index.keys(probe, 0, None, b""))
+        results.append((got, state, dataclasses.asdict(pool.stats), events, tables, pool.index._block_of, matched))
+    assert results[0] == results[1]
+    got, state = results[0][:2]
+    assert [s[2] for s in state] == [1, 1, 2, 1, 0, 2, 0, 1, 1]  # blocks registered (2: one matched, one new)
+    assert [s[3] for s in state] == [0, 1, 0, 0, 0, 0, 0, 0, 0]  # sequence 1's block was sequence 0's hash
+    assert got == 9 - 1 - 1  # newly cached: every registered block but the matched one and the duplicate
+
+
 def test_a_fingerprint_collision_costs_a_hit_but_never_shares_a_wrong_block(monkeypatch):
     """Every block fingerprinted alike: the index holds the first block registered under the fingerprint,
     and the exact check (tokens, extra key, parent hash) refuses it wherever it is not the prompt's block."""
