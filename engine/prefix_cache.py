@@ -116,19 +116,11 @@ def block_hashes(token_ids: Sequence[int], block_size: int, extra: bytes = b"",
         if ids.min() < 0 or ids.max() >= 1 << 32:
             raise ValueError("token ids must be integers in [0, 2**32)")
         packed = ids.astype("<u4").tobytes()
-    head = hashlib.sha256(HASH_DOMAIN + struct.pack("<I", len(extra)) + extra)
-    step = 4 * block_size
-    out = []
+    head, step, out = _hash_head(extra), 4 * block_size, []
     for start in range(0, len(packed), step):
-        h = head.copy()
-        h.update(b"\x00" if parent_hash is None else b"\x01" + _INT64.pack(parent_hash))
-        h.update(packed[start:start + step])
-        parent_hash = int.from_bytes(h.digest()[:8], "big", signed=True)
+        parent_hash = _child_hash(head, parent_hash, packed[start:start + step])
         out.append(parent_hash)
     return out
-
-
-_INT64 = struct.Struct("<q")
 
 
 def child_hashes(rows: np.ndarray, parents: Sequence[int | None], extra: bytes = b"") -> list[int]:
@@ -136,15 +128,24 @@ def child_hashes(rows: np.ndarray, parents: Sequence[int | None], extra: bytes =
     hash_block's values, one sha256 a block over one packing of every row (a decode step's filled blocks across
     sequences)."""
     packed = rows.astype("<u4", copy=False).tobytes()
-    head = hashlib.sha256(HASH_DOMAIN + struct.pack("<I", len(extra)) + extra)
-    step = 4 * rows.shape[1] if rows.ndim == 2 else 0
-    out = []
-    for i, parent in enumerate(parents):
-        h = head.copy()
-        h.update(b"\x00" if parent is None else b"\x01" + _INT64.pack(parent))
-        h.update(packed[i * step:(i + 1) * step])
-        out.append(int.from_bytes(h.digest()[:8], "big", signed=True))
-    return out
+    head, step = _hash_head(extra), 4 * rows.shape[1] if rows.ndim == 2 else 0
+    return [_child_hash(head, parent, packed[i * step:(i + 1) * step]) for i, parent in enumerate(parents)]
+
+
+_INT64 = struct.Struct("<q")
+
+
+def _hash_head(extra: bytes):
+    """sha256 over the recipe's part every block of a given extra key shares (copied per block)."""
+    return hashlib.sha256(HASH_DOMAIN + struct.pack("<I", len(extra)) + extra)
+
+
+def _child_hash(head, parent_hash: int | None, packed_tokens: bytes) -> int:
+    """hash_block's value from _hash_head's state: the parent marker, the packed little-endian uint32 tokens."""
+    h = head.copy()
+    h.update(b"\x00" if parent_hash is None else b"\x01" + _INT64.pack(parent_hash))
+    h.update(packed_tokens)
+    return int.from_bytes(h.digest()[:8], "big", signed=True)
 
 
 @dataclass

@@ -78,6 +78,12 @@ class PrefixIndex:
 
     # Fingerprints --------------------------------------------------------------------------------
 
+    def _grow_q(self, n: int) -> None:
+        """At least n block multipliers Q (doubling), in both forms."""
+        while len(self._q) < n:
+            self._q = np.concatenate([self._q, self._odd(len(self._q))])
+            self._q_ints = self._q.tolist()
+
     def keys(self, ids: np.ndarray, first_block: int, prev_key: int | None, extra: bytes) -> list[int]:
         """The fingerprints of blocks ids (blocks_of), which are blocks first_block, first_block + 1, .. of their
         sequence; prev_key: the fingerprint of the block before (None for block 0)."""
@@ -85,9 +91,7 @@ class PrefixIndex:
         if n == 0:
             return []
         end = first_block + n
-        while len(self._q) < end:
-            self._q = np.concatenate([self._q, self._odd(len(self._q))])
-            self._q_ints = self._q.tolist()
+        self._grow_q(end)
         if n <= SMALL_RUN:  # the same sums mod 2**64 in Python ints
             k = int(self._seed(extra)) if prev_key is None else prev_key
             out = []
@@ -110,9 +114,7 @@ class PrefixIndex:
         n = ids.shape[0]
         if n == 0:
             return []
-        while len(self._q) <= max(block_index):
-            self._q = np.concatenate([self._q, self._odd(len(self._q))])
-            self._q_ints = self._q.tolist()
+        self._grow_q(max(block_index) + 1)
         if n <= SMALL_RUN:
             return [self.keys(ids[i:i + 1], block_index[i], prev_keys[i], extra)[0] for i in range(n)]
         seed = int(self._seed(extra))
