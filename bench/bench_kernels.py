@@ -192,6 +192,58 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
     return rows
 
 
+GEMM_EPILOGUE = {"rope_kv": "store", "residual": "residual", "silu": "silu", "f32": "f32"}
+
+
+def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) -> list[tuple]:
+    """The Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90) beside what CudaOps runs without it, at the
+    decode projections of SKINNY_SHAPES: each projection's fused entry (qkv: store; o, down: residual; gate_up:
+    silu; lm_head: f32) against cuBLAS with its epilogue as CudaOps composes it (F.linear; addmm_; F.linear then
+    silu_and_mul; torch.mm to fp32). split_sweep: the fused entry at forced K splits too (1, 2, 4, 8, 16), to check
+    gemm_sm90.splits()."""
+    from engine.cuda.wrappers import gemm_sm90, silu_and_mul
+    if not lib.gemm_sm90:
+        return [(0, "gemm_sm90 not loaded on this device", 0.0, 0.0, "")]
+    ws = gemm_sm90.SplitKWorkspace(dev, lib.num_sms)
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        nbytes = N * K * 2
+        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
+        weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+        gep = GEMM_EPILOGUE[ep]
+        for M in tokens:
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            h = torch.randn(M, N, device=dev, dtype=dt)
+            out = torch.empty(M, N // 2 if gep == "silu" else N, device=dev,
+                              dtype=torch.float32 if gep == "f32" else dt)
+            inter = torch.empty(M, N // 2, device=dev, dtype=dt)
+            cublas = {
+                "store": lambda w, x=x: F.linear(x, w),
+                "residual": lambda w, x=x, h=h: h.addmm_(x, w.t()),
+                "silu": lambda w, x=x, o=inter: silu_and_mul.launch(lib, o, F.linear(x, w)),
+                "f32": lambda w, x=x: torch.mm(x, w.t(), out_dtype=torch.float32),
+            }[gep]
+            target = h if gep == "residual" else out
+            cases = {f"cuBLAS {gep}": rotating(cublas, weights),
+                     f"gemm_sm90 {gep}": rotating(lambda w, x=x, o=target: gemm_sm90.launch(lib, ws, gep, o, x, w),
+                                                  weights)}
+            if split_sweep:
+                most = -(-K // gemm_sm90.GEMM_BK)
+                for s in (1, 2, 4, 8, 16):
+                    if s <= most and gemm_sm90.tiles(N, gep == "silu") * s <= ws.max_blocks:
+                        cases[f"gemm_sm90 {gep} S={s}"] = rotating(
+                            lambda w, x=x, o=target, s=s: gemm_sm90.launch(lib, ws, gep, o, x, w, num_splits=s),
+                            weights)
+            flop = 2 * M * N * K
+            for name, fn in cases.items():
+                d_us = device_us(fn)
+                rows.append((M, f"{name} {label}", d_us, 0.0,
+                             f"{nbytes / d_us / 1e3:8.0f} GB/s weights {flop / d_us / 1e6:6.0f} TFLOP/s"))
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def fp8_skinny_rows(lib, dev, dt, tokens=(1, 8, 16, 32)) -> list[tuple]:
     """The 8B shapes at 1 to 32 tokens: per-channel FP8 weights (rows "fp8 ...": the _fp8 skinny kernels, and the
     torch W8A16 fallback up to 8 tokens or CudaOps' W8A8 above) beside the bf16 kernels on bf16 weights (rows
@@ -646,6 +698,8 @@ def main() -> int:
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --prefill (only the paged prefill attention, prefill_rows);
+    --gemm (only the Hopper GEMM beside cuBLAS at the decode projections, gemm_rows; --tokens 16,256: only those
+    row counts; --splits: at forced K splits too);
     --prefill-long (only long prompts' attention by every route: paged kernel, FlashAttention, cuDNN; long_prefill_rows);
     --variant SRC BUILD with --skinny, --sample, --long or --prefill (repeatable): also those rows of the kernels built from SRC
     into BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
@@ -697,6 +751,13 @@ def main() -> int:
                 k_us = device_us(lambda i=ids, lp=lps, c=cand: sample_kernels.topk(ops.lib, i, lp, c, parts, logits))
                 print(f"{batch:>5}  {'top-' + str(k) + ': torch log_softmax + topk':<40} {d_us:>10.2f}")
                 print(f"{batch:>5}  {'top-' + str(k) + ': sample_topk_split + merge':<40} {k_us:>10.2f}")
+        return 0
+    if "--gemm" in sys.argv:
+        only = {}
+        if "--tokens" in sys.argv:
+            only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
+        for batch, name, d_us, _, extra in gemm_rows(ops.lib, dev, dt, split_sweep="--splits" in sys.argv, **only):
+            print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--w8a8" in sys.argv:
         for batch, name, d_us, _, extra in w8a8_rows(ops.lib, dev, dt):

@@ -1,5 +1,6 @@
 """Compiles every kernels_cu/*.cu with nvcc into one fatbin each (sm_80 and sm_90 machine code plus
-compute_90 PTX, or the architectures METRALE_CUDA_ARCHS names) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
+compute_90 PTX, or the architectures METRALE_CUDA_ARCHS names; a source that names its own on a line
+`// nvcc-gencode: 90a` gets those alone) under kernels_cu/build/. Run as `python -m engine.cuda.build`.
 
 A fatbin is rebuilt only when its stamp (a hash of the source, the shared *.cuh headers and the
 nvcc command line) changed. Files compile in parallel. A source may ask for extra nvcc flags on a
@@ -35,6 +36,7 @@ GENCODE = tuple(flag for arch in env.CUDA_ARCHS for flag in (
 # -no-compress: the driver loads either form; plain entries let tests and tools read the symbols.
 NVCC_FLAGS = ("-fatbin", "-O3", "-std=c++17", "-no-compress", *GENCODE)
 _FLAGS_LINE = re.compile(r"^//\s*nvcc-flags:\s*(.*)$", re.MULTILINE)
+_GENCODE_LINE = re.compile(r"^//\s*nvcc-gencode:\s*(.*)$", re.MULTILINE)
 
 
 class BuildError(RuntimeError):
@@ -53,6 +55,30 @@ def extra_flags(source_text: str) -> list[str]:
     """Flags a source asks for on its `// nvcc-flags:` line (also given to NVRTC)."""
     m = _FLAGS_LINE.search(source_text)
     return m.group(1).split() if m else []
+
+
+def own_archs(source_text: str) -> tuple[str, ...]:
+    """The architectures a source names for itself on its `// nvcc-gencode:` line ("90a": sm_90a machine code
+    alone, for instructions only that architecture has), or () where it takes the build's."""
+    m = _GENCODE_LINE.search(source_text)
+    return tuple(m.group(1).split()) if m else ()
+
+
+def compile_flags(source_text: str) -> tuple[str, ...]:
+    """nvcc's flags for one source: NVCC_FLAGS, with the source's own architectures in place of GENCODE where it
+    names them, then its `// nvcc-flags:`."""
+    archs, flags = own_archs(source_text), NVCC_FLAGS
+    if archs:
+        pairs = {i for i, f in enumerate(flags) if f == "-gencode"}
+        flags = tuple(f for i, f in enumerate(flags) if i not in pairs and i - 1 not in pairs) + tuple(
+            flag for arch in archs for flag in ("-gencode", f"arch=compute_{arch},code=sm_{arch}"))
+    return (*flags, *extra_flags(source_text))
+
+
+def serves(source_text: str, arch: int) -> bool:
+    """Whether a source is built for a device of sm_<arch> (90): every source but one naming other architectures."""
+    archs = own_archs(source_text)
+    return not archs or any(a.rstrip("a") == str(arch) for a in archs)
 
 
 def source_hash(src: pathlib.Path, extra: tuple[str, ...] = ()) -> str:
@@ -77,7 +103,7 @@ def find_nvcc() -> str | None:
 
 
 def nvcc_command(nvcc: str, src: pathlib.Path, out: pathlib.Path) -> list[str]:
-    return [nvcc, *NVCC_FLAGS, *extra_flags(src.read_text()), "-I", str(src.parent), "-o", str(out), str(src)]
+    return [nvcc, *compile_flags(src.read_text()), "-I", str(src.parent), "-o", str(out), str(src)]
 
 
 def fatbin_path(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> pathlib.Path:
@@ -90,7 +116,7 @@ def stamp_path(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> pathlib.
 
 def build_stamp(src: pathlib.Path) -> str:
     """What a current fatbin's stamp file holds (independent of the nvcc path and output dir)."""
-    return source_hash(src, (" ".join((*NVCC_FLAGS, *extra_flags(src.read_text()))),))
+    return source_hash(src, (" ".join(compile_flags(src.read_text())),))
 
 
 def is_current(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> bool:
@@ -158,7 +184,9 @@ def nvrtc_compile(src: pathlib.Path, arch: int, cache_dir: pathlib.Path) -> tupl
                               f"(pip install 'cuda-toolkit[nvrtc]') or build the fatbins with "
                               f"`python -m engine.cuda.build`") from e
     text = src.read_text()
-    opts = [f"--gpu-architecture=sm_{arch}", "-std=c++17", *extra_flags(text)]
+    # A source naming its own architectures gets the one of them for this device ("90a" on sm_90).
+    target = next((a for a in own_archs(text) if a.rstrip("a") == str(arch)), str(arch))
+    opts = [f"--gpu-architecture=sm_{target}", "-std=c++17", *extra_flags(text)]
     key = source_hash(src, (" ".join(opts), f"nvrtc-{major}.{minor}"))[:24]
     path = cache_dir / f"{src.stem}-{key}-sm{arch}.cubin"
     if path.is_file():

@@ -24,7 +24,7 @@ from engine import env
 from engine.cuda import build
 from engine.cuda.checks import ATTENTION_HEAD_DIMS, DTYPE_SUFFIX, KV_FP8_SUFFIX
 from engine.cuda.driver import Kernel, KernelLoadError, check, cuda_driver, error_text
-from engine.cuda.wrappers import decode_attention, prefill_attention
+from engine.cuda.wrappers import decode_attention, gemm_sm90, prefill_attention
 from engine.cuda.wrappers.skinny_linear import (SKINNY_BLOCKS_PER_SM, SKINNY_EPILOGUE_ARGS, SKINNY_FP8_EPILOGUE_ARGS,
                                                 SKINNY_FP8_WARPS, SKINNY_M_BUCKETS, SKINNY_W8A8_EPILOGUE_ARGS)
 
@@ -75,6 +75,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                  KernelSpec("sample_draw", "p" * 10 + "ii"), KernelSpec("sample_finish", "p" * 5 + "ii"),
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
+    gemm_sm90.MODULE: [KernelSpec(name, gemm_sm90.GEMM_ARGS) for name in gemm_sm90.entry_names()],
     "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"),
                     KernelSpec("decode_commit", "ppi" + "p" * 6 + "il"),
                     KernelSpec("verify_commit", "p" * 10 + "iili" + "l")],
@@ -161,7 +162,11 @@ class KernelLibrary:
         self.origin: dict[str, str] = {}  # module -> "fatbin" | "nvrtc" | "nvrtc-cache"
         self.kernels: dict[str, Kernel] = {}
         missing = []
+        arch = major * 10 + minor
         for module, specs in MODULES.items():
+            src = kernel_dir / f"{module}.cu"
+            if src.is_file() and not build.serves(src.read_text(), arch):
+                continue  # built for other architectures only (gemm_sm90: sm_90a)
             mod = self._load_module(module, build_dir, kernel_dir)
             for spec in specs:
                 err, func = driver.cuModuleGetFunction(mod, spec.name.encode())
@@ -185,6 +190,12 @@ class KernelLibrary:
                                               f"allows {self.max_smem_optin}")
                     check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                           driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
+        # The Hopper GEMM (sm_90a): where loaded, CudaOps may run decode forwards' projections on it (env.GEMM).
+        self.gemm_sm90 = gemm_sm90.MODULE in self.modules
+        for name in gemm_sm90.entry_names() if self.gemm_sm90 else ():
+            size = gemm_sm90.smem_bytes(int(name.rsplit("_n", 1)[1]))
+            check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
+                  driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
         # sample_topk_merge holds a row's candidates in shared memory (ceil(V / TOPK_CHUNK) * (8 k + 4) bytes;
         # its static shared memory, 256 bytes, comes on top)
         self.topk_smem_limit = self.max_smem_optin - 1024

@@ -31,6 +31,7 @@ from engine.batch import prefill_work
 from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
 from engine.cuda import fp8_linear
 from engine.cuda.fp8_linear import fp8_projection
+from engine.cuda.decode_gemm import DecodeGemm
 from engine.cuda.library import KernelLibrary
 from engine.cuda.prefill_fused import FUSED_MIN_TOKENS, FusedPrefill
 from engine.cuda.wrappers import (
@@ -90,6 +91,8 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
+        # Decode and verify forwards' bf16 projections on the Hopper GEMM, where env.GEMM asks and the device has it.
+        self.gemm = DecodeGemm.create(lib, env.GEMM)
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
@@ -190,6 +193,8 @@ class CudaOps(TorchOps):
         if self._decode and isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
                 self.lib, h, x, weight, fp8_skinny_fits(x, weight, True)):
             return None if norm is None else self.rms_norm(h, norm, eps)
+        if self.gemm is not None and self._decode and self.gemm.linear(x, weight, None, h, None) is not None:
+            return None if norm is None else self.rms_norm(h, norm, eps)
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
                 or isinstance(weight, Fp8Weight) or not h.is_contiguous() or not weight.is_contiguous()
@@ -208,6 +213,10 @@ class CudaOps(TorchOps):
             if self._decode and isinstance(gate_up, Fp8Weight):  # past the skinny forwards: FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
                 out = fp8_linear.skinny_silu(self.lib, x, gate_up, fp8_skinny_fits(x, gate_up, True))
+                return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
+            if self.gemm is not None and self._decode:
+                x = self.rms_norm(h, norm, eps) if normed is None else normed
+                out = self.gemm.silu_and_mul(x, gate_up)
                 return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)
@@ -229,7 +238,12 @@ class CudaOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.linear; an Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
+        """TorchOps.linear; decode forwards' bf16 projections on the Hopper GEMM where self.gemm takes them; an
+        Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
+        if self.gemm is not None and self._decode:
+            out = self.gemm.linear(x, weight, bias, add_to, out_dtype)
+            if out is not None:
+                return out
         if not isinstance(weight, Fp8Weight):
             return super().linear(x, weight, bias, add_to, out_dtype)
         skinny = fp8_skinny_fits(x, weight, self._decode) and (bias is None or bias.dtype == x.dtype)

@@ -28,8 +28,11 @@ def test_every_source_is_a_loaded_module():
 
 def test_every_fatbin_defines_every_kernel(fatbin_dir):
     for module, names in expected_symbols().items():
-        entries = build.fatbin_symbols(build.fatbin_path(build.KERNEL_DIR / f"{module}.cu", fatbin_dir))
-        assert set(entries) == {"sm_80", "sm_90", "compute_90"}, f"{module}: entries {sorted(entries)}"
+        src = build.KERNEL_DIR / f"{module}.cu"
+        entries = build.fatbin_symbols(build.fatbin_path(src, fatbin_dir))
+        own = build.own_archs(src.read_text())  # "90a": sm_90a machine code, which the fatbin lists as sm_90
+        expected = {f"sm_{a.rstrip('a')}" for a in own} if own else {"sm_80", "sm_90", "compute_90"}
+        assert set(entries) == expected, f"{module}: entries {sorted(entries)}"
         for target, symbols in entries.items():
             missing = sorted(set(names) - symbols)
             assert not missing, f"{module}.fatbin ({target}) lacks {missing}"
@@ -65,9 +68,21 @@ def test_the_command_line_builds_a_modified_copy_of_the_sources(tmp_path):
     assert build.build_stamp(built) != build.build_stamp(build.KERNEL_DIR / "embedding.cu")
 
 
+def test_a_source_naming_its_architectures_is_built_for_those_alone():
+    text = (build.KERNEL_DIR / "gemm_sm90.cu").read_text()
+    assert build.own_archs(text) == ("90a",)
+    flags = build.compile_flags(text)
+    assert [f for f in flags if f.startswith("arch=")] == ["arch=compute_90a,code=sm_90a"]
+    assert flags[:4] == build.NVCC_FLAGS[:4]
+    assert build.serves(text, 90) and not build.serves(text, 80) and not build.serves(text, 100)
+    plain = (build.KERNEL_DIR / "embedding.cu").read_text()
+    assert build.own_archs(plain) == () and build.compile_flags(plain) == build.NVCC_FLAGS
+    assert build.serves(plain, 80) and build.serves(plain, 90)
+
+
 def test_fast_math_only_where_results_are_not_compared_bitwise():
     flags = {src.stem: build.extra_flags(src.read_text()) for src in build.sources()}
-    for module in ("sampling", "spec_accept", "rope_cache_write", "rms_norm", "silu_and_mul"):
+    for module in ("sampling", "spec_accept", "rope_cache_write", "rms_norm", "silu_and_mul", "gemm_sm90"):
         assert "--use_fast_math" not in flags[module], module
 
 

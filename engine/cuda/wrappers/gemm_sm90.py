@@ -1,0 +1,123 @@
+"""Hopper GEMM for decode and verify forwards of 9-256 rows (kernels_cu/gemm_sm90.cu, sm_90a only): x [M, K] @
+W^T for a bf16 weight W [N, K] on the warpgroup MMA, with the projection's epilogue fused (store, fp32 logits, the
+residual add in place, SiLU-and-mul of a [gate | up] weight). Where a grid of one split would leave SMs idle, K is
+split and the last block of each weight tile sums the splits (in split order) into the epilogue.
+
+SplitKWorkspace holds the fp32 partial sums and the per-tile arrival counters: one per CudaOps, used by launches of
+one stream (the decode and verify forwards), so two launches never share it at once."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cuda.checks import expect_shape, overlaps, tensor_arg
+from engine.cuda.driver import KernelArgError
+
+if TYPE_CHECKING:
+    from engine.cuda.library import KernelLibrary
+
+MODULE = "gemm_sm90"
+GEMM_NT = (16, 32, 64, 128, 256)  # entry suffix _n<NT>: the forward's rows, padded (the MMA's N)
+GEMM_EPILOGUES = ("store", "f32", "residual", "silu")
+GEMM_ARGS = "ppppp" + "iiii"  # out, x, w, ws, counters, M, N, K, splits
+GEMM_ROWS = 128  # weight rows a block (silu: 64 gate rows and their 64 up rows)
+GEMM_BK = 64  # k a stage
+GEMM_THREADS = 256
+MAX_ROWS = GEMM_NT[-1]
+# A grid of fewer tiles than SMs is split along K until it fills about one wave, each split keeping at least this
+# many k-tiles (a split's pipeline fill and its partial sums' round trip through L2 are its fixed costs).
+MIN_SPLIT_KTILES = 4
+MAX_SPLITS = 16
+
+
+def entry_names() -> list[str]:
+    return [f"gemm_sm90_{ep}_bf16_n{nt}" for nt in GEMM_NT for ep in GEMM_EPILOGUES]
+
+
+def stage_bytes(nt: int) -> int:
+    return (GEMM_ROWS + nt) * GEMM_BK * 2
+
+
+def stages(nt: int) -> int:
+    return min(8, 196608 // stage_bytes(nt))
+
+
+def smem_bytes(nt: int) -> int:
+    """Dynamic shared memory of an _n<nt> launch (the kernel's gemm_smem_bytes)."""
+    return stages(nt) * stage_bytes(nt) + 1024
+
+
+def nt_bucket(rows: int) -> int:
+    for nt in GEMM_NT:
+        if rows <= nt:
+            return nt
+    raise KernelArgError(f"gemm_sm90: {rows} rows; the kernels take at most {MAX_ROWS}")
+
+
+def tiles(n: int, silu: bool) -> int:
+    """Blocks along the weight's rows: 128 rows each, or (silu) 64 gate rows with their 64 up rows."""
+    return -(-(n // 2) // 64) if silu else -(-n // GEMM_ROWS)
+
+
+def splits(num_tiles: int, k: int, num_sms: int) -> int:
+    """K splits of a grid of num_tiles weight tiles: 1 where the tiles fill the SMs, else as many as bring the grid
+    to about one wave, each of at least MIN_SPLIT_KTILES k-tiles."""
+    if num_tiles >= num_sms:
+        return 1
+    k_tiles = -(-k // GEMM_BK)
+    return max(1, min(num_sms // num_tiles, k_tiles // MIN_SPLIT_KTILES, MAX_SPLITS))
+
+
+class SplitKWorkspace:
+    """The fp32 partial sums of split launches (at most max_blocks blocks of MAX_ROWS x GEMM_ROWS sums) and the
+    arrival counter of each tile (zero between launches: the last block of a tile resets its own)."""
+
+    def __init__(self, device: torch.device, num_sms: int):
+        self.max_blocks = 2 * num_sms  # splits(): num_tiles * S <= num_sms where S > 1 (twice: room for tests)
+        self.partials = torch.empty(self.max_blocks * MAX_ROWS * GEMM_ROWS, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(num_sms, dtype=torch.int32, device=device)
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernels take x @ weight^T: 9..MAX_ROWS rows of contiguous bf16 x, a contiguous bf16 weight of
+    the same K (a multiple of 8), both 16-byte aligned."""
+    return (x.dim() == 2 and weight.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and x.shape[1] == weight.shape[1] and x.shape[1] % 8 == 0
+            and x.is_contiguous() and weight.is_contiguous() and not (x.data_ptr() | weight.data_ptr()) & 15)
+
+
+def launch(lib: KernelLibrary, ws: SplitKWorkspace, epilogue: str, out: torch.Tensor, x: torch.Tensor,
+           weight: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+    """out <- epilogue(x @ weight^T): store / residual out [M, N] bf16 (residual: added in place), f32 out [M, N]
+    fp32, silu out [M, N / 2] bf16 for weight = [gate | up]. num_splits: K splits (default splits()). Returns
+    out."""
+    if epilogue not in GEMM_EPILOGUES:
+        raise KernelArgError(f"gemm_sm90: unknown epilogue {epilogue!r} (one of {GEMM_EPILOGUES})")
+    xp = tensor_arg(x, "gemm_sm90 x", torch.bfloat16, 2)
+    wp = tensor_arg(weight, "gemm_sm90 weight", torch.bfloat16, 2)
+    M, K = x.shape
+    N = weight.shape[0]
+    if weight.shape[1] != K or K % 8:
+        raise KernelArgError(f"gemm_sm90: x [{M}, {K}] and weight {tuple(weight.shape)}: K must match and be a "
+                             f"multiple of 8")
+    silu = epilogue == "silu"
+    if silu and N % 2:
+        raise KernelArgError(f"gemm_sm90 silu: the weight's {N} rows are not [gate | up]")
+    op = tensor_arg(out, "gemm_sm90 out", torch.float32 if epilogue == "f32" else torch.bfloat16, 2)
+    expect_shape(out, "gemm_sm90 out", (M, N // 2 if silu else N))
+    if overlaps(out, x) or overlaps(out, weight):
+        raise KernelArgError("gemm_sm90: out must not overlap x or the weight")
+    nt = nt_bucket(M)
+    if M == 0:
+        return out
+    num_tiles = tiles(N, silu)
+    s = splits(num_tiles, K, lib.num_sms) if num_splits is None else num_splits
+    if not 1 <= s <= -(-K // GEMM_BK):
+        raise KernelArgError(f"gemm_sm90: {s} splits of {-(-K // GEMM_BK)} k-tiles")
+    if s > 1 and (num_tiles * s > ws.max_blocks or num_tiles > ws.counters.numel()):
+        raise KernelArgError(f"gemm_sm90: {num_tiles} tiles x {s} splits exceed the workspace")
+    lib.kernels[f"gemm_sm90_{epilogue}_bf16_n{nt}"](
+        (num_tiles, s, 1), (GEMM_THREADS, 1, 1), smem_bytes(nt), lib.stream(), op, xp, wp, ws.partials.data_ptr(),
+        ws.counters.data_ptr(), M, N, K, s)
+    return out
