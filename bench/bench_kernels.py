@@ -228,7 +228,7 @@ def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) ->
                      f"gemm_sm90 {gep}": rotating(lambda w, x=x, o=target: gemm_sm90.launch(lib, ws, gep, o, x, w),
                                                   weights)}
             if split_sweep:
-                most = -(-K // gemm_sm90.GEMM_BK)
+                most = gemm_sm90.k_tiles(K)
                 for s in (1, 2, 4, 8, 16):
                     if s <= most and gemm_sm90.tiles(N, gep == "silu") * s <= ws.max_blocks:
                         cases[f"gemm_sm90 {gep} S={s}"] = rotating(
@@ -239,6 +239,49 @@ def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) ->
                 d_us = device_us(fn)
                 rows.append((M, f"{name} {label}", d_us, 0.0,
                              f"{nbytes / d_us / 1e3:8.0f} GB/s weights {flop / d_us / 1e6:6.0f} TFLOP/s"))
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def gemm_w8a8_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256)) -> list[tuple]:
+    """W8A8 at the 8B decode projections (per-channel E4M3 weights, x quantized per row by fp8_quant, both included):
+    what CudaOps runs without the Hopper GEMM (fp8_scaled_mm in a decode forward: the skinny W8A8 kernel up to 32 rows,
+    torch._scaled_mm above; the epilogue's separate op where the projection has one) beside gemm_sm90's fused W8A8
+    entry."""
+    from engine.cuda.fp8_linear import fp8_scaled_mm
+    from engine.cuda.wrappers import fp8_quant, gemm_sm90, silu_and_mul
+    if not lib.gemm_sm90:
+        return [(0, "gemm_sm90 not loaded on this device", 0.0, 0.0, "")]
+    ws = gemm_sm90.SplitKWorkspace(dev, lib.num_sms)
+    rows = []
+    for label, N, K, ep in SKINNY_SHAPES:
+        if not label.startswith("8B") or ep == "f32":
+            continue
+        nbytes = N * K
+        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
+        weights = [quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5) for _ in range(copies)]
+        gep = GEMM_EPILOGUE[ep]
+        for M in tokens:
+            x = torch.randn(M, K, device=dev, dtype=dt)
+            h = torch.randn(M, N, device=dev, dtype=dt)
+            out = torch.empty(M, N // 2 if gep == "silu" else N, device=dev, dtype=dt)
+
+            def now(w, x=x, h=h, out=out):
+                y = fp8_scaled_mm(lib, x, w, decode=True)
+                if gep == "residual":
+                    h.add_(y)
+                elif gep == "silu":
+                    silu_and_mul.launch(lib, out, y)
+
+            def fused(w, x=x, h=h, out=out):
+                xq, xs = fp8_quant.quantize_rows(lib, x)
+                gemm_sm90.launch_w8a8(lib, ws, gep, h if gep == "residual" else out, xq, xs.view(-1), w.data,
+                                      w.row_scale)
+
+            for name, fn in ((f"W8A8 now {gep}", now), (f"gemm_sm90 w8a8 {gep}", fused)):
+                d_us = device_us(rotating(fn, weights))
+                rows.append((M, f"{name} {label}", d_us, 0.0, f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
         torch.cuda.empty_cache()
     return rows
@@ -698,8 +741,9 @@ def main() -> int:
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --prefill (only the paged prefill attention, prefill_rows);
-    --gemm (only the Hopper GEMM beside cuBLAS at the decode projections, gemm_rows; --tokens 16,256: only those
-    row counts; --splits: at forced K splits too);
+    --gemm (only the Hopper GEMM beside cuBLAS at the decode projections, gemm_rows, then its W8A8 beside CudaOps'
+    W8A8 at the 8B ones, gemm_w8a8_rows; --tokens 16,256: only those row counts; --splits: at forced K splits too;
+    --fp8: the W8A8 rows alone);
     --prefill-long (only long prompts' attention by every route: paged kernel, FlashAttention, cuDNN; long_prefill_rows);
     --variant SRC BUILD with --skinny, --sample, --long or --prefill (repeatable): also those rows of the kernels built from SRC
     into BUILD (`python -m engine.cuda.build --kernels SRC --out BUILD`), in the same run, tagged with SRC's parent
@@ -756,7 +800,8 @@ def main() -> int:
         only = {}
         if "--tokens" in sys.argv:
             only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
-        for batch, name, d_us, _, extra in gemm_rows(ops.lib, dev, dt, split_sweep="--splits" in sys.argv, **only):
+        rows = [] if "--fp8" in sys.argv else gemm_rows(ops.lib, dev, dt, split_sweep="--splits" in sys.argv, **only)
+        for batch, name, d_us, _, extra in rows + gemm_w8a8_rows(ops.lib, dev, dt, **only):
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--w8a8" in sys.argv:

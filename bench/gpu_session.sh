@@ -36,7 +36,8 @@
 #              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default)
 #   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, bench_kernels --gemm --splits
 #              (beside cuBLAS at the 1B / 8B decode projections, 16-256 rows), then scale_bench 1B / 8B decode at batch
-#              16-256, context 128, METRALE_GEMM=cublas and =sm90 alternating (GEMM_ROUNDS rounds, default 1)
+#              16-256, context 128, and 8B --quantization fp8 (W8A8) at 16-128, METRALE_GEMM=cublas and =sm90 alternating
+#              (GEMM_ROUNDS rounds, default 1)
 #   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
 #              and KV dtype; 43 s on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
@@ -191,6 +192,7 @@ for what in "$@"; do
                     for shape in 1b 8b; do
                       METRALE_GEMM=$gemm TAIL=8 stage "gemm-$gemm-$shape-$round" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 16 32 64 128 256 --contexts 128 --steps 30 --out "$OUT/gemm-$gemm"
                     done
+                    METRALE_GEMM=$gemm TAIL=8 stage "gemm-$gemm-8b-fp8-$round" 300 python3 bench/scale_bench.py --model /tmp/floors-8b --quantization fp8 --batches 16 32 64 128 --contexts 128 --steps 30 --out "$OUT/gemm-$gemm-fp8"
                   done
                 done ;;
     floors)     for shape in 1b 8b; do  # checkpoints written once, kept for later stages of the call

@@ -8,6 +8,10 @@
 //   residual  out[m, n] = T(out[m, n] + y)      out [M, N] bf16, in place (one rounding, as cuBLAS's addmm_)
 //   silu      out[m, p] = T(T(silu(T(g))) * T(u)), g = y[m, p], u = y[m, I + p], silu(g) = g / (1 + exp(-g));
 //             W = [gate (I rows) | up (I rows)], N = 2 I, out [M, I] bf16 (silu_and_mul.cu's roundings)
+// W8A8 (the _w8a8 entries): x and W E4M3 with per-row fp32 scales (x per token, engine/quant.py's dynamic scheme; W
+// per output channel), multiplied on the FP8 MMA (k32) with no conversion: v = (y * x_scale[m]) * w_scale[n]
+// (engine.quant.w8a8_linear's order), and the GEMM's bf16 output T(v) goes into the epilogue as the separate ops
+// compute it: store T(v); residual T(out + T(v)); silu with g and u the T(v) of the gate and up rows (no f32 entry).
 //
 // Roles swapped: W is the MMA's A operand (64 rows a warpgroup) and x its B operand, so the forward's rows are
 // the MMA's N side (NT = 16, 32, 64, 128 or 256 columns, M <= NT: the rest are zeros) and a block reads each of
@@ -17,34 +21,36 @@
 // A block: 256 threads, two warpgroups, 128 weight rows (store / f32 / residual: rows [128 t, 128 t + 128);
 // silu: gate rows [64 t, 64 t + 64) in warpgroup 0 and the up rows [I + 64 t, ...) in warpgroup 1, so each
 // thread's gate sums meet the same thread position's up sums through shared memory) by every column, over the
-// K range of its split: k-tiles [s KT / S, (s + 1) KT / S) of KT = ceil(K / 64).
-// Shared memory: STAGES stages, each the W tile (128 rows x 64 k) then the x tile (NT rows x 64 k), every row 128
-// bytes with its 16-byte chunks XOR-swizzled by (row % 8): the 128-byte swizzle the MMA's shared-memory
-// descriptors name (start address, stride of 8 rows = 1024 bytes, swizzle mode 1). Stages are filled by cp.async
-// (every thread, 16 bytes a copy; rows past M or N and K past the end are zero-filled), made visible to the
-// MMA's async proxy by fence.proxy.async and a barrier, and consumed by four m64nNTk16 MMAs a warpgroup; a stage
-// is refilled only after both warpgroups' MMAs on it completed (wgmma.wait_group 0 before the next barrier).
-// Split K (S > 1): each block stores its fp32 sums to ws (its thread's registers in order, coalesced), and the
-// last block of its tile to arrive (counters[t], reset by that block) adds every split's sums in split order,
-// so the result does not depend on which block finishes last, and applies the epilogue.
+// K range of its split: k-tiles [s KT / S, (s + 1) KT / S) of KT = ceil(K bytes / 128).
+// Shared memory: STAGES stages, each the W tile (128 rows x 128 bytes: 64 k of bf16, 128 of E4M3) then the x tile (NT
+// rows x 128 bytes), each row's 16-byte chunks XOR-swizzled by (row % 8): the 128-byte swizzle the MMA's shared-memory
+// descriptors name (start address, stride of 8 rows = 1024 bytes, swizzle mode 1). Stages are filled by cp.async (every
+// thread, 16 bytes a copy; rows past M or N and K past the end are zero-filled), made visible to the MMA's async proxy
+// by fence.proxy.async and a barrier, and consumed by four MMAs a warpgroup (m64nNTk16 bf16 or m64nNTk32 E4M3: 32 bytes
+// of each row, the descriptor's start advanced by 32 bytes each); a stage is refilled only after both warpgroups' MMAs
+// on it completed (wgmma.wait_group 0 before the next barrier).
+// Split K (S > 1): each block stores its fp32 sums to ws (its thread's registers in order, coalesced), and the last
+// block of its tile to arrive (counters[t], reset by that block) adds every split's sums in split order, so the result
+// does not depend on which block finishes last, and applies the epilogue.
 //
-// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128,256}):
+// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128,256}, and
+// gemm_sm90_{store,residual,silu}_w8a8_n{16,32,64,128,256} with x_scale [M] after x and w_scale [N] after w):
 //   grid (tiles, S), block 256, dynamic shared memory gemm_smem_bytes(NT) (engine/cuda/wrappers/gemm_sm90.py);
-//   tiles = ceil(N / 128) (silu: ceil(I / 64)); 1 <= S <= KT; M <= NT; K % 8 == 0; x, W 16-byte aligned, x and
-//   out contiguous rows; ws holds tiles * S * NT * 128 floats when S > 1, and counters[0 .. tiles) are zero
-//   (every launch leaves them so). Launches that share ws and counters must be ordered (one stream).
+//   tiles = ceil(N / 128) (silu: ceil(I / 64)); 1 <= S <= KT; M <= NT; K % 8 == 0 (E4M3: % 16); x, W 16-byte
+//   aligned, x and out contiguous rows; ws holds tiles * S * NT * 128 floats when S > 1, and counters[0 .. tiles)
+//   are zero (every launch leaves them so). Launches that share ws and counters must be ordered (one stream).
 // Built WITHOUT --use_fast_math: silu's expf and division must be the accurate ones.
 #include "common.cuh"
 
 #define GEMM_THREADS 256
 #define GEMM_ROWS 128  // weight rows a block
-#define GEMM_BK 64     // k a stage: one 128-byte row
+#define GEMM_ROW_BYTES 128  // of each operand row a stage: one 128-byte swizzle row (64 k of bf16, 128 of E4M3)
 
 enum { GEP_STORE = 0, GEP_F32 = 1, GEP_RESIDUAL = 2, GEP_SILU = 3 };
 
 // Bytes of one stage; stages in flight (at most 8, within 192 KiB); dynamic shared memory of a launch (+1 KiB:
 // the stages start at the first 1024-byte boundary, the swizzle's period).
-__host__ __device__ constexpr int gemm_stage_bytes(int nt) { return (GEMM_ROWS + nt) * GEMM_BK * 2; }
+__host__ __device__ constexpr int gemm_stage_bytes(int nt) { return (GEMM_ROWS + nt) * GEMM_ROW_BYTES; }
 __host__ __device__ constexpr int gemm_stages(int nt) {
   return 196608 / gemm_stage_bytes(nt) < 8 ? 196608 / gemm_stage_bytes(nt) : 8;
 }
@@ -53,13 +59,14 @@ __host__ __device__ constexpr int gemm_smem_bytes(int nt) { return gemm_stages(n
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GEMM_SM90 1
 
-// D[64 x N] += A[64 x 16] * B[16 x N]: A and B K-major in shared memory (descriptors), D fp32 in registers (the
-// m16n8 accumulator layout, N / 8 times: d[4 j + 2 h + e] is row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane % 4)
-// + e of the warpgroup's 64 x N).
-template <int N>
+// D[64 x N] += A[64 x k] * B[k x N] (k = 16 bf16, or F8: 32 E4M3): A and B K-major in shared memory (descriptors),
+// D fp32 in registers (the
+// m16n8 accumulator layout, N / 8 times: d[4 j + 2 h + e] is row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane %
+// 4) + e of the warpgroup's 64 x N).
+template <int N, bool F8>
 struct Wgmma;
 template <>
-struct Wgmma<16> {
+struct Wgmma<16, false> {
   static __device__ __forceinline__ void run(float (&d)[8], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
@@ -72,7 +79,7 @@ struct Wgmma<16> {
   }
 };
 template <>
-struct Wgmma<32> {
+struct Wgmma<32, false> {
   static __device__ __forceinline__ void run(float (&d)[16], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -86,7 +93,7 @@ struct Wgmma<32> {
   }
 };
 template <>
-struct Wgmma<64> {
+struct Wgmma<64, false> {
   static __device__ __forceinline__ void run(float (&d)[32], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
@@ -104,7 +111,7 @@ struct Wgmma<64> {
   }
 };
 template <>
-struct Wgmma<128> {
+struct Wgmma<128, false> {
   static __device__ __forceinline__ void run(float (&d)[64], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -129,7 +136,7 @@ struct Wgmma<128> {
   }
 };
 template <>
-struct Wgmma<256> {
+struct Wgmma<256, false> {
   static __device__ __forceinline__ void run(float (&d)[128], u64 desc_a, u64 desc_b) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
@@ -143,6 +150,116 @@ struct Wgmma<256> {
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
         "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),
+          "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),
+          "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+          "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),
+          "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),
+          "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]),
+          "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+          "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]),
+          "+f"(d[126]), "+f"(d[127])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  }
+};
+template <>
+struct Wgmma<16, true> {
+  static __device__ __forceinline__ void run(float (&d)[8], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7"
+        "}, %8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  }
+};
+template <>
+struct Wgmma<32, true> {
+  static __device__ __forceinline__ void run(float (&d)[16], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  }
+};
+template <>
+struct Wgmma<64, true> {
+  static __device__ __forceinline__ void run(float (&d)[32], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  }
+};
+template <>
+struct Wgmma<128, true> {
+  static __device__ __forceinline__ void run(float (&d)[64], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+          "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+          "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+          "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+          "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),
+          "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),
+          "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),
+          "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(1));
+  }
+};
+template <>
+struct Wgmma<256, true> {
+  static __device__ __forceinline__ void run(float (&d)[128], u64 desc_a, u64 desc_b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, p, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
           "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
           "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
@@ -190,43 +307,47 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr) {
 __device__ __forceinline__ void cp_async16_to(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void st_cg(float* p, float v) { asm volatile("st.global.cg.f32 [%0], %1;\n" ::"l"(p), "f"(v)); }
+__device__ __forceinline__ void st_cg(float* p, float v) {
+  asm volatile("st.global.cg.f32 [%0], %1;\n" ::"l"(p), "f"(v));
+}
 __device__ __forceinline__ float ld_cg(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
   return v;
 }
 
-// One stage: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1), and x rows [0, NT) (< M),
-// k columns [k0, k0 + 64) (< K), into the swizzled tiles at shared addresses sa and sb.
+// One stage: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1), and x rows [0, NT) (< M), bytes
+// [b0, b0 + 128) of each row (< row_bytes, the rest zeros), into the swizzled tiles at shared addresses sa and sb.
 template <int NT>
-__device__ __forceinline__ void gemm_load_stage(u32 sa, u32 sb, const u16* __restrict__ x, const u16* __restrict__ w,
-                                                int base0, int base1, int lim0, int lim1, int M, int K, int k0,
-                                                int tid) {
+__device__ __forceinline__ void gemm_load_stage(u32 sa, u32 sb, const unsigned char* __restrict__ x,
+                                                const unsigned char* __restrict__ w, int base0, int base1, int lim0,
+                                                int lim1, int M, int row_bytes, int b0, int tid) {
 #pragma unroll
   for (int i = 0; i < GEMM_ROWS * 8 / GEMM_THREADS; ++i) {
     const int q = tid + i * GEMM_THREADS, r = q >> 3, c = q & 7;
-    const int row = (r < 64 ? base0 : base1) + (r & 63), kc = k0 + c * 8;
-    const bool ok = row < (r < 64 ? lim0 : lim1) && kc < K;
-    cp_async16_to(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? w + (i64)row * K + kc : w, ok ? 16 : 0);
+    const int row = (r < 64 ? base0 : base1) + (r & 63), b = b0 + c * 16;
+    const bool ok = row < (r < 64 ? lim0 : lim1) && b < row_bytes;
+    cp_async16_to(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? w + (i64)row * row_bytes + b : w, ok ? 16 : 0);
   }
   constexpr int CHUNKS = NT * 8;
 #pragma unroll
   for (int i = 0; i < (CHUNKS + GEMM_THREADS - 1) / GEMM_THREADS; ++i) {
     const int q = tid + i * GEMM_THREADS, r = q >> 3, c = q & 7;
     if (CHUNKS % GEMM_THREADS == 0 || q < CHUNKS) {
-      const int kc = k0 + c * 8;
-      const bool ok = r < M && kc < K;
-      cp_async16_to(sb + r * 128 + ((c ^ (r & 7)) << 4), ok ? x + (i64)r * K + kc : x, ok ? 16 : 0);
+      const int b = b0 + c * 16;
+      const bool ok = r < M && b < row_bytes;
+      cp_async16_to(sb + r * 128 + ((c ^ (r & 7)) << 4), ok ? x + (i64)r * row_bytes + b : x, ok ? 16 : 0);
     }
   }
 }
 #endif  // GEMM_SM90
 
-template <int NT, int EP>
-__device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, const u16* __restrict__ w,
-                                          float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                          int splits) {
+// F8: x and w are E4M3 bytes with their scales (W8A8); else bf16 (x_scale, w_scale unused).
+template <int NT, int EP, bool F8>
+__device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __restrict__ x,
+                                          const float* __restrict__ x_scale, const unsigned char* __restrict__ w,
+                                          const float* __restrict__ w_scale, float* __restrict__ ws,
+                                          int* __restrict__ counters, int M, int N, int K, int splits) {
 #ifdef GEMM_SM90
   constexpr int STAGES = gemm_stages(NT), SB = gemm_stage_bytes(NT), R = NT / 2;
   extern __shared__ unsigned char gemm_smem[];
@@ -238,7 +359,8 @@ __device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, 
   const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
   const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
   const int lim0 = EP == GEP_SILU ? I : N;
-  const int KT = (K + GEMM_BK - 1) / GEMM_BK;
+  const int row_bytes = F8 ? K : 2 * K;
+  const int KT = (row_bytes + GEMM_ROW_BYTES - 1) / GEMM_ROW_BYTES;
   const int kt0 = (int)((i64)split * KT / splits), nk = (int)((i64)(split + 1) * KT / splits) - kt0;
 
   float acc[R];
@@ -248,8 +370,8 @@ __device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, 
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
     if (s < nk)
-      gemm_load_stage<NT>(base + s * SB, base + s * SB + GEMM_ROWS * 128, x, w, base0, base1, lim0, N, M, K,
-                          (kt0 + s) * GEMM_BK, tid);
+      gemm_load_stage<NT>(base + s * SB, base + s * SB + GEMM_ROWS * 128, x, w, base0, base1, lim0, N, M, row_bytes,
+                          (kt0 + s) * GEMM_ROW_BYTES, tid);
     cp_async_commit();
   }
   int stage = 0, refill = STAGES - 1;  // the stage this iteration consumes, and the one it refills
@@ -259,13 +381,14 @@ __device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, 
     __syncthreads();  // everyone's did; and both warpgroups' MMAs of iteration i - 1 completed (waited below)
     if (i + STAGES - 1 < nk)
       gemm_load_stage<NT>(base + refill * SB, base + refill * SB + GEMM_ROWS * 128, x, w, base0, base1, lim0, N, M,
-                          K, (kt0 + i + STAGES - 1) * GEMM_BK, tid);
+                          row_bytes, (kt0 + i + STAGES - 1) * GEMM_ROW_BYTES, tid);
     cp_async_commit();
     const u32 sa = base + stage * SB + wg * 64 * 128, sb = base + stage * SB + GEMM_ROWS * 128;
     fence_operands(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < GEMM_BK / 16; ++kk) Wgmma<NT>::run(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
+    for (int kk = 0; kk < GEMM_ROW_BYTES / 32; ++kk)
+      Wgmma<NT, F8>::run(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
     wgmma_commit();
     wgmma_wait_all();
     fence_operands(acc);
@@ -294,6 +417,15 @@ __device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, 
   }
 
   const int row_in = warp * 16 + (lane >> 2), col_in = (lane & 3) * 2;
+  if (F8) {  // W8A8: the GEMM's output, (y * x_scale[m]) * w_scale[n] rounded to bf16 (rows past M or N: never stored)
+    const int n0 = EP == GEP_SILU ? (wg ? base1 : base0) : base0 + wg * 64;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
+      const float xs = m < M ? x_scale[m] : 0.f, wsc = n < N ? w_scale[n] : 0.f;
+      acc[r] = round_to<Bf16>(acc[r] * xs * wsc);
+    }
+  }
   if (EP == GEP_SILU) {
     cp_async_wait<0>();
     __syncthreads();  // every stage idle: the first R x 128 floats become the up sums' exchange
@@ -336,17 +468,27 @@ __device__ __forceinline__ void gemm_impl(void* out, const u16* __restrict__ x, 
 #endif
 }
 
-#define GEMM_ENTRY(NAME, EP, NT)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                                                    \
-      gemm_sm90_##NAME##_bf16_n##NT(void* out, const u16* x, const u16* w, float* ws, int* counters, int M, int N, \
-                                    int K, int splits) {                                                          \
-    gemm_impl<NT, EP>(out, x, w, ws, counters, M, N, K, splits);                                                   \
+#define GEMM_ENTRY(NAME, EP, NT)                                                                                \
+  extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                                                 \
+      gemm_sm90_##NAME##_bf16_n##NT(void* out, const u16* x, const u16* w, float* ws, int* counters, int M,    \
+                                    int N, int K, int splits) {                                                \
+    gemm_impl<NT, EP, false>(out, reinterpret_cast<const unsigned char*>(x), nullptr,                          \
+                             reinterpret_cast<const unsigned char*>(w), nullptr, ws, counters, M, N, K, splits); \
   }
-#define GEMM_ENTRIES(NT)                  \
-  GEMM_ENTRY(store, GEP_STORE, NT)        \
-  GEMM_ENTRY(f32, GEP_F32, NT)            \
-  GEMM_ENTRY(residual, GEP_RESIDUAL, NT)  \
-  GEMM_ENTRY(silu, GEP_SILU, NT)
+#define GEMM_ENTRY_W8A8(NAME, EP, NT)                                                                              \
+  extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_sm90_##NAME##_w8a8_n##NT(                    \
+      void* out, const unsigned char* x, const float* x_scale, const unsigned char* w, const float* w_scale,      \
+      float* ws, int* counters, int M, int N, int K, int splits) {                                                \
+    gemm_impl<NT, EP, true>(out, x, x_scale, w, w_scale, ws, counters, M, N, K, splits);                          \
+  }
+#define GEMM_ENTRIES(NT)                       \
+  GEMM_ENTRY(store, GEP_STORE, NT)             \
+  GEMM_ENTRY(f32, GEP_F32, NT)                 \
+  GEMM_ENTRY(residual, GEP_RESIDUAL, NT)       \
+  GEMM_ENTRY(silu, GEP_SILU, NT)               \
+  GEMM_ENTRY_W8A8(store, GEP_STORE, NT)        \
+  GEMM_ENTRY_W8A8(residual, GEP_RESIDUAL, NT)  \
+  GEMM_ENTRY_W8A8(silu, GEP_SILU, NT)
 
 GEMM_ENTRIES(16)
 GEMM_ENTRIES(32)

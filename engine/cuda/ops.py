@@ -180,7 +180,8 @@ class CudaOps(TorchOps):
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
         """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
-        Larger decode forwards: an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
+        Larger decode forwards: the Hopper GEMM's residual entries where self.gemm takes them (METRALE_GEMM=sm90),
+        else an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
         up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into fp32 partials, then
         residual_norm sums them into h and makes the next op's rms_norm in the same launch: faster than
         cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm launch after it
@@ -190,10 +191,9 @@ class CudaOps(TorchOps):
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
-        if self._decode and isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
-                self.lib, h, x, weight, fp8_skinny_fits(x, weight, True)):
-            return None if norm is None else self.rms_norm(h, norm, eps)
-        if self.gemm is not None and self._decode and self.gemm.linear(x, weight, None, h, None) is not None:
+        if self._decode and ((self.gemm is not None and self.gemm.linear(x, weight, None, h, None) is not None) or (
+                isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
+                    self.lib, h, x, weight, fp8_skinny_fits(x, weight, True)))):
             return None if norm is None else self.rms_norm(h, norm, eps)
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
@@ -210,13 +210,12 @@ class CudaOps(TorchOps):
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
-            if self._decode and isinstance(gate_up, Fp8Weight):  # past the skinny forwards: FP8 skinny silu kernels
+            if self._decode and (self.gemm is not None or isinstance(gate_up, Fp8Weight)):
+                # past the skinny forwards: the Hopper GEMM's silu entries, else the FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
-                out = fp8_linear.skinny_silu(self.lib, x, gate_up, fp8_skinny_fits(x, gate_up, True))
-                return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
-            if self.gemm is not None and self._decode:
-                x = self.rms_norm(h, norm, eps) if normed is None else normed
-                out = self.gemm.silu_and_mul(x, gate_up)
+                out = self.gemm.silu_and_mul(x, gate_up) if self.gemm is not None else None
+                if out is None and isinstance(gate_up, Fp8Weight):
+                    out = fp8_linear.skinny_silu(self.lib, x, gate_up, fp8_skinny_fits(x, gate_up, True))
                 return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
         out = torch.empty((h.shape[0], gate_up.shape[0] // 2), dtype=h.dtype, device=h.device)

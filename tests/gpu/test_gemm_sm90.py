@@ -142,6 +142,37 @@ def test_graph_replay_reuses_the_split_counters(lib, ws, gen):
     assert not ws.counters.any()
 
 
+@pytest.mark.parametrize("shape", ["8b_qkv", "8b_down", "1b_o", "smol_qkv", "odd"])
+@pytest.mark.parametrize("M", [9, 32, 100, 256])
+def test_w8a8_against_the_reference_arithmetic(lib, ws, gen, shape, M):
+    """E4M3 x (per row) and W (per channel) on the FP8 MMA: engine.quant.w8a8_linear's bf16 result, then its epilogue
+    as the separate ops compute it (store; h + that; SiLU-and-mul of it)."""
+    from engine.quant import quantize_activations, quantize_fp8, w8a8_linear
+    N, K = SHAPES[shape]
+    if K % 16:
+        K += 16 - K % 16
+    x = randn(M, K, dtype=torch.bfloat16)
+    w8 = quantize_fp8(randn(N, K, scale=K ** -0.5))
+    xq, x_scale = quantize_activations(x)
+    ref = w8a8_linear(x, w8)
+    out, guard = guarded(M, N, torch.bfloat16)
+    gemm_sm90.launch_w8a8(lib, ws, "store", out, xq, x_scale.view(-1), w8.data, w8.row_scale)
+    torch.cuda.synchronize()
+    assert torch.isnan(guard).all() and not ws.counters.any()
+    check(f"w8a8 store {shape} M={M}", out, ref, 5e-3)
+    h0 = randn(M, N, dtype=torch.bfloat16, scale=4.0)
+    h = h0.clone()
+    gemm_sm90.launch_w8a8(lib, ws, "residual", h, xq, x_scale.view(-1), w8.data, w8.row_scale)
+    assert torch.equal(h, (h0.float() + out.float()).bfloat16()), "residual is not h + the bf16 product, rounded"
+    if N % 2 == 0:
+        silu, guard = guarded(M, N // 2, torch.bfloat16)
+        gemm_sm90.launch_w8a8(lib, ws, "silu", silu, xq, x_scale.view(-1), w8.data, w8.row_scale)
+        torch.cuda.synchronize()
+        assert torch.isnan(guard).all()
+        check(f"w8a8 silu {shape} M={M} against its own product", silu, TORCH.silu_and_mul(out), 2e-3)
+        check(f"w8a8 silu {shape} M={M}", silu, TORCH.silu_and_mul(ref), 1e-2)
+
+
 def test_bad_arguments_are_refused(lib, ws):
     from engine.cuda.driver import KernelArgError
     x, w = operands(9, 256, 64)
@@ -153,6 +184,10 @@ def test_bad_arguments_are_refused(lib, ws):
         gemm_sm90.launch(lib, ws, "silu", nan((9, 256), torch.bfloat16), x, w)
     with pytest.raises(KernelArgError, match="dtype"):
         gemm_sm90.launch(lib, ws, "f32", nan((9, 256), torch.bfloat16), x, w)
+    with pytest.raises(KernelArgError, match="unknown epilogue"):  # no fp32 logits from W8A8
+        ones = torch.ones(265, device=x.device)
+        gemm_sm90.launch_w8a8(lib, ws, "f32", nan((9, 256), torch.float32), x.to(torch.float8_e4m3fn), ones[:9],
+                              w.to(torch.float8_e4m3fn), ones[9:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,21 +205,12 @@ def sm90_gemm(monkeypatch, ws):
     monkeypatch.setattr(env, "GEMM", "sm90")
 
 
-@pytest.mark.parametrize("batch", [12, 40])
-def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, batch):
-    """48 greedy tokens of 12 and 40 prompts (decode forwards of 12 and 40 rows on gemm_sm90): equal to the
-    torch-ops engine except at near-ties (the two candidates' log-probs within 0.1 in the reference)."""
+def assert_divergences_are_near_ties(ref_engine, ps, got, ref) -> None:
+    """Greedy tokens `got` equal the reference engine's `ref`, except where the reference's two candidates' log-probs
+    are within 0.1 (bf16 roundings flip such near-ties; a wrong kernel flips tokens that are not)."""
     from engine.api import PrefillItem
     from engine.sampling import SamplingParams, StoppingCriteria
-    from gpu.helpers import greedy_run
-    from gpu.test_engine_gpu import gpu_engine, prompts
 
-    ps = prompts([5, 31, 128, 200] * (batch // 4), 128256, seed=2)
-    ref_engine = gpu_engine(ckpt_1b, kernels="torch", num_kv_blocks=1024)
-    ref = greedy_run(ref_engine, ps, 48)
-    fast = gpu_engine(ckpt_1b, num_kv_blocks=1024)
-    assert fast.runtime.ops.gemm is not None
-    got = greedy_run(fast, ps, 48)
     for p, a, b in zip(ps, got, ref):
         if a == b:
             continue
@@ -195,7 +221,23 @@ def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, bat
         ref_engine.release([seq.seq_id])
         gap = lp[b[j]] - lp.get(a[j], float("-inf"))
         assert gap < 0.1, f"divergence after {j} tokens is not a near-tie: gap {gap}"
-    print(f"{sum(a == b for a, b in zip(got, ref))}/{batch} sequences identical over 48 tokens")
+    print(f"{sum(a == b for a, b in zip(got, ref))}/{len(ps)} sequences identical over {len(ref[0])} tokens")
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+@pytest.mark.parametrize("batch", [12, 40])
+def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, quantization, batch):
+    """32 greedy tokens of 12 and 40 prompts (decode forwards of 12 and 40 rows on gemm_sm90; with --quantization
+    fp8 its W8A8 entries against the torch-ops engine's reference W8A8)."""
+    from gpu.helpers import greedy_run
+    from gpu.test_engine_gpu import gpu_engine, prompts
+
+    ps = prompts([5, 31, 128, 200] * (batch // 4), 128256, seed=2)
+    ref_engine = gpu_engine(ckpt_1b, kernels="torch", quantization=quantization, num_kv_blocks=1024)
+    ref = greedy_run(ref_engine, ps, 32)
+    fast = gpu_engine(ckpt_1b, quantization=quantization, num_kv_blocks=1024)
+    assert fast.runtime.ops.gemm is not None
+    assert_divergences_are_near_ties(ref_engine, ps, greedy_run(fast, ps, 32), ref)
 
 
 def test_engine_graph_replay_on_the_gemm_is_bit_identical_to_eager_under_churn(ckpt_1b, sm90_gemm):

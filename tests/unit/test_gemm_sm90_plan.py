@@ -20,10 +20,11 @@ def define(name: str) -> int:
 
 
 def test_the_wrapper_and_the_kernel_agree_on_tiles_and_entries():
-    assert (define("GEMM_THREADS"), define("GEMM_ROWS"), define("GEMM_BK")) == (
-        gemm_sm90.GEMM_THREADS, gemm_sm90.GEMM_ROWS, gemm_sm90.GEMM_BK)
+    assert (define("GEMM_THREADS"), define("GEMM_ROWS"), define("GEMM_ROW_BYTES")) == (
+        gemm_sm90.GEMM_THREADS, gemm_sm90.GEMM_ROWS, gemm_sm90.ROW_BYTES)
     assert sorted(int(n) for n in re.findall(r"^GEMM_ENTRIES\((\d+)\)", SOURCE, re.M)) == list(gemm_sm90.GEMM_NT)
     assert set(re.findall(r"GEMM_ENTRY\((\w+), GEP_", SOURCE)) == set(gemm_sm90.GEMM_EPILOGUES)
+    assert set(re.findall(r"GEMM_ENTRY_W8A8\((\w+), GEP_", SOURCE)) == set(gemm_sm90.W8A8_EPILOGUES)
     assert "196608" in SOURCE and "+ 1024" in SOURCE  # stages within 192 KiB, plus the alignment slack
 
 
@@ -41,6 +42,11 @@ def test_rows_take_the_smallest_bucket():
         gemm_sm90.nt_bucket(257)
 
 
+def test_k_tiles_are_128_bytes_of_a_row():
+    assert gemm_sm90.k_tiles(2048) == 32 and gemm_sm90.k_tiles(2048, element_bytes=1) == 16
+    assert gemm_sm90.k_tiles(576) == 9 and gemm_sm90.k_tiles(72) == 2 and gemm_sm90.k_tiles(72, 1) == 1
+
+
 def test_tiles_cover_every_row_and_silu_pairs_gate_with_up():
     assert gemm_sm90.tiles(2048, False) == 16 and gemm_sm90.tiles(960, False) == 8
     assert gemm_sm90.tiles(16384, True) == 128  # I = 8192: 64 gate rows and their up rows a block
@@ -53,7 +59,7 @@ def test_tiles_cover_every_row_and_silu_pairs_gate_with_up():
 def test_splits_fill_one_wave_and_keep_the_workspace_bound(n, k, silu):
     t = gemm_sm90.tiles(n, silu)
     s = gemm_sm90.splits(t, k, H100_SMS)
-    k_tiles = -(-k // gemm_sm90.GEMM_BK)
+    k_tiles = gemm_sm90.k_tiles(k)
     assert 1 <= s <= k_tiles
     if t >= H100_SMS:
         assert s == 1
