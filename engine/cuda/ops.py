@@ -7,7 +7,8 @@ neighbours fused in: the rms_norm before it (its statistics computed by the kern
 loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
 forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs; decode forwards of up
 to SPLIT_K_TOKENS tokens run each residual linear layer as a split-K bmm whose reduce kernel (residual_norm)
-also makes the next op's rms_norm (linear_add).
+also makes the next op's rms_norm (linear_add). With METRALE_GEMM=sm90 on an sm_90 device, forwards of 9-256 rows
+(decode, verify and short prompts) run their projections on our Hopper GEMM instead (engine/cuda/hopper_gemm.py).
 
 Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
 silu_and_mul, sample) is sync-free and capturable in a CUDA graph: it allocates its outputs with
@@ -31,12 +32,13 @@ from engine.batch import prefill_work
 from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
 from engine.cuda import fp8_linear
 from engine.cuda.fp8_linear import fp8_projection
-from engine.cuda.decode_gemm import DecodeGemm
+from engine.cuda.hopper_gemm import HopperGemm
 from engine.cuda.library import KernelLibrary
 from engine.cuda.prefill_fused import FUSED_MIN_TOKENS, FusedPrefill
 from engine.cuda.wrappers import (
     decode_attention,
     embedding,
+    gemm_sm90,
     prefill_attention,
     rms_norm,
     rope_cache_write,
@@ -91,8 +93,10 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
-        # Decode and verify forwards' bf16 projections on the Hopper GEMM, where env.GEMM asks and the device has it.
-        self.gemm = DecodeGemm.create(lib, env.GEMM)
+        # Forwards of at most gemm_sm90.MAX_ROWS rows run their projections on the Hopper GEMM where env.GEMM asks
+        # and the device has it (its results do not depend on the forward's rows, so prompts may take it too).
+        self.gemm = HopperGemm.create(lib, env.GEMM)
+        self._gemm: HopperGemm | None = None  # self.gemm in a forward it serves (begin_forward), else None
 
     @classmethod
     def create(cls, device: torch.device, max_seq_len: int) -> CudaOps:
@@ -129,6 +133,7 @@ class CudaOps(TorchOps):
         self._skinny = decode and 0 < num_tokens <= SKINNY_TOKENS
         self._decode = decode
         self._rows_per_seq = rows_per_seq
+        self._gemm = self.gemm if 0 < num_tokens <= gemm_sm90.MAX_ROWS else None
         # Attention plans are built at the first layer of each forward and serve its other layers:
         # they hold cache rows of this forward's sequences, so they never outlive it.
         self._prefill_work_key = None
@@ -180,8 +185,8 @@ class CudaOps(TorchOps):
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
         """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
-        Larger decode forwards: the Hopper GEMM's residual entries where self.gemm takes them (METRALE_GEMM=sm90),
-        else an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
+        Larger forwards: the Hopper GEMM's residual entries where this forward has it (METRALE_GEMM=sm90) and it
+        takes the operands, else (decode) an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
         up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into fp32 partials, then
         residual_norm sums them into h and makes the next op's rms_norm in the same launch: faster than
         cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm launch after it
@@ -191,9 +196,9 @@ class CudaOps(TorchOps):
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
             norm = None
-        if self._decode and ((self.gemm is not None and self.gemm.linear(x, weight, None, h, None) is not None) or (
-                isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
-                    self.lib, h, x, weight, fp8_skinny_fits(x, weight, True)))):
+        if (self._gemm is not None and self._gemm.linear(x, weight, None, h, None) is not None) or (
+                self._decode and isinstance(weight, Fp8Weight) and fp8_linear.skinny_residual(
+                    self.lib, h, x, weight, fp8_skinny_fits(x, weight, True))):
             return None if norm is None else self.rms_norm(h, norm, eps)
         M, K = x.shape
         if (not self._decode or not SKINNY_TOKENS < M <= SPLIT_K_TOKENS or K % (8 * SPLIT_K) or not x.is_contiguous()
@@ -210,11 +215,11 @@ class CudaOps(TorchOps):
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
         if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
-            if self._decode and (self.gemm is not None or isinstance(gate_up, Fp8Weight)):
+            if self._gemm is not None or (self._decode and isinstance(gate_up, Fp8Weight)):
                 # past the skinny forwards: the Hopper GEMM's silu entries, else the FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
-                out = self.gemm.silu_and_mul(x, gate_up) if self.gemm is not None else None
-                if out is None and isinstance(gate_up, Fp8Weight):
+                out = self._gemm.silu_and_mul(x, gate_up) if self._gemm is not None else None
+                if out is None and self._decode and isinstance(gate_up, Fp8Weight):
                     out = fp8_linear.skinny_silu(self.lib, x, gate_up, fp8_skinny_fits(x, gate_up, True))
                 return out if out is not None else super().norm_gate_up(h, norm, gate_up, eps, x)
             return super().norm_gate_up(h, norm, gate_up, eps, normed)
@@ -237,10 +242,10 @@ class CudaOps(TorchOps):
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """TorchOps.linear; decode forwards' bf16 projections on the Hopper GEMM where self.gemm takes them; an
-        Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
-        if self.gemm is not None and self._decode:
-            out = self.gemm.linear(x, weight, bias, add_to, out_dtype)
+        """TorchOps.linear; on the Hopper GEMM where this forward has it (begin_forward) and it takes the operands;
+        an Fp8Weight (engine/quant.py) through engine/cuda/fp8_linear.py."""
+        if self._gemm is not None:
+            out = self._gemm.linear(x, weight, bias, add_to, out_dtype)
             if out is not None:
                 return out
         if not isinstance(weight, Fp8Weight):

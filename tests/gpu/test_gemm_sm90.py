@@ -120,6 +120,24 @@ def test_split_k_sums_in_split_order(lib, ws, gen, num_splits):
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("epilogue", ["store", "f32", "silu"])
+@pytest.mark.parametrize("shape", ["1b_o", "1b_gate_up", "8b_down"])
+def test_a_row_does_not_depend_on_the_rows_beside_it(lib, ws, gen, epilogue, shape):
+    """The first 9 rows computed in forwards of 9, 40, 100 and 256 rows (buckets 16 to 256) are the same bits: a
+    prompt's KV cache and a sequence's tokens do not depend on what shares its forward (CudaOps lets prompts take
+    these kernels on that ground)."""
+    N, K = SHAPES[shape]
+    x, w = operands(256, N, K)
+    cols = N // 2 if epilogue == "silu" else N
+    dtype = torch.float32 if epilogue == "f32" else torch.bfloat16
+    outs = []
+    for M in (9, 40, 100, 256):
+        out = nan((M, cols), dtype)
+        run(lib, ws, epilogue, out, x[:M], w)
+        outs.append(out[:9])
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 def test_graph_replay_reuses_the_split_counters(lib, ws, gen):
     """Captured once, replayed on new inputs: every replay's split tiles complete (their counters start at zero)."""
     M, N, K = 40, 2048, 8192
@@ -238,6 +256,31 @@ def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, qua
     fast = gpu_engine(ckpt_1b, quantization=quantization, num_kv_blocks=1024)
     assert fast.runtime.ops.gemm is not None
     assert_divergences_are_near_ties(ref_engine, ps, greedy_run(fast, ps, 32), ref)
+
+
+def test_prompts_score_the_same_alone_and_together_on_the_gemm(ckpt_1b, sm90_gemm):
+    """Prompts of 12-90 tokens prefilled one at a time and all in one forward (up to 256 rows: on gemm_sm90), then 8
+    greedy tokens decoded together: the same tokens and log-probs, bit for bit."""
+    from engine.api import PrefillItem
+    from engine.sampling import SamplingParams, StoppingCriteria
+    from gpu.test_engine_gpu import gpu_engine, prompts
+
+    engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, prefix_caching=False)  # every run computes every prompt
+    assert engine.runtime.ops.gemm is not None
+    ps = prompts([12, 40, 90], 128256, seed=6)
+
+    def run(together: bool) -> list:
+        ids = [engine.alloc_sequence(len(p) + 9, SamplingParams(), StoppingCriteria(ignore_eos=True)).seq_id
+               for p in ps]
+        items = [PrefillItem(i, p) for i, p in zip(ids, ps)]
+        firsts = engine.prefill(items).tokens if together else [engine.prefill([it]).tokens[0] for it in items]
+        log = [(t.token_id, t.logprob) for t in firsts]
+        for _ in range(7):
+            log += [(t.token_id, t.logprob) for t in engine.decode(ids).tokens]
+        engine.release(ids)
+        return log
+
+    assert run(False) == run(True)
 
 
 def test_engine_graph_replay_on_the_gemm_is_bit_identical_to_eager_under_churn(ckpt_1b, sm90_gemm):

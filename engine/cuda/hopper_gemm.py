@@ -1,10 +1,10 @@
-"""DecodeGemm: the projections of decode and verify forwards on the Hopper GEMM (engine/cuda/wrappers/gemm_sm90.py)
-where it takes them, for CudaOps when env.GEMM is "sm90" on a device that loaded it: QKV (store), o and down (the
-residual add in place), gate_up (SiLU-and-mul fused: no [M, 2 I] intermediate) and the LM head (fp32 logits) of
-bf16 weights; and W8A8 (x quantized per row by kernels_cu/fp8_quant.cu, then the FP8 MMA) for the per-channel FP8
-weights that engine.quant.takes_w8a8 runs W8A8 (the "dynamic" activation scheme, 9+ rows, bf16 out). Each method
-returns None where the kernels do not take the operands (bias, fp16, a weight-only or block-scaled FP8 weight, more
-than gemm_sm90.MAX_ROWS rows), and the caller takes its other path."""
+"""HopperGemm: the projections of forwards of at most 256 rows (decode, verify, short prompts) on the Hopper GEMM
+(engine/cuda/wrappers/gemm_sm90.py) where it takes them, for CudaOps when env.GEMM is "sm90" on a device that loaded
+it: QKV (store), o and down (the residual add in place), gate_up (SiLU-and-mul fused: no [M, 2 I] intermediate) and
+the LM head (fp32 logits) of bf16 weights; and W8A8 (x quantized per row by kernels_cu/fp8_quant.cu, then the FP8
+MMA) for the per-channel FP8 weights that engine.quant.takes_w8a8 runs W8A8 (the "dynamic" activation scheme, 9+
+rows, bf16 out). Each method returns None where the kernels do not take the operands (bias, fp16, a weight-only or
+block-scaled FP8 weight, more than gemm_sm90.MAX_ROWS rows), and the caller takes its other path."""
 from __future__ import annotations
 
 import torch
@@ -14,13 +14,13 @@ from engine.cuda.wrappers import fp8_quant, gemm_sm90
 from engine.quant import Fp8Weight, takes_w8a8
 
 
-class DecodeGemm:
+class HopperGemm:
     def __init__(self, lib: KernelLibrary):
         self.lib = lib
         self.workspace = gemm_sm90.SplitKWorkspace(lib.device, lib.num_sms)
 
     @classmethod
-    def create(cls, lib: KernelLibrary, setting: str) -> DecodeGemm | None:
+    def create(cls, lib: KernelLibrary, setting: str) -> HopperGemm | None:
         """setting: env.GEMM. None unless it is "sm90" and the library loaded the kernels (sm_90 devices)."""
         return cls(lib) if setting == "sm90" and lib.gemm_sm90 else None
 
