@@ -60,9 +60,8 @@ __host__ __device__ constexpr int gemm_smem_bytes(int nt) { return gemm_stages(n
 #define GEMM_SM90 1
 
 // D[64 x N] += A[64 x k] * B[k x N] (k = 16 bf16, or F8: 32 E4M3): A and B K-major in shared memory (descriptors),
-// D fp32 in registers (the
-// m16n8 accumulator layout, N / 8 times: d[4 j + 2 h + e] is row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane %
-// 4) + e of the warpgroup's 64 x N).
+// D fp32 in registers in the m16n8 accumulator layout, N / 8 times: d[4 j + 2 h + e] is row 16 warp + lane / 4 +
+// 8 h, column 8 j + 2 (lane % 4) + e of the warpgroup's 64 x N.
 template <int N, bool F8>
 struct Wgmma;
 // Spelled out per N: the accumulators' register and operand lists; scale-d 1 (the accumulators start at zero).
@@ -155,7 +154,8 @@ __device__ __forceinline__ void fence_operands(float (&d)[R]) {
 }
 
 // The descriptor of a K-major tile of 128-byte rows, 128-byte swizzle, at shared address `addr` (a 1024-byte
-// aligned tile plus k * 2 bytes for its k-th column: the MMA applies the swizzle to the address bits).
+// aligned tile plus the byte offset of the MMA's k-slice within the row: the MMA applies the swizzle to the address
+// bits). Leading byte offset 1 (unused with this swizzle), stride byte offset 1024 (8 rows), swizzle mode 1.
 __device__ __forceinline__ u64 sw128_desc(u32 addr) {
   return (u64)((addr >> 4) & 0x3FFFu) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
 }
@@ -172,10 +172,11 @@ __device__ __forceinline__ float ld_cg(const float* p) {
   return v;
 }
 
-// One stage: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1), and x rows [0, NT) (< M), bytes
-// [b0, b0 + 128) of each row (< row_bytes, the rest zeros), into the swizzled tiles at shared addresses sa and sb.
+// One stage at shared address sa: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1) into its W
+// tile, and x rows [0, NT) (< M) into its x tile after it, bytes [b0, b0 + 128) of each row (< row_bytes, the rest
+// zeros), swizzled.
 template <int NT>
-__device__ __forceinline__ void gemm_load_stage(u32 sa, u32 sb, const unsigned char* __restrict__ x,
+__device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __restrict__ x,
                                                 const unsigned char* __restrict__ w, int base0, int base1, int lim0,
                                                 int lim1, int M, int row_bytes, int b0, int tid) {
 #pragma unroll
@@ -185,6 +186,7 @@ __device__ __forceinline__ void gemm_load_stage(u32 sa, u32 sb, const unsigned c
     const bool ok = row < (r < 64 ? lim0 : lim1) && b < row_bytes;
     cp_async16_to(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? w + (i64)row * row_bytes + b : w, ok ? 16 : 0);
   }
+  const u32 sb = sa + GEMM_ROWS * GEMM_ROW_BYTES;
   constexpr int CHUNKS = NT * 8;
 #pragma unroll
   for (int i = 0; i < (CHUNKS + GEMM_THREADS - 1) / GEMM_THREADS; ++i) {
@@ -223,11 +225,13 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
 
+  // k-tile kt of this split into stage st
+  auto load = [&](int st, int kt) {
+    gemm_load_stage<NT>(base + st * SB, x, w, base0, base1, lim0, N, M, row_bytes, (kt0 + kt) * GEMM_ROW_BYTES, tid);
+  };
 #pragma unroll
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nk)
-      gemm_load_stage<NT>(base + s * SB, base + s * SB + GEMM_ROWS * 128, x, w, base0, base1, lim0, N, M, row_bytes,
-                          (kt0 + s) * GEMM_ROW_BYTES, tid);
+    if (s < nk) load(s, s);
     cp_async_commit();
   }
   int stage = 0, refill = STAGES - 1;  // the stage this iteration consumes, and the one it refills
@@ -235,11 +239,9 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
     cp_async_wait<STAGES - 2>();  // this thread's copies of k-tile i landed
     fence_proxy_async();
     __syncthreads();  // everyone's did; and both warpgroups' MMAs of iteration i - 1 completed (waited below)
-    if (i + STAGES - 1 < nk)
-      gemm_load_stage<NT>(base + refill * SB, base + refill * SB + GEMM_ROWS * 128, x, w, base0, base1, lim0, N, M,
-                          row_bytes, (kt0 + i + STAGES - 1) * GEMM_ROW_BYTES, tid);
+    if (i + STAGES - 1 < nk) load(refill, i + STAGES - 1);
     cp_async_commit();
-    const u32 sa = base + stage * SB + wg * 64 * 128, sb = base + stage * SB + GEMM_ROWS * 128;
+    const u32 sa = base + stage * SB + wg * 64 * GEMM_ROW_BYTES, sb = base + stage * SB + GEMM_ROWS * GEMM_ROW_BYTES;
     fence_operands(acc);
     wgmma_fence();
 #pragma unroll
