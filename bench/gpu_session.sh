@@ -34,10 +34,10 @@
 #   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 (the default) and up to 4096 padded tokens
 #              (METRALE_PREFILL_GRAPH_TOKENS, --max-graphs 1024), alternating: the warm-up's time, graphs and pool
 #              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default)
-#   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, bench_kernels --gemm --splits
-#              (beside cuBLAS at the 1B / 8B decode projections, 16-256 rows), then scale_bench 1B / 8B decode at batch
-#              16-256, context 128, and 8B --quantization fp8 (W8A8) at 16-128, METRALE_GEMM=cublas and =sm90 alternating
-#              (GEMM_ROUNDS rounds, default 1)
+#   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, then bench_kernels --gemm
+#              --splits (beside cuBLAS at the 1B / 8B decode projections, 16-256 rows; its W8A8 beside CudaOps' W8A8)
+#   gemmscale  scale_bench 1B / 8B decode at batch 16-256, context 128, and 8B --quantization fp8 (W8A8) at 16-128,
+#              METRALE_GEMM=cublas and =sm90 alternating (GEMM_ROUNDS rounds, default 1)
 #   floors     issue_floors.py: every device floor of issues 40, 42 and 43 at its point (one engine per shape, weights
 #              and KV dtype; 43 s on an H100 after writing the 1B and 8B checkpoints), measured, floor, met
 #   load1b     load.py concurrency sweep, 1-3 Decodes in flight
@@ -179,14 +179,15 @@ for what in "$@"; do
                     METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --max-graphs 1024 --out "$OUT"
                   done
                 done ;;
-    gemm)       # the Hopper GEMM (METRALE_GEMM=sm90): its GPU tests (stopping at the first failure), its kernel
-                # figures beside cuBLAS (forced K splits too), then scale_bench decode at batches 16-256, context 128,
-                # with cuBLAS and with it, GEMM_ROUNDS (1) rounds alternating
+    gemm)       # the Hopper GEMM (METRALE_GEMM=sm90): its GPU tests (stopping at the first failure), then its kernel
+                # figures beside cuBLAS (forced K splits too) and its W8A8 beside CudaOps' W8A8
+                TAIL=40 stage gpu-gemm-tests 420 python3 -m pytest tests/gpu/test_gemm_sm90.py -m gpu -q -x -rfE -p no:cacheprovider --confcutdir=tests/gpu -n 4
+                TAIL=${TAIL:-200} stage bench-gemm 300 python3 bench/bench_kernels.py --gemm --splits ;;
+    gemmscale)  # scale_bench decode at batches 16-256, context 128, 1B and 8B bf16 and 8B FP8 (W8A8), METRALE_GEMM=cublas
+                # and =sm90 alternating, GEMM_ROUNDS (1) rounds
                 for shape in 1b 8b; do
                   [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
                 done
-                TAIL=40 stage gpu-gemm-tests 300 python3 -m pytest tests/gpu/test_gemm_sm90.py -m gpu -q -x -rfE -p no:cacheprovider --confcutdir=tests/gpu -n 4
-                TAIL=${TAIL:-150} stage bench-gemm 300 python3 bench/bench_kernels.py --gemm --splits
                 for round in $(seq 1 "${GEMM_ROUNDS:-1}"); do
                   for gemm in cublas sm90; do
                     for shape in 1b 8b; do
