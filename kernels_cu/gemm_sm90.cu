@@ -286,6 +286,7 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
   }
   if (EP == GEP_SILU) {
     cp_async_wait<0>();
+    fence_proxy_async();  // (the MMAs' reads of these bytes completed at their wait; ordered before the stores anyway)
     __syncthreads();  // every stage idle: the first R x 128 floats become the up sums' exchange
     float* up = reinterpret_cast<float*>(gemm_smem + (base - raw));
     if (wg == 1) {
