@@ -33,8 +33,10 @@
 // block of its tile to arrive (counters[t], reset by that block) adds every split's sums in split order, so the result
 // does not depend on which block finishes last, and applies the epilogue.
 //
-// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128,256}, and
-// gemm_sm90_{store,residual,silu}_w8a8_n{16,32,64,128,256} with x_scale [M] after x and w_scale [N] after w):
+// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128,256};
+// gemm_sm90_{store,residual,silu}_w8a8_n{16,32,64,128,256} with x_scale [M] after x and w_scale [N] after w;
+// gemm_sm90_{store,f32,residual,silu}_w8a16_n8: bf16 x, E4M3 w, w_scale [N] after w, dynamic shared memory
+// gemm_w8a16_smem_bytes(), K % 16 == 0 and at most W16_XK / 128 k-tiles a split; below, W8A16 at gemm_w8a16_impl):
 //   grid (tiles, S), block 256, dynamic shared memory gemm_smem_bytes(NT) (engine/cuda/wrappers/gemm_sm90.py);
 //   tiles = ceil(N / 128) (silu: ceil(I / 64)); 1 <= S <= KT; M <= NT; K % 8 == 0 (E4M3: % 16); x, W 16-byte
 //   aligned, x and out contiguous rows; ws holds tiles * S * NT * 128 floats when S > 1, and counters[0 .. tiles)
@@ -175,10 +177,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // One stage at shared address sa: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1) into its W
 // tile, and x rows [0, NT) (< M) into its x tile after it, bytes [b0, b0 + 128) of each row (< row_bytes, the rest
 // zeros), swizzled.
-template <int NT>
-__device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __restrict__ x,
-                                                const unsigned char* __restrict__ w, int base0, int base1, int lim0,
-                                                int lim1, int M, int row_bytes, int b0, int tid) {
+__device__ __forceinline__ void gemm_load_w(u32 sa, const unsigned char* __restrict__ w, int base0, int base1,
+                                            int lim0, int lim1, int row_bytes, int b0, int tid) {
 #pragma unroll
   for (int i = 0; i < GEMM_ROWS * 8 / GEMM_THREADS; ++i) {
     const int q = tid + i * GEMM_THREADS, r = q >> 3, c = q & 7;
@@ -186,6 +186,12 @@ __device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __r
     const bool ok = row < (r < 64 ? lim0 : lim1) && b < row_bytes;
     cp_async16_to(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? w + (i64)row * row_bytes + b : w, ok ? 16 : 0);
   }
+}
+template <int NT>
+__device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __restrict__ x,
+                                                const unsigned char* __restrict__ w, int base0, int base1, int lim0,
+                                                int lim1, int M, int row_bytes, int b0, int tid) {
+  gemm_load_w(sa, w, base0, base1, lim0, lim1, row_bytes, b0, tid);
   const u32 sb = sa + GEMM_ROWS * GEMM_ROW_BYTES;
   constexpr int CHUNKS = NT * 8;
 #pragma unroll
@@ -198,6 +204,205 @@ __device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __r
     }
   }
 }
+// The block's sums into the output: split K summed by the tile's last block (in split order), scaled (SCALE_W8A8:
+// (y * x_scale[m]) * w_scale[n] rounded to bf16, the W8A8 GEMM's output; SCALE_W8A16: y * w_scale[n], W8A16's fp32
+// value), then the epilogue. Every thread of the block calls it (barriers); xch: R x 128 floats of shared memory no
+// copy or MMA still uses (the silu exchange).
+enum { SCALE_NONE = 0, SCALE_W8A8 = 1, SCALE_W8A16 = 2 };
+template <int NT, int EP, int SCALE>
+__device__ __forceinline__ void gemm_finish(float (&acc)[NT / 2], void* out, const float* __restrict__ x_scale,
+                                            const float* __restrict__ w_scale, float* __restrict__ ws,
+                                            int* __restrict__ counters, float* xch, int M, int N, int splits) {
+  constexpr int R = NT / 2;
+  __shared__ int s_last;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tile = blockIdx.x, split = blockIdx.y, I = N >> 1;
+  const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
+  const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
+  if (splits > 1) {
+    float* part = ws + (i64)(tile * splits + split) * R * GEMM_THREADS;
+#pragma unroll
+    for (int r = 0; r < R; ++r) st_cg(part + r * GEMM_THREADS + tid, acc[r]);
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) s_last = atomicAdd(counters + tile, 1) == splits - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+    for (int o = 0; o < splits; ++o) {  // in split order, whichever block came last
+      const float* p = ws + (i64)(tile * splits + o) * R * GEMM_THREADS;
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[r] += ld_cg(p + r * GEMM_THREADS + tid);
+    }
+    if (tid == 0) counters[tile] = 0;
+  }
+
+  const int row_in = warp * 16 + (lane >> 2), col_in = (lane & 3) * 2;
+  if (SCALE != SCALE_NONE) {  // rows past M or N: never stored
+    const int n0 = EP == GEP_SILU ? (wg ? base1 : base0) : base0 + wg * 64;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
+      const float wsc = n < N ? w_scale[n] : 0.f;
+      if (SCALE == SCALE_W8A8)
+        acc[r] = round_to<Bf16>(acc[r] * (m < M ? x_scale[m] : 0.f) * wsc);
+      else
+        acc[r] = acc[r] * wsc;
+    }
+  }
+  if (EP == GEP_SILU) {
+    fence_proxy_async();  // (the MMAs' reads of these bytes completed at their wait; ordered before the stores anyway)
+    __syncthreads();
+    float* up = xch;
+    if (wg == 1) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) up[r * 128 + (tid & 127)] = acc[r];
+    }
+    __syncthreads();
+    if (wg == 1) return;
+    u16* o = reinterpret_cast<u16*>(out);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int p = tile * 64 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
+      if (m < M && p < I) {
+        const float g = round_to<Bf16>(acc[r]), u = round_to<Bf16>(up[r * 128 + tid]);
+        o[(i64)m * I + p] = Bf16::from_float(round_to<Bf16>(g / (1.0f + expf(-g))) * u);
+      }
+    }
+    return;
+  }
+  const int n0 = tile * GEMM_ROWS + wg * 64;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
+    if (m < M && n < N) {
+      const i64 idx = (i64)m * N + n;
+      if (EP == GEP_F32) {
+        reinterpret_cast<float*>(out)[idx] = acc[r];
+      } else if (EP == GEP_RESIDUAL) {
+        u16* p = reinterpret_cast<u16*>(out) + idx;
+        *p = Bf16::from_float(Bf16::to_float(*p) + acc[r]);
+      } else {
+        reinterpret_cast<u16*>(out)[idx] = Bf16::from_float(acc[r]);
+      }
+    }
+  }
+}
+
+// D[64 x 8] += A[64 x 16] * B[16 x 8] with A in registers (bf16 pairs in the mma.sync m16n8k16 A layout a warp
+// a 16-row slice: a0 rows g, k 2t, 2t + 1; a1 row g + 8; a2 row g, k 2t + 8, 2t + 9; a3 row g + 8), B K-major in
+// shared memory (descriptor).
+__device__ __forceinline__ void wgmma_m64n8k16_ra(float (&d)[4], const u32 (&a)[4], u64 desc_b) {
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+__device__ __forceinline__ u32 lds_u32(u32 addr) {
+  u32 v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void sts_u32(u32 addr, u32 v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v));
+}
+__device__ __forceinline__ Vec16 ldg_nc16(const void* p) {
+  Vec16 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+               : "l"(p));
+  return v;
+}
+
+// W8A16 (the _w8a16_n8 entries): x [M <= 8, K] bf16 and W [N, K] E4M3 with w_scale [N]: v = (x @ T(W)^T) * w_scale[n]
+// in fp32 (engine.quant.fp8_linear's W8A16 arithmetic up to the order of the sums), into the bf16 epilogues.
+// The block's x (every row, its split's K range of at most W16_XK) stays in shared memory, stored as 64-k tiles of
+// 8 rows x 128 bytes, 128-byte swizzled, with each 16-value group's pairs permuted: MMA slots (2t, 2t + 1) hold
+// values (4t, 4t + 1) and slots (2t + 8, 2t + 9) values (4t + 2, 4t + 3). The weight's stages stream through
+// cp.async as the other entries' do (128 bytes a row: 128 k). For each k16 step a lane then reads one 32-bit word of
+// each of its two rows, bytes 4t .. 4t + 3 of the step's 16 (the swizzle makes the warp's reads conflict-free), and
+// converts them exactly (fp8x4_to_pairs) into its A registers: under the same permutation they are its four slots.
+#define W16_XK 4096
+#define W16_STAGES 8
+#define W16_X_BYTES (W16_XK / 64 * 1024)
+__host__ __device__ constexpr int gemm_w8a16_smem_bytes() {
+  return W16_X_BYTES + W16_STAGES * GEMM_ROWS * GEMM_ROW_BYTES + 1024;
+}
+
+template <int EP>
+__device__ __forceinline__ void gemm_w8a16_impl(void* out, const u16* __restrict__ x,
+                                                const unsigned char* __restrict__ w, const float* __restrict__ w_scale,
+                                                float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
+                                                int splits) {
+  constexpr int STAGES = W16_STAGES, SB = GEMM_ROWS * GEMM_ROW_BYTES;
+  extern __shared__ unsigned char gemm_smem[];
+  const u32 raw = smem_addr(gemm_smem), xs = (raw + 1023u) & ~1023u, wbase = xs + W16_X_BYTES;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tile = blockIdx.x, split = blockIdx.y;
+  const int I = N >> 1;
+  const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
+  const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
+  const int lim0 = EP == GEP_SILU ? I : N;
+  const int KT = (K + GEMM_ROW_BYTES - 1) / GEMM_ROW_BYTES;  // 128 k a tile
+  const int kt0 = (int)((i64)split * KT / splits), nk = (int)((i64)(split + 1) * KT / splits) - kt0;
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nk) gemm_load_w(wbase + s * SB, w, base0, base1, lim0, N, K, (kt0 + s) * GEMM_ROW_BYTES, tid);
+    cp_async_commit();
+  }
+  // x's K range [kt0 * 128, (kt0 + nk) * 128) into 2 nk tiles of 64 k (zeros past M and K).
+  const int chunks_per_row = nk * 16;  // 16-byte chunks: 8 values
+  for (int q = tid; q < 8 * chunks_per_row; q += GEMM_THREADS) {
+    const int r = q / chunks_per_row, rem = q - r * chunks_per_row, sub = rem >> 3, c = rem & 7;
+    const int k = kt0 * GEMM_ROW_BYTES + sub * 64 + c * 8;
+    Vec16 v = {{0u, 0u, 0u, 0u}};
+    if (r < M && k < K) v = ldg_nc16(x + (i64)r * K + k);
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {  // pair j = (c & 1) * 4 + p of its 16-value group c >> 1
+      const int j = (c & 1) * 4 + p, slot = (j & 1) ? 4 + (j >> 1) : (j >> 1);
+      const int byte = (c >> 1) * 32 + slot * 4;
+      sts_u32(xs + sub * 1024 + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15), v.w[p]);
+    }
+  }
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  const int row0 = wg * 64 + warp * 16 + (lane >> 2), t4 = (lane & 3) * 4, sw = row0 & 7;  // row0 + 8: same sw
+  int stage = 0, refill = STAGES - 1;
+  for (int i = 0; i < nk; ++i) {
+    cp_async_wait<STAGES - 2>();
+    fence_proxy_async();  // (the first time also x's stores)
+    __syncthreads();
+    if (i + STAGES - 1 < nk)
+      gemm_load_w(wbase + refill * SB, w, base0, base1, lim0, N, K, (kt0 + i + STAGES - 1) * GEMM_ROW_BYTES, tid);
+    cp_async_commit();
+    const u32 sa = wbase + stage * SB;
+    u32 a[8][4];
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const u32 w0 = lds_u32(sa + row0 * 128 + ((kk ^ sw) << 4) + t4);
+      const u32 w1 = lds_u32(sa + (row0 + 8) * 128 + ((kk ^ sw) << 4) + t4);
+      fp8x4_to_pairs<Bf16>(w0, a[kk][0], a[kk][2]);
+      fp8x4_to_pairs<Bf16>(w1, a[kk][1], a[kk][3]);
+    }
+    fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)  // k16 step kk: x tile 2 i + kk / 4, its 32-byte column kk % 4
+      wgmma_m64n8k16_ra(acc, a[kk], sw128_desc(xs + (2 * i + (kk >> 2)) * 1024 + (kk & 3) * 32));
+    wgmma_commit();
+    wgmma_wait_all();
+    fence_operands(acc);
+    stage = stage + 1 == STAGES ? 0 : stage + 1;
+    refill = refill + 1 == STAGES ? 0 : refill + 1;
+  }
+  if (EP == GEP_SILU) cp_async_wait<0>();
+  gemm_finish<8, EP, SCALE_W8A16>(acc, out, nullptr, w_scale, ws, counters,
+                                  reinterpret_cast<float*>(gemm_smem + (wbase - raw)), M, N, splits);
+}
+
 #endif  // GEMM_SM90
 
 // F8: x and w are E4M3 bytes with their scales (W8A8); else bf16 (x_scale, w_scale unused).
@@ -209,9 +414,8 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
 #ifdef GEMM_SM90
   constexpr int STAGES = gemm_stages(NT), SB = gemm_stage_bytes(NT), R = NT / 2;
   extern __shared__ unsigned char gemm_smem[];
-  __shared__ int s_last;
   const u32 raw = smem_addr(gemm_smem), base = (raw + 1023u) & ~1023u;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = tid >> 7;
   const int tile = blockIdx.x, split = blockIdx.y;
   const int I = N >> 1;
   const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
@@ -254,74 +458,9 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
     refill = refill + 1 == STAGES ? 0 : refill + 1;
   }
 
-  if (splits > 1) {
-    float* part = ws + (i64)(tile * splits + split) * R * GEMM_THREADS;
-#pragma unroll
-    for (int r = 0; r < R; ++r) st_cg(part + r * GEMM_THREADS + tid, acc[r]);
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(counters + tile, 1) == splits - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int o = 0; o < splits; ++o) {  // in split order, whichever block came last
-      const float* p = ws + (i64)(tile * splits + o) * R * GEMM_THREADS;
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += ld_cg(p + r * GEMM_THREADS + tid);
-    }
-    if (tid == 0) counters[tile] = 0;
-  }
-
-  const int row_in = warp * 16 + (lane >> 2), col_in = (lane & 3) * 2;
-  if (F8) {  // W8A8: the GEMM's output, (y * x_scale[m]) * w_scale[n] rounded to bf16 (rows past M or N: never stored)
-    const int n0 = EP == GEP_SILU ? (wg ? base1 : base0) : base0 + wg * 64;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-      const float xs = m < M ? x_scale[m] : 0.f, wsc = n < N ? w_scale[n] : 0.f;
-      acc[r] = round_to<Bf16>(acc[r] * xs * wsc);
-    }
-  }
-  if (EP == GEP_SILU) {
-    cp_async_wait<0>();
-    fence_proxy_async();  // (the MMAs' reads of these bytes completed at their wait; ordered before the stores anyway)
-    __syncthreads();  // every stage idle: the first R x 128 floats become the up sums' exchange
-    float* up = reinterpret_cast<float*>(gemm_smem + (base - raw));
-    if (wg == 1) {
-#pragma unroll
-      for (int r = 0; r < R; ++r) up[r * 128 + (tid & 127)] = acc[r];
-    }
-    __syncthreads();
-    if (wg == 1) return;
-    u16* o = reinterpret_cast<u16*>(out);
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int p = tile * 64 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-      if (m < M && p < I) {
-        const float g = round_to<Bf16>(acc[r]), u = round_to<Bf16>(up[r * 128 + tid]);
-        o[(i64)m * I + p] = Bf16::from_float(round_to<Bf16>(g / (1.0f + expf(-g))) * u);
-      }
-    }
-    return;
-  }
-  const int n0 = tile * GEMM_ROWS + wg * 64;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-    if (m < M && n < N) {
-      const i64 idx = (i64)m * N + n;
-      if (EP == GEP_F32) {
-        reinterpret_cast<float*>(out)[idx] = acc[r];
-      } else if (EP == GEP_RESIDUAL) {
-        u16* p = reinterpret_cast<u16*>(out) + idx;
-        *p = Bf16::from_float(Bf16::to_float(*p) + acc[r]);
-      } else {
-        reinterpret_cast<u16*>(out)[idx] = Bf16::from_float(acc[r]);
-      }
-    }
-  }
+  if (EP == GEP_SILU) cp_async_wait<0>();  // every stage idle: its first R x 128 floats become the silu exchange
+  gemm_finish<NT, EP, F8 ? SCALE_W8A8 : SCALE_NONE>(acc, out, x_scale, w_scale, ws, counters,
+                                                    reinterpret_cast<float*>(gemm_smem + (base - raw)), M, N, splits);
 #else
   asm volatile("trap;");  // built for another architecture: never launched there (KernelLibrary)
 #endif
@@ -340,6 +479,22 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
       float* ws, int* counters, int M, int N, int K, int splits) {                                                \
     gemm_impl<NT, EP, true>(out, x, x_scale, w, w_scale, ws, counters, M, N, K, splits);                          \
   }
+#ifdef GEMM_SM90
+#define GEMM_W8A16_BODY(EP) gemm_w8a16_impl<EP>(out, x, w, w_scale, ws, counters, M, N, K, splits);
+#else
+#define GEMM_W8A16_BODY(EP) asm volatile("trap;");
+#endif
+#define GEMM_ENTRY_W8A16(NAME, EP)                                                                             \
+  extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_sm90_##NAME##_w8a16_n8(                   \
+      void* out, const u16* x, const unsigned char* w, const float* w_scale, float* ws, int* counters, int M,  \
+      int N, int K, int splits) {                                                                              \
+    GEMM_W8A16_BODY(EP)                                                                                        \
+  }
+GEMM_ENTRY_W8A16(store, GEP_STORE)
+GEMM_ENTRY_W8A16(f32, GEP_F32)
+GEMM_ENTRY_W8A16(residual, GEP_RESIDUAL)
+GEMM_ENTRY_W8A16(silu, GEP_SILU)
+
 #define GEMM_ENTRIES(NT)                       \
   GEMM_ENTRY(store, GEP_STORE, NT)             \
   GEMM_ENTRY(f32, GEP_F32, NT)                 \

@@ -191,6 +191,53 @@ def test_w8a8_against_the_reference_arithmetic(lib, ws, gen, shape, M):
         check(f"w8a8 silu {shape} M={M}", silu, TORCH.silu_and_mul(ref), 1e-2)
 
 
+@pytest.mark.parametrize("shape", ["8b_qkv", "8b_down", "1b_o", "smol_qkv", "odd"])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_w8a16_against_the_reference_arithmetic(lib, ws, gen, shape, M):
+    """bf16 x and per-channel E4M3 weights converted in registers (decode's 1-8 rows): (x @ T(W)^T) * w_scale in fp32
+    (engine.quant.fp8_linear's W8A16), then each epilogue; 8b_down's K (14336) needs 4 splits at least (its x
+    stays in shared memory, 4096 values a split)."""
+    from engine.quant import quantize_fp8
+    N, K = SHAPES[shape]
+    if K % 16:
+        K += 16 - K % 16
+    x = randn(M, K, dtype=torch.bfloat16)
+    w8 = quantize_fp8(randn(N, K, scale=K ** -0.5), activation_scheme="none")
+    ref = (x.float() @ w8.data.to(torch.bfloat16).float().t()) * w8.row_scale
+    f32, guard = guarded(M, N, torch.float32)
+    gemm_sm90.launch_w8a16(lib, ws, "f32", f32, x, w8.data, w8.row_scale)
+    torch.cuda.synchronize()
+    assert torch.isnan(guard).all() and not ws.counters.any()
+    check(f"w8a16 f32 {shape} M={M}", f32, ref, 1e-5)
+    out, guard = guarded(M, N, torch.bfloat16)
+    gemm_sm90.launch_w8a16(lib, ws, "store", out, x, w8.data, w8.row_scale)
+    h0 = randn(M, N, dtype=torch.bfloat16, scale=4.0)
+    h = h0.clone()
+    gemm_sm90.launch_w8a16(lib, ws, "residual", h, x, w8.data, w8.row_scale)
+    torch.cuda.synchronize()
+    assert torch.isnan(guard).all()
+    assert torch.equal(out, f32.bfloat16()) and torch.equal(h, (h0.float() + f32).bfloat16())
+    if N % 2 == 0:
+        silu, guard = guarded(M, N // 2, torch.bfloat16)
+        gemm_sm90.launch_w8a16(lib, ws, "silu", silu, x, w8.data, w8.row_scale)
+        torch.cuda.synchronize()
+        assert torch.isnan(guard).all()
+        g, u = f32.bfloat16().float().chunk(2, dim=1)
+        check(f"w8a16 silu {shape} M={M}", silu, ((g / (1 + torch.exp(-g))).bfloat16().float() * u).bfloat16(), 2e-3)
+
+
+@pytest.mark.parametrize("num_splits", [4, 5, 9, 16])
+def test_w8a16_any_split_count_past_the_least(lib, ws, gen, num_splits):
+    from engine.quant import quantize_fp8
+    x = randn(8, 14336, dtype=torch.bfloat16)
+    w8 = quantize_fp8(randn(2048, 14336, scale=14336 ** -0.5), activation_scheme="none")
+    ref = (x.float() @ w8.data.to(torch.bfloat16).float().t()) * w8.row_scale
+    out = nan((8, 2048), torch.float32)
+    gemm_sm90.launch_w8a16(lib, ws, "f32", out, x, w8.data, w8.row_scale, num_splits=num_splits)
+    torch.cuda.synchronize()
+    check(f"w8a16 split {num_splits}", out, ref, 1e-5)
+
+
 def test_bad_arguments_are_refused(lib, ws):
     from engine.cuda.driver import KernelArgError
     x, w = operands(9, 256, 64)
@@ -202,6 +249,14 @@ def test_bad_arguments_are_refused(lib, ws):
         gemm_sm90.launch(lib, ws, "silu", nan((9, 256), torch.bfloat16), x, w)
     with pytest.raises(KernelArgError, match="dtype"):
         gemm_sm90.launch(lib, ws, "f32", nan((9, 256), torch.bfloat16), x, w)
+    with pytest.raises(KernelArgError, match="more than 32"):  # 14336 values: 4 splits at least
+        x8 = randn(8, 14336, dtype=torch.bfloat16)
+        gemm_sm90.launch_w8a16(lib, ws, "f32", nan((8, 256), torch.float32), x8,
+                               randn(256, 14336).to(torch.float8_e4m3fn), torch.ones(256, device=x8.device),
+                               num_splits=3)
+    with pytest.raises(KernelArgError, match="at most 8"):
+        gemm_sm90.launch_w8a16(lib, ws, "store", nan((9, 256), torch.bfloat16), x, w.to(torch.float8_e4m3fn),
+                               torch.ones(256, device=x.device))
     with pytest.raises(KernelArgError, match="unknown epilogue"):  # no fp32 logits from W8A8
         ones = torch.ones(265, device=x.device)
         gemm_sm90.launch_w8a8(lib, ws, "f32", nan((9, 256), torch.float32), x.to(torch.float8_e4m3fn), ones[:9],

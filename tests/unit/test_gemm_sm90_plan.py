@@ -26,6 +26,11 @@ def test_the_wrapper_and_the_kernel_agree_on_tiles_and_entries():
     assert set(re.findall(r"GEMM_ENTRY\((\w+), GEP_", SOURCE)) == set(gemm_sm90.GEMM_EPILOGUES)
     assert set(re.findall(r"GEMM_ENTRY_W8A8\((\w+), GEP_", SOURCE)) == set(gemm_sm90.W8A8_EPILOGUES)
     assert "196608" in SOURCE and "+ 1024" in SOURCE  # stages within 192 KiB, plus the alignment slack
+    assert set(re.findall(r"GEMM_ENTRY_W8A16\((\w+), GEP_", SOURCE)) == set(gemm_sm90.W8A16_EPILOGUES)
+    xk, stages = define("W16_XK"), define("W16_STAGES")
+    assert gemm_sm90.W8A16_MAX_KTILES == xk // gemm_sm90.ROW_BYTES
+    assert gemm_sm90.W8A16_SMEM == xk // 64 * 1024 + stages * gemm_sm90.GEMM_ROWS * gemm_sm90.ROW_BYTES + 1024
+    assert gemm_sm90.W8A16_SMEM <= H100_SMEM_OPTIN - 1024
 
 
 @pytest.mark.parametrize("nt", gemm_sm90.GEMM_NT)

@@ -1,9 +1,10 @@
-"""Hopper GEMM for decode and verify forwards of 9-256 rows (kernels_cu/gemm_sm90.cu, sm_90a only): x [M, K] @
-W^T for a bf16 weight W [N, K] on the warpgroup MMA, with the projection's epilogue fused (store, fp32 logits, the
-residual add in place, SiLU-and-mul of a [gate | up] weight); and W8A8 (launch_w8a8): E4M3 x with per-row scales
-times a per-channel E4M3 weight on the FP8 MMA, engine.quant.w8a8_linear's arithmetic. Where a grid of one split
-would leave SMs idle, K is split and the last block of each weight tile sums the splits (in split order) into the
-epilogue.
+"""Hopper GEMM for decode and verify forwards of 9-256 rows (kernels_cu/gemm_sm90.cu, sm_90a only): x [M, K] @ W^T for
+a bf16 weight W [N, K] on the warpgroup MMA, with the projection's epilogue fused (store, fp32 logits, the residual
+add in place, SiLU-and-mul of a [gate | up] weight); W8A8 (launch_w8a8): E4M3 x with per-row scales times a per-
+channel E4M3 weight on the FP8 MMA, engine.quant.w8a8_linear's arithmetic; and W8A16 for decode's 1-8 rows
+(launch_w8a16): the E4M3 weight converted to bf16 in registers, engine.quant.fp8_linear's arithmetic. Where a grid
+of one split would leave SMs idle, K is split and the last block of each weight tile sums the splits (in split
+order) into the epilogue.
 
 SplitKWorkspace holds the fp32 partial sums and the per-tile arrival counters: one per CudaOps, used by launches of
 one stream (the decode and verify forwards), so two launches never share it at once."""
@@ -26,6 +27,11 @@ GEMM_EPILOGUES = ("store", "f32", "residual", "silu")
 W8A8_EPILOGUES = ("store", "residual", "silu")
 GEMM_ARGS = "ppppp" + "iiii"  # out, x, w, ws, counters, M, N, K, splits
 W8A8_ARGS = "ppppppp" + "iiii"  # out, x, x_scale, w, w_scale, ws, counters, M, N, K, splits
+W8A16_EPILOGUES = GEMM_EPILOGUES
+W8A16_ARGS = "pppppp" + "iiii"  # out, x, w, w_scale, ws, counters, M, N, K, splits
+W8A16_MAX_ROWS = 8  # the _w8a16_n8 entries' rows (decode's skinny forwards)
+W8A16_MAX_KTILES = 4096 // 128  # k-tiles of 128 a split: its x stays in shared memory (W16_XK)
+W8A16_SMEM = 4096 // 64 * 1024 + 8 * 128 * 128 + 1024  # the kernel's gemm_w8a16_smem_bytes()
 GEMM_ROWS = 128  # weight rows a block (silu: 64 gate rows and their 64 up rows)
 ROW_BYTES = 128  # bytes of each operand row a stage (64 k of bf16, 128 of E4M3)
 GEMM_THREADS = 256
@@ -42,6 +48,10 @@ def entry_names() -> list[str]:
 
 def w8a8_entry_names() -> list[str]:
     return [f"gemm_sm90_{ep}_w8a8_n{nt}" for nt in GEMM_NT for ep in W8A8_EPILOGUES]
+
+
+def w8a16_entry_names() -> list[str]:
+    return [f"gemm_sm90_{ep}_w8a16_n8" for ep in W8A16_EPILOGUES]
 
 
 def stage_bytes(nt: int) -> int:
@@ -135,6 +145,34 @@ def launch_w8a8(lib: KernelLibrary, ws: SplitKWorkspace, epilogue: str, out: tor
                    num_splits)
 
 
+def launch_w8a16(lib: KernelLibrary, ws: SplitKWorkspace, epilogue: str, out: torch.Tensor, x: torch.Tensor,
+                 weight: torch.Tensor, w_scale: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
+    """W8A16 for at most W8A16_MAX_ROWS rows: out <- epilogue((x @ T(weight)^T) * w_scale[None, :]) for bf16 x [M, K],
+    an E4M3 weight [N, K] and its per-row fp32 scales w_scale [N] (engine.quant.fp8_linear's arithmetic): store /
+    residual out [M, N] bf16, f32 out [M, N] fp32, silu out [M, N / 2] bf16. K is split at least so that each split
+    holds at most W8A16_MAX_KTILES k-tiles."""
+    if epilogue not in W8A16_EPILOGUES:
+        raise KernelArgError(f"gemm_sm90 w8a16: unknown epilogue {epilogue!r} (one of {W8A16_EPILOGUES})")
+    xp = tensor_arg(x, "gemm_sm90 x", torch.bfloat16, 2)
+    wp = tensor_arg(weight, "gemm_sm90 weight", FP8_DTYPE, 2)
+    _check(x, weight, 16)
+    if x.shape[0] > W8A16_MAX_ROWS:
+        raise KernelArgError(f"gemm_sm90 w8a16: {x.shape[0]} rows; the kernels take at most {W8A16_MAX_ROWS}")
+    wsp = tensor_arg(w_scale, "gemm_sm90 w_scale", torch.float32, 1, align=False)
+    expect_shape(w_scale, "gemm_sm90 w_scale", (weight.shape[0],))
+    op = tensor_arg(out, "gemm_sm90 out", torch.float32 if epilogue == "f32" else torch.bfloat16, 2)
+    _check_out(out, x, weight, epilogue)
+    most = k_tiles(x.shape[1], 1)
+    least = -(-most // W8A16_MAX_KTILES)
+    if num_splits is None:
+        num_splits = max(least, splits(tiles(weight.shape[0], epilogue == "silu"), x.shape[1], lib.num_sms, 1))
+    if num_splits < least:
+        raise KernelArgError(f"gemm_sm90 w8a16: {num_splits} splits of {most} k-tiles leave more than "
+                             f"{W8A16_MAX_KTILES} a split")
+    return _launch(lib, ws, f"gemm_sm90_{epilogue}_w8a16", out, (op, xp, wp, wsp), x, weight, epilogue, 1,
+                   num_splits, nt=8, smem=W8A16_SMEM)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor, k_align: int) -> None:
     M, K = x.shape
     if weight.shape[1] != K or K % k_align:
@@ -155,7 +193,7 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, epilogu
 
 def _launch(lib: KernelLibrary, ws: SplitKWorkspace, entry: str, out: torch.Tensor, pointers: tuple,
             x: torch.Tensor, weight: torch.Tensor, epilogue: str, element_bytes: int,
-            num_splits: int | None) -> torch.Tensor:
+            num_splits: int | None, nt: int | None = None, smem: int | None = None) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
     if M == 0:
         return out
@@ -166,7 +204,7 @@ def _launch(lib: KernelLibrary, ws: SplitKWorkspace, entry: str, out: torch.Tens
         raise KernelArgError(f"gemm_sm90: {s} splits of {most} k-tiles")
     if s > 1 and (num_tiles * s > ws.max_blocks or num_tiles > ws.counters.numel()):
         raise KernelArgError(f"gemm_sm90: {num_tiles} tiles x {s} splits exceed the workspace")
-    nt = nt_bucket(M)
-    lib.kernels[f"{entry}_n{nt}"]((num_tiles, s, 1), (GEMM_THREADS, 1, 1), smem_bytes(nt), lib.stream(), *pointers,
-                                  ws.partials.data_ptr(), ws.counters.data_ptr(), M, N, K, s)
+    nt = nt or nt_bucket(M)
+    lib.kernels[f"{entry}_n{nt}"]((num_tiles, s, 1), (GEMM_THREADS, 1, 1), smem or smem_bytes(nt), lib.stream(),
+                                  *pointers, ws.partials.data_ptr(), ws.counters.data_ptr(), M, N, K, s)
     return out
