@@ -142,7 +142,7 @@ class CudaOps(TorchOps):
     def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
                       normed: torch.Tensor | None = None) -> torch.Tensor:
         spec = meta.spec
-        if layer.q_norm is not None or not self._skinny or not skinny_fits(h, layer.qkv, spec.head_dim):
+        if layer.q_norm is not None or not self._skinny or not self._skinny_fits(h, layer.qkv, spec.head_dim):
             return super().norm_qkv_rope(h, layer, meta, kv, normed)
         q = torch.empty((h.shape[0], spec.num_heads, spec.head_dim), dtype=h.dtype, device=h.device)
         skinny_linear.rope_kv(self.lib, q, h, layer.qkv, layer.qkv_bias, layer.input_norm, meta.cos_sin,
@@ -162,7 +162,7 @@ class CudaOps(TorchOps):
             return super().qkv_attention(h, layer, meta, kv, normed)
         spec = meta.spec
         B, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        if layer.q_norm is None and self._skinny and skinny_fits(h, layer.qkv, D):
+        if layer.q_norm is None and self._skinny and self._skinny_fits(h, layer.qkv, D):
             # Before waiting for the QKV kernel, attention reads everything that kernel did not write (it wrote
             # the last B positions' cache rows at most: one per token of this forward).
             q = self.norm_qkv_rope(h, layer, meta, kv, normed)
@@ -191,7 +191,7 @@ class CudaOps(TorchOps):
         residual_norm sums them into h and makes the next op's rms_norm in the same launch: faster than
         cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm launch after it
         (bench/split_k_gemm.py; bench/RESULTS.md). gate_up stays on cuBLAS (slower split). Else TorchOps'."""
-        if self._skinny and skinny_fits(h, weight, weight.shape[0]):
+        if self._skinny and self._skinny_fits(h, weight, weight.shape[0]):
             skinny_linear.residual(self.lib, h, x.contiguous(), weight)
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
@@ -214,7 +214,7 @@ class CudaOps(TorchOps):
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
+        if not self._skinny or not self._skinny_fits(h, gate_up, gate_up.shape[0]):
             if self._gemm is not None or (self._decode and isinstance(gate_up, Fp8Weight)):
                 # past the skinny forwards: the Hopper GEMM's silu entries, else the FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
@@ -234,11 +234,17 @@ class CudaOps(TorchOps):
         x = h if rows is None else h[rows]
         fp8_head = self._decode and isinstance(lm_head, Fp8Weight)
         max_rows = skinny_linear.FP8_MAX_M if fp8_head else SKINNY_TOKENS
-        if not (self._skinny or fp8_head) or not skinny_fits(x, lm_head, lm_head.shape[0], max_rows):
+        if not (self._skinny or fp8_head) or not self._skinny_fits(x, lm_head, lm_head.shape[0], max_rows):
             return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         skinny_linear.store(self.lib, out, x, lm_head, None, norm, eps)
         return out
+
+    def _skinny_fits(self, x: torch.Tensor, weight: Weight, span: int, max_rows: int = SKINNY_TOKENS) -> bool:
+        """skinny_fits, except for an FP8 weight the Hopper GEMM's W8A16 entries take in this forward: such a forward's
+        ops take the paths past the skinny kernels, whose projections go to that GEMM (self.linear)."""
+        return skinny_fits(x, weight, span, max_rows) and not (
+            self._gemm is not None and self._gemm.takes_w8a16(x, weight))
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:

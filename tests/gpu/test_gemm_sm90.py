@@ -298,10 +298,11 @@ def assert_divergences_are_near_ties(ref_engine, ps, got, ref) -> None:
 
 
 @pytest.mark.parametrize("quantization", ["none", "fp8"])
-@pytest.mark.parametrize("batch", [12, 40])
+@pytest.mark.parametrize("batch", [4, 12, 40])
 def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, quantization, batch):
-    """32 greedy tokens of 12 and 40 prompts (decode forwards of 12 and 40 rows on gemm_sm90; with --quantization
-    fp8 its W8A8 entries against the torch-ops engine's reference W8A8)."""
+    """32 greedy tokens of 4, 12 and 40 prompts (decode forwards of 12 and 40 rows on gemm_sm90, of 4 on the skinny
+    kernels; with --quantization fp8 the forwards of 4 rows on its W8A16 entries, off the skinny path, and those of 12
+    and 40 on its W8A8 entries, against the torch-ops engine's reference W8A16 and W8A8)."""
     from gpu.helpers import greedy_run
     from gpu.test_engine_gpu import gpu_engine, prompts
 
