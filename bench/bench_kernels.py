@@ -195,6 +195,18 @@ def skinny_rows(lib, dev, dt, tokens=(1, 5, 8, 16, 32)) -> list[tuple]:  # 5: Ve
 GEMM_EPILOGUE = {"rope_kv": "store", "residual": "residual", "silu": "silu", "f32": "f32"}
 
 
+def rotated_weights(N: int, K: int, nbytes: int, make) -> list:
+    """Enough copies of make() (a weight [N, K] of nbytes) that a timed graph cycling them reads no weight from L2."""
+    return [make() for _ in range(max(1, min(20, -(-ROTATE_BYTES // nbytes))))]
+
+
+def projection_operands(M: int, N: int, K: int, epilogue: str, dev, dt) -> tuple:
+    """(x [M, K], a residual stream h [M, N], the epilogue's output: [M, N / 2] for silu, fp32 for f32)."""
+    out = torch.empty(M, N // 2 if epilogue == "silu" else N, device=dev,
+                      dtype=torch.float32 if epilogue == "f32" else dt)
+    return torch.randn(M, K, device=dev, dtype=dt), torch.randn(M, N, device=dev, dtype=dt), out
+
+
 def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) -> list[tuple]:
     """The Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90) beside what CudaOps runs without it, at the
     decode projections of SKINNY_SHAPES: each projection's fused entry (qkv: store; o, down: residual; gate_up:
@@ -208,14 +220,10 @@ def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) ->
     rows = []
     for label, N, K, ep in SKINNY_SHAPES:
         nbytes = N * K * 2
-        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
-        weights = [torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5 for _ in range(copies)]
+        weights = rotated_weights(N, K, nbytes, lambda: torch.randn(N, K, device=dev, dtype=dt) * K ** -0.5)
         gep = GEMM_EPILOGUE[ep]
         for M in tokens:
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            h = torch.randn(M, N, device=dev, dtype=dt)
-            out = torch.empty(M, N // 2 if gep == "silu" else N, device=dev,
-                              dtype=torch.float32 if gep == "f32" else dt)
+            x, h, out = projection_operands(M, N, K, gep, dev, dt)
             inter = torch.empty(M, N // 2, device=dev, dtype=dt)
             cublas = {
                 "store": lambda w, x=x: F.linear(x, w),
@@ -259,13 +267,10 @@ def gemm_w8a8_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256)) -> list[tuple]:
         if not label.startswith("8B") or ep == "f32":
             continue
         nbytes = N * K
-        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
-        weights = [quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5) for _ in range(copies)]
+        weights = rotated_weights(N, K, nbytes, lambda: quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5))
         gep = GEMM_EPILOGUE[ep]
         for M in tokens:
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            h = torch.randn(M, N, device=dev, dtype=dt)
-            out = torch.empty(M, N // 2 if gep == "silu" else N, device=dev, dtype=dt)
+            x, h, out = projection_operands(M, N, K, gep, dev, dt)
 
             def now(w, x=x, h=h, out=out):
                 y = fp8_scaled_mm(lib, x, w, decode=True)
@@ -301,15 +306,11 @@ def gemm_w8a16_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
         if not label.startswith("8B"):
             continue
         nbytes = N * K
-        copies = max(1, min(20, -(-ROTATE_BYTES // nbytes)))
-        weights = [quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5, activation_scheme="none")
-                   for _ in range(copies)]
+        weights = rotated_weights(N, K, nbytes, lambda: quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5,
+                                                                     activation_scheme="none"))
         gep = GEMM_EPILOGUE[ep]
         for M in tokens:
-            x = torch.randn(M, K, device=dev, dtype=dt)
-            h = torch.randn(M, N, device=dev, dtype=dt)
-            out = torch.empty(M, N // 2 if gep == "silu" else N, device=dev,
-                              dtype=torch.float32 if gep == "f32" else dt)
+            x, h, out = projection_operands(M, N, K, gep, dev, dt)
             store = torch.empty(M, N, device=dev, dtype=dt)
             fused = {"store": lambda w: skinny_linear.store(lib, store, x, w),
                      "f32": lambda w: skinny_linear.store(lib, out, x, w),

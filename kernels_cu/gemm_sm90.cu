@@ -308,13 +308,6 @@ __device__ __forceinline__ u32 lds_u32(u32 addr) {
 __device__ __forceinline__ void sts_u32(u32 addr, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
-__device__ __forceinline__ Vec16 ldg_nc16(const void* p) {
-  Vec16 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
-               : "l"(p));
-  return v;
-}
 
 // W8A16 (the _w8a16_n8 entries): x [M <= 8, K] bf16 and W [N, K] E4M3 with w_scale [N]: v = (x @ T(W)^T) * w_scale[n]
 // in fp32 (engine.quant.fp8_linear's W8A16 arithmetic up to the order of the sums), into the bf16 epilogues.
@@ -359,7 +352,7 @@ __device__ __forceinline__ void gemm_w8a16_impl(void* out, const u16* __restrict
     const int r = q / chunks_per_row, rem = q - r * chunks_per_row, sub = rem >> 3, c = rem & 7;
     const int k = kt0 * GEMM_ROW_BYTES + sub * 64 + c * 8;
     Vec16 v = {{0u, 0u, 0u, 0u}};
-    if (r < M && k < K) v = ldg_nc16(x + (i64)r * K + k);
+    if (r < M && k < K) v = ld_act16(x + (i64)r * K + k);
 #pragma unroll
     for (int p = 0; p < 4; ++p) {  // pair j = (c & 1) * 4 + p of its 16-value group c >> 1
       const int j = (c & 1) * 4 + p, slot = (j & 1) ? 4 + (j >> 1) : (j >> 1);
