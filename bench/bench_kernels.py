@@ -237,8 +237,9 @@ def gemm_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256), split_sweep=False) ->
                                                   weights)}
             if split_sweep:
                 most = gemm_sm90.k_tiles(K)
-                for s in (1, 2, 4, 8, 16):
-                    if s <= most and gemm_sm90.tiles(N, gep == "silu") * s <= ws.max_blocks:
+                for s in (1, 2, 3, 4, 6, 8, 16):
+                    blocks = gemm_sm90.tiles(N, gep == "silu") * gemm_sm90.column_tiles(M)
+                    if s <= most and (s == 1 or (blocks * s <= ws.max_blocks and blocks <= ws.counters.numel())):
                         cases[f"gemm_sm90 {gep} S={s}"] = rotating(
                             lambda w, x=x, o=target, s=s: gemm_sm90.launch(lib, ws, gep, o, x, w, num_splits=s),
                             weights)
@@ -285,43 +286,6 @@ def gemm_w8a8_rows(lib, dev, dt, tokens=(16, 32, 64, 128, 256)) -> list[tuple]:
                                       w.row_scale)
 
             for name, fn in ((f"W8A8 now {gep}", now), (f"gemm_sm90 w8a8 {gep}", fused)):
-                d_us = device_us(rotating(fn, weights))
-                rows.append((M, f"{name} {label}", d_us, 0.0, f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
-def gemm_w8a16_rows(lib, dev, dt, tokens=(1, 8)) -> list[tuple]:
-    """W8A16 at the 8B decode projections, 1-8 rows (issue 43's FP8 b1): the skinny FP8 kernels CudaOps runs there
-    (skinny_store, and the projection's fused entry without its NORM prologue) beside gemm_sm90's _w8a16_n8 entries
-    (the weight streamed by cp.async, converted in registers, register-A wgmma) with the same epilogue. GB/s of the
-    E4M3 weight's bytes."""
-    from engine.cuda.wrappers import gemm_sm90
-    if not lib.gemm_sm90:
-        return [(0, "gemm_sm90 not loaded on this device", 0.0, 0.0, "")]
-    ws = gemm_sm90.SplitKWorkspace(dev, lib.num_sms)
-    rows = []
-    for label, N, K, ep in SKINNY_SHAPES:
-        if not label.startswith("8B"):
-            continue
-        nbytes = N * K
-        weights = rotated_weights(N, K, nbytes, lambda: quantize_fp8(torch.randn(N, K, device=dev) * K ** -0.5,
-                                                                     activation_scheme="none"))
-        gep = GEMM_EPILOGUE[ep]
-        for M in tokens:
-            x, h, out = projection_operands(M, N, K, gep, dev, dt)
-            store = torch.empty(M, N, device=dev, dtype=dt)
-            fused = {"store": lambda w: skinny_linear.store(lib, store, x, w),
-                     "f32": lambda w: skinny_linear.store(lib, out, x, w),
-                     "residual": lambda w: skinny_linear.residual(lib, h, x, w),
-                     "silu": lambda w: skinny_linear.silu(lib, out, x, w)}[gep]
-            target = h if gep == "residual" else out
-            cases = {"skinny_store fp8": lambda w: skinny_linear.store(lib, store, x, w),
-                     f"skinny_{gep} fp8": fused,
-                     f"gemm_sm90 w8a16 {gep}": lambda w: gemm_sm90.launch_w8a16(lib, ws, gep, target, x, w.data,
-                                                                                 w.row_scale)}
-            for name, fn in cases.items():
                 d_us = device_us(rotating(fn, weights))
                 rows.append((M, f"{name} {label}", d_us, 0.0, f"{nbytes / d_us / 1e3:8.0f} GB/s weights"))
         del weights
@@ -783,8 +747,8 @@ def main() -> int:
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
     --skinny --fp8 only those;
     --prefill (only the paged prefill attention, prefill_rows);
-    --gemm (only the Hopper GEMM beside cuBLAS at the decode projections, gemm_rows, then its W8A16 beside the skinny
-    FP8 kernels at 1 and 8 rows, gemm_w8a16_rows, and its W8A8 beside CudaOps' W8A8 at the 8B ones, gemm_w8a8_rows;
+    --gemm (only the Hopper GEMM beside cuBLAS at the decode projections, gemm_rows, then its W8A8 beside CudaOps'
+    W8A8 at the 8B ones, gemm_w8a8_rows;
     --tokens 16,256: only those row counts; --splits: at forced K splits too; --fp8: the FP8 rows alone);
     --prefill-long (only long prompts' attention by every route: paged kernel, FlashAttention, cuDNN; long_prefill_rows);
     --variant SRC BUILD with --skinny, --sample, --long or --prefill (repeatable): also those rows of the kernels built from SRC
@@ -843,7 +807,7 @@ def main() -> int:
         if "--tokens" in sys.argv:
             only["tokens"] = tuple(int(m) for m in sys.argv[sys.argv.index("--tokens") + 1].split(","))
         rows = [] if "--fp8" in sys.argv else gemm_rows(ops.lib, dev, dt, split_sweep="--splits" in sys.argv, **only)
-        rows += gemm_w8a16_rows(ops.lib, dev, dt) + gemm_w8a8_rows(ops.lib, dev, dt, **only)
+        rows += gemm_w8a8_rows(ops.lib, dev, dt, **only)
         for batch, name, d_us, _, extra in rows:
             print(f"{batch:>5}  {name:<40} {d_us:>10.2f}  {extra}", flush=True)
         return 0

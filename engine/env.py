@@ -33,7 +33,8 @@ PREFILL_ATTENTION = os.environ.get("METRALE_PREFILL_ATTENTION", "cudnn")
 PREFILL_GRAPH_TOKENS = int(os.environ.get("METRALE_PREFILL_GRAPH_TOKENS", "1024"))
 # With "cudnn": the keys a forward's longest sequence must have for cuDNN to take it (FlashAttention below).
 CUDNN_MIN_KEYS = int(os.environ.get("METRALE_CUDNN_MIN_KEYS", "4096"))
-# The GEMMs of decode and verify forwards of 9-256 rows with bf16 weights: "cublas" (torch's, with the split-K bmm
-# and the separate epilogue kernels of engine/cuda/ops.py) or "sm90" (kernels_cu/gemm_sm90.cu on the warpgroup MMA,
-# epilogues fused; sm_90 devices only, cuBLAS elsewhere).
+# The GEMMs of forwards of 9-256 rows (decode, verify, short prompts): "cublas" (torch's, with the split-K bmm and the
+# separate epilogue kernels of engine/cuda/ops.py), "sm90" (kernels_cu/gemm_sm90.cu on the warpgroup MMA, epilogues
+# fused, for the projections and row counts where it measured faster than cuBLAS: engine/cuda/hopper_gemm.py ROUTES)
+# or "sm90-all" (every projection it takes: for A/B runs). sm_90 devices only, cuBLAS elsewhere.
 GEMM = os.environ.get("METRALE_GEMM", "cublas")

@@ -1,6 +1,6 @@
 // nvcc-gencode: 90a
-// Op: the linear layers of decode and verify forwards of 9-256 rows on Hopper's warpgroup MMA (wgmma), each with
-// its projection's epilogue fused (sm_90a only: KernelLibrary loads this module on compute capability 9.0).
+// Op: the linear layers of forwards of 9-256 rows (decode, verify, short prompts) on Hopper's warpgroup MMA (wgmma),
+// each with its projection's epilogue fused (sm_90a only: KernelLibrary loads this module on compute capability 9.0).
 //
 //   y[m, n] = sum_k x[m, k] W[n, k]            x [M, K], W [N, K], bf16, fp32 sums
 //   store     out[m, n] = T(y)                  out [M, N] bf16
@@ -13,45 +13,50 @@
 // (engine.quant.w8a8_linear's order), and the GEMM's bf16 output T(v) goes into the epilogue as the separate ops
 // compute it: store T(v); residual T(out + T(v)); silu with g and u the T(v) of the gate and up rows (no f32 entry).
 //
-// Roles swapped: W is the MMA's A operand (64 rows a warpgroup) and x its B operand, so the forward's rows are
-// the MMA's N side (NT = 16, 32, 64, 128 or 256 columns, M <= NT: the rest are zeros) and a block reads each of
-// its weight rows once for every row of the forward. At these sizes a step reads the weights at about the MMA's
-// ridge point: the bytes in flight, not the MMA, bound it.
+// Roles swapped: W is the MMA's A operand (64 rows a warpgroup) and x its B operand, so the forward's rows are the
+// MMA's N side. A block takes NT = 16, 32, 64 or 128 of them, its column tile z (rows [z NT, z NT + NT) of x, the
+// rest zeros; Z = ceil(M / NT) column tiles), and reads each of its weight rows once for all of them. At these sizes
+// a forward reads the weights near the MMA's ridge point: the bytes in flight, not the MMA, bound it.
 //
-// A block: 256 threads, two warpgroups, 128 weight rows (store / f32 / residual: rows [128 t, 128 t + 128);
-// silu: gate rows [64 t, 64 t + 64) in warpgroup 0 and the up rows [I + 64 t, ...) in warpgroup 1, so each
-// thread's gate sums meet the same thread position's up sums through shared memory) by every column, over the
-// K range of its split: k-tiles [s KT / S, (s + 1) KT / S) of KT = ceil(K bytes / 128).
+// A block: 256 threads, two warpgroups, 128 weight rows (store / f32 / residual: rows [128 t, 128 t + 128); silu:
+// gate rows [64 t, 64 t + 64) in warpgroup 0 and their up rows [I + 64 t, ...) in warpgroup 1) by its NT columns,
+// over the K range of its split: k-tiles [s KT / S, (s + 1) KT / S) of KT = ceil(K bytes / 128). blockIdx.x = t Z + z
+// (a weight tile's column tiles run side by side and share its reads in L2), blockIdx.y = s.
 // Shared memory: STAGES stages, each the W tile (128 rows x 128 bytes: 64 k of bf16, 128 of E4M3) then the x tile (NT
 // rows x 128 bytes), each row's 16-byte chunks XOR-swizzled by (row % 8): the 128-byte swizzle the MMA's shared-memory
 // descriptors name (start address, stride of 8 rows = 1024 bytes, swizzle mode 1). Stages are filled by cp.async (every
 // thread, 16 bytes a copy; rows past M or N and K past the end are zero-filled), made visible to the MMA's async proxy
 // by fence.proxy.async and a barrier, and consumed by four MMAs a warpgroup (m64nNTk16 bf16 or m64nNTk32 E4M3: 32 bytes
-// of each row, the descriptor's start advanced by 32 bytes each); a stage is refilled only after both warpgroups' MMAs
-// on it completed (wgmma.wait_group 0 before the next barrier).
-// Split K (S > 1): each block stores its fp32 sums to ws (its thread's registers in order, coalesced), and the last
-// block of its tile to arrive (counters[t], reset by that block) adds every split's sums in split order, so the result
-// does not depend on which block finishes last, and applies the epilogue.
+// of each row, the descriptor's start advanced by 32 bytes each). Iteration i issues k-tile i's MMAs, then the copies
+// of k-tile i + STAGES - 2 into the stage k-tile i - 2 used, then waits for its MMAs of iteration i - 1 (one group
+// stays in flight): every warpgroup has waited for k-tile i - 2's MMAs before iteration i's barrier.
+// The epilogue goes through shared memory (the idle stages): the sums, an [NT][128] fp32 tile, are read back four
+// consecutive weight rows of one forward row a thread, so the output's loads and stores are 8- and 16-byte vectors
+// that a warp's lanes issue side by side, all of a thread's loads before its stores.
+// Split K (S > 1): each block stores its tile's rows below M to ws (coalesced), and the last block of its tile to
+// arrive (counters[t Z + z], reset by that block) adds every split's sums in split order, so the result does not
+// depend on which block finishes last, and applies the epilogue.
 //
-// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128,256};
-// gemm_sm90_{store,residual,silu}_w8a8_n{16,32,64,128,256} with x_scale [M] after x and w_scale [N] after w;
-// gemm_sm90_{store,f32,residual,silu}_w8a16_n8: bf16 x, E4M3 w, w_scale [N] after w, dynamic shared memory
-// gemm_w8a16_smem_bytes(), K % 16 == 0 and at most W16_XK / 128 k-tiles a split; below, W8A16 at gemm_w8a16_impl):
-//   grid (tiles, S), block 256, dynamic shared memory gemm_smem_bytes(NT) (engine/cuda/wrappers/gemm_sm90.py);
-//   tiles = ceil(N / 128) (silu: ceil(I / 64)); 1 <= S <= KT; M <= NT; K % 8 == 0 (E4M3: % 16); x, W 16-byte
-//   aligned, x and out contiguous rows; ws holds tiles * S * NT * 128 floats when S > 1, and counters[0 .. tiles)
-//   are zero (every launch leaves them so). Launches that share ws and counters must be ordered (one stream).
+// Launch contract (gemm_sm90_{store,f32,residual,silu}_bf16_n{16,32,64,128};
+// gemm_sm90_{store,residual,silu}_w8a8_n{16,32,64,128} with x_scale [M] after x and w_scale [N] after w):
+//   grid (tiles Z, S), block 256, dynamic shared memory gemm_smem_bytes(NT) (engine/cuda/wrappers/gemm_sm90.py);
+//   tiles = ceil(N / 128) (silu: ceil(I / 64)); Z = ceil(M / NT); 1 <= S <= KT; K % 8 == 0 (E4M3: % 16); x, W and
+//   out 16-byte aligned, x and out contiguous rows; ws holds tiles Z S NT 128 floats when S > 1, and counters[0 ..
+//   tiles Z) are zero (every launch leaves them so). Launches that share ws and counters must be ordered (one stream).
+//   Programmatic dependent launch (engine/cuda/library.py PDL_PREFIXES): before its grid_dependency_wait a block reads
+//   only W (its first STAGES - 2 k-tiles); x, x_scale, w_scale, out, ws and counters after it.
 // Built WITHOUT --use_fast_math: silu's expf and division must be the accurate ones.
 #include "common.cuh"
 
 #define GEMM_THREADS 256
 #define GEMM_ROWS 128  // weight rows a block
 #define GEMM_ROW_BYTES 128  // of each operand row a stage: one 128-byte swizzle row (64 k of bf16, 128 of E4M3)
+#define GEMM_LD 132  // floats a row of the epilogue's [NT][128] tile (padded: its column writes spread over the banks)
 
 enum { GEP_STORE = 0, GEP_F32 = 1, GEP_RESIDUAL = 2, GEP_SILU = 3 };
 
-// Bytes of one stage; stages in flight (at most 8, within 192 KiB); dynamic shared memory of a launch (+1 KiB:
-// the stages start at the first 1024-byte boundary, the swizzle's period).
+// Bytes of one stage; stages (at most 8, within 192 KiB; at least 3: two filling while the MMAs read one); dynamic
+// shared memory of a launch (+1 KiB: the stages start at the first 1024-byte boundary, the swizzle's period).
 __host__ __device__ constexpr int gemm_stage_bytes(int nt) { return (GEMM_ROWS + nt) * GEMM_ROW_BYTES; }
 __host__ __device__ constexpr int gemm_stages(int nt) {
   return 196608 / gemm_stage_bytes(nt) < 8 ? 196608 / gemm_stage_bytes(nt) : 8;
@@ -103,26 +108,6 @@ struct Wgmma;
   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), \
   "+f"(d[62]), "+f"(d[63])
 #define WGMMA_ARGS_128 "%64, %65, %66"  // a-desc, b-desc, scale-d
-#define WGMMA_REGS_256 \
-  WGMMA_REGS_128 ", " \
-  "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-  "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-#define WGMMA_OUTS_256 \
-  WGMMA_OUTS_128, \
-  "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
-  "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), \
-  "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), \
-  "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-  "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), \
-  "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), \
-  "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), \
-  "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-  "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), \
-  "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), \
-  "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-#define WGMMA_ARGS_256 "%128, %129, %130"  // a-desc, b-desc, scale-d
 #define WGMMA_SPEC(N, F8, INSTR, IMMS)                                                                     \
   template <>                                                                                               \
   struct Wgmma<N, F8> {                                                                                     \
@@ -140,12 +125,11 @@ WGMMA_SPEC(64, false, "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16", "1
 WGMMA_SPEC(64, true, "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3", "1, 1")
 WGMMA_SPEC(128, false, "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "1, 1, 0, 0")
 WGMMA_SPEC(128, true, "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3", "1, 1")
-WGMMA_SPEC(256, false, "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16", "1, 1, 0, 0")
-WGMMA_SPEC(256, true, "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3", "1, 1")
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // cp.async's writes (generic proxy) -> the MMA's reads (async proxy).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Keeps the compiler from moving the accumulators' uses across the asynchronous MMAs.
@@ -165,18 +149,20 @@ __device__ __forceinline__ u64 sw128_desc(u32 addr) {
 __device__ __forceinline__ void cp_async16_to(u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
-__device__ __forceinline__ void st_cg(float* p, float v) {
-  asm volatile("st.global.cg.f32 [%0], %1;\n" ::"l"(p), "f"(v));
+__device__ __forceinline__ void st_cg4(float* p, float4 v) {
+  asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
 }
-__device__ __forceinline__ float ld_cg(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+__device__ __forceinline__ float4 ld_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
   return v;
 }
+__device__ __forceinline__ float4 operator+(float4 a, float4 b) {
+  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
+}
 
-// One stage at shared address sa: W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1) into its W
-// tile, and x rows [0, NT) (< M) into its x tile after it, bytes [b0, b0 + 128) of each row (< row_bytes, the rest
-// zeros), swizzled.
+// W rows [base0, base0 + 64) (< lim0) then [base1, base1 + 64) (< lim1) into the W tile of the stage at sa, bytes
+// [b0, b0 + 128) of each row (< row_bytes, the rest zeros), swizzled.
 __device__ __forceinline__ void gemm_load_w(u32 sa, const unsigned char* __restrict__ w, int base0, int base1,
                                             int lim0, int lim1, int row_bytes, int b0, int tid) {
 #pragma unroll
@@ -187,11 +173,11 @@ __device__ __forceinline__ void gemm_load_w(u32 sa, const unsigned char* __restr
     cp_async16_to(sa + r * 128 + ((c ^ (r & 7)) << 4), ok ? w + (i64)row * row_bytes + b : w, ok ? 16 : 0);
   }
 }
+// x rows [0, NT) (< M) into the x tile of the stage at sa, bytes [b0, b0 + 128) of each row (< row_bytes, the rest
+// zeros), swizzled.
 template <int NT>
-__device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __restrict__ x,
-                                                const unsigned char* __restrict__ w, int base0, int base1, int lim0,
-                                                int lim1, int M, int row_bytes, int b0, int tid) {
-  gemm_load_w(sa, w, base0, base1, lim0, lim1, row_bytes, b0, tid);
+__device__ __forceinline__ void gemm_load_x(u32 sa, const unsigned char* __restrict__ x, int M, int row_bytes, int b0,
+                                            int tid) {
   const u32 sb = sa + GEMM_ROWS * GEMM_ROW_BYTES;
   constexpr int CHUNKS = NT * 8;
 #pragma unroll
@@ -204,196 +190,155 @@ __device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __r
     }
   }
 }
-// The block's sums into the output: split K summed by the tile's last block (in split order), scaled (SCALE_W8A8:
-// (y * x_scale[m]) * w_scale[n] rounded to bf16, the W8A8 GEMM's output; SCALE_W8A16: y * w_scale[n], W8A16's fp32
-// value), then the epilogue. Every thread of the block calls it (barriers); xch: R x 128 floats of shared memory no
-// copy or MMA still uses (the silu exchange).
-enum { SCALE_NONE = 0, SCALE_W8A8 = 1, SCALE_W8A16 = 2 };
-template <int NT, int EP, int SCALE>
-__device__ __forceinline__ void gemm_finish(float (&acc)[NT / 2], void* out, const float* __restrict__ x_scale,
-                                            const float* __restrict__ w_scale, float* __restrict__ ws,
-                                            int* __restrict__ counters, float* xch, int M, int N, int splits) {
-  constexpr int R = NT / 2;
-  __shared__ int s_last;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int tile = blockIdx.x, split = blockIdx.y, I = N >> 1;
-  const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
-  const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
-  if (splits > 1) {
-    float* part = ws + (i64)(tile * splits + split) * R * GEMM_THREADS;
-#pragma unroll
-    for (int r = 0; r < R; ++r) st_cg(part + r * GEMM_THREADS + tid, acc[r]);
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) s_last = atomicAdd(counters + tile, 1) == splits - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
-    for (int o = 0; o < splits; ++o) {  // in split order, whichever block came last
-      const float* p = ws + (i64)(tile * splits + o) * R * GEMM_THREADS;
-#pragma unroll
-      for (int r = 0; r < R; ++r) acc[r] += ld_cg(p + r * GEMM_THREADS + tid);
-    }
-    if (tid == 0) counters[tile] = 0;
-  }
+// One stage: its W tile, then its x tile.
+template <int NT>
+__device__ __forceinline__ void gemm_load_stage(u32 sa, const unsigned char* __restrict__ x,
+                                                const unsigned char* __restrict__ w, int base0, int base1, int lim0,
+                                                int lim1, int M, int row_bytes, int b0, int tid) {
+  gemm_load_w(sa, w, base0, base1, lim0, lim1, row_bytes, b0, tid);
+  gemm_load_x<NT>(sa, x, M, row_bytes, b0, tid);
+}
 
-  const int row_in = warp * 16 + (lane >> 2), col_in = (lane & 3) * 2;
-  if (SCALE != SCALE_NONE) {  // rows past M or N: never stored
-    const int n0 = EP == GEP_SILU ? (wg ? base1 : base0) : base0 + wg * 64;
+// acc -> T, the block's [NT][128] fp32 tile in shared memory (its rows below Mz); with split K, each block's rows to
+// ws and the tile's last block to arrive adds every split's (in split order) into T. Returns whether this block
+// applies the epilogue (false: another split's block will). Every thread of the block calls it (barriers).
+template <int NT>
+__device__ __forceinline__ bool gemm_reduce(float (&acc)[NT / 2], float* T, float* __restrict__ ws,
+                                            int* __restrict__ counters, int Mz, int splits) {
+  constexpr int R = NT / 2, IT = NT / 8;  // IT: 4-float items a thread of the NT x 128 tile
+  __shared__ int s_last;
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int c0 = (tid >> 7) * 64 + ((tid >> 5) & 3) * 16 + (lane >> 2), m0 = (lane & 3) * 2;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-      const float wsc = n < N ? w_scale[n] : 0.f;
-      if (SCALE == SCALE_W8A8)
-        acc[r] = round_to<Bf16>(acc[r] * (m < M ? x_scale[m] : 0.f) * wsc);
-      else
-        acc[r] = acc[r] * wsc;
-    }
+  for (int r = 0; r < R; ++r) {
+    const int c = c0 + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + m0 + (r & 1);
+    if (m < Mz) T[m * GEMM_LD + c] = acc[r];
   }
-  if (EP == GEP_SILU) {
-    fence_proxy_async();  // (the MMAs' reads of these bytes completed at their wait; ordered before the stores anyway)
-    __syncthreads();
-    float* up = xch;
-    if (wg == 1) {
+  __syncthreads();
+  if (splits == 1) return true;
+  const int blk = blockIdx.x, split = blockIdx.y;
+  auto at = [&](int q) { return reinterpret_cast<float4*>(T + (q >> 5) * GEMM_LD + (q & 31) * 4); };
+  float* part = ws + (i64)(blk * splits + split) * NT * 128;
+  for (int q = tid; q < Mz * 32; q += GEMM_THREADS) st_cg4(part + q * 4, *at(q));
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) s_last = atomicAdd(counters + blk, 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return false;
+  __threadfence();
+  float4 s[IT];
 #pragma unroll
-      for (int r = 0; r < R; ++r) up[r * 128 + (tid & 127)] = acc[r];
+  for (int j = 0; j < IT; ++j) s[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int o = 0; o < splits; ++o) {  // in split order, whichever block came last; a split's loads all in flight
+    const float* p = ws + (i64)(blk * splits + o) * NT * 128;
+    float4 v[IT];
+#pragma unroll
+    for (int j = 0; j < IT; ++j) {
+      const int q = tid + j * GEMM_THREADS;
+      v[j] = (q >> 5) >= Mz ? make_float4(0.f, 0.f, 0.f, 0.f) : o == split ? *at(q) : ld_cg4(p + q * 4);
     }
-    __syncthreads();
-    if (wg == 1) return;
-    u16* o = reinterpret_cast<u16*>(out);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int p = tile * 64 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-      if (m < M && p < I) {
-        const float g = round_to<Bf16>(acc[r]), u = round_to<Bf16>(up[r * 128 + tid]);
-        o[(i64)m * I + p] = Bf16::from_float(round_to<Bf16>(g / (1.0f + expf(-g))) * u);
+    for (int j = 0; j < IT; ++j) s[j] = s[j] + v[j];
+  }
+#pragma unroll
+  for (int j = 0; j < IT; ++j) {  // each item back where only its own thread reads it (barrier below)
+    const int q = tid + j * GEMM_THREADS;
+    if ((q >> 5) < Mz) *at(q) = s[j];
+  }
+  if (tid == 0) counters[blk] = 0;
+  __syncthreads();
+  return true;
+}
+
+// The epilogue from T: a thread's items are four consecutive columns (weight rows) of one forward row (silu: four
+// gate columns and their up columns), scaled (SCALE_W8A8: (y * x_scale[m]) * w_scale[n] rounded to bf16, the W8A8
+// GEMM's output), every load of the output (residual) issued before any store. Rows row0 + m of out, m < Mz.
+enum { SCALE_NONE = 0, SCALE_W8A8 = 1 };
+template <int NT, int EP, int SCALE>
+__device__ __forceinline__ void gemm_epilogue(const float* T, void* out, const float* __restrict__ x_scale,
+                                              const float* __restrict__ w_scale, int Mz, int row0, int N, int tile) {
+  const int tid = threadIdx.x;
+  u16* o16 = reinterpret_cast<u16*>(out);
+  if (EP == GEP_SILU) {
+    constexpr int IS = NT / 16;  // items of the tile's 64 output columns
+    const int I = N >> 1;
+    const bool vec = (I & 3) == 0;  // then p < I puts all four columns below I, 8-byte aligned
+#pragma unroll
+    for (int j = 0; j < IS; ++j) {
+      const int q = tid + j * GEMM_THREADS, m = q >> 4, c = (q & 15) * 4, p = tile * 64 + c;
+      if (m >= Mz || p >= I) continue;
+      const float4 g4 = *reinterpret_cast<const float4*>(T + m * GEMM_LD + c);
+      const float4 u4 = *reinterpret_cast<const float4*>(T + m * GEMM_LD + 64 + c);
+      const float gs[4] = {g4.x, g4.y, g4.z, g4.w}, us[4] = {u4.x, u4.y, u4.z, u4.w};
+      float r[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float g = gs[e], u = us[e];
+        if (SCALE == SCALE_W8A8 && p + e < I) {
+          g = g * x_scale[m] * w_scale[p + e];
+          u = u * x_scale[m] * w_scale[I + p + e];
+        }
+        g = round_to<Bf16>(g);
+        u = round_to<Bf16>(u);
+        r[e] = round_to<Bf16>(g / (1.0f + expf(-g))) * u;
+      }
+      const i64 idx = (i64)(row0 + m) * I + p;
+      if (vec) {
+        *reinterpret_cast<uint2*>(o16 + idx) = make_uint2(Bf16::pack(r[0], r[1]), Bf16::pack(r[2], r[3]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (p + e < I) o16[idx + e] = Bf16::from_float(r[e]);
       }
     }
     return;
   }
-  const int n0 = tile * GEMM_ROWS + wg * 64;
+  constexpr int IT = NT / 8;
+  const bool vec = (N & 3) == 0;  // then n < N puts all four columns below N, 8- (bf16) or 16-byte (fp32) aligned
+  float h[IT][4];  // residual: the output's values, all loaded first
+  if (EP == GEP_RESIDUAL) {
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int n = n0 + row_in + ((r >> 1) & 1) * 8, m = (r >> 2) * 8 + col_in + (r & 1);
-    if (m < M && n < N) {
-      const i64 idx = (i64)m * N + n;
-      if (EP == GEP_F32) {
-        reinterpret_cast<float*>(out)[idx] = acc[r];
-      } else if (EP == GEP_RESIDUAL) {
-        u16* p = reinterpret_cast<u16*>(out) + idx;
-        *p = Bf16::from_float(Bf16::to_float(*p) + acc[r]);
-      } else {
-        reinterpret_cast<u16*>(out)[idx] = Bf16::from_float(acc[r]);
+    for (int j = 0; j < IT; ++j) {
+      const int q = tid + j * GEMM_THREADS, m = q >> 5, n = tile * GEMM_ROWS + (q & 31) * 4;
+      const i64 idx = (i64)(row0 + m) * N + n;
+      if (m < Mz && n < N && vec) {
+        const uint2 v = *reinterpret_cast<const uint2*>(o16 + idx);
+        h[j][0] = lo_of<Bf16>(v.x), h[j][1] = hi_of<Bf16>(v.x), h[j][2] = lo_of<Bf16>(v.y), h[j][3] = hi_of<Bf16>(v.y);
+      } else if (m < Mz && n < N) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) h[j][e] = n + e < N ? Bf16::to_float(o16[idx + e]) : 0.f;
       }
     }
   }
-}
-
-// D[64 x 8] += A[64 x 16] * B[16 x 8] with A in registers (bf16 pairs in the mma.sync m16n8k16 A layout a warp
-// a 16-row slice: a0 rows g, k 2t, 2t + 1; a1 row g + 8; a2 row g, k 2t + 8, 2t + 9; a3 row g + 8), B K-major in
-// shared memory (descriptor).
-__device__ __forceinline__ void wgmma_m64n8k16_ra(float (&d)[4], const u32 (&a)[4], u64 desc_b) {
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1, 0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
-}
-__device__ __forceinline__ u32 lds_u32(u32 addr) {
-  u32 v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr));
-  return v;
-}
-__device__ __forceinline__ void sts_u32(u32 addr, u32 v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v));
-}
-
-// W8A16 (the _w8a16_n8 entries): x [M <= 8, K] bf16 and W [N, K] E4M3 with w_scale [N]: v = (x @ T(W)^T) * w_scale[n]
-// in fp32 (engine.quant.fp8_linear's W8A16 arithmetic up to the order of the sums), into the bf16 epilogues.
-// The block's x (every row, its split's K range of at most W16_XK) stays in shared memory, stored as 64-k tiles of
-// 8 rows x 128 bytes, 128-byte swizzled, with each 16-value group's pairs permuted: MMA slots (2t, 2t + 1) hold
-// values (4t, 4t + 1) and slots (2t + 8, 2t + 9) values (4t + 2, 4t + 3). The weight's stages stream through
-// cp.async as the other entries' do (128 bytes a row: 128 k). For each k16 step a lane then reads one 32-bit word of
-// each of its two rows, bytes 4t .. 4t + 3 of the step's 16 (the swizzle makes the warp's reads conflict-free), and
-// converts them exactly (fp8x4_to_pairs) into its A registers: under the same permutation they are its four slots.
-#define W16_XK 4096
-#define W16_STAGES 8
-#define W16_X_BYTES (W16_XK / 64 * 1024)
-__host__ __device__ constexpr int gemm_w8a16_smem_bytes() {
-  return W16_X_BYTES + W16_STAGES * GEMM_ROWS * GEMM_ROW_BYTES + 1024;
-}
-
-template <int EP>
-__device__ __forceinline__ void gemm_w8a16_impl(void* out, const u16* __restrict__ x,
-                                                const unsigned char* __restrict__ w, const float* __restrict__ w_scale,
-                                                float* __restrict__ ws, int* __restrict__ counters, int M, int N, int K,
-                                                int splits) {
-  constexpr int STAGES = W16_STAGES, SB = GEMM_ROWS * GEMM_ROW_BYTES;
-  extern __shared__ unsigned char gemm_smem[];
-  const u32 raw = smem_addr(gemm_smem), xs = (raw + 1023u) & ~1023u, wbase = xs + W16_X_BYTES;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
-  const int tile = blockIdx.x, split = blockIdx.y;
-  const int I = N >> 1;
-  const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
-  const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
-  const int lim0 = EP == GEP_SILU ? I : N;
-  const int KT = (K + GEMM_ROW_BYTES - 1) / GEMM_ROW_BYTES;  // 128 k a tile
-  const int kt0 = (int)((i64)split * KT / splits), nk = (int)((i64)(split + 1) * KT / splits) - kt0;
-
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nk) gemm_load_w(wbase + s * SB, w, base0, base1, lim0, N, K, (kt0 + s) * GEMM_ROW_BYTES, tid);
-    cp_async_commit();
-  }
-  // x's K range [kt0 * 128, (kt0 + nk) * 128) into 2 nk tiles of 64 k (zeros past M and K).
-  const int chunks_per_row = nk * 16;  // 16-byte chunks: 8 values
-  for (int q = tid; q < 8 * chunks_per_row; q += GEMM_THREADS) {
-    const int r = q / chunks_per_row, rem = q - r * chunks_per_row, sub = rem >> 3, c = rem & 7;
-    const int k = kt0 * GEMM_ROW_BYTES + sub * 64 + c * 8;
-    Vec16 v = {{0u, 0u, 0u, 0u}};
-    if (r < M && k < K) v = ld_act16(x + (i64)r * K + k);
+  for (int j = 0; j < IT; ++j) {
+    const int q = tid + j * GEMM_THREADS, m = q >> 5, c = (q & 31) * 4, n = tile * GEMM_ROWS + c;
+    if (m >= Mz || n >= N) continue;
+    const float4 y4 = *reinterpret_cast<const float4*>(T + m * GEMM_LD + c);
+    float y[4] = {y4.x, y4.y, y4.z, y4.w};
 #pragma unroll
-    for (int p = 0; p < 4; ++p) {  // pair j = (c & 1) * 4 + p of its 16-value group c >> 1
-      const int j = (c & 1) * 4 + p, slot = (j & 1) ? 4 + (j >> 1) : (j >> 1);
-      const int byte = (c >> 1) * 32 + slot * 4;
-      sts_u32(xs + sub * 1024 + r * 128 + ((((byte >> 4) ^ (r & 7))) << 4) + (byte & 15), v.w[p]);
+    for (int e = 0; e < 4; ++e) {
+      if (SCALE == SCALE_W8A8) y[e] = round_to<Bf16>(y[e] * x_scale[m] * (n + e < N ? w_scale[n + e] : 0.f));
+      if (EP == GEP_RESIDUAL) y[e] = h[j][e] + y[e];
+    }
+    const i64 idx = (i64)(row0 + m) * N + n;
+    if (EP == GEP_F32) {
+      float* of = reinterpret_cast<float*>(out) + idx;
+      if (vec) {
+        *reinterpret_cast<float4*>(of) = make_float4(y[0], y[1], y[2], y[3]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (n + e < N) of[e] = y[e];
+      }
+    } else if (vec) {
+      *reinterpret_cast<uint2*>(o16 + idx) = make_uint2(Bf16::pack(y[0], y[1]), Bf16::pack(y[2], y[3]));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (n + e < N) o16[idx + e] = Bf16::from_float(y[e]);
     }
   }
-
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  const int row0 = wg * 64 + warp * 16 + (lane >> 2), t4 = (lane & 3) * 4, sw = row0 & 7;  // row0 + 8: same sw
-  int stage = 0, refill = STAGES - 1;
-  for (int i = 0; i < nk; ++i) {
-    cp_async_wait<STAGES - 2>();
-    fence_proxy_async();  // (the first time also x's stores)
-    __syncthreads();
-    if (i + STAGES - 1 < nk)
-      gemm_load_w(wbase + refill * SB, w, base0, base1, lim0, N, K, (kt0 + i + STAGES - 1) * GEMM_ROW_BYTES, tid);
-    cp_async_commit();
-    const u32 sa = wbase + stage * SB;
-    u32 a[8][4];
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      const u32 w0 = lds_u32(sa + row0 * 128 + ((kk ^ sw) << 4) + t4);
-      const u32 w1 = lds_u32(sa + (row0 + 8) * 128 + ((kk ^ sw) << 4) + t4);
-      fp8x4_to_pairs<Bf16>(w0, a[kk][0], a[kk][2]);
-      fp8x4_to_pairs<Bf16>(w1, a[kk][1], a[kk][3]);
-    }
-    fence_operands(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)  // k16 step kk: x tile 2 i + kk / 4, its 32-byte column kk % 4
-      wgmma_m64n8k16_ra(acc, a[kk], sw128_desc(xs + (2 * i + (kk >> 2)) * 1024 + (kk & 3) * 32));
-    wgmma_commit();
-    wgmma_wait_all();
-    fence_operands(acc);
-    stage = stage + 1 == STAGES ? 0 : stage + 1;
-    refill = refill + 1 == STAGES ? 0 : refill + 1;
-  }
-  if (EP == GEP_SILU) cp_async_wait<0>();
-  gemm_finish<8, EP, SCALE_W8A16>(acc, out, nullptr, w_scale, ws, counters,
-                                  reinterpret_cast<float*>(gemm_smem + (wbase - raw)), M, N, splits);
 }
 
 #endif  // GEMM_SM90
@@ -406,15 +351,19 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
                                           int* __restrict__ counters, int M, int N, int K, int splits) {
 #ifdef GEMM_SM90
   constexpr int STAGES = gemm_stages(NT), SB = gemm_stage_bytes(NT), R = NT / 2;
+  static_assert(STAGES >= 3, "two stages filling while the MMAs read a third");
+  static_assert(NT * GEMM_LD * 4 <= STAGES * SB, "the epilogue's tile fits in the stages");
   extern __shared__ unsigned char gemm_smem[];
   const u32 raw = smem_addr(gemm_smem), base = (raw + 1023u) & ~1023u;
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int tile = blockIdx.x, split = blockIdx.y;
+  const int Z = (M + NT - 1) / NT, tile = blockIdx.x / Z, z = blockIdx.x - tile * Z, split = blockIdx.y;
+  const int row0 = z * NT, Mz = min(NT, M - row0);
   const int I = N >> 1;
   const int base0 = EP == GEP_SILU ? tile * 64 : tile * GEMM_ROWS;
   const int base1 = EP == GEP_SILU ? I + tile * 64 : base0 + 64;
   const int lim0 = EP == GEP_SILU ? I : N;
   const int row_bytes = F8 ? K : 2 * K;
+  const unsigned char* xz = x + (i64)row0 * row_bytes;
   const int KT = (row_bytes + GEMM_ROW_BYTES - 1) / GEMM_ROW_BYTES;
   const int kt0 = (int)((i64)split * KT / splits), nk = (int)((i64)(split + 1) * KT / splits) - kt0;
 
@@ -424,20 +373,25 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
 
   // k-tile kt of this split into stage st
   auto load = [&](int st, int kt) {
-    gemm_load_stage<NT>(base + st * SB, x, w, base0, base1, lim0, N, M, row_bytes, (kt0 + kt) * GEMM_ROW_BYTES, tid);
+    gemm_load_stage<NT>(base + st * SB, xz, w, base0, base1, lim0, N, Mz, row_bytes, (kt0 + kt) * GEMM_ROW_BYTES, tid);
   };
+  // Under programmatic dependent launch the prologue's weight copies start before the previous kernel ends; x, out,
+  // ws and counters are touched only after the wait.
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < nk) load(s, s);
+  for (int s = 0; s < STAGES - 2; ++s)
+    if (s < nk) gemm_load_w(base + s * SB, w, base0, base1, lim0, N, row_bytes, (kt0 + s) * GEMM_ROW_BYTES, tid);
+  grid_dependency_wait();
+  allow_dependents();
+#pragma unroll
+  for (int s = 0; s < STAGES - 2; ++s) {  // group s: k-tile s's x (group 0 also every prologue weight copy)
+    if (s < nk) gemm_load_x<NT>(base + s * SB, xz, Mz, row_bytes, (kt0 + s) * GEMM_ROW_BYTES, tid);
     cp_async_commit();
   }
-  int stage = 0, refill = STAGES - 1;  // the stage this iteration consumes, and the one it refills
+  int stage = 0, refill = STAGES - 2;  // the stage this iteration's MMAs read, and the one it refills
   for (int i = 0; i < nk; ++i) {
-    cp_async_wait<STAGES - 2>();  // this thread's copies of k-tile i landed
+    cp_async_wait<STAGES - 3>();  // this thread's copies of k-tile i landed
     fence_proxy_async();
-    __syncthreads();  // everyone's did; and both warpgroups' MMAs of iteration i - 1 completed (waited below)
-    if (i + STAGES - 1 < nk) load(refill, i + STAGES - 1);
-    cp_async_commit();
+    __syncthreads();  // everyone's did; and every warpgroup waited for its MMAs of k-tile i - 2 (below)
     const u32 sa = base + stage * SB + wg * 64 * GEMM_ROW_BYTES, sb = base + stage * SB + GEMM_ROWS * GEMM_ROW_BYTES;
     fence_operands(acc);
     wgmma_fence();
@@ -445,20 +399,26 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
     for (int kk = 0; kk < GEMM_ROW_BYTES / 32; ++kk)
       Wgmma<NT, F8>::run(acc, sw128_desc(sa + kk * 32), sw128_desc(sb + kk * 32));
     wgmma_commit();
-    wgmma_wait_all();
+    if (i + STAGES - 2 < nk) load(refill, i + STAGES - 2);  // into k-tile i - 2's stage
+    cp_async_commit();
+    wgmma_wait<1>();  // k-tile i - 1's MMAs done; k-tile i's stay in flight
     fence_operands(acc);
     stage = stage + 1 == STAGES ? 0 : stage + 1;
     refill = refill + 1 == STAGES ? 0 : refill + 1;
   }
-
-  if (EP == GEP_SILU) cp_async_wait<0>();  // every stage idle: its first R x 128 floats become the silu exchange
-  gemm_finish<NT, EP, F8 ? SCALE_W8A8 : SCALE_NONE>(acc, out, x_scale, w_scale, ws, counters,
-                                                    reinterpret_cast<float*>(gemm_smem + (base - raw)), M, N, splits);
+  wgmma_wait<0>();
+  fence_operands(acc);
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();  // every MMA and copy done: the stages become the epilogue's tile
+  float* T = reinterpret_cast<float*>(gemm_smem + (base - raw));
+  if (!gemm_reduce<NT>(acc, T, ws, counters, Mz, splits)) return;
+  gemm_epilogue<NT, EP, F8 ? SCALE_W8A8 : SCALE_NONE>(T, out, F8 ? x_scale + row0 : nullptr, w_scale, Mz, row0, N,
+                                                      tile);
 #else
   asm volatile("trap;");  // built for another architecture: never launched there (KernelLibrary)
 #endif
 }
-
 #define GEMM_ENTRY(NAME, EP, NT)                                                                                \
   extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1)                                                 \
       gemm_sm90_##NAME##_bf16_n##NT(void* out, const u16* x, const u16* w, float* ws, int* counters, int M,    \
@@ -472,21 +432,6 @@ __device__ __forceinline__ void gemm_impl(void* out, const unsigned char* __rest
       float* ws, int* counters, int M, int N, int K, int splits) {                                                \
     gemm_impl<NT, EP, true>(out, x, x_scale, w, w_scale, ws, counters, M, N, K, splits);                          \
   }
-#ifdef GEMM_SM90
-#define GEMM_W8A16_BODY(EP) gemm_w8a16_impl<EP>(out, x, w, w_scale, ws, counters, M, N, K, splits);
-#else
-#define GEMM_W8A16_BODY(EP) asm volatile("trap;");
-#endif
-#define GEMM_ENTRY_W8A16(NAME, EP)                                                                             \
-  extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 1) gemm_sm90_##NAME##_w8a16_n8(                   \
-      void* out, const u16* x, const unsigned char* w, const float* w_scale, float* ws, int* counters, int M,  \
-      int N, int K, int splits) {                                                                              \
-    GEMM_W8A16_BODY(EP)                                                                                        \
-  }
-GEMM_ENTRY_W8A16(store, GEP_STORE)
-GEMM_ENTRY_W8A16(f32, GEP_F32)
-GEMM_ENTRY_W8A16(residual, GEP_RESIDUAL)
-GEMM_ENTRY_W8A16(silu, GEP_SILU)
 
 #define GEMM_ENTRIES(NT)                       \
   GEMM_ENTRY(store, GEP_STORE, NT)             \
@@ -501,4 +446,3 @@ GEMM_ENTRIES(16)
 GEMM_ENTRIES(32)
 GEMM_ENTRIES(64)
 GEMM_ENTRIES(128)
-GEMM_ENTRIES(256)

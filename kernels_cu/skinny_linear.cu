@@ -125,11 +125,18 @@ struct SkinnyArgs {
 };
 
 // 16-byte loads. W is streamed once (no L1 allocation, 256-byte L2 prefetch: the 8 warps of a block
-// read 8 consecutive 64-byte pieces of each row); x and norm_w are re-read by every block (L1 / L2: common.cuh's
-// ld_act16). Both are volatile so that a group's loads are all issued, in order, before its mmas.
+// read 8 consecutive 64-byte pieces of each row); x and norm_w are re-read by every block (L1 / L2).
+// Both are volatile so that a group's loads are all issued, in order, before its mmas.
 __device__ __forceinline__ Vec16 ld_weight16(const u16* p) {
   Vec16 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
+               : "l"(p));
+  return v;
+}
+__device__ __forceinline__ Vec16 ld_act16(const void* p) {
+  Vec16 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3])
                : "l"(p));
   return v;

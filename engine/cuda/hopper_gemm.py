@@ -1,12 +1,11 @@
 """HopperGemm: the projections of forwards of at most 256 rows (decode, verify, short prompts) on the Hopper GEMM
-(engine/cuda/wrappers/gemm_sm90.py) where it takes them, for CudaOps when env.GEMM is "sm90" on a device that loaded
-it: QKV (store), o and down (the residual add in place), gate_up (SiLU-and-mul fused: no [M, 2 I] intermediate) and
-the LM head (fp32 logits) of bf16 weights; W8A16 for 1-8 rows of a per-channel FP8 weight (the weight converted in
-registers; CudaOps then takes such forwards off its skinny kernels: CudaOps._skinny_fits); and W8A8 (x quantized per
-row by kernels_cu/fp8_quant.cu, then the FP8 MMA) for the per-channel FP8 weights that engine.quant.takes_w8a8 runs
-W8A8 (the "dynamic" activation scheme, 9+ rows, bf16 out). Each method returns None where the kernels do not take
-the operands (bias, fp16, a block-scaled FP8 weight, more than gemm_sm90.MAX_ROWS rows), and the caller takes its
-other path."""
+(engine/cuda/wrappers/gemm_sm90.py), for CudaOps when env.GEMM is "sm90" or "sm90-all" on a device that loaded it:
+QKV (store), o and down (the residual add in place), gate_up (SiLU-and-mul fused: no [M, 2 I] intermediate) and the
+LM head (fp32 logits) of bf16 weights; and W8A8 (x quantized per row by kernels_cu/fp8_quant.cu, then the FP8 MMA)
+for the per-channel FP8 weights that engine.quant.takes_w8a8 runs W8A8 (the "dynamic" activation scheme, 9+ rows,
+bf16 out). "sm90" takes only ROUTES, the epilogues and row counts where the kernel measured faster than what CudaOps
+runs without it (bench_kernels --gemm, bench/RESULTS.md); "sm90-all" every one the kernels take. Each method returns None where the kernels do not take the operands (bias, fp16, a block-scaled
+FP8 weight, fp32 logits of an FP8 weight, more than gemm_sm90.MAX_ROWS rows), and the caller takes its other path."""
 from __future__ import annotations
 
 import torch
@@ -16,29 +15,38 @@ from engine.cuda.wrappers import fp8_quant, gemm_sm90
 from engine.quant import Fp8Weight, takes_w8a8
 
 
+# (epilogue, "bf16" | "w8a8") -> the most rows "sm90" runs on the GEMM. On an H100 (bench_kernels --gemm, PDL on,
+# 1B / 8B decode projections, 16-256 rows) the kernel was faster than cuBLAS for gate_up (SiLU fused: 1B 10-15%, 8B
+# 1-9% up to 128 rows) and the LM head (1-6% up to 128 rows), and slower for qkv, o and down (1B: 1.3-2.2x; 8B: past
+# 16 rows, up to 1.7x) and at 256 rows everywhere; its W8A8 beat CudaOps' for gate_up at 32-64 rows only. In the
+# engine (scale_bench decode at context 128, bench/RESULTS.md) those routes gained 1-2% a step at batch 16-32 and lost
+# ~1% at 64-128 (bf16), and gained 6% at 8B FP8 batch 32: hence 32 rows for bf16.
+ROUTES = {("silu", "bf16"): 32, ("f32", "bf16"): 32, ("silu", "w8a8"): 64}
+
+
 class HopperGemm:
-    def __init__(self, lib: KernelLibrary):
+    def __init__(self, lib: KernelLibrary, routes: dict | None = ROUTES):
+        """routes: ROUTES, or None for every projection the kernels take."""
         self.lib = lib
+        self.routes = routes
         self.workspace = gemm_sm90.SplitKWorkspace(lib.device, lib.num_sms)
 
     @classmethod
     def create(cls, lib: KernelLibrary, setting: str) -> HopperGemm | None:
-        """setting: env.GEMM. None unless it is "sm90" and the library loaded the kernels (sm_90 devices)."""
-        return cls(lib) if setting == "sm90" and lib.gemm_sm90 else None
+        """setting: env.GEMM. None unless it is "sm90" (ROUTES) or "sm90-all" and the library loaded the kernels
+        (sm_90 devices)."""
+        if setting not in ("sm90", "sm90-all") or not lib.gemm_sm90:
+            return None
+        return cls(lib, ROUTES if setting == "sm90" else None)
 
-    @staticmethod
-    def takes_w8a16(x: torch.Tensor, weight) -> bool:
-        """Whether the W8A16 entries take x @ weight^T: a per-channel FP8 weight (contiguous, K % 16 == 0) and 1-8
-        rows of contiguous bf16 x (the rows W8A16 serves for every activation scheme)."""
-        return (isinstance(weight, Fp8Weight) and weight.per_channel and weight.data.is_contiguous()
-                and x.dim() == 2 and 0 < x.shape[0] <= gemm_sm90.W8A16_MAX_ROWS and x.dtype == torch.bfloat16
-                and x.shape[1] == weight.shape[1] and x.shape[1] % 16 == 0)
+    def _routed(self, epilogue: str, kind: str, rows: int) -> bool:
+        return self.routes is None or rows <= self.routes.get((epilogue, kind), 0)
 
     def _run(self, epilogue: str, out: torch.Tensor, x: torch.Tensor, weight) -> torch.Tensor | None:
-        """out <- the epilogue of x @ weight^T, or None (nothing launched) where the kernels do not take them."""
-        if self.takes_w8a16(x, weight):
-            return gemm_sm90.launch_w8a16(self.lib, self.workspace, epilogue, out, x.contiguous(), weight.data,
-                                          weight.row_scale)
+        """out <- the epilogue of x @ weight^T, or None (nothing launched) where the kernels do not take them or
+        the routes leave them to the caller."""
+        if not self._routed(epilogue, "w8a8" if isinstance(weight, Fp8Weight) else "bf16", x.shape[0]):
+            return None
         if isinstance(weight, Fp8Weight):
             if not (takes_w8a8(x, weight, torch.bfloat16) and fp8_quant.takes(x) and weight.data.is_contiguous()
                     and 0 < x.shape[0] <= gemm_sm90.MAX_ROWS):
@@ -62,15 +70,16 @@ class HopperGemm:
                 return None
             return self._run("residual", add_to, x, weight)
         f32 = out_dtype == torch.float32
-        if out_dtype not in (None, torch.bfloat16, torch.float32) or (
-                f32 and isinstance(weight, Fp8Weight) and not self.takes_w8a16(x, weight)):
+        if out_dtype not in (None, torch.bfloat16, torch.float32) or (f32 and isinstance(weight, Fp8Weight)) or not \
+                self._routed("f32" if f32 else "store", "bf16" if not isinstance(weight, Fp8Weight) else "w8a8", M):
             return None
         out = torch.empty((M, N), dtype=torch.float32 if f32 else torch.bfloat16, device=x.device)
         return self._run("f32" if f32 else "store", out, x, weight)
 
     def silu_and_mul(self, x: torch.Tensor, gate_up) -> torch.Tensor | None:
         """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate | up]: [M, I]."""
-        if x.dim() != 2 or gate_up.shape[0] % 2:
+        if x.dim() != 2 or gate_up.shape[0] % 2 or not self._routed(
+                "silu", "w8a8" if isinstance(gate_up, Fp8Weight) else "bf16", x.shape[0]):
             return None
         out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=torch.bfloat16, device=x.device)
         return self._run("silu", out, x, gate_up)

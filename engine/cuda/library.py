@@ -76,8 +76,7 @@ MODULES: dict[str, list[KernelSpec]] = {
                  KernelSpec("sample_topk_split", "ppii"), KernelSpec("sample_topk_merge", "p" * 5 + "iiii")],
     "spec_accept": [KernelSpec("spec_accept_draw", "p" * 6 + "iii"), KernelSpec("spec_accept_finish", "pppii")],
     gemm_sm90.MODULE: [KernelSpec(name, gemm_sm90.GEMM_ARGS) for name in gemm_sm90.entry_names()]
-    + [KernelSpec(name, gemm_sm90.W8A8_ARGS) for name in gemm_sm90.w8a8_entry_names()]
-    + [KernelSpec(name, gemm_sm90.W8A16_ARGS) for name in gemm_sm90.w8a16_entry_names()],
+    + [KernelSpec(name, gemm_sm90.W8A8_ARGS) for name in gemm_sm90.w8a8_entry_names()],
     "decode_step": [KernelSpec("decode_prepare", "p" * 22 + "ili" + "pli"),
                     KernelSpec("decode_commit", "ppi" + "p" * 6 + "il"),
                     KernelSpec("verify_commit", "p" * 10 + "iili" + "l")],
@@ -85,12 +84,12 @@ MODULES: dict[str, list[KernelSpec]] = {
 
 # Kernels launched with programmatic dependent launch when the library's pdl is on: the decode and verify
 # step chain (decode_prepare -> embedding -> skinny -> attention -> skinny ... -> the sampling kernels ->
-# decode_commit), so each kernel's launch, and the skinny kernels' first weight loads, overlap the end of
-# the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
+# decode_commit; the Hopper GEMM's projections in forwards it serves), so each kernel's launch, and the skinny
+# kernels' and the GEMM's first weight loads, overlap the end of the kernel before (kernels_cu/common.cuh, grid_dependency_wait). Each of them waits before it reads
 # anything the launch before may have written; what each reads before its wait is in its launch contract,
 # and tests/unit/test_pdl_contract.py checks CudaOps' launch order against those.
 PDL_PREFIXES = ("skinny_", "decode_attention_", "decode_prepare", "embedding_", "sample_", "spec_accept_",
-                "decode_commit", "verify_commit")
+                "decode_commit", "verify_commit", "gemm_sm90_")
 
 
 def expected_symbols() -> dict[str, list[str]]:
@@ -194,9 +193,8 @@ class KernelLibrary:
                           driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
         # The Hopper GEMM (sm_90a): where loaded, CudaOps may run decode forwards' projections on it (env.GEMM).
         self.gemm_sm90 = gemm_sm90.MODULE in self.modules
-        for name in gemm_sm90.entry_names() + gemm_sm90.w8a8_entry_names() + gemm_sm90.w8a16_entry_names() \
-                if self.gemm_sm90 else ():
-            size = gemm_sm90.W8A16_SMEM if "_w8a16" in name else gemm_sm90.smem_bytes(int(name.rsplit("_n", 1)[1]))
+        for name in gemm_sm90.entry_names() + gemm_sm90.w8a8_entry_names() if self.gemm_sm90 else ():
+            size = gemm_sm90.smem_bytes(int(name.rsplit("_n", 1)[1]))
             check(f"cuFuncSetAttribute({name}, MAX_DYNAMIC_SHARED_SIZE_BYTES={size})",
                   driver.cuFuncSetAttribute(self.kernels[name].func, smem_attr, size))
         # sample_topk_merge holds a row's candidates in shared memory (ceil(V / TOPK_CHUNK) * (8 k + 4) bytes;

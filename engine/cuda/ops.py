@@ -7,8 +7,9 @@ neighbours fused in: the rms_norm before it (its statistics computed by the kern
 loads), and after it RoPE with the KV-cache write, SiLU-and-mul, the residual add, or fp32 logits. Larger
 forwards (prefill) use TorchOps' composition of the kernels below with cuBLAS GEMMs; decode forwards of up
 to SPLIT_K_TOKENS tokens run each residual linear layer as a split-K bmm whose reduce kernel (residual_norm)
-also makes the next op's rms_norm (linear_add). With METRALE_GEMM=sm90 on an sm_90 device, forwards of 9-256 rows
-(decode, verify and short prompts) run their projections on our Hopper GEMM instead (engine/cuda/hopper_gemm.py).
+also makes the next op's rms_norm (linear_add). With METRALE_GEMM=sm90 / sm90-all on an sm_90 device, forwards of 9-256 rows
+(decode, verify and short prompts) run some or all of their projections on our Hopper GEMM instead
+(engine/cuda/hopper_gemm.py ROUTES).
 
 Every decode-path method (the fused ops, embedding, rms_norm, rope_cache_write, decode_attention,
 silu_and_mul, sample) is sync-free and capturable in a CUDA graph: it allocates its outputs with
@@ -93,8 +94,8 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
-        # Forwards of at most gemm_sm90.MAX_ROWS rows run their projections on the Hopper GEMM where env.GEMM asks
-        # and the device has it (its results do not depend on the forward's rows, so prompts may take it too).
+        # Forwards of at most gemm_sm90.MAX_ROWS rows (decode, verify, short prompts) run their projections on the
+        # Hopper GEMM where env.GEMM asks and the device has it.
         self.gemm = HopperGemm.create(lib, env.GEMM)
         self._gemm: HopperGemm | None = None  # self.gemm in a forward it serves (begin_forward), else None
 
@@ -142,7 +143,7 @@ class CudaOps(TorchOps):
     def norm_qkv_rope(self, h: torch.Tensor, layer, meta: AttentionMeta, kv: LayerKV,
                       normed: torch.Tensor | None = None) -> torch.Tensor:
         spec = meta.spec
-        if layer.q_norm is not None or not self._skinny or not self._skinny_fits(h, layer.qkv, spec.head_dim):
+        if layer.q_norm is not None or not self._skinny or not skinny_fits(h, layer.qkv, spec.head_dim):
             return super().norm_qkv_rope(h, layer, meta, kv, normed)
         q = torch.empty((h.shape[0], spec.num_heads, spec.head_dim), dtype=h.dtype, device=h.device)
         skinny_linear.rope_kv(self.lib, q, h, layer.qkv, layer.qkv_bias, layer.input_norm, meta.cos_sin,
@@ -162,7 +163,7 @@ class CudaOps(TorchOps):
             return super().qkv_attention(h, layer, meta, kv, normed)
         spec = meta.spec
         B, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
-        if layer.q_norm is None and self._skinny and self._skinny_fits(h, layer.qkv, D):
+        if layer.q_norm is None and self._skinny and skinny_fits(h, layer.qkv, D):
             # Before waiting for the QKV kernel, attention reads everything that kernel did not write (it wrote
             # the last B positions' cache rows at most: one per token of this forward).
             q = self.norm_qkv_rope(h, layer, meta, kv, normed)
@@ -185,13 +186,13 @@ class CudaOps(TorchOps):
     def linear_add(self, h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, norm: torch.Tensor | None = None,
                    eps: float = 0.0) -> torch.Tensor | None:
         """Skinny forwards: one skinny_residual kernel; the next op's skinny kernel fuses the norm (None back).
-        Larger forwards: the Hopper GEMM's residual entries where this forward has it (METRALE_GEMM=sm90) and it
+        Larger forwards: the Hopper GEMM's residual entries where this forward has it (METRALE_GEMM) and it
         takes the operands, else (decode) an Fp8Weight's skinny FP8 residual kernel where one serves (skinny_residual);
         up to SPLIT_K_TOKENS tokens: the GEMM as one bmm over SPLIT_K slices of K into fp32 partials, then
         residual_norm sums them into h and makes the next op's rms_norm in the same launch: faster than
         cuBLAS's addmm_ (for down its own split-K kernel plus a reduce kernel) and the norm launch after it
         (bench/split_k_gemm.py; bench/RESULTS.md). gate_up stays on cuBLAS (slower split). Else TorchOps'."""
-        if self._skinny and self._skinny_fits(h, weight, weight.shape[0]):
+        if self._skinny and skinny_fits(h, weight, weight.shape[0]):
             skinny_linear.residual(self.lib, h, x.contiguous(), weight)
             return None
         if self._skinny:  # a skinny forward whose next op fuses the norm itself
@@ -214,7 +215,7 @@ class CudaOps(TorchOps):
 
     def norm_gate_up(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, eps: float,
                      normed: torch.Tensor | None = None) -> torch.Tensor:
-        if not self._skinny or not self._skinny_fits(h, gate_up, gate_up.shape[0]):
+        if not self._skinny or not skinny_fits(h, gate_up, gate_up.shape[0]):
             if self._gemm is not None or (self._decode and isinstance(gate_up, Fp8Weight)):
                 # past the skinny forwards: the Hopper GEMM's silu entries, else the FP8 skinny silu kernels
                 x = self.rms_norm(h, norm, eps) if normed is None else normed
@@ -234,17 +235,11 @@ class CudaOps(TorchOps):
         x = h if rows is None else h[rows]
         fp8_head = self._decode and isinstance(lm_head, Fp8Weight)
         max_rows = skinny_linear.FP8_MAX_M if fp8_head else SKINNY_TOKENS
-        if not (self._skinny or fp8_head) or not self._skinny_fits(x, lm_head, lm_head.shape[0], max_rows):
+        if not (self._skinny or fp8_head) or not skinny_fits(x, lm_head, lm_head.shape[0], max_rows):
             return super().norm_logits(h, rows, norm, lm_head, eps, normed)
         out = torch.empty((x.shape[0], lm_head.shape[0]), dtype=torch.float32, device=x.device)
         skinny_linear.store(self.lib, out, x, lm_head, None, norm, eps)
         return out
-
-    def _skinny_fits(self, x: torch.Tensor, weight: Weight, span: int, max_rows: int = SKINNY_TOKENS) -> bool:
-        """skinny_fits, except for an FP8 weight the Hopper GEMM's W8A16 entries take in this forward: such a forward's
-        ops take the paths past the skinny kernels, whose projections go to that GEMM (self.linear)."""
-        return skinny_fits(x, weight, span, max_rows) and not (
-            self._gemm is not None and self._gemm.takes_w8a16(x, weight))
 
     def linear(self, x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None,
                add_to: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,15 +1,17 @@
-"""Hopper GEMM for decode and verify forwards of 9-256 rows (kernels_cu/gemm_sm90.cu, sm_90a only): x [M, K] @ W^T for
-a bf16 weight W [N, K] on the warpgroup MMA, with the projection's epilogue fused (store, fp32 logits, the residual
-add in place, SiLU-and-mul of a [gate | up] weight); W8A8 (launch_w8a8): E4M3 x with per-row scales times a per-
-channel E4M3 weight on the FP8 MMA, engine.quant.w8a8_linear's arithmetic; and W8A16 for decode's 1-8 rows
-(launch_w8a16): the E4M3 weight converted to bf16 in registers, engine.quant.fp8_linear's arithmetic. Where a grid
-of one split would leave SMs idle, K is split and the last block of each weight tile sums the splits (in split
-order) into the epilogue.
+"""Hopper GEMM for forwards of 9-256 rows (kernels_cu/gemm_sm90.cu, sm_90a only): x [M, K] @ W^T for a bf16 weight
+W [N, K] on the warpgroup MMA, with the projection's epilogue fused (store, fp32 logits, the residual add in place,
+SiLU-and-mul of a [gate | up] weight); and W8A8 (launch_w8a8): E4M3 x with per-row scales times a per-channel E4M3
+weight on the FP8 MMA, engine.quant.w8a8_linear's arithmetic. A block takes 128 weight rows by up to 128 of x's rows
+(its column tile; more rows: more column tiles). Where such a grid would leave SMs idle, K is split and the last
+block of each tile sums the splits (in split order) into the epilogue; the split count (splits()) weighs the idle
+SMs against that block's reads of the other splits' sums, so it depends on the forward's rows (a row's bits may
+differ between forwards of different sizes, as cuBLAS's do).
 
 SplitKWorkspace holds the fp32 partial sums and the per-tile arrival counters: one per CudaOps, used by launches of
 one stream (the decode and verify forwards), so two launches never share it at once."""
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,24 +24,22 @@ if TYPE_CHECKING:
     from engine.cuda.library import KernelLibrary
 
 MODULE = "gemm_sm90"
-GEMM_NT = (16, 32, 64, 128, 256)  # entry suffix _n<NT>: the forward's rows, padded (the MMA's N)
+GEMM_NT = (16, 32, 64, 128)  # entry suffix _n<NT>: the rows of x a block takes, padded (the MMA's N)
 GEMM_EPILOGUES = ("store", "f32", "residual", "silu")
 W8A8_EPILOGUES = ("store", "residual", "silu")
 GEMM_ARGS = "ppppp" + "iiii"  # out, x, w, ws, counters, M, N, K, splits
 W8A8_ARGS = "ppppppp" + "iiii"  # out, x, x_scale, w, w_scale, ws, counters, M, N, K, splits
-W8A16_EPILOGUES = GEMM_EPILOGUES
-W8A16_ARGS = "pppppp" + "iiii"  # out, x, w, w_scale, ws, counters, M, N, K, splits
-W8A16_MAX_ROWS = 8  # the _w8a16_n8 entries' rows (decode's skinny forwards)
-W8A16_MAX_KTILES = 4096 // 128  # k-tiles of 128 a split: its x stays in shared memory (W16_XK)
-W8A16_SMEM = 4096 // 64 * 1024 + 8 * 128 * 128 + 1024  # the kernel's gemm_w8a16_smem_bytes()
 GEMM_ROWS = 128  # weight rows a block (silu: 64 gate rows and their 64 up rows)
 ROW_BYTES = 128  # bytes of each operand row a stage (64 k of bf16, 128 of E4M3)
 GEMM_THREADS = 256
-MAX_ROWS = GEMM_NT[-1]
-# A grid of fewer tiles than SMs is split along K until it fills about one wave, each split keeping at least this
-# many k-tiles (a split's pipeline fill and its partial sums' round trip through L2 are its fixed costs).
+MAX_ROWS = 256
+# A grid of fewer blocks than SMs is split along K toward one wave, each split keeping at least MIN_SPLIT_KTILES
+# k-tiles (its pipeline fill is a fixed cost), and at most as many splits as keep the last block's reads of the
+# others' sums (rows x 512 bytes a split, from L2 into one SM) small beside a split's share of the weight tile
+# (128 rows x K bytes, from DRAM over all SMs): S^2 <= K bytes / (REDUCE_WEIGHT x rows).
 MIN_SPLIT_KTILES = 4
 MAX_SPLITS = 16
+REDUCE_WEIGHT = 2
 
 
 def entry_names() -> list[str]:
@@ -48,10 +48,6 @@ def entry_names() -> list[str]:
 
 def w8a8_entry_names() -> list[str]:
     return [f"gemm_sm90_{ep}_w8a8_n{nt}" for nt in GEMM_NT for ep in W8A8_EPILOGUES]
-
-
-def w8a16_entry_names() -> list[str]:
-    return [f"gemm_sm90_{ep}_w8a16_n8" for ep in W8A16_EPILOGUES]
 
 
 def stage_bytes(nt: int) -> int:
@@ -68,10 +64,15 @@ def smem_bytes(nt: int) -> int:
 
 
 def nt_bucket(rows: int) -> int:
-    for nt in GEMM_NT:
-        if rows <= nt:
-            return nt
-    raise KernelArgError(f"gemm_sm90: {rows} rows; the kernels take at most {MAX_ROWS}")
+    """The column tile of a forward of `rows` rows: the smallest entry that takes them, else the largest (with
+    ceil(rows / 128) column tiles)."""
+    if rows > MAX_ROWS:
+        raise KernelArgError(f"gemm_sm90: {rows} rows; the kernels take at most {MAX_ROWS}")
+    return next((nt for nt in GEMM_NT if rows <= nt), GEMM_NT[-1])
+
+
+def column_tiles(rows: int) -> int:
+    return max(1, -(-rows // nt_bucket(rows)))
 
 
 def tiles(n: int, silu: bool) -> int:
@@ -83,22 +84,24 @@ def k_tiles(k: int, element_bytes: int = 2) -> int:
     return -(-k * element_bytes // ROW_BYTES)
 
 
-def splits(num_tiles: int, k: int, num_sms: int, element_bytes: int = 2) -> int:
-    """K splits of a grid of num_tiles weight tiles: 1 where the tiles fill the SMs, else as many as bring the grid
-    to about one wave, each of at least MIN_SPLIT_KTILES k-tiles."""
-    if num_tiles >= num_sms:
+def splits(num_tiles: int, k: int, num_sms: int, rows: int, element_bytes: int = 2) -> int:
+    """K splits of a forward of `rows` rows over num_tiles weight tiles: 1 where its blocks fill the SMs, else as many
+    as bring the grid to about one wave, each of at least MIN_SPLIT_KTILES k-tiles, and at most the reduction's
+    bound (REDUCE_WEIGHT)."""
+    blocks = num_tiles * column_tiles(rows)
+    if blocks >= num_sms:
         return 1
-    k_tiles_ = k_tiles(k, element_bytes)
-    return max(1, min(num_sms // num_tiles, k_tiles_ // MIN_SPLIT_KTILES, MAX_SPLITS))
+    reduce_bound = math.isqrt(k * element_bytes // (REDUCE_WEIGHT * min(rows, GEMM_NT[-1])))
+    return max(1, min(num_sms // blocks, k_tiles(k, element_bytes) // MIN_SPLIT_KTILES, MAX_SPLITS, reduce_bound))
 
 
 class SplitKWorkspace:
-    """The fp32 partial sums of split launches (at most max_blocks blocks of MAX_ROWS x GEMM_ROWS sums) and the
+    """The fp32 partial sums of split launches (at most max_blocks blocks of GEMM_NT[-1] x GEMM_ROWS sums) and the
     arrival counter of each tile (zero between launches: the last block of a tile resets its own)."""
 
     def __init__(self, device: torch.device, num_sms: int):
-        self.max_blocks = 2 * num_sms  # splits(): num_tiles * S <= num_sms where S > 1 (twice: room for tests)
-        self.partials = torch.empty(self.max_blocks * MAX_ROWS * GEMM_ROWS, dtype=torch.float32, device=device)
+        self.max_blocks = 2 * num_sms  # splits(): blocks * S <= num_sms where S > 1 (twice: room for tests)
+        self.partials = torch.empty(self.max_blocks * GEMM_NT[-1] * GEMM_ROWS, dtype=torch.float32, device=device)
         self.counters = torch.zeros(num_sms, dtype=torch.int32, device=device)
 
 
@@ -145,34 +148,6 @@ def launch_w8a8(lib: KernelLibrary, ws: SplitKWorkspace, epilogue: str, out: tor
                    num_splits)
 
 
-def launch_w8a16(lib: KernelLibrary, ws: SplitKWorkspace, epilogue: str, out: torch.Tensor, x: torch.Tensor,
-                 weight: torch.Tensor, w_scale: torch.Tensor, num_splits: int | None = None) -> torch.Tensor:
-    """W8A16 for at most W8A16_MAX_ROWS rows: out <- epilogue((x @ T(weight)^T) * w_scale[None, :]) for bf16 x [M, K],
-    an E4M3 weight [N, K] and its per-row fp32 scales w_scale [N] (engine.quant.fp8_linear's arithmetic): store /
-    residual out [M, N] bf16, f32 out [M, N] fp32, silu out [M, N / 2] bf16. K is split at least so that each split
-    holds at most W8A16_MAX_KTILES k-tiles."""
-    if epilogue not in W8A16_EPILOGUES:
-        raise KernelArgError(f"gemm_sm90 w8a16: unknown epilogue {epilogue!r} (one of {W8A16_EPILOGUES})")
-    xp = tensor_arg(x, "gemm_sm90 x", torch.bfloat16, 2)
-    wp = tensor_arg(weight, "gemm_sm90 weight", FP8_DTYPE, 2)
-    _check(x, weight, 16)
-    if x.shape[0] > W8A16_MAX_ROWS:
-        raise KernelArgError(f"gemm_sm90 w8a16: {x.shape[0]} rows; the kernels take at most {W8A16_MAX_ROWS}")
-    wsp = tensor_arg(w_scale, "gemm_sm90 w_scale", torch.float32, 1, align=False)
-    expect_shape(w_scale, "gemm_sm90 w_scale", (weight.shape[0],))
-    op = tensor_arg(out, "gemm_sm90 out", torch.float32 if epilogue == "f32" else torch.bfloat16, 2)
-    _check_out(out, x, weight, epilogue)
-    most = k_tiles(x.shape[1], 1)
-    least = -(-most // W8A16_MAX_KTILES)
-    if num_splits is None:
-        num_splits = max(least, splits(tiles(weight.shape[0], epilogue == "silu"), x.shape[1], lib.num_sms, 1))
-    if num_splits < least:
-        raise KernelArgError(f"gemm_sm90 w8a16: {num_splits} splits of {most} k-tiles leave more than "
-                             f"{W8A16_MAX_KTILES} a split")
-    return _launch(lib, ws, f"gemm_sm90_{epilogue}_w8a16", out, (op, xp, wp, wsp), x, weight, epilogue, 1,
-                   num_splits, nt=8, smem=W8A16_SMEM)
-
-
 def _check(x: torch.Tensor, weight: torch.Tensor, k_align: int) -> None:
     M, K = x.shape
     if weight.shape[1] != K or K % k_align:
@@ -193,18 +168,19 @@ def _check_out(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, epilogu
 
 def _launch(lib: KernelLibrary, ws: SplitKWorkspace, entry: str, out: torch.Tensor, pointers: tuple,
             x: torch.Tensor, weight: torch.Tensor, epilogue: str, element_bytes: int,
-            num_splits: int | None, nt: int | None = None, smem: int | None = None) -> torch.Tensor:
+            num_splits: int | None) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
     if M == 0:
         return out
     num_tiles = tiles(N, epilogue == "silu")
+    blocks = num_tiles * column_tiles(M)
     most = k_tiles(K, element_bytes)
-    s = splits(num_tiles, K, lib.num_sms, element_bytes) if num_splits is None else num_splits
+    s = splits(num_tiles, K, lib.num_sms, M, element_bytes) if num_splits is None else num_splits
     if not 1 <= s <= most:
         raise KernelArgError(f"gemm_sm90: {s} splits of {most} k-tiles")
-    if s > 1 and (num_tiles * s > ws.max_blocks or num_tiles > ws.counters.numel()):
-        raise KernelArgError(f"gemm_sm90: {num_tiles} tiles x {s} splits exceed the workspace")
-    nt = nt or nt_bucket(M)
-    lib.kernels[f"{entry}_n{nt}"]((num_tiles, s, 1), (GEMM_THREADS, 1, 1), smem or smem_bytes(nt), lib.stream(),
+    if s > 1 and (blocks * s > ws.max_blocks or blocks > ws.counters.numel()):
+        raise KernelArgError(f"gemm_sm90: {blocks} blocks x {s} splits exceed the workspace")
+    nt = nt_bucket(M)
+    lib.kernels[f"{entry}_n{nt}"]((blocks, s, 1), (GEMM_THREADS, 1, 1), smem_bytes(nt), lib.stream(),
                                   *pointers, ws.partials.data_ptr(), ws.counters.data_ptr(), M, N, K, s)
     return out
