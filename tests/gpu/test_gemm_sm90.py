@@ -249,12 +249,16 @@ def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, qua
     ref = greedy_run(ref_engine, ps, 32)
     fast = gpu_engine(ckpt_1b, quantization=quantization, num_kv_blocks=1024)
     assert fast.runtime.ops.gemm is not None
-    bar = 0.1
-    if quantization == "fp8":
-        from gpu.test_fp8_gpu import assert_closer_to_its_own_arithmetic
-        tokens = torch.randint(0, 128256, (200,), generator=torch.Generator().manual_seed(4)).tolist()
-        bar = max(bar, assert_closer_to_its_own_arithmetic(fast, ref_engine, tokens, "200 positions (W8A8 prompt)"))
-    assert_divergences_are_near_ties(ref_engine, ps, greedy_run(fast, ps, 32), ref, bar)
+    got = greedy_run(fast, ps, 32)
+    if quantization == "fp8":  # test_fp8_gpu's checks: the bar from a 60-token W8A8 prompt on this setting's routes
+        # (sm90: <= 64 rows), each flip's gap from the reference's full log-probs (on this random model's near-uniform
+        # logits a top-5 list misses the other candidate)
+        from gpu.test_fp8_gpu import assert_closer_to_its_own_arithmetic, assert_greedy_flips_are_near_ties
+        tokens = torch.randint(0, 128256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+        bar = assert_closer_to_its_own_arithmetic(fast, ref_engine, tokens, "60 positions (W8A8 prompt)")
+        assert_greedy_flips_are_near_ties(ref_engine, ps, got, ref, f"batch {batch}", bar, w8a8_decode=True)
+    else:
+        assert_divergences_are_near_ties(ref_engine, ps, got, ref)
 
 
 def test_prompts_prefilled_on_the_gemm_match_the_torch_ops_engine(ckpt_1b, sm90_gemm):
