@@ -152,11 +152,6 @@ __device__ __forceinline__ void cp_async16_to(u32 dst, const void* src, int src_
 __device__ __forceinline__ void st_cg4(float* p, float4 v) {
   asm volatile("st.global.cg.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w));
 }
-__device__ __forceinline__ float4 ld_cg4(const float* p) {
-  float4 v;
-  asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
-  return v;
-}
 __device__ __forceinline__ float4 operator+(float4 a, float4 b) {
   return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w);
 }
@@ -226,19 +221,31 @@ __device__ __forceinline__ bool gemm_reduce(float (&acc)[NT / 2], float* T, floa
   __syncthreads();
   if (!s_last) return false;
   __threadfence();
+  // In split order, whichever block came last. U splits' loads a round (U IT = 16 float4 a thread in flight): each
+  // round costs one trip through L2, not each split.
+  constexpr int U = IT >= 16 ? 1 : 16 / IT;
   float4 s[IT];
 #pragma unroll
   for (int j = 0; j < IT; ++j) s[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int o = 0; o < splits; ++o) {  // in split order, whichever block came last; a split's loads all in flight
-    const float* p = ws + (i64)(blk * splits + o) * NT * 128;
-    float4 v[IT];
+  for (int o0 = 0; o0 < splits; o0 += U) {
+    float4 v[U][IT];
 #pragma unroll
-    for (int j = 0; j < IT; ++j) {
-      const int q = tid + j * GEMM_THREADS;
-      v[j] = (q >> 5) >= Mz ? make_float4(0.f, 0.f, 0.f, 0.f) : o == split ? *at(q) : ld_cg4(p + q * 4);
+    for (int u = 0; u < U; ++u) {
+      const float* p = ws + (i64)(blk * splits + o0 + u) * NT * 128;
+#pragma unroll
+      for (int j = 0; j < IT; ++j) {
+        const int q = tid + j * GEMM_THREADS;
+        v[u][j] = o0 + u >= splits || (q >> 5) >= Mz ? make_float4(0.f, 0.f, 0.f, 0.f)
+                  : o0 + u == split                  ? *at(q)
+                                                     : __ldcg(reinterpret_cast<const float4*>(p + q * 4));
+      }
     }
 #pragma unroll
-    for (int j = 0; j < IT; ++j) s[j] = s[j] + v[j];
+    for (int u = 0; u < U; ++u)
+      if (o0 + u < splits) {
+#pragma unroll
+        for (int j = 0; j < IT; ++j) s[j] = s[j] + v[u][j];
+      }
   }
 #pragma unroll
   for (int j = 0; j < IT; ++j) {  // each item back where only its own thread reads it (barrier below)
