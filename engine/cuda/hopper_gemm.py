@@ -43,11 +43,13 @@ class HopperGemm:
     def _routed(self, epilogue: str, kind: str, rows: int) -> bool:
         return self.routes is None or rows <= self.routes.get((epilogue, kind), 0)
 
+    def _routes(self, epilogue: str, weight, rows: int) -> bool:
+        """Whether this setting runs the epilogue of `rows` rows of weight here (checked before out is allocated)."""
+        return self._routed(epilogue, "w8a8" if isinstance(weight, Fp8Weight) else "bf16", rows)
+
     def _run(self, epilogue: str, out: torch.Tensor, x: torch.Tensor, weight) -> torch.Tensor | None:
-        """out <- the epilogue of x @ weight^T, or None (nothing launched) where the kernels do not take them or
-        the routes leave them to the caller."""
-        if not self._routed(epilogue, "w8a8" if isinstance(weight, Fp8Weight) else "bf16", x.shape[0]):
-            return None
+        """out <- the epilogue of x @ weight^T (a routed one), or None (nothing launched) where the kernels do not
+        take them."""
         if isinstance(weight, Fp8Weight):
             if not (takes_w8a8(x, weight, torch.bfloat16) and fp8_quant.takes(x) and weight.data.is_contiguous()
                     and 0 < x.shape[0] <= gemm_sm90.MAX_ROWS):
@@ -67,20 +69,20 @@ class HopperGemm:
             return None
         M, N = x.shape[0], weight.shape[0]
         if add_to is not None:
-            if add_to.dtype != torch.bfloat16 or tuple(add_to.shape) != (M, N) or not add_to.is_contiguous():
+            if add_to.dtype != torch.bfloat16 or tuple(add_to.shape) != (M, N) or not add_to.is_contiguous() or \
+                    not self._routes("residual", weight, M):
                 return None
             return self._run("residual", add_to, x, weight)
         f32 = out_dtype == torch.float32
-        if out_dtype not in (None, torch.bfloat16, torch.float32) or (f32 and isinstance(weight, Fp8Weight)) or not \
-                self._routed("f32" if f32 else "store", "bf16" if not isinstance(weight, Fp8Weight) else "w8a8", M):
+        if out_dtype not in (None, torch.bfloat16, torch.float32) or (f32 and isinstance(weight, Fp8Weight)) or \
+                not self._routes("f32" if f32 else "store", weight, M):
             return None
         out = torch.empty((M, N), dtype=torch.float32 if f32 else torch.bfloat16, device=x.device)
         return self._run("f32" if f32 else "store", out, x, weight)
 
     def silu_and_mul(self, x: torch.Tensor, gate_up) -> torch.Tensor | None:
         """silu(x @ gate^T) * (x @ up^T) for gate_up = [gate | up]: [M, I]."""
-        if x.dim() != 2 or gate_up.shape[0] % 2 or not self._routed(
-                "silu", "w8a8" if isinstance(gate_up, Fp8Weight) else "bf16", x.shape[0]):
+        if x.dim() != 2 or gate_up.shape[0] % 2 or not self._routes("silu", gate_up, x.shape[0]):
             return None
         out = torch.empty((x.shape[0], gate_up.shape[0] // 2), dtype=torch.bfloat16, device=x.device)
         return self._run("silu", out, x, gate_up)
