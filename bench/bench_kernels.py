@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine import sampling  # noqa: E402
+from engine import env, sampling  # noqa: E402
 from engine.cuda.library import KernelLibrary  # noqa: E402
 from engine.cuda.ops import CudaOps  # noqa: E402
 from engine.cuda.wrappers import decode_attention, rms_norm, skinny_linear  # noqa: E402
@@ -727,7 +727,10 @@ def ncu_targets(ops, dev, dt) -> None:
 
 def variant_libs(dev, **kw) -> list[tuple[str, KernelLibrary]]:
     """The kernel libraries of every `--variant SRC BUILD` pair on the command line, each tagged with the name of
-    SRC's parent folder (the variant's) for its rows."""
+    SRC's parent folder (the variant's) for its rows. They launch with programmatic dependent launch as CudaOps'
+    library does (env.PDL) unless kw says otherwise: rows of a variant without it beside this tree's with it
+    compared the launch mode, not the kernels."""
+    kw.setdefault("pdl", env.PDL)
     libs = []
     for i, arg in enumerate(sys.argv):
         if arg == "--variant":

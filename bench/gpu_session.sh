@@ -70,6 +70,7 @@
 #   trace      trace_step.py: a replayed step launch by launch (carry kernels_cu/build-trace, made here by
 #              `python bench/trace_step.py --build-only`; TRACE_BATCHES, TRACE_ARGS)
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
+#   skinnyab   the skinny kernels against SKINNY_BASE's (build/ab-base): GPU tests, kernels side by side, scale_bench b1 / b8
 #   kbench     bench_kernels.py (KBENCH_ARGS: --skinny, --attention, --topk, --sample, --norm; none: all)
 #   ncu        Nsight Compute on sample_stats and decode attention (keys from DRAM)
 #   ab         A/B: the same benchmark in other trees and this one, round after round (see below)
@@ -245,6 +246,19 @@ for what in "$@"; do
     # not ours to fix; memcheck checks every kernel, without the caching allocator so overruns leave their allocation.
     sanitize)   PYTORCH_NO_CUDA_MEMORY_CACHING=1 stage sanitize-memcheck 200 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 python3 bench/sanitize_kernels.py
                 stage sanitize-racecheck 200 compute-sanitizer --tool racecheck --kernel-name-exclude kns=cudnn --report-api-errors no --error-exitcode 9 python3 bench/sanitize_kernels.py ;;
+    skinnyab)   # the skinny kernels against another tree's (SKINNY_BASE, default build/ab-base, carried with its fatbins):
+                # their GPU tests here, both trees' kernels side by side at 1 / 8 tokens (bf16 and FP8 weights), then
+                # scale_bench decode at batch 1 / 8, context 128, 1B and 8B, bf16 and FP8 weights, base then this,
+                # SKINNY_ROUNDS (2) rounds
+                base=${SKINNY_BASE:-build/ab-base}; prepare_tree "$base"
+                stage gpu-skinny-tests 300 python3 -m pytest tests/gpu/test_skinny_linear.py tests/gpu/test_fp8_gpu.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4
+                TAIL=${TAIL:-80} stage skinny-kernels 300 python3 bench/bench_kernels.py --skinny --tokens 1,8 --variant "$base/kernels_cu" "$base/kernels_cu/build"
+                for round in $(seq 1 "${SKINNY_ROUNDS:-2}"); do
+                  for q in none fp8; do
+                    (cd "$base" && PYTHONPATH=/tmp/site:$PWD TAIL=12 stage "skinny-base-$q-$round" 300 python3 bench/scale_bench.py --shape 1b 8b --batches 1 8 --contexts 128 --steps 30 --quantization $q --out "$OUT/skinny-base")
+                    TAIL=12 stage "skinny-this-$q-$round" 300 python3 bench/scale_bench.py --shape 1b 8b --batches 1 8 --contexts 128 --steps 30 --quantization $q --out "$OUT/skinny-this"
+                  done
+                done ;;
     kbench)     stage bench-kernels 300 python3 bench/bench_kernels.py ${KBENCH_ARGS:-} ;;
     ncu)        stage ncu-sample-attention 200 ncu --clock-control none --target-processes all --kernel-name regex:"sample_stats|decode_attention" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/bench_kernels.py --ncu ;;
     ab)         ab ;;
