@@ -71,6 +71,7 @@
 #              `python bench/trace_step.py --build-only`; TRACE_BATCHES, TRACE_ARGS)
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
 #   skinnyab   the skinny kernels against SKINNY_BASE's (build/ab-base): GPU tests, kernels side by side, scale_bench b1 / b8
+#   shallow    decode attention's _s2 entries (METRALE_DECODE_SHALLOW=1) against =0: its GPU tests, scale_bench 1B b1-256 alternating
 #   kbench     bench_kernels.py (KBENCH_ARGS: --skinny, --attention, --topk, --sample, --norm; none: all)
 #   ncu        Nsight Compute on sample_stats and decode attention (keys from DRAM)
 #   ab         A/B: the same benchmark in other trees and this one, round after round (see below)
@@ -257,6 +258,15 @@ for what in "$@"; do
                   for q in none fp8; do
                     (cd "$base" && PYTHONPATH=/tmp/site:$PWD TAIL=12 stage "skinny-base-$q-$round" 300 python3 bench/scale_bench.py --shape 1b 8b --batches 1 8 --contexts 128 --steps 30 --quantization $q --out "$OUT/skinny-base")
                     TAIL=12 stage "skinny-this-$q-$round" 300 python3 bench/scale_bench.py --shape 1b 8b --batches 1 8 --contexts 128 --steps 30 --quantization $q --out "$OUT/skinny-this"
+                  done
+                done ;;
+    shallow)    # decode attention's 2-deep _s2 entries for grids past one wave (METRALE_DECODE_SHALLOW=1, the default) against
+                # the default entries only (=0): the decode attention GPU tests, then scale_bench 1B decode at batch 1-256,
+                # context 128 / 2k / 8k, =0 and =1 alternating, SHALLOW_ROUNDS (2) rounds
+                stage gpu-decode-attention-tests 300 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -k "decode_attention or decode_splits or decode_ops" -p no:cacheprovider --confcutdir=tests/gpu -n 4
+                for round in $(seq 1 "${SHALLOW_ROUNDS:-2}"); do
+                  for shallow in 0 1; do
+                    METRALE_DECODE_SHALLOW=$shallow TAIL=14 stage "shallow-$shallow-$round" 300 python3 bench/scale_bench.py --shape 1b --batches 1 32 64 128 256 --contexts 128 2048 8192 --steps 30 --prefill 8x512 --out "$OUT/shallow-$shallow"
                   done
                 done ;;
     kbench)     stage bench-kernels 300 python3 bench/bench_kernels.py ${KBENCH_ARGS:-} ;;

@@ -15,6 +15,9 @@ CUDA_ROOTS = tuple(r for r in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA
 CUDA_ARCHS = tuple(a.strip() for a in os.environ.get("METRALE_CUDA_ARCHS", "80,90,compute_90").split(",") if a.strip())
 # Programmatic dependent launch of the decode kernels on sm_90+ ("0" turns it off; engine/cuda/library.py).
 PDL = os.environ.get("METRALE_PDL", "1") != "0"
+# Decode attention grids of more than one wave at head_dim < 128 on the 2-deep _s2 entries
+# (engine/cuda/wrappers/decode_attention.py shallow_entry); "0": the default entries always (the A/B's switch).
+DECODE_SHALLOW = os.environ.get("METRALE_DECODE_SHALLOW", "1") != "0"
 # How the worker's event loop learns that a step's device work ended (worker/runner.py): "poll" (the loop itself
 # queries the step's event between its other callbacks: a core busy while steps run, ~50 us sooner than a thread's
 # wake-up, and the loop never waits on another thread for it) or "thread" (a helper thread waits on the event and

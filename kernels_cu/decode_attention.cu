@@ -61,7 +61,8 @@
 // Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8]):
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
-//   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3;
+//   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3 (the _s2
+//   entries: 2);
 //   _kvfp8: 16 * (D + 8) * 2 + 2 * STAGES8 * 64 * LD8 bytes, plus 2 * D * 2 + D * 4 (the new token's k and v
 //   rows, and cos / sin) for the fused-RoPE entries
 //   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at
@@ -94,13 +95,16 @@
 #define DA_TILE 64
 #define DA_CLUSTER_MAX 8  // the largest cluster a launch uses (DECODE_CLUSTER in the wrapper)
 
-template <int D>
+// STAGES_: the 16-bit tiles' pipeline depth, 3 (2 at D >= 128) by default; the _s2 entries take 2 at D < 128 too,
+// for grids of more than one wave: 64 fewer rows of K and V a block lets an SM hold more blocks (D = 64: 5 instead
+// of 3), which shortens a grid of many short splits, while one wave of long splits runs faster 3 deep.
+template <int D, int STAGES_ = (D >= 128 ? 2 : 3)>
 struct DecodeCfg {
-  static constexpr int STAGES = D >= 128 ? 2 : 3;
+  static constexpr int STAGES = STAGES_;
   static constexpr int LD = D + 8;  // padded smem row (u16): conflict-free ldmatrix
   static constexpr int VPR = D / 8;  // 16-byte vectors per row
   // E4M3 tiles (the _kvfp8 entries): stages, bytes per smem row, 16-byte vectors per row.
-  static constexpr int STAGES8 = 2 * STAGES - 1;
+  static constexpr int STAGES8 = D >= 128 ? 3 : 5;
   static constexpr int LD8 = D % 32 ? D : D + 16;
   static constexpr int VPR8 = D / 16;
 };
@@ -220,7 +224,7 @@ __device__ __forceinline__ void rope_pair(u16* x1p, u16* x2p, const float* c, co
 }
 
 // KV: the cache's element, u16 (T) or unsigned char (E4M3: the _kvfp8 entries).
-template <class T, int D, bool ROPE, class KV>
+template <class T, int D, bool ROPE, class KV, int STAGES_>
 __device__ __forceinline__ void decode_attention_impl(
     u16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_lse, int* __restrict__ counters,
     const u16* __restrict__ q, KV* __restrict__ k_cache, KV* __restrict__ v_cache,
@@ -230,7 +234,7 @@ __device__ __forceinline__ void decode_attention_impl(
     const u16* __restrict__ v_new, i64 kv_stride, const float* __restrict__ cos_sin,
     const i64* __restrict__ rope_index, const i64* __restrict__ slot_mapping, int fresh) {
   TRACE_SCOPE;
-  typedef DecodeCfg<D> C;
+  typedef DecodeCfg<D, STAGES_> C;
   constexpr bool KV8 = sizeof(KV) == 1;
   constexpr int STAGES = C::STAGES, LD = C::LD, VPR = C::VPR;
   constexpr int LD8 = C::LD8, VPR8 = C::VPR8;
@@ -727,25 +731,26 @@ __device__ __forceinline__ void decode_attention_impl(
                     used, D);
 }
 
-#define DECODE_ENTRY1(NAME, T, D, ROPE, KV)                                                                 \
+#define DECODE_ENTRY1(NAME, T, D, ROPE, KV, STAGES)                                                         \
   extern "C" __global__ void __launch_bounds__(DA_THREADS) NAME(                                            \
       u16* out, float* part_o, float* part_lse, int* counters, const u16* q, KV* k_cache, KV* v_cache,      \
       const int* block_tables, const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv,            \
       int head_chunks, int bs_log2, int num_splits, int window, float scale_log2, int cluster,               \
       const u16* k_new, const u16* v_new, i64 kv_stride, const float* cos_sin, const i64* rope_index,       \
       const i64* slot_mapping, int fresh) {                                                                 \
-    decode_attention_impl<T, D, ROPE, KV>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables, \
+    decode_attention_impl<T, D, ROPE, KV, STAGES>(out, part_o, part_lse, counters, q, k_cache, v_cache, block_tables, \
                                       seq_lens, q_stride, bt_stride, H, Hkv, head_chunks, bs_log2,          \
                                       num_splits, window, scale_log2, cluster, k_new, v_new, kv_stride,     \
                                       cos_sin, rope_index, slot_mapping, fresh);                            \
   }
 // decode_attention_*: q rotated, the new token's K/V in the cache; decode_attention_rope_*: the fused RoPE;
-// *_kvfp8: the same over an E4M3 cache.
-#define DECODE_ENTRY(SUFFIX, T, D)                                                                  \
-  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D, T, D, false, u16)                                 \
-  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D, T, D, true, u16)                             \
-  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_kvfp8, T, D, false, unsigned char)               \
-  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_kvfp8, T, D, true, unsigned char)
+// *_kvfp8: the same over an E4M3 cache; decode_attention_*_s2 (D < 128): 2-deep 16-bit tiles (DecodeCfg).
+#define DECODE_ENTRY(SUFFIX, T, D)                                                                          \
+  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D, T, D, false, u16, (D >= 128 ? 2 : 3))                     \
+  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D, T, D, true, u16, (D >= 128 ? 2 : 3))                 \
+  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_kvfp8, T, D, false, unsigned char, (D >= 128 ? 2 : 3))   \
+  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_kvfp8, T, D, true, unsigned char, (D >= 128 ? 2 : 3))
+#define DECODE_ENTRY_S2(SUFFIX, T, D) DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_s2, T, D, false, u16, 2)
 
 DECODE_ENTRY(bf16, Bf16, 16)
 DECODE_ENTRY(bf16, Bf16, 32)
@@ -759,3 +764,13 @@ DECODE_ENTRY(fp16, Fp16, 64)
 DECODE_ENTRY(fp16, Fp16, 80)
 DECODE_ENTRY(fp16, Fp16, 96)
 DECODE_ENTRY(fp16, Fp16, 128)
+DECODE_ENTRY_S2(bf16, Bf16, 16)
+DECODE_ENTRY_S2(bf16, Bf16, 32)
+DECODE_ENTRY_S2(bf16, Bf16, 64)
+DECODE_ENTRY_S2(bf16, Bf16, 80)
+DECODE_ENTRY_S2(bf16, Bf16, 96)
+DECODE_ENTRY_S2(fp16, Fp16, 16)
+DECODE_ENTRY_S2(fp16, Fp16, 32)
+DECODE_ENTRY_S2(fp16, Fp16, 64)
+DECODE_ENTRY_S2(fp16, Fp16, 80)
+DECODE_ENTRY_S2(fp16, Fp16, 96)

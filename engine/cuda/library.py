@@ -56,7 +56,9 @@ MODULES: dict[str, list[KernelSpec]] = {
     "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}{kv}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
                                      + "ppl" + "ppp" + "i")
                          for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS
-                         for kv in KV_SUFFIXES],
+                         for kv in KV_SUFFIXES]
+    + [KernelSpec(f"decode_attention_{dt}_d{d}_s2", "ppppppppp" + "l" + "iiiiiii" + "f" + "i" + "ppl" + "ppp" + "i")
+       for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS if d < 128],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}{kv}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES]
     + [KernelSpec(f"prefill_attention_merge_{dt}_d{d}", "pppp" + "iii")
@@ -156,6 +158,9 @@ class KernelLibrary:
         # Decode attention's splits of one (sequence, head group) form clusters of up to this many blocks
         # (sm_90), which merge in distributed shared memory when they hold every key; 1: no clusters.
         self.decode_cluster = decode_attention.DECODE_CLUSTER if self.compute_capability >= (9, 0) else 1
+        # Grids of more than one wave of decode attention at head_dim < 128 take the 2-deep _s2 entries
+        # (decode_attention.shallow_entry); False: never (the A/B's switch).
+        self.decode_shallow = env.DECODE_SHALLOW
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -182,10 +187,12 @@ class KernelLibrary:
         for dt in DTYPE_SUFFIX.values():
             for d, kv in ((d, kv) for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES):
                 fp8 = kv == KV_FP8_SUFFIX
-                for name, size in ((f"decode_attention_{dt}_d{d}{kv}", decode_attention.smem_bytes(d, fp8_kv=fp8)),
-                                   (f"decode_attention_rope_{dt}_d{d}{kv}",
-                                    decode_attention.smem_bytes(d, rope=True, fp8_kv=fp8)),
-                                   (f"prefill_attention_{dt}_d{d}{kv}", prefill_attention.smem_bytes(d, fp8))):
+                sizes = [(f"decode_attention_{dt}_d{d}{kv}", decode_attention.smem_bytes(d, fp8_kv=fp8)),
+                         (f"decode_attention_rope_{dt}_d{d}{kv}", decode_attention.smem_bytes(d, rope=True, fp8_kv=fp8)),
+                         (f"prefill_attention_{dt}_d{d}{kv}", prefill_attention.smem_bytes(d, fp8))]
+                if d < 128 and not fp8:
+                    sizes.append((f"decode_attention_{dt}_d{d}_s2", decode_attention.smem_bytes(d, shallow=True)))
+                for name, size in sizes:
                     if size > self.max_smem_optin:
                         raise KernelLoadError(f"{name} needs {size} bytes of shared memory; the device "
                                               f"allows {self.max_smem_optin}")

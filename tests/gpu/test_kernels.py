@@ -318,6 +318,39 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
             assert not counters.any(), "the split tickets must be back at zero after the launch"
 
 
+@pytest.mark.parametrize("D", [16, 32, 64, 80, 96])
+def test_decode_attention_shallow_entries_match_the_default_ones(lib, gen, D):
+    """Grids of more than one wave at head_dim < 128 run the 2-deep _s2 entries (shallow_entry): the same
+    results as the default entries (lib.decode_shallow off) and the torch reference, bit for bit between the two
+    for every split count (the pipeline depth changes when tiles arrive, not the arithmetic)."""
+    B, H, Hkv, dtype = 96, 16, 4, torch.bfloat16
+    seq_lens = [700] + [random.Random(gen + b).randint(1, 700) for b in range(1, B)]
+    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, 16, dtype)
+    q = randn(B, H, D, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
+    ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, D ** -0.5, 0)
+    counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
+    before = lib.decode_shallow
+    try:
+        for splits in (1, 4, 16):
+            outs = []
+            for shallow in (True, False):
+                lib.decode_shallow = shallow
+                assert decode_attention.shallow_entry(lib, splits * B * Hkv, D, rope=False, fp8_kv=False) == (
+                    shallow and splits * B * Hkv > decode_attention.blocks_per_sm(lib, D) * lib.num_sms)
+                out = nan((B, H, D), dtype)
+                part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+                decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens,
+                                        D ** -0.5, 0, splits)
+                check(f"decode_attention d{D} ({splits} splits, shallow={shallow})", out, ref, BF16_TOL)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
+        lib.decode_shallow = True
+        assert decode_attention.shallow_entry(lib, 16 * B * Hkv, D, rope=False, fp8_kv=False)
+    finally:
+        lib.decode_shallow = before
+
+
 def test_decode_attention_merges_short_contexts_inside_the_cluster(lib):
     """On sm_90 a sequence whose used splits all lie in its first cluster never touches the partials in
     global memory (the cluster's leader merges them from its peers' shared memory); without clusters,

@@ -374,6 +374,32 @@ def test_decode_attention_grid_rules(cluster):
     assert not decode_attention.fits_one_wave(lib, 50, 32, 8, 64, 2048)
 
 
+def test_decode_attention_shallow_entry():
+    """The 2-deep _s2 entries take decode attention grids of more than one wave of the default entry at head_dim
+    < 128, 16-bit caches without the fused RoPE only, and nothing when the library's switch is off; their shared
+    memory is the q tile and two K and V tiles."""
+    from engine.cuda.library import MODULES, KernelLibrary
+    from engine.cuda.wrappers import decode_attention
+    lib = KernelLibrary.__new__(KernelLibrary)
+    lib.num_sms, lib.decode_blocks_per_sm, lib.decode_shallow = 132, {64: 3, 128: 2}, True
+    one_wave = 3 * 132
+    assert not decode_attention.shallow_entry(lib, one_wave, 64, rope=False, fp8_kv=False)
+    assert decode_attention.shallow_entry(lib, one_wave + 1, 64, rope=False, fp8_kv=False)
+    assert decode_attention.shallow_entry(lib, 256 * 8, 64, rope=False, fp8_kv=False)  # 1B at batch 256
+    assert not decode_attention.shallow_entry(lib, 32 * 8, 64, rope=False, fp8_kv=False)  # 1B at batch 32
+    assert not decode_attention.shallow_entry(lib, 10_000, 128, rope=False, fp8_kv=False)  # 2-deep already
+    assert not decode_attention.shallow_entry(lib, 10_000, 64, rope=True, fp8_kv=False)
+    assert not decode_attention.shallow_entry(lib, 10_000, 64, rope=False, fp8_kv=True)
+    lib.decode_shallow = False
+    assert not decode_attention.shallow_entry(lib, 10_000, 64, rope=False, fp8_kv=False)
+    # (16 + 2 stages x 64 rows) x (64 + 8) x 2 bytes, against 3 stages by default
+    assert decode_attention.smem_bytes(64, shallow=True) == 272 * 72 * 2 < decode_attention.smem_bytes(64)
+    assert decode_attention.smem_bytes(128, shallow=True) == decode_attention.smem_bytes(128)
+    names = {spec.name for spec in MODULES["decode_attention"]}
+    assert {"decode_attention_bf16_d64_s2", "decode_attention_fp16_d96_s2"} <= names
+    assert "decode_attention_bf16_d128_s2" not in names
+
+
 def test_prefill_key_split_rule():
     """Prefill attention's key splits (engine/cuda/wrappers/prefill_attention.py) on an H200's numbers: as many
     as one wave of blocks holds, at least MIN_SPLIT_TILES key tiles a split; none for short keys or a full grid."""

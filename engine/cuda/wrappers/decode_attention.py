@@ -21,11 +21,12 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 
 
-def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False) -> int:
-    """The q tile and 2-3 K and V tiles (rows padded by 8 elements); the fused-RoPE entries (rope) also
-    one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8 entries): 3-5 K and V tiles of E4M3 rows (head_dim
-    bytes, + 16 where head_dim / 16 is even), and with rope the new token's k and v rows (16-bit) too."""
-    stages = 2 if head_dim >= 128 else 3
+def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False, shallow: bool = False) -> int:
+    """The q tile and 2-3 K and V tiles (rows padded by 8 elements; shallow, the _s2 entries: 2); the fused-RoPE
+    entries (rope) also one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8 entries): 3-5 K and V tiles of
+    E4M3 rows (head_dim bytes, + 16 where head_dim / 16 is even), and with rope the new token's k and v rows (16-bit)
+    too."""
+    stages = 2 if head_dim >= 128 or shallow else 3
     if fp8_kv:
         row = head_dim if head_dim % 32 else head_dim + 16
         extra = 2 * head_dim * 2 + head_dim * 4 if rope else 0
@@ -63,6 +64,16 @@ def fits_one_wave(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: 
     blocks = blocks_per_split(batch, num_heads, num_kv_heads)
     splits = key_splits(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv)
     return blocks * splits <= blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms
+
+
+def shallow_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, rope: bool, fp8_kv: bool) -> bool:
+    """Whether a launch of grid_blocks blocks takes the _s2 entry (2-deep 16-bit tiles, head_dim < 128, no fused
+    RoPE): when the default entry's grid needs more than one wave. The shallower blocks take less shared memory, so
+    an SM holds more of them (head_dim 64: 5 against 3), which shortens a grid of many short blocks (1B at batch 256
+    and context 128: 2,048 blocks of one or two tiles); a grid of one wave keeps the deeper pipeline (1B at batch
+    1 and a 32k context: 1.49 -> 1.71 ms a step with 2-deep tiles, H100, bench/RESULTS.md)."""
+    return (lib.decode_shallow and head_dim < 128 and not rope and not fp8_kv
+            and grid_blocks > blocks_per_sm(lib, head_dim) * lib.num_sms)
 
 
 def cluster_size(lib: KernelLibrary, num_splits: int) -> int:
@@ -133,8 +144,10 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
         raise KernelArgError(f"decode attention: clusters of {cluster} for {num_splits} splits (at most "
                              f"{lib.decode_cluster} on this device, dividing the splits)")
     fused = rope is not None
-    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}"](
-        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv)), lib.stream(),
+    shallow = shallow_entry(lib, num_splits * Hkv * head_chunks * B, D, fused, bool(kv))
+    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{'_s2' if shallow else ''}"](
+        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow),
+        lib.stream(),
         o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
         num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
         int(fresh) if pdl and lib.pdl else -1, cluster=cluster, pdl=pdl)
