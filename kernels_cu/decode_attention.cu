@@ -58,7 +58,8 @@
 // tile, are rotated there, and converted into the tile row and the cache (head chunk 0) before that tile is read.
 // The merge of the 4 warps, of the splits and of the cluster is the 16-bit kernel's (fp32 in shared memory).
 //
-// Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8]):
+// Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8] and
+// decode_attention_{bf16,fp16}_d{16,32,64,80,96}_s2):
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
 //   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3 (the _s2
