@@ -41,7 +41,7 @@
 //
 // E4M3 tiles (FP8 KV cache): the tiles stream through shared memory as the cache holds them, one byte per
 // value (16-byte cp.async: 16 values per copy, half the bytes of a 16-bit row), STAGES8 = 2 STAGES - 1 deep
-// (the bytes in flight per block of the 16-bit tiles), rows of LD8 bytes (D + 16 where D / 16 is even, else D:
+// for the default entries' STAGES (3 at D >= 128, else 5: the bytes in flight per block of their 16-bit tiles), rows of LD8 bytes (D + 16 where D / 16 is even, else D:
 // every fragment load below is free of bank conflicts). No 16-bit copy of a tile is made: each lane loads the
 // bytes of its own mma fragments as 32-bit words and converts them to T in registers (common.cuh fp8_pair:
 // exact), fp32 accumulation as before. The fragment orders (mma.m16n8k16 with groupID g = lane >> 2, t = lane & 3:
