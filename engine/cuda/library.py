@@ -48,16 +48,17 @@ def _per_dtype(fmt: str, args: str) -> list[KernelSpec]:
 
 KV_SUFFIXES = ("", KV_FP8_SUFFIX)  # the attention and cache-write entries: a 16-bit KV cache, an E4M3 one
 
+# Every decode attention entry (kernels_cu/decode_attention.cu DECODE_ENTRY1) takes these arguments.
+DECODE_ATTENTION_ARGS = "ppppppppp" + "l" + "iiiiiii" + "f" + "i" + "ppl" + "ppp" + "i"
 MODULES: dict[str, list[KernelSpec]] = {
     "embedding": _per_dtype("embedding_{dt}", "pppil"),
     "rms_norm": _per_dtype("rms_norm_{dt}", "pppiillif") + _per_dtype("residual_norm_{dt}", "pppipiif"),
     "rope_cache_write": [KernelSpec(f"rope_cache_write_{dt}_v{v}{kv}", "ppppppppplllii" + "i")
                          for dt in ("bf16", "fp16") for v in (8, 4) for kv in KV_SUFFIXES],
-    "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}{kv}", "ppppppppp" + "l" + "iiiiiii" + "f" + "i"
-                                     + "ppl" + "ppp" + "i")
+    "decode_attention": [KernelSpec(f"decode_attention_{rope}{dt}_d{d}{kv}", DECODE_ATTENTION_ARGS)
                          for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS
                          for kv in KV_SUFFIXES]
-    + [KernelSpec(f"decode_attention_{dt}_d{d}_s2", "ppppppppp" + "l" + "iiiiiii" + "f" + "i" + "ppl" + "ppp" + "i")
+    + [KernelSpec(f"decode_attention_{dt}_d{d}_s2", DECODE_ATTENTION_ARGS)
        for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS if d < 128],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}{kv}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES]
