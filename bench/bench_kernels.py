@@ -679,8 +679,8 @@ def sample_rows(lib, dev) -> list[tuple]:
 
 def ncu_targets(ops, dev, dt) -> None:
     """Eager launches for Nsight Compute (`ncu --kernel-name regex:...`; bench/gpu_session.sh stage ncu):
-    sample_stats at batch 32 (greedy), decode attention at 1B batch 32, context 256, with the fused RoPE, and
-    decode attention at the 8B's heads (head_dim 128), batch 8, context 8k over a bf16 and then an E4M3 cache (the
+    sample_stats at batch 32 (greedy), decode attention at 1B batch 32, context 256, with the fused RoPE, at 1B
+    batch 256, context 128 (the _s2 entry), and decode attention at the 8B's heads (head_dim 128), batch 8, context 8k over a bf16 and then an E4M3 cache (the
     FP8 KV entries read ~2 TB/s there against the bf16 ones' ~3.3: what stalls them), twice each (ncu flushes the
     caches before each: the keys come from DRAM, as in a decode step), and the 8B's FP8 gate_up + SiLU at 1 token."""
     lib = ops.lib
@@ -703,6 +703,13 @@ def ncu_targets(ops, dev, dt) -> None:
     for _ in range(2):
         decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits,
                                 rope=(k, v, cos_sin, pos, slots))
+    # 1B at batch 256, context 128 (issue 42's lowest share): 2,048 blocks of two tiles each, the _s2 entry
+    kc, vc, table, seq_lens, pos, slots = decode_cache(256, 128, dev, dt)
+    q, out = torch.randn(256, H, D, device=dev).to(dt), torch.empty(256, H, D, device=dev, dtype=dt)
+    splits = decode_attention.key_splits(lib, 256, H, HKV, D, 32768 + 64)
+    po, pl = torch.empty(256, H, splits, D, device=dev), torch.empty(256, H, splits, device=dev)
+    for _ in range(2):
+        decode_attention.launch(lib, out, po, pl, ops._split_counters, q, kc, vc, table, seq_lens, D ** -0.5, 0, splits)
     batch, ctx, d = 8, 8192, 128
     kc = torch.empty(batch * -(-ctx // BS), BS, HKV, d, device=dev, dtype=dt).normal_()
     vc = torch.empty_like(kc).normal_()

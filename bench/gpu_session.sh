@@ -33,7 +33,8 @@
 #              1B / 8B prefills of 1 x 32k and 8 x 512 with METRALE_PREFILL_ATTENTION=flash and =cudnn alternating
 #   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 (the default) and up to 4096 padded tokens
 #              (METRALE_PREFILL_GRAPH_TOKENS, --max-graphs 1024), alternating: the warm-up's time, graphs and pool
-#              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default)
+#              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default); GRAPH_ROUNDS (2) rounds
+#   bigbatch   scale_bench 1B / 8B decode at batches 64-256, context 128, with the kernel tables of the two lowest shares
 #   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, then bench_kernels --gemm
 #              --splits (beside cuBLAS at the 1B / 8B decode projections, 16-256 rows; its W8A8 beside CudaOps' W8A8)
 #   gemmscale  scale_bench 1B / 8B decode at batch 16-256, context 128, and 8B --quantization fp8 at 16-128,
@@ -175,11 +176,17 @@ for what in "$@"; do
     prefillgraphs) for shape in 1b 8b; do
                   [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
                 done
-                for round in 1 2; do
+                for round in $(seq 1 "${GRAPH_ROUNDS:-2}"); do
                   for shape in 1b 8b; do
                     TAIL=3 stage "graphs-1024-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
                     METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --max-graphs 1024 --out "$OUT"
                   done
+                done ;;
+    bigbatch)   # decode at batches 64-256, context 128 (issue 42's lowest shares), 1B and 8B, with torch.profiler's
+                # kernel table at the two points of lowest share each
+                for shape in 1b 8b; do
+                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  TAIL=60 stage "bigbatch-$shape" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 64 128 256 --contexts 128 --steps 30 --profile --profile-points 2 --out "$OUT/bigbatch"
                 done ;;
     gemm)       # the Hopper GEMM (METRALE_GEMM=sm90 / sm90-all): its GPU tests (stopping at the first failure), then its
                 # kernel figures beside cuBLAS (forced K splits too) and its W8A8 beside CudaOps' W8A8
