@@ -31,8 +31,8 @@
 #   prefill    long prompts' attention (engine/cuda/prefill_fused.py): the prefill attention GPU tests over every route,
 #              bench_kernels --prefill-long (paged kernel, FlashAttention, cuDNN; cuDNN's planning costs), then scale_bench
 #              1B / 8B prefills of 1 x 32k and 8 x 512 with METRALE_PREFILL_ATTENTION=flash and =cudnn alternating
-#   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 (the default) and up to 4096 padded tokens
-#              (METRALE_PREFILL_GRAPH_TOKENS, --max-graphs 1024), alternating: the warm-up's time, graphs and pool
+#   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 and up to 4096 padded tokens
+#              (METRALE_PREFILL_GRAPH_TOKENS; the default is sized from the model), alternating: the warm-up's time, graphs and pool
 #              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default); GRAPH_ROUNDS (2) rounds
 #   bigbatch   scale_bench 1B / 8B decode at batches 64-256, context 128, with the kernel tables of the two lowest shares
 #   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, then bench_kernels --gemm
@@ -178,8 +178,8 @@ for what in "$@"; do
                 done
                 for round in $(seq 1 "${GRAPH_ROUNDS:-2}"); do
                   for shape in 1b 8b; do
-                    TAIL=3 stage "graphs-1024-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
-                    METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --max-graphs 1024 --out "$OUT"
+                    METRALE_PREFILL_GRAPH_TOKENS=1024 TAIL=3 stage "graphs-1024-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
+                    METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
                   done
                 done ;;
     bigbatch)   # decode at batches 64-256, context 128 (issue 42's lowest shares), 1B and 8B, with torch.profiler's

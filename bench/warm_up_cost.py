@@ -2,9 +2,10 @@
 time, the CUDA graphs it leaves held (of --max-graphs) and their pool's bytes, then prefill tokens/s at a few shapes.
 Run it once per setting to compare, e.g. the prefill graphs' reach (METRALE_PREFILL_GRAPH_TOKENS, engine/env.py):
 
-    METRALE_PREFILL_GRAPH_TOKENS=4096 python bench/warm_up_cost.py --model DIR --max-graphs 1024
+    METRALE_PREFILL_GRAPH_TOKENS=1024 python bench/warm_up_cost.py --model DIR
 
-One JSON line at the end (also written under --out): setting, warm_up_s, graphs_held, captures, evictions, pool_bytes,
+One JSON line at the end (also written under --out): the reach in effect (prefill_graph_tokens: the setting, or the
+model's own, engine/prefill.py prefill_graph_tokens), warm_up_s, graphs_held, captures, evictions, pool_bytes,
 prefill rows (engine_bench's measurement)."""
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from engine import env  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.warm_up import warm_up  # noqa: E402
@@ -46,10 +46,11 @@ def main(argv=None) -> int:
         warm_up(engine)
         warm_s = time.perf_counter() - t0
         graphs = engine.info().graph_cache
+        reach = engine.prefiller.staging.max_tokens
         rows = [engine_prefill(engine, b, n, args.repeats) for b, n in args.prefill]
     finally:
         engine.close()
-    result = {"prefill_graph_tokens": env.PREFILL_GRAPH_TOKENS, "max_graphs": args.max_graphs,
+    result = {"prefill_graph_tokens": reach, "max_graphs": args.max_graphs,
               "device": str(engine.device), "warm_up_s": round(warm_s, 2), "graphs_held": graphs.graphs_held,
               "captures": graphs.captures, "evictions": graphs.evictions, "pool_bytes": graphs.pool_bytes,
               "prefill": rows}
@@ -59,7 +60,7 @@ def main(argv=None) -> int:
           f"{graphs.evictions} evicted), pool {graphs.pool_bytes / 2 ** 20:.0f} MiB")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"warm-up-cost-{env.PREFILL_GRAPH_TOKENS}-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
+    (out / f"warm-up-cost-{reach}-{time.strftime('%Y%m%dT%H%M%S')}.json").write_text(
         json.dumps(result, indent=1))
     print(json.dumps(result))
     return 0

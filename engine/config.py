@@ -90,7 +90,7 @@ class EngineConfig:
                                                             "aliases": ("--max-num-batched-tokens",)})
     max_top_logprobs: int = field(default=20, metadata={"help": "most top-n alternatives per token"})
     max_draft_tokens: int = field(default=16, metadata={"help": "most draft tokens per Verify item"})
-    max_graphs: int = field(default=512, metadata={
+    max_graphs: int = field(default=1024, metadata={
         "help": "most CUDA graphs held (LRU): room for every decode batch width and padded prefill shape"})
     capture_after: int = field(default=64, metadata={
         "help": "times a batch's slot vector is seen before it gets a decode graph of its own; until then the "

@@ -32,12 +32,14 @@ W8A8_SKINNY_ROWS = int(os.environ.get("METRALE_W8A8_SKINNY_ROWS", "32"))
 # 1 x 32k prefill at 1B / 8B, bench/RESULTS.md) or "flash" (torch's FlashAttention 2 varlen entry for all,
 # engine/cuda/prefill_flash.py: no cuDNN planning, ~45 ms a new shape, at all).
 PREFILL_ATTENTION = os.environ.get("METRALE_PREFILL_ATTENTION", "cudnn")
-# Prefill forwards of at most this many padded tokens replay CUDA graphs (engine/prefill.py; larger ones run eager).
-PREFILL_GRAPH_TOKENS = int(os.environ.get("METRALE_PREFILL_GRAPH_TOKENS", "1024"))
+# Prefill forwards of at most this many padded tokens replay CUDA graphs (engine/prefill.py; larger ones run eager);
+# 0 (unset): sized from the model (prefill.prefill_graph_tokens: 4096 at 1B, 1024 at 8B).
+PREFILL_GRAPH_TOKENS = int(os.environ.get("METRALE_PREFILL_GRAPH_TOKENS", "0"))
 # With "cudnn": the keys a forward's longest sequence must have for cuDNN to take it (FlashAttention below).
 CUDNN_MIN_KEYS = int(os.environ.get("METRALE_CUDNN_MIN_KEYS", "4096"))
 # The GEMMs of forwards of 9-256 rows (decode, verify, short prompts): "cublas" (torch's, with the split-K bmm and the
 # separate epilogue kernels of engine/cuda/ops.py), "sm90" (kernels_cu/gemm_sm90.cu on the warpgroup MMA, epilogues
 # fused, for the projections and row counts where it measured faster than cuBLAS: engine/cuda/hopper_gemm.py ROUTES)
-# or "sm90-all" (every projection it takes: for A/B runs). sm_90 devices only, cuBLAS elsewhere.
-GEMM = os.environ.get("METRALE_GEMM", "cublas")
+# or "sm90-all" (every projection it takes: for A/B runs). sm_90 devices only, cuBLAS elsewhere. "sm90" is the default:
+# 0.5-5.4% faster steps at batch 16-32 on an H100 in three rounds (bench/RESULTS.md); not yet measured on an H200.
+GEMM = os.environ.get("METRALE_GEMM", "sm90")

@@ -2,7 +2,7 @@
 
 A call's prompts (whole, or a chunk each with `partial`) run in forwards of at most max_prefill_tokens
 tokens over several sequences each; each forward is padded to a bucketed token count (ops.prefill_tokens),
-so GEMMs see a few shapes, and a small one (PREFILL_GRAPH_TOKENS tokens over PREFILL_GRAPH_SEQS sequence
+so GEMMs see a few shapes, and a small one (prefill_graph_tokens() tokens over PREFILL_GRAPH_SEQS sequence
 rows at most) replays the CUDA graph of its padded shape from static staging buffers. Every sequence whose
 prompt completes samples its first new token from its last prompt token's logits.
 
@@ -22,11 +22,30 @@ from engine.runtime import Runtime
 from engine.sequence import Sequence, SequenceTable
 from engine.tokens import commit_tokens
 
-# Prefill forwards of at most this many (padded) tokens over at most PREFILL_GRAPH_SEQS sequences replay CUDA
-# graphs: a short prompt's forward is bound by its ~200-300 launches; from ~1k tokens on at 1B the device time
-# hides them (METRALE_PREFILL_GRAPH_TOKENS sets it).
-PREFILL_GRAPH_TOKENS = env.PREFILL_GRAPH_TOKENS
+# Prefill forwards of at most prefill_graph_tokens() (padded) tokens over at most PREFILL_GRAPH_SEQS sequences
+# replay CUDA graphs: a forward's ~200-300 launches cost the host ~1.5 ms, which matters while the forward's device
+# time is short. The reach grows while a forward's linear layers take at most PREFILL_GRAPH_FLOPS (~15 ms of an H100's
+# MMA), between PREFILL_GRAPH_MIN_TOKENS and PREFILL_GRAPH_MAX_TOKENS (METRALE_PREFILL_GRAPH_TOKENS fixes it). H100,
+# bench/warm_up_cost.py (bench/RESULTS.md): 1B 8 x 512 253.7k -> 277.2k tok/s with graphs up to 4096 tokens (warm-up
+# 11.5 -> 13.4 s, graph pool 354 -> 1812 MiB); 8B unchanged (43.1k -> 42.9k) at a cost of 11.7 s and 2.6 GiB.
 PREFILL_GRAPH_SEQS = 16
+PREFILL_GRAPH_MIN_TOKENS, PREFILL_GRAPH_MAX_TOKENS = 1024, 4096
+PREFILL_GRAPH_FLOPS = 12e12
+
+
+def prefill_graph_tokens(mc, setting: int | None = None) -> int:
+    """The most padded tokens of a graphed prefill forward for model config mc: setting (env.PREFILL_GRAPH_TOKENS)
+    when > 0, else the largest power of two in [PREFILL_GRAPH_MIN_TOKENS, PREFILL_GRAPH_MAX_TOKENS] whose forward's
+    linear layers (2 x their parameters x tokens) stay within PREFILL_GRAPH_FLOPS."""
+    setting = env.PREFILL_GRAPH_TOKENS if setting is None else setting
+    if setting > 0:
+        return setting
+    per_layer = mc.hidden_size * ((mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + 3 * mc.intermediate_size) + \
+        mc.num_heads * mc.head_dim * mc.hidden_size
+    tokens = PREFILL_GRAPH_MIN_TOKENS
+    while tokens < PREFILL_GRAPH_MAX_TOKENS and 2 * mc.num_layers * per_layer * (2 * tokens) <= PREFILL_GRAPH_FLOPS:
+        tokens *= 2
+    return tokens
 
 
 class Prefiller:
@@ -38,7 +57,7 @@ class Prefiller:
         self.sequences = sequences
         self.num_top = num_top
         config = rt.config
-        self.staging = PrefillStaging(min(PREFILL_GRAPH_TOKENS, config.max_prefill_tokens),
+        self.staging = PrefillStaging(min(prefill_graph_tokens(rt.model_config), config.max_prefill_tokens),
                                       min(PREFILL_GRAPH_SEQS, config.max_batch_size), rt.device)
         # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
         self._logits = torch.empty((self.staging.max_seqs, rt.vocab_size), dtype=torch.float32, device=rt.device)

@@ -435,6 +435,22 @@ def test_prefill_buckets_are_few_and_tight():
     assert len(set(sizes)) <= PREFILL_BUCKET_UNTIL // PREFILL_BUCKET + (8192 - PREFILL_BUCKET_UNTIL) // (4 * PREFILL_BUCKET)
 
 
+def test_prefill_graph_reach_follows_the_model_size():
+    """Prefill graphs reach 4096 tokens at 1B (a forward's linear layers: 2 x 0.97e9 parameters x 4096 = 8.0 TFLOP),
+    2048 at Llama-3.2-3B (2 x 2.82e9 x 2048 = 11.5 TFLOP; 4096 would be 23), 1024 (the least) at 8B; a setting of
+    METRALE_PREFILL_GRAPH_TOKENS wins."""
+    from types import SimpleNamespace
+    from engine.prefill import prefill_graph_tokens
+
+    def llama(hidden, layers, heads, kv_heads, head_dim, inter):
+        return SimpleNamespace(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                               head_dim=head_dim, intermediate_size=inter)
+    one_b, three_b = llama(2048, 16, 32, 8, 64, 8192), llama(3072, 28, 24, 8, 128, 8192)
+    eight_b, smollm = llama(4096, 32, 32, 8, 128, 14336), llama(576, 30, 9, 3, 64, 1536)
+    assert [prefill_graph_tokens(mc, 0) for mc in (smollm, one_b, three_b, eight_b)] == [4096, 4096, 2048, 1024]
+    assert prefill_graph_tokens(eight_b, 4096) == 4096 and prefill_graph_tokens(one_b, 512) == 512
+
+
 def test_padded_prefill_forward_equals_the_unpadded_one(tiny_model):
     """Pad tokens (what CudaOps adds to reach a bucketed token count) change nothing: the same first
     tokens and log-probs, the same KV cache, the same tokens marked seen, the same decode after."""
