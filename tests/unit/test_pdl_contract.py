@@ -95,6 +95,7 @@ class RecordingLib:
     decode_cluster = 8
     skinny_wide_tiles = 132
     skinny_fp8_warps, skinny_fp8_wave_tiles = 4, 264
+    gemm_sm90 = False  # no Hopper GEMM here: CudaOps keeps its cuBLAS paths
 
     def __init__(self):
         self.launches: list[tuple[str, dict]] = []
