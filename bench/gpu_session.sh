@@ -35,6 +35,8 @@
 #              (METRALE_PREFILL_GRAPH_TOKENS; the default is sized from the model), alternating: the warm-up's time, graphs and pool
 #              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default); GRAPH_ROUNDS (2) rounds
 #   bigbatch   scale_bench 1B / 8B decode at batches 64-256, context 128, with the kernel tables of the two lowest shares
+#   warpab     decode attention's warp entries (METRALE_DECODE_WARP) against the block entries: GPU tests (WARP_TESTS=0: none),
+#              scale_bench WARP_SHAPES (1b 8b) batch 64-256 at contexts 128 and 2k, WARP_ROUNDS (2) rounds alternating
 #   gemm       the Hopper GEMM (kernels_cu/gemm_sm90.cu, METRALE_GEMM=sm90): its GPU tests, then bench_kernels --gemm
 #              --splits (beside cuBLAS at the 1B / 8B decode projections, 16-256 rows; its W8A8 beside CudaOps' W8A8)
 #   gemmscale  scale_bench 1B / 8B decode at batch 16-256, context 128, and 8B --quantization fp8 at 16-128,
@@ -154,7 +156,7 @@ LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --en
 LOAD_PREFIX_1B=(python3 bench/load.py --shape 1b --prefix multiturn sysprompt --concurrency 32 --turns 8 --system-len 1024 --message-len 64 --output-len 128 --requests 256 --engine-flags "--num-kv-blocks 20000 --max-seq-len 4096" --out "$OUT")
 for what in "$@"; do
   case "$what" in
-    tests)      stage gpu-tests 480 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n 4 --durations=8 ;;
+    tests)      stage gpu-tests 480 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n "${GPU_TEST_WORKERS:-4}" --durations=8 ;;
     kernels)    stage gpu-kernel-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
@@ -187,6 +189,20 @@ for what in "$@"; do
                 for shape in 1b 8b; do
                   [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
                   TAIL=60 stage "bigbatch-$shape" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 64 128 256 --contexts 128 --steps 30 --profile --profile-points 2 --out "$OUT/bigbatch"
+                done ;;
+    warpab)     # decode attention's warp entries (METRALE_DECODE_WARP=1, the default) against the block entries (=0):
+                # their GPU tests, then scale_bench 1B / 8B decode at batches 64-256, contexts 128 and 2k, WARP_ROUNDS (2)
+                # rounds alternating
+                for shape in 1b 8b; do
+                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                done
+                [ "${WARP_TESTS:-1}" = 1 ] && TAIL=6 stage gpu-warp-tests 300 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -rfE -k "decode_attention" -p no:cacheprovider --confcutdir=tests/gpu -n 8
+                for round in $(seq 1 "${WARP_ROUNDS:-2}"); do
+                  for w in 0 1; do
+                    for shape in ${WARP_SHAPES:-1b 8b}; do
+                      METRALE_DECODE_WARP=$w TAIL=8 stage "warp-$w-$shape-$round" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 64 128 256 --contexts 128 2048 --steps 30 --prefill 1x16 --out "$OUT/warp-$w"
+                    done
+                  done
                 done ;;
     gemm)       # the Hopper GEMM (METRALE_GEMM=sm90 / sm90-all): its GPU tests (stopping at the first failure), then its
                 # kernel figures beside cuBLAS (forced K splits too) and its W8A8 beside CudaOps' W8A8

@@ -18,6 +18,9 @@ PDL = os.environ.get("METRALE_PDL", "1") != "0"
 # Decode attention grids of more than one wave at head_dim < 128 on the 2-deep _s2 entries
 # (engine/cuda/wrappers/decode_attention.py shallow_entry); "0": the default entries always (the A/B's switch).
 DECODE_SHALLOW = os.environ.get("METRALE_DECODE_SHALLOW", "1") != "0"
+# Decode attention launches of one split whose grid needs more than one wave (head_dim 128, 16-bit cache) on the warp
+# entries (one warp an item, persistent: engine/cuda/wrappers/decode_attention.py warp_entry); "0": never.
+DECODE_WARP = os.environ.get("METRALE_DECODE_WARP", "1") != "0"
 # How the worker's event loop learns that a step's device work ended (worker/runner.py): "poll" (the loop itself
 # queries the step's event between its other callbacks: a core busy while steps run, ~50 us sooner than a thread's
 # wake-up, and the loop never waits on another thread for it) or "thread" (a helper thread waits on the event and
@@ -40,6 +43,6 @@ CUDNN_MIN_KEYS = int(os.environ.get("METRALE_CUDNN_MIN_KEYS", "4096"))
 # The GEMMs of forwards of 9-256 rows (decode, verify, short prompts): "cublas" (torch's, with the split-K bmm and the
 # separate epilogue kernels of engine/cuda/ops.py), "sm90" (kernels_cu/gemm_sm90.cu on the warpgroup MMA, epilogues
 # fused, for the projections and row counts where it measured faster than cuBLAS: engine/cuda/hopper_gemm.py ROUTES)
-# or "sm90-all" (every projection it takes: for A/B runs). sm_90 devices only, cuBLAS elsewhere. "sm90" is the default:
-# 0.5-5.4% faster steps at batch 16-32 on an H100 in three rounds (bench/RESULTS.md); not yet measured on an H200.
-GEMM = os.environ.get("METRALE_GEMM", "sm90")
+# or "sm90-all" (every projection it takes: for A/B runs). sm_90 devices only, cuBLAS elsewhere. "sm90" measured 0.5-5.4%
+# faster steps at batch 16-32 on an H100 (bench/RESULTS.md); the GPU suite with it as the default is still to pass.
+GEMM = os.environ.get("METRALE_GEMM", "cublas")

@@ -775,3 +775,234 @@ DECODE_ENTRY_S2(fp16, Fp16, 32)
 DECODE_ENTRY_S2(fp16, Fp16, 64)
 DECODE_ENTRY_S2(fp16, Fp16, 80)
 DECODE_ENTRY_S2(fp16, Fp16, 96)
+
+// ---------------------------------------------------------------------------------------------
+// Warp entries (decode_attention_{bf16,fp16}_d128_w): one warp per item (sequence b, KV head, head chunk), for
+// launches of one split whose default grid needs more than one wave: many items (batch 64-256), where a block of the
+// default entries (one 64-key tile in flight at D = 128, three blocks an SM) spends much of its life on fixed costs
+// (its seq_len, table and first-tile round trips, the 4-warp merge) and the last wave runs part-empty. At D = 64 the
+// same kernel (four blocks an SM) lost to the 2-deep _s2 block entries at some shapes (bench/RESULTS.md): not built.
+// The grid is persistent: warp w of the launch (blockIdx.x * DW_WARPS + warp) takes items w, w + W, w + 2 W, ...
+// (W = gridDim.x * DW_WARPS; item = (b * Hkv + hkv) * head_chunks + hc, so neighbouring warps read one block-table
+// row). Each warp streams its items' 16-key tiles of K and V through its own WarpCfg::STAGES-deep ring of shared memory
+// with cp.async (WarpCfg::STAGES deep); the ring runs on from one item into the next, so the next item's first tiles are in flight while
+// this one's last are scored. The next item's seq_len and the next tile's block-table entries (one a lane, handed
+// to the copies by shuffles) are read a step ahead. The warp scores a tile with mma.m16n8k16 (the head chunk's 16
+// q rows as A, read from global memory at the item's start; rows past the chunk zero), keeps its rows' online
+// softmax over the item's keys in order, and writes its rows of out after the last tile. No block barrier, no
+// merge; an item without keys writes zeros.
+// Launch contract (decode_attention_{bf16,fp16}_d128_w): out, q, k_cache, v_cache, block_tables, seq_lens,
+// q_stride, bt_stride, H, Hkv, head_chunks, bs_log2, window and scale_log2 as for the other entries, then the batch
+// B; 16-bit caches, no RoPE, one split; nothing is read before the PDL wait. Grid (blocks, 1, 1), any blocks >= 1;
+// block (DW_WARPS * 32); dynamic shared memory DW_WARPS * 3 * 2 * 16 * (D + 8) * 2 bytes (3 stages; engine/cuda/
+// wrappers/decode_attention.py warp_smem_bytes).
+#define DW_WARPS 4
+#define DW_KEYS 16
+template <int D>
+struct WarpCfg {
+  static_assert(D % 32 == 0, "warp entries: head_dim a multiple of 32");
+  static constexpr int STAGES = 3;  // two tiles of each warp in flight: 16 KB at D = 128, two blocks an SM
+  static constexpr int LD = D + 8;                 // padded smem row (u16): conflict-free ldmatrix
+  static constexpr int VPR = D / 8;                // 16-byte vectors per row
+  static constexpr int STAGE = 2 * DW_KEYS * LD;   // u16 of a stage: K rows then V rows
+};
+
+template <class T, int D>
+__device__ __forceinline__ void decode_attention_warp_impl(
+    u16* __restrict__ out, const u16* __restrict__ q, const u16* __restrict__ k_cache, const u16* __restrict__ v_cache,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, i64 q_stride, int bt_stride, int H,
+    int Hkv, int head_chunks, int bs_log2, int window, float scale_log2, int B) {
+  typedef WarpCfg<D> C;
+  constexpr int NS = C::STAGES, LD = C::LD, VPR = C::VPR, STAGE = C::STAGE;
+  extern __shared__ Vec16 smem_raw[];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u16* ring = reinterpret_cast<u16*>(smem_raw) + warp * NS * STAGE;
+  wait_then_allow_dependents();
+  const int per_seq = Hkv * head_chunks, num_items = B * per_seq;
+  const int W = gridDim.x * DW_WARPS, first = blockIdx.x * DW_WARPS + warp;
+  const int G = H / Hkv, bs_mask = (1 << bs_log2) - 1;
+  auto len_of = [&](int item) { return item < num_items ? seq_lens[item / per_seq] : 0; };
+  auto start_of = [&](int len) { return window > 0 ? max(0, len - window) : 0; };
+
+  // The copy side: the tile of keys [l_base, l_base + 16) of item l_item (keys below l_len), its table entries.
+  int l_item = first, l_len = len_of(first), l_next_len = len_of(first + W), l_base = start_of(l_len);
+  auto next_copy_item = [&]() {  // on to the next item with keys (or past the last)
+    do {
+      l_item += W;
+      l_len = l_next_len;
+      l_next_len = len_of(l_item + W);
+      l_base = start_of(l_len);
+    } while (l_item < num_items && l_base >= l_len);
+  };
+  if (l_item < num_items && l_base >= l_len) next_copy_item();
+  auto table_entry = [&]() {  // lane j < 16: the block-table entry of key l_base + j
+    const int pos = l_base + (lane & 15);
+    return l_item < num_items && pos < l_len ? block_tables[(i64)(l_item / per_seq) * bt_stride + (pos >> bs_log2)]
+                                             : 0;
+  };
+  int l_ent = table_entry();
+  auto copy_tile = [&](int stage) {  // one commit group, empty past the last item
+    if (l_item < num_items) {
+      const int hkv = (l_item - l_item / per_seq * per_seq) / head_chunks;
+      u16* ks = ring + stage * STAGE;
+      u16* vs = ks + DW_KEYS * LD;
+#pragma unroll
+      for (int i = lane; i < DW_KEYS * VPR; i += 32) {
+        const int tok = i / VPR, c = i - tok * VPR, pos = l_base + tok;
+        const int ent = __shfl_sync(FULL_MASK, l_ent, tok);
+        const bool valid = pos < l_len;
+        const i64 row = (((i64)ent << bs_log2) + (pos & bs_mask)) * Hkv + hkv;
+        cp_async16(ks + tok * LD + c * 8, valid ? k_cache + row * D + c * 8 : k_cache, valid ? 16 : 0);
+        cp_async16(vs + tok * LD + c * 8, valid ? v_cache + row * D + c * 8 : v_cache, valid ? 16 : 0);
+      }
+      l_base += DW_KEYS;
+      if (l_base >= l_len) next_copy_item();
+      l_ent = table_entry();
+    }
+    cp_async_commit();
+  };
+
+  // The scoring side: item c_item (sequence c_b, query rows [c_h0, c_h0 + c_rows)), its tile at c_base.
+  const int g = lane >> 2, t4 = lane & 3;
+  int c_item = first, c_len = len_of(first), c_next_len = len_of(first + W), c_base = 0, c_b = 0, c_h0 = 0,
+      c_rows = 0;
+  u32 qa[D / 16][4];
+  float o[D / 8][4], m[2], l[2];
+  auto start_item = [&]() {  // from c_item / c_len: items without keys get zeros; q and the softmax state
+    while (c_item < num_items) {
+      c_b = c_item / per_seq;
+      const int y = c_item - c_b * per_seq, hkv = y / head_chunks, hc = y - hkv * head_chunks;
+      c_h0 = hkv * G + hc * 16;
+      c_rows = min(16, G - hc * 16);
+      c_base = start_of(c_len);
+      if (c_base < c_len) break;
+      const Vec16 zero = {{0u, 0u, 0u, 0u}};
+      for (int i = lane; i < c_rows * VPR; i += 32)
+        reinterpret_cast<Vec16*>(out + ((i64)c_b * H + c_h0 + i / VPR) * D)[i % VPR] = zero;
+      c_item += W;
+      c_len = c_next_len;
+      c_next_len = len_of(c_item + W);
+    }
+    if (c_item >= num_items) return;
+    const u16* q0 = q + (i64)c_b * q_stride + (i64)(c_h0 + g) * D + 2 * t4;
+    const u16* q1 = q0 + 8 * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      qa[ks][0] = g < c_rows ? *reinterpret_cast<const u32*>(q0 + ks * 16) : 0u;
+      qa[ks][1] = g + 8 < c_rows ? *reinterpret_cast<const u32*>(q1 + ks * 16) : 0u;
+      qa[ks][2] = g < c_rows ? *reinterpret_cast<const u32*>(q0 + ks * 16 + 8) : 0u;
+      qa[ks][3] = g + 8 < c_rows ? *reinterpret_cast<const u32*>(q1 + ks * 16 + 8) : 0u;
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    m[0] = m[1] = NEG_INF;
+    l[0] = l[1] = 0.f;
+  };
+
+#pragma unroll
+  for (int s = 0; s < NS - 1; ++s) copy_tile(s);
+  start_item();
+  const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;  // ldmatrix x4 trans addressing (V)
+  const int ld_col = (lane >> 4) * 8;
+  int stage = 0;
+  while (c_item < num_items) {
+    copy_tile(stage == 0 ? NS - 1 : stage - 1);  // into the stage the previous iteration scored
+    cp_async_wait<NS - 1>();
+    __syncwarp();  // every lane's copies of this tile landed
+    const u16* kb = ring + stage * STAGE;
+    const u16* vb = kb + DW_KEYS * LD;
+    float s[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < D / 32; ++kk) {
+        u32 kf[4];
+        ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
+        Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
+        Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
+      }
+    }
+    float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = c_base + j * 8 + 2 * t4 + (e & 1);
+        s[j][e] = pos < c_len ? s[j][e] * scale_log2 : NEG_INF;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+      const float mn = fmaxf(m[r], mx[r]);
+      mu[r] = mn == NEG_INF ? 0.f : mn;
+      alpha[r] = exp2f(m[r] - mu[r]);
+      m[r] = mn;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+        l[e >> 1] += s[j][e];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    u32 pa[4];
+    pa[0] = T::pack(s[0][0], s[0][1]);
+    pa[1] = T::pack(s[0][2], s[0][3]);
+    pa[2] = T::pack(s[1][0], s[1][1]);
+    pa[3] = T::pack(s[1][2], s[1][3]);
+#pragma unroll
+    for (int nn = 0; nn < D / 16; ++nn) {
+      u32 vf[4];
+      ldmatrix_x4_trans(vf, vb + ld_row * LD + nn * 16 + ld_col);
+      Mma<T>::run(o[2 * nn], pa, vf[0], vf[1]);
+      Mma<T>::run(o[2 * nn + 1], pa, vf[2], vf[3]);
+    }
+    __syncwarp();  // every lane's reads of this stage done before a copy refills it
+    stage = stage + 1 == NS ? 0 : stage + 1;
+    c_base += DW_KEYS;
+    if (c_base >= c_len) {  // the item's last tile: its rows of out, then the next item
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
+        l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+      }
+      const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+      u16* o0 = out + ((i64)c_b * H + c_h0 + g) * D + 2 * t4;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        if (g < c_rows) *reinterpret_cast<u32*>(o0 + 8 * n) = T::pack(o[n][0] * inv0, o[n][1] * inv0);
+        if (g + 8 < c_rows) *reinterpret_cast<u32*>(o0 + 8 * D + 8 * n) = T::pack(o[n][2] * inv1, o[n][3] * inv1);
+      }
+      c_item += W;
+      c_len = c_next_len;
+      c_next_len = len_of(c_item + W);
+      start_item();
+    }
+  }
+  cp_async_wait<0>();
+}
+
+#define DECODE_WARP_ENTRY(SUFFIX, T, D)                                                                      \
+  extern "C" __global__ void __launch_bounds__(DW_WARPS * 32) decode_attention_##SUFFIX##_d##D##_w(           \
+      u16* out, const u16* q, const u16* k_cache, const u16* v_cache, const int* block_tables,                \
+      const int* seq_lens, i64 q_stride, int bt_stride, int H, int Hkv, int head_chunks, int bs_log2,         \
+      int window, float scale_log2, int B) {                                                                  \
+    decode_attention_warp_impl<T, D>(out, q, k_cache, v_cache, block_tables, seq_lens, q_stride, bt_stride, H,   \
+                                     Hkv, head_chunks, bs_log2, window, scale_log2, B);                        \
+  }
+DECODE_WARP_ENTRY(bf16, Bf16, 128)
+DECODE_WARP_ENTRY(fp16, Fp16, 128)

@@ -59,7 +59,9 @@ MODULES: dict[str, list[KernelSpec]] = {
                          for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS
                          for kv in KV_SUFFIXES]
     + [KernelSpec(f"decode_attention_{dt}_d{d}_s2", DECODE_ATTENTION_ARGS)
-       for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS if d < 128],
+       for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS if d < 128]
+    + [KernelSpec(f"decode_attention_{dt}_d{d}_w", "pppppp" + "l" + "iiiiii" + "f" + "i")
+       for dt in ("bf16", "fp16") for d in decode_attention.WARP_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}{kv}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
                           for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS for kv in KV_SUFFIXES]
     + [KernelSpec(f"prefill_attention_merge_{dt}_d{d}", "pppp" + "iii")
@@ -162,6 +164,8 @@ class KernelLibrary:
         # Grids of more than one wave of decode attention at head_dim < 128 take the 2-deep _s2 entries
         # (decode_attention.shallow_entry); False: never (the A/B's switch).
         self.decode_shallow = env.DECODE_SHALLOW
+        # One-split grids of more than one wave on the warp entries (decode_attention.warp_entry); False: never.
+        self.decode_warp = env.DECODE_WARP
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -193,6 +197,9 @@ class KernelLibrary:
                          (f"prefill_attention_{dt}_d{d}{kv}", prefill_attention.smem_bytes(d, fp8))]
                 if d < 128 and not fp8:
                     sizes.append((f"decode_attention_{dt}_d{d}_s2", decode_attention.smem_bytes(d, shallow=True)))
+                if d in decode_attention.WARP_HEAD_DIMS and not fp8 and \
+                        decode_attention.warp_smem_bytes(d) <= self.max_smem_optin:  # else never taken (below)
+                    sizes.append((f"decode_attention_{dt}_d{d}_w", decode_attention.warp_smem_bytes(d)))
                 for name, size in sizes:
                     if size > self.max_smem_optin:
                         raise KernelLoadError(f"{name} needs {size} bytes of shared memory; the device "
@@ -219,6 +226,15 @@ class KernelLibrary:
                           decode_attention.smem_bytes(d, fp8_kv=bool(kv))))
              for d in ATTENTION_HEAD_DIMS}
             for kv in KV_SUFFIXES)
+        # Warp-entry blocks one SM holds at once (decode_attention.warp_grid), per head dim; 0 where a block's rings
+        # exceed the device's shared memory (head_dim 128 on Ada's 99 KiB: the block entries serve there).
+        self.decode_warp_blocks_per_sm = {
+            d: check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_bf16_d{d}_w)",
+                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                         self.kernels[f"decode_attention_bf16_d{d}_w"].func, decode_attention.WARP_WARPS * 32,
+                         decode_attention.warp_smem_bytes(d)))
+            if decode_attention.warp_smem_bytes(d) <= self.max_smem_optin else 0
+            for d in decode_attention.WARP_HEAD_DIMS}
         # Prefill attention blocks one SM holds at once, per head dim and cache (prefill_attention.key_splits).
         self.prefill_blocks_per_sm = {
             (d, bool(kv)): check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(prefill_attention_bf16_d{d}{kv})",

@@ -351,6 +351,50 @@ def test_decode_attention_shallow_entries_match_the_default_ones(lib, gen, D):
         lib.decode_shallow = before
 
 
+WARP_CASES = [
+    # B, max context, H, Hkv, D, block_size, window: one split over grids of more than one wave of the default entry
+    (160, 700, 32, 8, 128, 16, 0),  # the 8B's heads, contexts 1-700 (one to 44 tiles of 16 keys)
+    (300, 200, 32, 8, 128, 16, 0),  # 2,400 items over ~1,056 resident warps: three to a warp
+    (700, 90, 24, 2, 128, 32, 0),  # 12 query heads a KV head: rows 8-11 of the chunk from the second row group
+    (400, 300, 64, 2, 128, 1, 100),  # 32 a KV head (two head chunks), block_size 1 and a window (tiles mid-block)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,ctx,H,Hkv,D,bs,window", WARP_CASES)
+def test_decode_attention_warp_entries(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
+    """One-split grids of more than one wave at head_dim 128 run the warp entries (warp_entry): persistent
+    warps each streaming several items' tiles. Against the torch reference, and beside the block entries
+    (lib.decode_warp off); a sequence without keys gets zeros, and a rerun gives the same bits."""
+    rng = random.Random(gen)
+    seq_lens = [ctx, 0] + [rng.randint(1, ctx) for _ in range(2, B)]
+    k_cache, v_cache, table = paged_cache([max(n, 1) for n in seq_lens], Hkv, D, bs, dtype)
+    q = randn(B, H, D, dtype=dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
+    keyed = lens > 0
+    ref = TORCH.decode_attention(q[keyed].float(), k_cache.float(), v_cache.float(), table[keyed], lens[keyed],
+                                 D ** -0.5, window)
+    counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
+    head_chunks = -(-(H // Hkv) // 16)
+    before = lib.decode_warp
+    try:
+        outs = []
+        for warp in (True, True, False):
+            lib.decode_warp = warp
+            assert decode_attention.warp_entry(lib, B * Hkv * head_chunks, 1, D, rope=False, fp8_kv=False) == warp
+            out = nan((B, H, D), dtype)
+            decode_attention.launch(lib, out, None, None, counters, q, k_cache, v_cache, table, lens, D ** -0.5,
+                                    window, 1)
+            check(f"decode_attention d{D} warp={warp}", out[keyed], ref, BF16_TOL)
+            assert not out[1].any(), "a sequence without keys gets zeros"
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert decode_attention.warp_grid(lib, B * Hkv * head_chunks, D) <= \
+            lib.decode_warp_blocks_per_sm[D] * lib.num_sms
+    finally:
+        lib.decode_warp = before
+
+
 def test_decode_attention_merges_short_contexts_inside_the_cluster(lib):
     """On sm_90 a sequence whose used splits all lie in its first cluster never touches the partials in
     global memory (the cluster's leader merges them from its peers' shared memory); without clusters,

@@ -156,7 +156,8 @@ def test_every_attention_and_cache_write_entry_has_an_fp8_kv_twin():
                              ("prefill_attention", ["prefill_attention_bf16", "prefill_attention_fp16"])):
         base = [s.name for s in MODULES[module] if s.name.startswith(tuple(prefixes))
                 and not s.name.endswith(KV_FP8_SUFFIX)
-                and not s.name.endswith("_s2")]  # 2-deep 16-bit tiles: the E4M3 entries' depth is their own
+                # 2-deep 16-bit tiles (the E4M3 entries' depth is their own) and the warp entries (16-bit only)
+                and not s.name.endswith(("_s2", "_w"))]
         assert base and all(n + KV_FP8_SUFFIX in names for n in base), module
         args = {s.name: s.args for s in MODULES[module]}
         assert all(args[n] == args[n + KV_FP8_SUFFIX] for n in base), module

@@ -374,6 +374,42 @@ def test_decode_attention_grid_rules(cluster):
     assert not decode_attention.fits_one_wave(lib, 50, 32, 8, 64, 2048)
 
 
+def test_decode_attention_warp_entry_and_grid():
+    """The warp entries take one-split decode attention grids of more than one wave of the default entry at head_dim
+    128 with 16-bit caches and no fused RoPE; their persistent grid gives each warp the same number of items
+    (give or take one) and never more blocks than the SMs hold; every warp's ring fits an SM twice."""
+    from engine.cuda.library import MODULES, KernelLibrary
+    from engine.cuda.wrappers import decode_attention as da
+    lib = KernelLibrary.__new__(KernelLibrary)
+    lib.num_sms, lib.decode_blocks_per_sm, lib.decode_warp = 132, {64: 3, 128: 3}, True
+    lib.decode_warp_blocks_per_sm = {128: 2}
+    assert da.warp_entry(lib, 128 * 8, 1, 128, rope=False, fp8_kv=False)  # 8B at batch 128
+    assert da.warp_entry(lib, 64 * 8, 1, 128, rope=False, fp8_kv=False)  # 8B at batch 64: 1.3 waves
+    assert not da.warp_entry(lib, 3 * 132, 1, 128, rope=False, fp8_kv=False)  # one wave
+    assert not da.warp_entry(lib, 4096, 2, 128, rope=False, fp8_kv=False)  # split
+    assert not da.warp_entry(lib, 256 * 8, 1, 64, rope=False, fp8_kv=False)  # 1B heads: the _s2 entries
+    assert not da.warp_entry(lib, 4096, 1, 128, rope=True, fp8_kv=False)
+    assert not da.warp_entry(lib, 4096, 1, 128, rope=False, fp8_kv=True)
+    lib.decode_warp_blocks_per_sm = {128: 0}  # a device whose shared memory holds no block of it
+    assert not da.warp_entry(lib, 4096, 1, 128, rope=False, fp8_kv=False)
+    lib.decode_warp_blocks_per_sm = {128: 2}
+    lib.decode_warp = False
+    assert not da.warp_entry(lib, 4096, 1, 128, rope=False, fp8_kv=False)
+    resident = 2 * 132 * 4  # warps
+    # 2048 items over 1056 resident warps: two each, 1024 warps in 256 blocks
+    assert da.warp_grid(lib, 2048, 128) == 256
+    assert da.warp_grid(lib, 1000, 128) == 250 and da.warp_grid(lib, 5, 128) == 2
+    for items in (397, 1056, 1057, 2048, 5000, 20000):
+        blocks = da.warp_grid(lib, items, 128)
+        per_warp = -(-items // (4 * blocks))
+        assert blocks <= 2 * 132 and per_warp == -(-items // resident)
+    # 4 warps x 3 stages x (16 K + 16 V rows) x (128 + 8) x 2 bytes: two blocks within an SM's 228 KB
+    assert da.warp_smem_bytes(128) == 4 * 3 * 32 * 136 * 2 and 2 * (da.warp_smem_bytes(128) + 1024) <= 228 * 1024
+    names = {spec.name for spec in MODULES["decode_attention"]}
+    assert {"decode_attention_bf16_d128_w", "decode_attention_fp16_d128_w"} <= names
+    assert "decode_attention_bf16_d64_w" not in names
+
+
 def test_decode_attention_shallow_entry():
     """The 2-deep _s2 entries take decode attention grids of more than one wave of the default entry at head_dim
     < 128, 16-bit caches without the fused RoPE only, and nothing when the library's switch is off; their shared

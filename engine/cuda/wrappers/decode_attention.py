@@ -76,6 +76,41 @@ def shallow_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, rope: boo
             and grid_blocks > blocks_per_sm(lib, head_dim) * lib.num_sms)
 
 
+# The warp entries (decode_attention_*_d128_w): one warp per (sequence, KV head, head chunk), persistent, each warp
+# streaming its items' 16-key tiles through its own ring of shared memory (kernels_cu/decode_attention.cu). Head_dim
+# 128 only: the same kernel at 64 lost to the _s2 entries at batch 64 and 256 with 2k contexts (bench/RESULTS.md).
+WARP_HEAD_DIMS = (128,)
+WARP_WARPS = 4  # DW_WARPS
+WARP_KEYS = 16  # DW_KEYS
+
+
+WARP_STAGES = 3  # WarpCfg::STAGES: two tiles of each warp in flight
+
+
+def warp_smem_bytes(head_dim: int) -> int:
+    """Every warp's ring: stages of 16 K rows and 16 V rows, each padded by 8 elements (16-bit)."""
+    return WARP_WARPS * WARP_STAGES * 2 * WARP_KEYS * (head_dim + 8) * 2
+
+
+def warp_entry(lib: KernelLibrary, grid_blocks: int, num_splits: int, head_dim: int, rope: bool,
+               fp8_kv: bool) -> bool:
+    """Whether a launch takes the warp entry: one split, a 16-bit cache, no fused RoPE, head_dim 128 where the
+    device holds the entry's block (not Ada's 99 KiB), and a default grid of more than one wave (batch 64-256 at the
+    8B's heads: 3-9% a step on an H100)."""
+    return (lib.decode_warp and num_splits == 1 and head_dim in WARP_HEAD_DIMS and not rope and not fp8_kv
+            and lib.decode_warp_blocks_per_sm[head_dim] > 0
+            and grid_blocks > blocks_per_sm(lib, head_dim) * lib.num_sms)
+
+
+def warp_grid(lib: KernelLibrary, items: int, head_dim: int) -> int:
+    """Blocks of a warp-entry launch over `items` items: as many items to each warp as the resident warps need, and
+    no more warps than that takes (so no warp has a second item while another has none)."""
+    resident = lib.decode_warp_blocks_per_sm[head_dim] * lib.num_sms * WARP_WARPS
+    per_warp = -(-items // resident)
+    warps = -(-items // per_warp)
+    return max(1, -(-warps // WARP_WARPS))
+
+
 def cluster_size(lib: KernelLibrary, num_splits: int) -> int:
     """The cluster size of a decode attention launch of num_splits splits (1: none): all the splits when
     they fit in one cluster, else lib.decode_cluster (key_splits makes them a multiple of it)."""
@@ -144,6 +179,12 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
         raise KernelArgError(f"decode attention: clusters of {cluster} for {num_splits} splits (at most "
                              f"{lib.decode_cluster} on this device, dividing the splits)")
     fused = rope is not None
+    if warp_entry(lib, num_splits * Hkv * head_chunks * B, num_splits, D, fused, bool(kv)):
+        lib.kernels[f"decode_attention_{sfx}_d{D}_w"](
+            (warp_grid(lib, Hkv * head_chunks * B, D), 1, 1), (WARP_WARPS * 32, 1, 1), warp_smem_bytes(D),
+            lib.stream(), o, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
+            int(sliding_window or 0), float(scale) * math.log2(math.e), B, pdl=pdl)
+        return
     shallow = shallow_entry(lib, num_splits * Hkv * head_chunks * B, D, fused, bool(kv))
     lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{'_s2' if shallow else ''}"](
         (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow),
