@@ -224,6 +224,77 @@ __device__ __forceinline__ void rope_pair(u16* x1p, u16* x2p, const float* c, co
   *reinterpret_cast<Vec16*>(x2p) = pack8<T>(o2);
 }
 
+// S = q K^T of one 16-key piece (two n-tiles of 8 keys): kb the piece's 16 K rows in shared memory, LD elements apart,
+// qa q's A fragments (16 rows, D / 16 k-steps); D = 32 m + 16 takes its last k-step alone.
+template <class T, int D, int LD>
+__device__ __forceinline__ void score_piece(float (&s)[2][4], const u16* kb, const u32 (&qa)[D / 16][4], int lane) {
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 32; ++kk) {
+      u32 kf[4];
+      ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
+      Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
+      Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
+    }
+    if (D % 32) {
+      u32 kf[2];
+      ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
+      Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
+    }
+  }
+}
+
+// One 16-key piece of a warp's online softmax over its 16 query rows: s holds the piece's scores (mma accumulators:
+// lane (g, t) has rows g and g + 8 of keys tok0 + 8 j + 2 t + {0, 1}), scaled here to log2 units, keys at or past t1
+// masked; the rows' maxima m and sums l and the output o (D / 8 n-tiles) are rescaled to the new maxima, and the
+// piece's probabilities come back as the A fragments pa of the P V mma (T).
+template <class T, int D>
+__device__ __forceinline__ void softmax_piece(float (&s)[2][4], int tok0, int t1, float scale_log2, int t4,
+                                              float (&m)[2], float (&l)[2], float (&o)[D / 8][4], u32 (&pa)[4]) {
+  float mx[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int pos = tok0 + j * 8 + 2 * t4 + (e & 1);
+      s[j][e] = pos < t1 ? s[j][e] * scale_log2 : NEG_INF;
+      mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+    }
+  }
+  float alpha[2], mu[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
+    const float mn = fmaxf(m[r], mx[r]);
+    mu[r] = mn == NEG_INF ? 0.f : mn;
+    alpha[r] = exp2f(m[r] - mu[r]);
+    m[r] = mn;
+    l[r] *= alpha[r];
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+      l[e >> 1] += s[j][e];
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    o[n][0] *= alpha[0];
+    o[n][1] *= alpha[0];
+    o[n][2] *= alpha[1];
+    o[n][3] *= alpha[1];
+  }
+  pa[0] = T::pack(s[0][0], s[0][1]);
+  pa[1] = T::pack(s[0][2], s[0][3]);
+  pa[2] = T::pack(s[1][0], s[1][1]);
+  pa[3] = T::pack(s[1][2], s[1][3]);
+}
+
 // KV: the cache's element, u16 (T) or unsigned char (E4M3: the _kvfp8 entries).
 template <class T, int D, bool ROPE, class KV, int STAGES_>
 __device__ __forceinline__ void decode_attention_impl(
@@ -504,64 +575,10 @@ __device__ __forceinline__ void decode_attention_impl(
           }
         }
       } else {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < D / 32; ++kk) {
-          u32 kf[4];
-          ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
-          Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
-          Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
-        }
-        if (D % 32) {  // head_dim = 32 m + 16: the last k-step alone
-          u32 kf[2];
-          ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
-          Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
-        }
-      }
-      }
-      float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int pos = tok0 + j * 8 + 2 * t4 + (e & 1);
-          s[j][e] = pos < t1 ? s[j][e] * scale_log2 : NEG_INF;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-        }
-      }
-      float alpha[2], mu[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-        const float mn = fmaxf(m[r], mx[r]);
-        mu[r] = mn == NEG_INF ? 0.f : mn;
-        alpha[r] = exp2f(m[r] - mu[r]);
-        m[r] = mn;
-        l[r] *= alpha[r];
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
-          l[e >> 1] += s[j][e];
-        }
-      }
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= alpha[0];
-        o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
+        score_piece<T, D, LD>(s, kb, qa, lane);
       }
       u32 pa[4];
-      pa[0] = T::pack(s[0][0], s[0][1]);
-      pa[1] = T::pack(s[0][2], s[0][3]);
-      pa[2] = T::pack(s[1][0], s[1][1]);
-      pa[3] = T::pack(s[1][2], s[1][3]);
+      softmax_piece<T, D>(s, tok0, t1, scale_log2, t4, m, l, o, pa);
       if constexpr (KV8) {  // value rows 2t, 2t + 1, 2t + 8, 2t + 9 (this lane's P columns), head dims per header
         const unsigned char* r0 = v8_s + (stage * DA_TILE + warp * 16 + 2 * t4) * LD8;
         const unsigned char* r2 = r0 + 8 * LD8;
@@ -912,58 +929,9 @@ __device__ __forceinline__ void decode_attention_warp_impl(
     const u16* kb = ring + stage * STAGE;
     const u16* vb = kb + DW_KEYS * LD;
     float s[2][4];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-#pragma unroll
-      for (int kk = 0; kk < D / 32; ++kk) {
-        u32 kf[4];
-        ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
-        Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
-        Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
-      }
-    }
-    float mx[2] = {NEG_INF, NEG_INF};
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int pos = c_base + j * 8 + 2 * t4 + (e & 1);
-        s[j][e] = pos < c_len ? s[j][e] * scale_log2 : NEG_INF;
-        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-      }
-    }
-    float alpha[2], mu[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-      const float mn = fmaxf(m[r], mx[r]);
-      mu[r] = mn == NEG_INF ? 0.f : mn;
-      alpha[r] = exp2f(m[r] - mu[r]);
-      m[r] = mn;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
-        l[e >> 1] += s[j][e];
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      o[n][0] *= alpha[0];
-      o[n][1] *= alpha[0];
-      o[n][2] *= alpha[1];
-      o[n][3] *= alpha[1];
-    }
+    score_piece<T, D, LD>(s, kb, qa, lane);
     u32 pa[4];
-    pa[0] = T::pack(s[0][0], s[0][1]);
-    pa[1] = T::pack(s[0][2], s[0][3]);
-    pa[2] = T::pack(s[1][0], s[1][1]);
-    pa[3] = T::pack(s[1][2], s[1][3]);
+    softmax_piece<T, D>(s, c_base, c_len, scale_log2, t4, m, l, o, pa);
 #pragma unroll
     for (int nn = 0; nn < D / 16; ++nn) {
       u32 vf[4];
