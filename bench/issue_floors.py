@@ -176,6 +176,12 @@ class Measurer:
                 r = guarded(self.log, f"{setup.label} prefill {b}x{n}", engine_prefill, engine, b, n, 3)
                 if "tokens_per_s" in r:
                     self.record(("prefill", setup, b, n), r["tokens_per_s"])
+            if plan.prefills:  # whether the prefills that could replay graphs did (a failed capture runs eager)
+                g = engine.info().graph_cache
+                self.engines[setup.label]["prefill_graphs"] = {
+                    "reach_tokens": engine.prefiller.staging.max_tokens, "captures": g.captures,
+                    "capture_failures": g.capture_failures, "hits": g.hits}
+                print(f"  {setup.label} prefill graphs: {self.engines[setup.label]['prefill_graphs']}", flush=True)
             for b, c in sorted(plan.points, key=lambda p: (p[1], p[0])):
                 p = guarded(self.log, f"{setup.label} b{b} c{c}", measure_point, engine, b, c, steps, room,
                             self.bandwidth, self.peak)
