@@ -156,7 +156,9 @@ LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --en
 LOAD_PREFIX_1B=(python3 bench/load.py --shape 1b --prefix multiturn sysprompt --concurrency 32 --turns 8 --system-len 1024 --message-len 64 --output-len 128 --requests 256 --engine-flags "--num-kv-blocks 20000 --max-seq-len 4096" --out "$OUT")
 for what in "$@"; do
   case "$what" in
-    tests)      stage gpu-tests 480 python3 -m pytest tests/gpu -m gpu -q -rA -p no:cacheprovider --confcutdir=tests/gpu -n "${GPU_TEST_WORKERS:-4}" --durations=8 ;;
+    tests)      # -v: each test's verdict as it finishes (a suite cut by the call's time limit still names its failures)
+                stage gpu-tests 480 python3 -m pytest tests/gpu -m gpu -v -rfE -p no:cacheprovider --confcutdir=tests/gpu -n "${GPU_TEST_WORKERS:-4}" --durations=8
+                grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head -40 ;;
     kernels)    stage gpu-kernel-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
