@@ -86,9 +86,11 @@ class Scorer:
         blocks = SequenceBlocks(self.blocks, -(-len(token_ids) // rt.block_size), caching=False)
         slot = self.slots.allocate()
         try:
-            rt.state.set_blocks(slot, 0, blocks.grow_all())
             out = []
             with rt.dispatch.on_device():
+                # On the compute stream, as the forwards that read the row: a copy queued on another stream (torch's
+                # default) need not have landed when they run (garbage attention when the copy engines are busy).
+                rt.state.set_blocks(slot, 0, blocks.grow_all())
                 for start in range(0, len(token_ids), chunk):
                     tokens = token_ids[start:start + chunk]
                     batch = build_extend_batch(rt.state.block_table, [slot], [start], [tokens],

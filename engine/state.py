@@ -109,7 +109,9 @@ class SlotState:
 
     def set_blocks(self, slot: int, start: int, block_ids: list[int]) -> None:
         """block_table[slot, start:start + len(block_ids)] = block_ids (a sequence's row grows as it takes its
-        blocks; entries past them stay 0, the scratch block). No step in flight may read the row."""
+        blocks; entries past them stay 0, the scratch block). No step in flight may read the row. Called on the
+        stream of the forwards that read the row (the compute stream: dispatch.on_device), which the copy is
+        queued on."""
         if block_ids:
             # From pageable memory without waiting for the device: the driver stages the bytes before it returns.
             row = torch.from_numpy(np.asarray(block_ids, dtype=np.int32))
@@ -124,7 +126,7 @@ class SlotState:
     def start_row(self, slot: int, block_ids: list[int]) -> None:
         """The slot's block-table row: block_ids, then 0 (the scratch block) to its end, in one copy from pageable
         memory (no wait for the device: the driver stages the bytes before it returns). No step in flight may
-        read the row."""
+        read the row; called on the forwards' stream, as set_blocks."""
         row = np.zeros(self.block_table.shape[1], dtype=np.int32)
         row[:len(block_ids)] = block_ids
         self.block_table[slot].copy_(torch.from_numpy(row), non_blocking=True)
