@@ -354,20 +354,31 @@ def scores(engine: Engine, tokens: list[int], w8a8: bool = True) -> torch.Tensor
         return engine.score(tokens)
 
 
-def assert_closer_to_its_own_arithmetic(fast: Engine, ref: Engine, tokens: list[int], what: str) -> float:
+# The kernels engine's W8A8 score against the torch-ops one (H100, 2026-12-06): mean |dlogp| 0.139-0.151, top-1
+# agreement 0.85-0.91 (the llama checkpoint with a 16-bit or FP8 LM head or KV cache; the qwen3 fp8-tensor-static
+# one); ct-channel's agreement read 0.885 before. A score whose attention read a stale block-table row (fixed:
+# engine/scoring.py) gave 3.28 and 0.000.
+OWN_ARITHMETIC_BAR, OWN_ARITHMETIC_AGREEMENT = 0.5, 0.7
+
+
+def assert_closer_to_its_own_arithmetic(fast: Engine, ref: Engine, tokens: list[int], what: str,
+                                        absolute: bool = True) -> float:
     """The kernels engine's W8A8 prompt against the torch-ops engine's, the same arithmetic: W8A8 rounds each
     activation to E4M3 (steps of 2^-3), so the two engines' bf16 differences upstream move whole steps of some
     activations, and the logits differ by more than bf16 alone would make them (on this random model, near-uniform
     logits: many flips). What stays decisive is which arithmetic the kernels ran: their log-probs are closer to the
     W8A8 reference than to the W8A16 one (mean |dlogp| over every position and token). Returns the bar for the flips
     of W8A8 tokens: twice the max |dlogp| against the W8A8 reference (a flip moves the gap between two tokens by
-    their two errors at most)."""
+    their two errors at most). Closer alone would pass by chance when the kernels engine's log-probs are garbage (as
+    far from both references): so the mean |dlogp| against the W8A8 reference is held under OWN_ARITHMETIC_BAR and
+    the top-1 agreement over OWN_ARITHMETIC_AGREEMENT (absolute=False: not, for checkpoints those were not measured on)."""
     a, b, c = fast.score(tokens), scores(ref, tokens), scores(ref, tokens, w8a8=False)
     own, other = (a - b).abs().mean().item(), (a - c).abs().mean().item()
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"{what}: mean |dlogp| vs W8A8 torch {own:.4f}, vs W8A16 torch {other:.4f}; top-1 agreement with W8A8 "
           f"torch {agree:.3f}, max |dlogp| {(a - b).abs().max().item():.4f}")
     assert own < other, what
+    assert not absolute or (own < OWN_ARITHMETIC_BAR and agree > OWN_ARITHMETIC_AGREEMENT), (what, own, agree)
     return 2 * (a - b).abs().max().item()
 
 

@@ -255,7 +255,8 @@ def test_engine_on_the_gemm_matches_the_torch_ops_engine(ckpt_1b, sm90_gemm, qua
         # logits a top-5 list misses the other candidate)
         from gpu.test_fp8_gpu import assert_closer_to_its_own_arithmetic, assert_greedy_flips_are_near_ties
         tokens = torch.randint(0, 128256, (60,), generator=torch.Generator().manual_seed(4)).tolist()
-        bar = assert_closer_to_its_own_arithmetic(fast, ref_engine, tokens, "60 positions (W8A8 prompt)")
+        bar = assert_closer_to_its_own_arithmetic(fast, ref_engine, tokens, "60 positions (W8A8 prompt)",
+                                                  absolute=False)  # its bars: the tiny checkpoints'
         assert_greedy_flips_are_near_ties(ref_engine, ps, got, ref, f"batch {batch}", bar, w8a8_decode=True)
     else:
         assert_divergences_are_near_ties(ref_engine, ps, got, ref)
