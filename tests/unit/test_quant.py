@@ -483,51 +483,6 @@ def test_score_refuses_bad_input_and_changes_nothing(tiny_model):
         engine.close()
 
 
-def test_block_table_rows_are_written_on_the_stream_of_the_forwards_that_read_them(tiny_model, monkeypatch):
-    """SlotState.set_blocks / start_row queue their copy on torch's current stream, so they must run inside
-    dispatch.on_device (the compute stream on a GPU), as the forwards that read the row do: a copy queued on the
-    default stream had not always landed when a scoring forward's attention read the row (garbage log-probs under a
-    loaded GPU's busy copy engines). Checked for every path that starts a row: score, prompt_logprobs, embed and a
-    prefill in two chunks."""
-    from engine.api import PrefillItem
-    from engine.sampling import SamplingParams, StoppingCriteria
-
-    engine = Engine(engine_config(tiny_model, max_prefill_tokens=16))
-    depth, writes = [0], []
-    dispatch, state = engine.runtime.dispatch, engine.runtime.state
-    on_device = dispatch.on_device
-
-    class Tracked:
-        def __init__(self, *args, **kwargs):
-            self.inner = on_device(*args, **kwargs)
-
-        def __enter__(self):
-            depth[0] += 1
-            return self.inner.__enter__()
-
-        def __exit__(self, *exc):
-            depth[0] -= 1
-            return self.inner.__exit__(*exc)
-
-    monkeypatch.setattr(dispatch, "on_device", Tracked)
-    for name in ("set_blocks", "start_row"):
-        real = getattr(state, name)
-        monkeypatch.setattr(state, name, lambda *a, _real=real, _name=name: writes.append((_name, depth[0])) or _real(*a))
-    try:
-        tokens = list(range(1, 40))
-        engine.score(tokens)
-        engine.prompt_logprobs(tokens, 2)
-        engine.embed(tokens)
-        seq = engine.alloc_sequence(64, SamplingParams(), StoppingCriteria()).seq_id
-        engine.prefill([PrefillItem(seq, tokens[:20], partial=True)])
-        engine.prefill([PrefillItem(seq, tokens[20:])])
-        engine.release([seq])
-    finally:
-        engine.close()
-    assert {name for name, _ in writes} == {"set_blocks", "start_row"}, writes
-    assert all(d > 0 for _, d in writes), writes
-
-
 def test_activation_quantization_is_the_former_formula_in_three_passes():
     """quantize_activations (W8A8's dynamic per-token scales): the same bits as x.float() / (amax * fp32(1 / 448)),
     clamped and cast, for bf16, fp16 and fp32 rows of every magnitude (the reciprocal's product, not amax / 448:
