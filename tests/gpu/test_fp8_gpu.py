@@ -371,7 +371,8 @@ def assert_closer_to_its_own_arithmetic(fast: Engine, ref: Engine, tokens: list[
     of W8A8 tokens: twice the max |dlogp| against the W8A8 reference (a flip moves the gap between two tokens by
     their two errors at most). Closer alone would pass by chance when the kernels engine's log-probs are garbage (as
     far from both references): so the mean |dlogp| against the W8A8 reference is held under OWN_ARITHMETIC_BAR and
-    the top-1 agreement over OWN_ARITHMETIC_AGREEMENT (absolute=False: not, for checkpoints those were not measured on)."""
+    the top-1 agreement over OWN_ARITHMETIC_AGREEMENT (absolute=False: not, for checkpoints those were not measured
+    on)."""
     a, b, c = fast.score(tokens), scores(ref, tokens), scores(ref, tokens, w8a8=False)
     own, other = (a - b).abs().mean().item(), (a - c).abs().mean().item()
     agree = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
