@@ -165,13 +165,17 @@ def test_w8a8_takes_the_skinny_kernel_up_to_32_rows(ops, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [9, 32])
-def test_w8a8_skinny_residual_and_silu_are_the_composed_ops(ops, gen, m):
+def test_w8a8_skinny_residual_and_silu_are_the_composed_ops(ops, gen, m, monkeypatch):
     """A decode forward's W8A8 linear_add and norm_gate_up on the skinny W8A8 residual / silu kernels against the
     same ops composed (the W8A8 GEMM's bf16 output, then add_ / silu_and_mul): the same roundings in the same
-    order, so apart only by the GEMMs' fp32 sums (bf16 results equal but for near-ties)."""
+    order, so apart only by the GEMMs' fp32 sums (bf16 results equal but for near-ties). Without the Hopper GEMM:
+    METRALE_GEMM=sm90 routes W8A8 gate_up of up to 64 rows to it, and its other order of fp32 sums moved two gate or
+    up values of 13,824 across a bf16 rounding boundary, past this bar (H100, 2026-12-06); its own tests are
+    tests/gpu/test_gemm_sm90.py."""
     from engine.cuda import fp8_linear
     from engine.quant import w8a8_linear
 
+    monkeypatch.setattr(ops, "gemm", None)
     w_o, w_gu = weight(576, 1536), weight(2 * 1536, 576)
     x, h = randn(m, 1536, dtype=torch.bfloat16), randn(m, 576, dtype=torch.bfloat16)
     try:
