@@ -24,7 +24,8 @@
 # ".whl", "metrale"]. Rebuild the default set here afterwards (`python -m engine.cuda.build`).
 #
 # Stages (the figures in bench/RESULTS.md come from these):
-#   tests      the GPU test suite                    kernels    the kernel op tests only (faster)
+#   tests      the GPU test suite, its failures rerun  kernels    the kernel op tests only (faster)
+#              alone (GPU_TEST_WORKERS, RERUN_LIMIT)
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)
 #   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
 #              beside their floors; torch.profiler's kernel times at the points of lowest share
@@ -156,9 +157,15 @@ LOAD_1B=(python3 bench/load.py --shape 1b --prompt-len 128 --output-len 128 --en
 LOAD_PREFIX_1B=(python3 bench/load.py --shape 1b --prefix multiturn sysprompt --concurrency 32 --turns 8 --system-len 1024 --message-len 64 --output-len 128 --requests 256 --engine-flags "--num-kv-blocks 20000 --max-seq-len 4096" --out "$OUT")
 for what in "$@"; do
   case "$what" in
-    tests)      # -v: each test's verdict as it finishes (a suite cut by the call's time limit still names its failures)
+    tests)      # -v: each test's verdict as it finishes (a suite cut by the call's time limit still names its failures);
+                # then the failures again, alone in one process: one that passes there fails only beside other
+                # processes (a race, memory), one that fails again fails by itself
                 stage gpu-tests 480 python3 -m pytest tests/gpu -m gpu -v -rfE -p no:cacheprovider --confcutdir=tests/gpu -n "${GPU_TEST_WORKERS:-4}" --durations=8
-                grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head -40 ;;
+                grep -E "FAILED|ERROR" "$OUT/gpu-tests.log" | head -40
+                mapfile -t failed < <(grep -oE "^(FAILED|ERROR) tests/gpu/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u | head -20)
+                if [ "${#failed[@]}" -gt 0 ]; then
+                  TAIL=${TAIL:-25} stage gpu-tests-rerun-alone "${RERUN_LIMIT:-120}" python3 -m pytest "${failed[@]}" -m gpu -q -rfE -p no:cacheprovider --confcutdir=tests/gpu
+                fi ;;
     kernels)    stage gpu-kernel-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
