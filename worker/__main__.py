@@ -43,6 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        env.check()  # before logging is set up from METRALE_LOG_LEVEL
+    except ConfigError as e:
+        print(f"metrale-worker: {e}", file=sys.stderr)
+        return 2
     if argv[:1] == ["tp-rank"]:  # ranks 1..N-1 of --tensor-parallel-size N, started by the worker itself
         from worker.ranks import rank_main
 

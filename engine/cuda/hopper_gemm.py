@@ -20,9 +20,9 @@ from engine.quant import Fp8Weight, takes_w8a8
 # 0.3-9% up to 128 rows) and the LM head (0.7-5.6% up to 128 rows); for qkv, o and down it ran from 5% faster (8B at
 # 16 rows) to 2.2x slower (1B o at 128), slower past 32 rows throughout; at 256 rows everything was slower; its W8A8
 # beat CudaOps' for gate_up at 32-64 rows only. In the engine (scale_bench decode at context 128, bench/RESULTS.md)
-# those routes gained 0.5-1.8% a step at batch 16-32 and lost up to 0.9% at 64-128 (bf16), and gained 5.4% at 8B FP8
-# batch 32: hence 32 rows for bf16.
-ROUTES = {("silu", "bf16"): 32, ("f32", "bf16"): 32, ("silu", "w8a8"): 64}
+# those routes gained 0.5-1.8% a step at batch 16-32 and lost up to 0.9% at 64-128 (bf16): hence 32 rows for bf16.
+# W8A8 gate_up gained 5.6% a step at 8B FP8 batch 32 and lost 0.8% at 64 (three rounds each): hence 32 rows too.
+ROUTES = {("silu", "bf16"): 32, ("f32", "bf16"): 32, ("silu", "w8a8"): 32}
 
 
 class HopperGemm:

@@ -74,8 +74,8 @@ def test_serve_default_model_then_sigterm_exits_zero(default_model):
 LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING) [\w.]+: ")
 
 
-def cli(tmp_path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "METRALE_CACHE_DIR": str(tmp_path / "cache")}
+def cli(tmp_path, *args: str, timeout: float = 120, extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "METRALE_CACHE_DIR": str(tmp_path / "cache"), **(extra_env or {})}
     return subprocess.run([sys.executable, "-m", "worker", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -116,6 +116,31 @@ def test_a_port_in_use_is_one_line_before_the_load(tmp_path, tiny_model, listeni
     proc = cli(tmp_path, *args)
     one_line_error(proc, flag, str(listening), "in use")
     assert "loading" not in proc.stderr  # refused before the model loads
+
+
+@pytest.mark.parametrize("name,value,expect", [
+    ("METRALE_GEMM", "sm9", "sm90, cublas, sm90-all"),
+    ("METRALE_PREFILL_ATTENTION", "flash3", "cudnn, flash"),
+    ("METRALE_STEP_WAIT", "spin", "poll, thread"),
+    ("METRALE_PDL", "off", "0, 1"),
+    ("METRALE_LOG_LEVEL", "LOUD", "DEBUG, INFO"),
+    ("METRALE_W8A8_SKINNY_ROWS", "lots", "whole number"),
+    ("METRALE_PREFILL_GRAPH_TOKENS", "-4", "whole number"),
+])
+def test_a_bad_environment_variable_is_one_line_before_anything(tmp_path, tiny_model, name, value, expect):
+    """A typo in a METRALE_ variable is refused, not silently a different configuration (or a traceback at import)."""
+    proc = cli(tmp_path, *serve_args(tiny_model), extra_env={name: value})
+    one_line_error(proc, name, repr(value), expect)
+    assert "loading" not in proc.stderr
+
+
+def test_environment_values_in_their_documented_sets_serve(tmp_path, tiny_model):
+    """The check refuses only what is outside the sets: lower-case log levels and every documented value start."""
+    proc = cli(tmp_path, *serve_args(tiny_model, "--port", "-1"), extra_env={
+        "METRALE_LOG_LEVEL": "debug", "METRALE_GEMM": "cublas", "METRALE_STEP_WAIT": "thread", "METRALE_PDL": "0",
+        "METRALE_PREFILL_ATTENTION": "flash", "METRALE_W8A8_SKINNY_ROWS": "0"})
+    line = one_line_error(proc, "port", "-1")  # refused by the flag, i.e. after the environment passed
+    assert "METRALE_" not in line
 
 
 def tls_files(tmp_path):

@@ -82,7 +82,7 @@ def test_small_forwards_split_more_than_large_ones():
 
 
 def test_the_sm90_setting_takes_only_the_measured_routes():
-    """METRALE_GEMM=sm90: gate_up and the LM head up to 32 rows, W8A8 gate_up up to 64; the rest (qkv, o, down, more
+    """METRALE_GEMM=sm90: gate_up (bf16 and W8A8) and the LM head up to 32 rows; the rest (qkv, o, down, more
     rows) stay with cuBLAS, returned as None before anything is allocated or launched. sm90-all: every route."""
     import types
 
@@ -97,7 +97,8 @@ def test_the_sm90_setting_takes_only_the_measured_routes():
     assert HopperGemm.create(types.SimpleNamespace(gemm_sm90=False), "sm90") is None  # not an sm_90 device
     assert routed._routed("silu", "bf16", 32) and not routed._routed("silu", "bf16", 33)
     assert routed._routed("f32", "bf16", 9) and not routed._routed("store", "bf16", 9)
-    assert not routed._routed("residual", "bf16", 16) and routed._routed("silu", "w8a8", 64)
+    assert not routed._routed("residual", "bf16", 16)
+    assert routed._routed("silu", "w8a8", 32) and not routed._routed("silu", "w8a8", 33)
     assert not routed._routed("silu", "w8a8", 65) and every._routed("residual", "w8a8", 256)
     x, w = torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(128, 64, dtype=torch.bfloat16)
     assert routed.linear(x, w, None, None, torch.bfloat16) is None  # qkv: cuBLAS
