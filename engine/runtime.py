@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import env
 from engine.config import EngineConfig, ModelConfig
 from engine.default_model import resolve_model_dir
 from engine.device import select_device, select_dtype
@@ -93,7 +94,9 @@ class Runtime:
     def create(cls, config: EngineConfig, parallel: ParallelGroup | None = None) -> "Runtime":
         """Loads the checkpoint onto the device, sizes and allocates the KV cache, and starts the op backend.
         parallel: this rank's tensor-parallel group; it loads only its shard (engine/shard.py), and every rank
-        takes the smallest KV block count of all. Raises ConfigError naming what cannot run."""
+        takes the smallest KV block count of all. Raises ConfigError naming what cannot run (a METRALE_ variable set
+        to a value it does not take too: env.check)."""
+        env.check()
         model_path = resolve_model_dir(config.model)  # the default model, a directory, or a .gguf's conversion
         mc = ModelConfig.from_dir(model_path)
         device = select_device(config)
