@@ -18,7 +18,7 @@ def _choice(name: str, default: str, choices: tuple[str, ...], normalise=str) ->
 
 
 def _switch(name: str, default: str) -> bool:
-    """A switch that is on unless set to "0"."""
+    """A switch: "1" on, "0" off."""
     return _choice(name, default, ("0", "1")) != "0"
 
 
