@@ -1,7 +1,8 @@
 """Every environment variable the project reads, read once, here. Prefix: METRALE_ (and the
 standard CUDA_HOME / CUDA_PATH). A value outside a variable's documented set does not raise at import: the default
-stands in and PROBLEMS names it, and check() (the worker's start-up, before anything else) turns it into one line
-and exit 2, so a typo is never silently a different configuration."""
+stands in and PROBLEMS names it, and check() raises it as a ConfigError: the command line calls it before anything
+else (one line, exit 2) and Runtime.create before it loads a model, so a typo is never silently a different
+configuration."""
 import os
 import pathlib
 
