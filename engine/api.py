@@ -132,6 +132,7 @@ class EngineInfo:
     fp8_weight_block: str = ""  # with fp8: "channel" or "RxC" (EngineConfig.fp8_weight_block); "" with none
     checkpoint_quantization: str = ""  # an FP8 checkpoint's layout (Fp8Layout.description); "" for 16/32-bit
     fp8_activation_scheme: str = ""  # with fp8: "dynamic" (W8A8 above 8 rows) or "none" (weight-only); "" with none
+    fp8_skipped_layers: list[int] = field(default_factory=list)  # layers whose projections stay unquantized
     kv_cache_dtype: str = ""  # the KV cache's element type: the model dtype's name, or "float8_e4m3fn"
     tensor_parallel_size: int = 1  # processes (GPUs) the model is split over (EngineConfig.tensor_parallel_size)
     steps: StepCounters = field(default_factory=StepCounters)

@@ -37,6 +37,9 @@ class ForwardBatch:
     # empty rows to a fixed length; given, attention reads it instead of the host lists (CUDA graphs).
     prefill_work: torch.Tensor | None = None
     max_kv_len: int = 0  # an upper bound of the keys any query row sees (prefill: sizes attention's key splits)
+    # int32 [S + 1] on the device: the sequence starts of a graphed forward of fresh prompts whose attention runs
+    # on its own rows (engine/cuda/prefill_varlen.py), padded sequence rows empty; None: the paged kernel's work list.
+    cu_seqlens: torch.Tensor | None = None
     hidden_states: bool = False  # the forward returns the final-normed hidden rows (logits_indices), not logits
 
     @property
@@ -155,6 +158,9 @@ class PrefillStaging:
         self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=pinned)
         self.work = torch.zeros((prefill_work_rows(max_tokens, max_seqs), 4), dtype=torch.int32, device=device)
         self.host_work = torch.zeros(self.work.shape, dtype=torch.int32, pin_memory=pinned)
+        # The sequence starts of a fresh forward attended on its own rows (ForwardBatch.cu_seqlens) [max_seqs + 1].
+        self.starts = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.host_starts = torch.zeros(self.starts.shape, dtype=torch.int32, pin_memory=pinned)
         self._copied = torch.cuda.Event() if pinned else None
 
     def region(self, index: int, n: int, host: bool = False) -> torch.Tensor:
@@ -166,6 +172,7 @@ class PrefillStaging:
     def upload(self) -> None:
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.work.copy_(self.host_work, non_blocking=True)
+        self.starts.copy_(self.host_starts, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -177,14 +184,16 @@ class PrefillStaging:
 def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tensor, block_ids: list[list[int]],
                                slots: list[int], starts: list[int], tokens: list[list[int]],
                                logits_rows: list[list[int]], block_size: int, num_tokens: int,
-                               num_seqs: int, max_kv_len: int = 0
+                               num_seqs: int, max_kv_len: int = 0, varlen: bool = False
                                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], ForwardBatch]]:
     """build_extend_batch for a forward that may replay a CUDA graph: the inputs go to `staging`, padded
     to num_tokens tokens and num_seqs sequence rows (the graph's shape), with the work list padded by
     empty rows. Returns (the slot of each real token, the real tokens: both staged, for the eager ops
     before the forward; and a function that builds the batch from the staged buffers with device ops
     only, called inside the captured step). Cache slots are computed here from each sequence's block ids;
-    pad tokens get slot -1 (no cache write), pad sequence rows the table row of slots[0] (no work)."""
+    pad tokens get slot -1 (no cache write), pad sequence rows the table row of slots[0] (no work). varlen (fresh
+    prompts only: every start 0): the batch carries the sequence starts (cu_seqlens, pad rows empty) for an
+    attention over the forward's own rows."""
     staging.wait_copied()
     num_real_seqs = len(tokens)
     qsl_a, seq_index, positions, seq_lens, logits_idx = _extend_index(starts, tokens, logits_rows)
@@ -211,17 +220,24 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     work_h = staging.host_work.numpy()
     work_h[:len(work)] = work
     work_h[len(work):work_rows] = 0
+    if varlen:
+        if any(starts):
+            raise ValueError("a varlen forward attends fresh prompts only")
+        starts_h = staging.host_starts.numpy()
+        starts_h[:num_real_seqs + 1] = qsl_a
+        starts_h[num_real_seqs + 1:num_seqs + 1] = n
     staging.upload()
 
     ids, pos, cache, tslots = (staging.region(i, num_tokens) for i in range(4))
     rows, slots_t = staging.region(4, num_seqs), staging.region(5, num_seqs)
     work_t = staging.work[:work_rows]
+    starts_t = staging.starts[:num_seqs + 1] if varlen else None
 
     def make_batch() -> ForwardBatch:
         return ForwardBatch(input_ids=ids, positions=pos, slot_mapping=cache, block_tables=block_table[slots_t],
                             seq_lens=torch.empty(0, dtype=torch.int32, device=ids.device), logits_indices=rows,
                             is_decode=False, query_start_loc=[], seq_lens_host=[], prefill_work=work_t,
-                            max_kv_len=max_kv_len)
+                            max_kv_len=max_kv_len, cu_seqlens=starts_t)
 
     return tslots[:n], ids[:n], make_batch
 

@@ -60,6 +60,13 @@ class EngineConfig:
                 "Blocks other than channel run through torch in fp32 on the GPU until a block-scaled FP8 kernel "
                 "exists. An FP8 checkpoint's weights keep the checkpoint's blocks; this applies to what is "
                 "quantized at load"})
+    fp8_skip_layers: str = field(default="", metadata={
+        "help": "with --quantization fp8, decoder layers whose projections stay in the model dtype: comma-separated "
+                "indices, negative ones counted from the last layer (\"0,-1\": the first and the last). Accuracy "
+                "for speed: the first and last layers hold a third of the default model's FP8 agreement loss "
+                "(bench/RESULTS.md, FP8 accuracy), and each layer kept costs its share of a decode step's bytes "
+                "(2 of 32 layers: ~6%% of an 8B FP8 step). An FP8 checkpoint's own FP8 weights are never "
+                "dequantized; its ignore list is the checkpoint's"})
     fp8_activation_scheme: str = field(default=DYNAMIC, metadata={
         "help": "what the FP8 projections (--quantization fp8, or an FP8 checkpoint's) do with their 16-bit "
                 "activations: dynamic "
@@ -145,6 +152,9 @@ class EngineConfig:
             raise ConfigError("quantize_lm_head needs quantization fp8 (--quantization fp8)")
         if parse_block(self.fp8_weight_block) is not None and self.quantization != "fp8":
             raise ConfigError(f"fp8_weight_block {self.fp8_weight_block} needs quantization fp8 (--quantization fp8)")
+        self.fp8_skip_indices  # raises for a malformed list
+        if self.fp8_skip_layers and self.quantization != "fp8":
+            raise ConfigError(f"fp8_skip_layers {self.fp8_skip_layers} needs quantization fp8 (--quantization fp8)")
         if self.fp8_activation_scheme not in ACTIVATION_SCHEMES:
             raise ConfigError(f"fp8_activation_scheme must be one of {ACTIVATION_SCHEMES}, got "
                               f"{self.fp8_activation_scheme!r}")
@@ -162,6 +172,26 @@ class EngineConfig:
     def fp8_block(self) -> tuple[int, int] | None:
         """fp8_weight_block as (rows, columns); None: per output channel."""
         return parse_block(self.fp8_weight_block)
+
+    @property
+    def fp8_skip_indices(self) -> tuple[int, ...]:
+        """fp8_skip_layers as layer indices (negative: from the last layer), unresolved against a model."""
+        try:
+            return tuple(int(part) for part in self.fp8_skip_layers.split(",")) if self.fp8_skip_layers.strip() else ()
+        except ValueError:
+            raise ConfigError(f"fp8_skip_layers must be comma-separated layer indices such as 0,-1, got "
+                              f"{self.fp8_skip_layers!r}") from None
+
+    def fp8_skipped_layers(self, num_layers: int) -> frozenset[int]:
+        """The layers of a num_layers model whose projections --quantization fp8 leaves unquantized; ConfigError
+        for an index outside the model."""
+        out = set()
+        for i in self.fp8_skip_indices:
+            if not -num_layers <= i < num_layers:
+                raise ConfigError(f"fp8_skip_layers: layer {i} is outside the model's {num_layers} layers "
+                                  f"(0 .. {num_layers - 1}, or -{num_layers} .. -1 from the last)")
+            out.add(i % num_layers)
+        return frozenset(out)
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)

@@ -254,7 +254,7 @@ class Engine:
             prefix_cache=self._prefix_cache_stats(), quantization=rt.quantization,
             quantized_lm_head=isinstance(rt.weights.lm_head, Fp8Weight), fp8_weight_block=rt.fp8_weight_block,
             checkpoint_quantization=mc.fp8_layout.description if mc.fp8_layout else "",
-            fp8_activation_scheme=rt.fp8_activation_scheme,
+            fp8_activation_scheme=rt.fp8_activation_scheme, fp8_skipped_layers=rt.fp8_skipped_layers,
             kv_cache_dtype=str(rt.kv.k.dtype).removeprefix("torch."), tensor_parallel_size=rt.shard.size,
             steps=dataclasses.replace(self.decoder.counters))
 

@@ -232,11 +232,13 @@ def _check_fp8(tensors: _Tensors, cfg: ModelConfig, shapes: dict[str, tuple[int,
 def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                  quantization: str = "none", quantize_lm_head: bool = False,
                  fp8_block: tuple[int, int] | None = None, shard=None,
-                 fp8_activation_scheme: str = DYNAMIC) -> ModelWeights:
+                 fp8_activation_scheme: str = DYNAMIC, fp8_skipped_layers: frozenset[int] = frozenset()
+                 ) -> ModelWeights:
     """Checks the checkpoint's headers (check_checkpoint), then reads the weights onto `device`.
     quantization "fp8": the QUANTIZED_FIELDS (and with quantize_lm_head the LM head: a tied one as a
     quantized copy, the embedding stays `dtype`) become engine.quant.Fp8Weight, quantized from the
-    checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel).
+    checkpoint's own values in fp32, with scales per fp8_block (rows, columns; None: per output channel),
+    but for the layers in fp8_skipped_layers (EngineConfig.fp8_skipped_layers), whose projections stay `dtype`.
     An FP8 checkpoint's FP8 weights load with their own scales (engine/fp8_checkpoint.py) whatever
     `quantization` says; with "fp8" its 16-bit projections (an ignore list's) and, with quantize_lm_head, a
     16-bit LM head are quantized as above. Every Fp8Weight gets the activation scheme engine.fp8_checkpoint's
@@ -281,7 +283,8 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     layers = []
     for i in range(cfg.num_layers):
         prefix = LAYER_PREFIX.format(i=i)
-        fields = {name: None if name in absent else fetch([prefix + n for n in names], fp8 and name in QUANTIZED_FIELDS)
+        quantize = fp8 and i not in fp8_skipped_layers
+        fields = {name: None if name in absent else fetch([prefix + n for n in names], quantize and name in QUANTIZED_FIELDS)
                   for name, names in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])

@@ -206,9 +206,12 @@ class Prefiller:
             # a cached prefix) the next power of two: attention's key splits are sized from it, so it keys the graph.
             max_kv = max(start + n for start, (_, n, _) in zip(starts, chunk))
             max_kv = num_tokens if max_kv <= num_tokens else 1 << (max_kv - 1).bit_length()
+            # Fresh prompts only (no cached prefix, no earlier chunk): the backend may attend on the forward's own rows.
+            mc = rt.model_config
+            varlen = not any(starts) and rt.ops.varlen_prefill(num_tokens, mc.sliding_window or 0, mc.head_dim)
             token_slots, input_ids, make_batch = build_staged_prefill_batch(
                 staging, state.block_table, [s.blocks.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
-                rt.block_size, num_tokens, num_seqs, max_kv)
+                rt.block_size, num_tokens, num_seqs, max_kv, varlen)
         else:
             batch = build_extend_batch(state.block_table, slots, starts, tokens, logits_rows, rt.block_size,
                                        rt.device, rt.dynamic_rope, num_padded=num_tokens)
@@ -218,7 +221,7 @@ class Prefiller:
             logits_out = self._logits
             # Padded shapes recur (a few dozen in all): captured the second time one runs. The first run, eager,
             # loads the kernels and lets cuBLAS pick its own, which must not happen in a capture.
-            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs, max_kv),
+            rt.dispatch.run_shape(("prefill", num_tokens, num_seqs, max_kv, varlen),
                                   lambda: logits_out[:num_seqs].copy_(rt.model.forward(make_batch())), capture_after=2)
             logits = logits_out[:len(to_sample)]
         else:

@@ -21,7 +21,7 @@ from engine.cuda.dispatch import StepDispatch
 from engine.errors import ConfigError
 from engine.fp8_checkpoint import resolve_activation_scheme
 from engine.kv_cache import KVCache
-from engine.loader import load_weights, weight_bytes
+from engine.loader import QUANTIZED_FIELDS, load_weights, weight_bytes
 from engine.models.llama import LlamaModel, ModelWeights
 from engine.ops.torch_ops import TorchOps
 from engine.outputs import StepOutputs
@@ -87,6 +87,15 @@ class Runtime:
         return resolve_activation_scheme(self.config.fp8_activation_scheme, self.model_config.fp8_layout)
 
     @property
+    def fp8_skipped_layers(self) -> list[int]:
+        """With FP8 projections, the decoder layers none of whose projections is FP8 (--fp8-skip-layers, or an FP8
+        checkpoint's ignore list); [] without FP8."""
+        if self.quantization != "fp8":
+            return []
+        return [i for i, layer in enumerate(self.weights.layers)
+                if not any(isinstance(getattr(layer, n), Fp8Weight) for n in QUANTIZED_FIELDS)]
+
+    @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_seq_len // self.block_size)
 
@@ -112,7 +121,8 @@ class Runtime:
         t0 = time.perf_counter()
         shard = ShardPlan(mc, parallel.rank, parallel.size) if parallel else ShardPlan(mc)
         weights = load_weights(model_path, mc, dtype, device, config.quantization, config.quantize_lm_head,
-                               config.fp8_block, shard if shard.size > 1 else None, config.fp8_activation_scheme)
+                               config.fp8_block, shard if shard.size > 1 else None, config.fp8_activation_scheme,
+                               config.fp8_skipped_layers(mc.num_layers))
         num_blocks = _num_kv_blocks(config, mc, kv_dtype, device, shard.num_kv_heads)
         if parallel is not None:  # block ids are the same on every rank: the smallest cache of all
             num_blocks = parallel.min_int(num_blocks)

@@ -171,7 +171,7 @@ def info_response(i: api.EngineInfo, tokenizer: Tokenizer | None = None) -> pb.I
         max_batch_size=i.max_batch_size, kernel_backend=i.kernel_backend, version=i.version,
         live_sequences=i.live_sequences, quantization=i.quantization, quantized_lm_head=i.quantized_lm_head,
         fp8_weight_block=i.fp8_weight_block, checkpoint_quantization=i.checkpoint_quantization,
-        fp8_activation_scheme=i.fp8_activation_scheme,
+        fp8_activation_scheme=i.fp8_activation_scheme, fp8_skipped_layers=i.fp8_skipped_layers,
         kv_cache_dtype=i.kv_cache_dtype, tensor_parallel_size=i.tensor_parallel_size,
         graph_cache=pb.GraphCacheInfo(hits=g.hits, misses=g.misses, captures=g.captures, evictions=g.evictions,
                                       capture_failures=g.capture_failures, capture_seconds=g.capture_seconds,

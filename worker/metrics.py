@@ -87,11 +87,13 @@ class _EngineCollector:
                                     "activations and unquantized weights; quantization of the projections: none or "
                                     "fp8; whether the LM head is quantized too; the fp8 scale blocks: channel or "
                                     "RxC, empty without fp8; the fp8 activation scheme: dynamic (W8A8 above 8 "
-                                    "rows) or none (weight-only W8A16), empty without fp8)",
+                                    "rows) or none (weight-only W8A16), empty without fp8; the decoder layers "
+                                    "whose projections stay unquantized, comma-separated, empty for none)",
                                     labels=["model", "dtype", "quantization", "lm_head_quantized", "fp8_weight_block",
-                                            "fp8_activation_scheme"])
+                                            "fp8_activation_scheme", "fp8_skipped_layers"])
         weights.add_metric([info.model_id, info.dtype, info.quantization, str(info.quantized_lm_head).lower(),
-                            info.fp8_weight_block, info.fp8_activation_scheme], 1)
+                            info.fp8_weight_block, info.fp8_activation_scheme,
+                            ",".join(map(str, info.fp8_skipped_layers))], 1)
         yield weights
         yield GaugeMetricFamily("metrale_tensor_parallel_size", "processes (GPUs) the model is split over",
                                 value=info.tensor_parallel_size)

@@ -82,6 +82,10 @@ class GraphCache:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def keys(self) -> list[Hashable]:
+        """The keys of the graphs held, least recently used first."""
+        return list(self._graphs)
+
     def run(self, key: Hashable, prepare: Callable[[], Callable[[], None]],
             fallback: tuple[Hashable, Callable[[], Callable[[], None]], Callable[[], None]] | None = None,
             capture_after: int | None = None) -> bool:

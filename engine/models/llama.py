@@ -68,7 +68,7 @@ class LlamaModel:
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
         meta = AttentionMeta(self.attention, cos_sin, rope_index, batch.slot_mapping, batch.block_tables,
                              batch.seq_lens, batch.is_decode, batch.query_start_loc, batch.seq_lens_host,
-                             batch.prefill_work, batch.max_kv_len)
+                             batch.prefill_work, batch.max_kv_len, batch.cu_seqlens)
         ops.begin_forward(batch.num_tokens, batch.is_decode, batch.rows_per_seq)
         h = ops.embedding(batch.input_ids, self.w.embed)  # the residual stream, updated in place
         rows = None if batch.logits_all_rows else batch.logits_indices

@@ -63,6 +63,7 @@ class AttentionMeta:
     seq_lens_host: list[int]  # [B] host copy of seq_lens (prefill)
     prefill_work: torch.Tensor | None = None  # staged prefill work list (a forward replayed from a graph)
     max_kv_len: int = 0  # an upper bound of the keys any query row sees (sizes key splits; 0: unknown)
+    cu_seqlens: torch.Tensor | None = None  # a graphed fresh forward's sequence starts (ForwardBatch.cu_seqlens)
 
 
 class TorchOps:
@@ -79,6 +80,12 @@ class TorchOps:
         """The padded token counts prefill forwards of up to `limit` tokens run at, where that set is
         small enough to warm up (Engine.warm_up_prefill); none here: no per-shape costs to pay."""
         return []
+
+    def varlen_prefill(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
+        """Whether a graphed forward of fresh prompts padded to num_tokens attends on its own rows (the forward's
+        batch then carries their starts, ForwardBatch.cu_seqlens) instead of the paged cache's work list; never
+        here (no graphs)."""
+        return False
 
     def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                                   chunk_tokens: int, max_seq_len: int) -> int:

@@ -4,6 +4,7 @@ the argmax of the same engine's teacher-forced scores), Info and /metrics say wh
 value is refused at start-up with exit 2."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import urllib.request
@@ -91,6 +92,24 @@ def test_a_bad_fp8_weight_block_is_one_line_and_exit_2(tiny_model, args, line):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [line]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--fp8-skip-layers", "0"], "metrale-worker: fp8_skip_layers 0 needs quantization fp8 (--quantization fp8)"),
+    (["--quantization", "fp8", "--fp8-skip-layers", "last"],
+     "metrale-worker: fp8_skip_layers must be comma-separated layer indices such as 0,-1, got 'last'"),
+    (["--quantization", "fp8", "--fp8-skip-layers", "0,{layers}"],
+     "metrale-worker: fp8_skip_layers: layer {layers} is outside the model's {layers} layers (0 .. {last}, or "
+     "-{layers} .. -1 from the last)"),
+])
+def test_a_bad_fp8_skip_layers_is_one_line_and_exit_2(tiny_model, args, line):
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
+    args = [a.format(layers=layers) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(tiny_model), "--port", "0",
+                           "--device", "cpu", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1] == line.format(layers=layers, last=layers - 1) and not any("Traceback" in l for l in lines), lines
 
 
 @pytest.mark.parametrize("args, line", [

@@ -3,22 +3,25 @@ transformers in fp32 (loaded from the same converted checkpoint) and perplexity 
 (tests/teacher_forcing.py, 1,987 scored rows), for the engine unquantized (fp32 and bf16), with --quantization fp8
 (per-channel scales), with --quantize-lm-head too, with block scales (--fp8-weight-block 1x64 and 1x32), with an
 FP8 KV cache, as a bf16 FP8 worker computes its prompts (W8A8), and as a bf16 weight-only FP8 worker does
-(--fp8-activation-scheme none: W8A16). Engine.score gives the log-probs of every position; `pytest -s` prints the
+(--fp8-activation-scheme none: W8A16), both also with decoder layers kept in bf16 (--fp8-skip-layers). Engine.score gives the log-probs of every position; `pytest -s` prints the
 figures, each setting scored the first time a test reads it.
 
 Issue 43's floors: FP8 agreement >= 0.90, and within 0.05 of the unquantized worker's own agreement; FP8
 perplexity within 3% of the unquantized worker's. Measured on the dev box (agreement / perplexity over all
-rows; bf16 0.9718 / 20.715, fp32 1.000 / 20.702):
+rows; dev box 2026-12-06, torch 2.13: bf16 0.9683 / 20.692, fp32 1.000 / 20.702; the bf16 rows read 0.9718 / 20.715
+for bf16, 0.9064 for W8A8 and 0.9275 for W8A16 on 2026-12-05):
 
 | engine | agreement | perplexity | KL, 1e-3 nats |
 |---|---|---|---|
 | fp8 (per channel, fp32 activations) | 0.9361 | 20.932 | 11.4 |
 | fp8 + LM head | 0.8948 | 21.387 | 22.5 |
-| fp8 w8a8 (bf16, activations per token to E4M3) | 0.9064 | 21.144 | 22.4 |
-| fp8 w8a16 (bf16, weight-only: --fp8-activation-scheme none) | 0.9275 | 20.959 | 12.5 |
+| fp8 w8a8 (bf16, activations per token to E4M3) | 0.9094 | 21.212 | 22.6 |
+| fp8 w8a16 (bf16, weight-only: --fp8-activation-scheme none) | 0.9341 | 20.927 | 12.5 |
+| fp8 w8a16, layers 0 and 29 in bf16 (--fp8-skip-layers 0,-1) | 0.9376 | 20.930 | 10.0 |
+| fp8 w8a8, layers 0, 1, 28 and 29 in bf16 (--fp8-skip-layers 0,1,-2,-1) | 0.9205 | 21.012 | 15.9 |
 | fp8 1x64 / 1x32 | 0.9416 / 0.9361 | 21.082 / 21.066 | 11.5 / 10.2 |
-| fp8 kv | 0.9547 | 20.813 | 5.5 |
-| fp8 1x64 + fp8 kv | 0.9200 | 21.171 | 17.7 |
+| fp8 kv | 0.9527 | 20.798 | 5.5 |
+| fp8 1x64 + fp8 kv | 0.9195 | 21.159 | 17.6 |
 
 A row is 0.0005 of agreement. Over the first passage alone (330 rows, what this test scored until 2026-12-05)
 the per-passage figures range over +-0.03 (w8a8 0.886-0.912, fp8 0.910-0.958 across the seven), so one passage
@@ -29,14 +32,16 @@ each). Quantizing the tied LM head (49152 x 576) too costs as much again as all 
 the absolute floor and the perplexity floor.
 
 W8A8 ("fp8 w8a8", the arithmetic of a bf16 FP8 worker's prompts and decode batches over 8 rows, on the GPU's
-tensor cores and here in torch alike, engine.quant.takes_w8a8) drops 0.065 of agreement against the bf16 worker,
-past the 0.05 floor (an xfail(strict)); its perplexity is within 3% (+2.0%), and its agreement sits on the
-absolute floor (1,801 of 1,987 rows; 1,789 needed), which is asserted only as a regression bound. Rounding the
+tensor cores and here in torch alike, engine.quant.takes_w8a8) drops 0.059 of agreement against the bf16 worker,
+past the 0.05 floor (an xfail(strict)); its perplexity is within 3% (+2.5%), and its agreement sits near the
+absolute floor (1,807 of 1,987 rows; 1,789 needed), which is asserted only as a regression bound. Rounding the
 activations to E4M3 costs about as much as rounding the weights; finer activation scales do not recover it
 (bench/RESULTS.md, FP8 accuracy).
 
 Weight-only ("fp8 w8a16": the W8A8 row's setting with the activations never quantized, W8A16 at every batch) meets
-all three floors against the bf16 worker: -0.044 of agreement (11 rows inside the 0.05), +1.2% perplexity."""
+all three floors against the bf16 worker: -0.034 of agreement, +1.1% perplexity. With the first two and last two
+layers' projections kept in bf16 (--fp8-skip-layers 0,1,-2,-1: 4 of 30 layers' bytes back) W8A8 meets them too
+(-0.048, +1.5%)."""
 from __future__ import annotations
 
 import pytest
@@ -58,6 +63,10 @@ SETTINGS = (("fp32", {}), ("bf16", {"dtype": "bfloat16"}), ("fp8", {"quantizatio
             ("fp8 + lm head", {"quantization": "fp8", "quantize_lm_head": True}),
             ("fp8 w8a8", {"quantization": "fp8", "dtype": "bfloat16"}),
             ("fp8 w8a16", {"quantization": "fp8", "dtype": "bfloat16", "fp8_activation_scheme": "none"}),
+            ("fp8 w8a16, first and last layers bf16", {"quantization": "fp8", "dtype": "bfloat16",
+                                                       "fp8_activation_scheme": "none", "fp8_skip_layers": "0,-1"}),
+            ("fp8 w8a8, two first and two last layers bf16", {"quantization": "fp8", "dtype": "bfloat16",
+                                                             "fp8_skip_layers": "0,1,-2,-1"}),
             ("fp8 1x64", {"quantization": "fp8", "fp8_weight_block": "1x64"}),
             ("fp8 1x32", {"quantization": "fp8", "fp8_weight_block": "1x32"}),
             ("fp8 kv", {"kv_cache_dtype": "fp8"}),
@@ -89,6 +98,8 @@ def engine_scores(model, passages: list[list[int]], **changes) -> list[torch.Ten
         assert info.fp8_weight_block == ("" if info.quantization == "none" else block)
         scheme = changes.get("fp8_activation_scheme", "dynamic")
         assert info.fp8_activation_scheme == ("" if info.quantization == "none" else scheme)
+        skip = [int(i) % 30 for i in changes["fp8_skip_layers"].split(",")] if "fp8_skip_layers" in changes else []
+        assert info.fp8_skipped_layers == sorted(skip)  # the default model has 30 layers
         assert info.kv_cache_dtype == ("float8_e4m3fn" if changes.get("kv_cache_dtype") == "fp8" else info.dtype)
         return [engine.score(ids).float() for ids in passages]
     finally:
@@ -112,7 +123,7 @@ class Figures:
             if name == "fp32":  # the unquantized engine is transformers, up to fp32 rounding
                 assert max((lp - ref).abs().max().item() for lp, ref in zip(logps, self.reference)) < 1e-3
             agree, ppl, kl = pooled_figures(logps, self.reference, self.passages)
-            print(f"  {name:17s} top-1 agreement {agree:.4f}  perplexity {ppl:.4f}  KL {kl * 1e3:.2f}e-3 nats")
+            print(f"  {name:45s} top-1 agreement {agree:.4f}  perplexity {ppl:.4f}  KL {kl * 1e3:.2f}e-3 nats")
             self.scored[name] = agree, ppl
         return self.scored[name]
 
@@ -166,7 +177,7 @@ def test_w8a8_meets_the_perplexity_floor_and_its_regression_bound(figures):
     assert agree >= base_agree - 0.077, (agree, base_agree)
 
 
-@pytest.mark.xfail(strict=True, reason="W8A8 agreement 0.906 vs the bf16 worker's 0.972: 0.065 drop, past 0.05 "
+@pytest.mark.xfail(strict=True, reason="W8A8 agreement 0.909 vs the bf16 worker's 0.968: 0.059 drop, past 0.05 "
                                        "(module docstring)")
 def test_w8a8_agreement_within_the_relative_floor(figures):
     assert figures["fp8 w8a8"][0] >= figures["bf16"][0] - AGREEMENT_MAX_DROP
@@ -175,7 +186,7 @@ def test_w8a8_agreement_within_the_relative_floor(figures):
 def test_an_fp8_kv_cache_meets_the_floors_of_issue_43(figures):
     """--kv-cache-dtype fp8 (E4M3, scale 1) with the weights unquantized, against the bf16 worker as the issue
     states its floors: agreement >= 0.90 and within 0.05 of bf16's, perplexity within 3% (measured on the dev
-    box: 0.955 / 20.81 against bf16's 0.972 / 20.72)."""
+    box: 0.953 / 20.80 against bf16's 0.968 / 20.69)."""
     base_agree, base_ppl = figures["bf16"]
     agree, ppl = figures["fp8 kv"]
     assert agree >= AGREEMENT_FLOOR and agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
@@ -194,5 +205,25 @@ def test_weight_only_fp8_in_bf16_meets_the_floors_of_issue_43(figures):
     floors against the bf16 worker, which W8A8 misses."""
     base_agree, base_ppl = figures["bf16"]
     agree, ppl = figures["fp8 w8a16"]
+    assert agree >= AGREEMENT_FLOOR and agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
+    assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+def test_fp8_skip_layers_keeps_the_first_and_last_layers_in_bf16_for_accuracy(figures):
+    """--fp8-skip-layers 0,-1 on the weight-only worker: the first and last of 30 layers keep bf16 projections (2 of
+    30 layers' bytes back): the floors against bf16 held, and no row of agreement lost against all 30 in FP8 (dev
+    box, 2026-12-06: 0.9376 against 0.9341, KL to fp32 9.98e-3 against 12.47e-3 nats)."""
+    base_agree, base_ppl = figures["bf16"]
+    agree, ppl = figures["fp8 w8a16, first and last layers bf16"]
+    assert agree >= AGREEMENT_FLOOR and agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
+    assert agree >= figures["fp8 w8a16"][0], (agree, figures["fp8 w8a16"][0])
+    assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)
+
+
+def test_fp8_skip_layers_brings_w8a8_within_the_relative_floor(figures):
+    """W8A8 misses the 0.05 against bf16 (an xfail above); with the two first and two last layers' projections in
+    bf16 (4 of 30) it meets it."""
+    base_agree, base_ppl = figures["bf16"]
+    agree, ppl = figures["fp8 w8a8, two first and two last layers bf16"]
     assert agree >= AGREEMENT_FLOOR and agree >= base_agree - AGREEMENT_MAX_DROP, (agree, base_agree)
     assert abs(ppl / base_ppl - 1) <= PERPLEXITY_MAX_RISE, (ppl, base_ppl)

@@ -242,6 +242,73 @@ def test_prefill_graphs_match_eager_prefill(ckpt_1b, monkeypatch):
     assert s.captures >= 2 and s.hits > 0 and s.capture_failures == 0
 
 
+def test_fresh_prompt_graphs_through_cudnn_varlen_match_the_paged_kernel(ckpt_1b, monkeypatch):
+    """Graphed forwards of fresh prompts of >= prefill_varlen.MIN_TOKENS padded tokens attend through cuDNN's
+    variable-length attention (one graph per padded shape, the sequence lengths staged per replay); the paged kernel
+    (METRALE_PREFILL_GRAPH_ATTENTION=paged) gives the same first tokens and decode after, up to bf16 near-ties, and
+    log-probs within bf16's rounding of a different summation order. Layer 0's KV cache (written before attention)
+    is the same bits."""
+    from engine import env
+    from engine.cuda import prefill_varlen
+
+    rounds = [[1500], [600, 700], [512] * 4, [1100, 64, 300], [1500], [600, 700], [300] * 7, [2000]]
+
+    def run(route: str):
+        monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", route)
+        engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
+        vocab = engine.model_config.vocab_size
+        firsts, steps = [], []
+        for r, lengths in enumerate(rounds):
+            ps = prompts(lengths, vocab, seed=100 + r)
+            ids = [engine.alloc_sequence(len(p) + 4, SamplingParams(top_logprobs=2), GREEDY).seq_id for p in ps]
+            firsts += [(t.token_id, t.logprob, t.top_logprobs) for t in
+                       engine.prefill([PrefillItem(i, p) for i, p in zip(ids, ps)]).tokens]
+            steps += [[t.token_id for t in engine.decode(ids).tokens] for _ in range(2)]
+            engine.release(ids)
+        keys = [k for k in engine.runtime.dispatch.graphs.keys() if k[0] == "prefill"]
+        kv0 = engine.runtime.kv.k[0].float().sum(dtype=torch.float64)
+        engine.close()
+        return firsts, steps, keys, kv0
+
+    (fa, sa, ka, kva), (fb, sb, kb, kvb) = run("cudnn"), run("paged")
+    assert any(k[-1] for k in ka) and not any(k[-1] for k in kb), (ka, kb)
+    assert all(k[1] >= prefill_varlen.MIN_TOKENS for k in ka if k[-1])
+    diffs = []
+    for (ta, la, _), (tb, lb, top_b) in zip(fa, fb):
+        if ta == tb:
+            diffs.append(abs(la - lb))
+        else:  # a near-tie in the paged engine's own top two
+            gap = top_b[0][1] - dict(top_b).get(ta, float("-inf"))
+            print(f"first token differs: {ta} vs {tb}, gap {gap:.4f}")
+            assert gap < 0.1
+    print(f"varlen graphs {[k for k in ka if k[-1]]}; largest first-token log-prob difference {max(diffs):.2e}")
+    assert max(diffs) < 0.05 and kva == kvb
+    assert sum(a == b for a, b in zip(sa, sb)) >= len(sa) - 2
+
+
+def test_a_varlen_refusal_falls_back_to_the_paged_kernel_for_good(ckpt_1b, monkeypatch, caplog):
+    """cuDNN refusing a graphed fresh forward (a RuntimeError from its entry): that forward and every later one attend
+    on the paged kernel, with one warning; the tokens are the paged route's."""
+    from engine.cuda import prefill_varlen
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cuDNN Frontend error: no execution plan (test)")
+
+    from engine import env
+
+    ps = prompts([1500, 40], 128256, seed=7)
+    monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "paged")
+    want = greedy_run(gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048), ps, 3)
+    monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "cudnn")
+    monkeypatch.setattr(prefill_varlen, "attend", refuse)
+    engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
+    with caplog.at_level(logging.WARNING):
+        got = greedy_run(engine, ps, 3)
+    assert engine.runtime.ops.varlen_refused and not engine.runtime.ops.varlen_prefill(2048, 0, 64)
+    assert sum("variable-length attention refused" in r.getMessage() for r in caplog.records) == 1
+    assert got == want
+
+
 def test_two_graphs_cycling_over_five_slot_vectors(ckpt_tiny):
     def cycle(engine):
         groups = []

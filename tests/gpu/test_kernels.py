@@ -1186,3 +1186,46 @@ def test_prefill_attention_chunks_after_a_cached_prefix(ops, gen, cached, new, H
     ref = TORCH.prefill_attention(q[:qsl[-1]].float(), k_cache.float(), v_cache.float(), table, qsl, lengths, scale,
                                   0)
     check(f"prefill_attention after a cached prefix ({path})", out[:qsl[-1]], ref, BF16_TOL)
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 64), (32, 8, 128), (16, 16, 64)])
+def test_prefill_varlen_replays_other_sequence_lengths(gen, H, Hkv, D):
+    """A graphed forward of fresh prompts attends its own rows through cuDNN's variable-length attention
+    (engine/cuda/prefill_varlen.py): captured once at 8 sequence rows of 2048 padded tokens, then replayed with other
+    lengths and counts (empty rows after the real ones, pad tokens after the last, scattered cache rows), each
+    replay equal to the torch reference on every real row."""
+    from engine.cuda import prefill_varlen
+
+    T, S, bs = 2048, 8, 16
+    num_blocks = T // bs + 8
+    k_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
+    v_cache = randn(num_blocks, bs, Hkv, D, dtype=torch.bfloat16)
+    q = randn(T, H, D, dtype=torch.bfloat16)
+    slots = torch.full((T,), -1, dtype=torch.int64, device=dev())
+    starts = torch.zeros(S + 1, dtype=torch.int32, device=dev())
+    scale = D ** -0.5
+
+    def stage(lengths):
+        table, _ = scattered_tables(lengths, bs)  # distinct blocks per sequence, within num_blocks
+        host = table.cpu().tolist()
+        rows = [host[b][p // bs] * bs + p % bs for b, n in enumerate(lengths) for p in range(n)]
+        slots.fill_(-1)
+        slots[:len(rows)] = torch.tensor(rows, device=dev())
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        starts.copy_(torch.tensor(cu + [cu[-1]] * (S - len(lengths)), dtype=torch.int32))
+        return table, cu
+
+    stage([256] * 8)
+    prefill_varlen.attend(q, k_cache, v_cache, slots, starts, scale)  # plans before the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = prefill_varlen.attend(q, k_cache, v_cache, slots, starts, scale)
+    for lengths in ([256] * 8, [700, 300, 900, 64], [2000], [1] * 8, [33, 1500, 17]):
+        table, cu = stage(lengths)
+        graph.replay()
+        ref = TORCH.prefill_attention(q[:cu[-1]].float(), k_cache.float(), v_cache.float(), table, cu, lengths,
+                                      scale, 0)
+        check(f"prefill_varlen {lengths}", out[:cu[-1]], ref, BF16_TOL)

@@ -272,7 +272,7 @@ def non_default_value(cls: type, f: dataclasses.Field):
     if "choices" in f.metadata:
         return next(c for c in f.metadata["choices"] if c not in avoid)
     special = {"host": "127.0.0.1", "block_size": 32, "health_port": 8082, "num_kv_blocks": 64,
-               "fp8_weight_block": "1x64"}  # metrics_port gets 1
+               "fp8_weight_block": "1x64", "fp8_skip_layers": "0,-1"}  # metrics_port gets 1
     if f.name in special:
         return special[f.name]
     if kind is bool:
@@ -353,6 +353,7 @@ BAD_VALUES = {
     "unknown device": (["--set", "worker.device=tpu"], "worker.device", True),
     "block size not a power of two": (["--set", "worker.blockSize=24"], "worker.blockSize", True),
     "FP8 weight block not ROWSxCOLS": (["--set", "worker.fp8WeightBlock=64"], "worker.fp8WeightBlock", True),
+    "FP8 skip layers not indices": (["--set", "worker.fp8SkipLayers=first"], "worker.fp8SkipLayers", True),
     "termination grace shorter than the drain": (
         ["--set", "terminationGracePeriodSeconds=30"], "must exceed preStopSleepSeconds + worker.gracePeriodS", False),
     "termination grace equal to the drain": (

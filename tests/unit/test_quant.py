@@ -386,6 +386,44 @@ def test_fp8_weight_block_needs_fp8():
     EngineConfig(fp8_weight_block="channel")  # the default, with or without fp8
 
 
+@pytest.mark.parametrize("text, layers", [("", set()), ("0", {0}), ("0,-1", {0, 29}), ("-30, 29,5", {0, 29, 5}),
+                                          ("1,1,-29", {1})])
+def test_fp8_skip_layers_resolve_against_the_model(text, layers):
+    assert EngineConfig(quantization="fp8", fp8_skip_layers=text).fp8_skipped_layers(30) == layers
+
+
+def test_fp8_skip_layers_refuses_what_it_cannot_name():
+    with pytest.raises(ConfigError, match="fp8_skip_layers must be comma-separated layer indices such as 0,-1, got "
+                                          "'first'"):
+        EngineConfig(quantization="fp8", fp8_skip_layers="first")
+    with pytest.raises(ConfigError, match="fp8_skip_layers must be comma-separated"):
+        EngineConfig(quantization="fp8", fp8_skip_layers="0,,1")
+    with pytest.raises(ConfigError, match="fp8_skip_layers 0 needs quantization fp8"):
+        EngineConfig(fp8_skip_layers="0")
+    config = EngineConfig(quantization="fp8", fp8_skip_layers="30")
+    with pytest.raises(ConfigError, match=r"layer 30 is outside the model's 30 layers \(0 .. 29, or -30 .. -1"):
+        config.fp8_skipped_layers(30)
+    with pytest.raises(ConfigError, match="layer -31 is outside"):
+        EngineConfig(quantization="fp8", fp8_skip_layers="-31").fp8_skipped_layers(30)
+
+
+def test_fp8_skip_layers_leave_those_layers_unquantized(tiny_model):
+    """The listed layers' projections load in the model dtype, the others as FP8; Info names the unquantized ones."""
+    from conftest import engine_config
+    from engine.engine import Engine
+
+    engine = Engine(engine_config(tiny_model, quantization="fp8", fp8_skip_layers="-1"))
+    try:
+        layers = engine.runtime.weights.layers
+        last = len(layers) - 1
+        assert engine.info().fp8_skipped_layers == [last]
+        for i, layer in enumerate(layers):
+            for name in ("qkv", "o_proj", "gate_up", "down"):
+                assert isinstance(getattr(layer, name), Fp8Weight) == (i != last), (i, name)
+    finally:
+        engine.close()
+
+
 def test_fp8_weight_block_flag():
     parser = serve_parser()
     args = parser.parse_args(["--quantization", "fp8", "--fp8-weight-block", "1x64"])

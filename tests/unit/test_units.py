@@ -560,6 +560,52 @@ def test_warm_up_prefill_captures_every_prefill_graph_shape(tiny_model):
     assert engine.info().graph_cache.hits == s.hits + 1 and engine.info().graph_cache.captures == 25
 
 
+def test_staged_prefill_batch_carries_fresh_prompts_starts():
+    """A graphed forward of fresh prompts may attend on its own rows (engine/cuda/prefill_varlen.py): its batch then
+    carries the sequence starts, padded sequence rows empty; other forwards carry none, and a chunk that continues
+    a sequence cannot ask for them."""
+    import torch
+    from engine.batch import PrefillStaging, build_staged_prefill_batch
+
+    staging = PrefillStaging(256, 8, torch.device("cpu"))
+    table = torch.zeros((4, 16), dtype=torch.int32)
+
+    def batch(starts, lengths, varlen):
+        tokens = [list(range(n)) for n in lengths]
+        _, _, make = build_staged_prefill_batch(staging, table, [[1, 2], [3, 4]], [0, 1], starts, tokens,
+                                                [[n - 1] for n in lengths], 16, 64, 4, 64, varlen)
+        return make()
+
+    assert batch([0, 0], [20, 5], True).cu_seqlens.tolist() == [0, 20, 25, 25, 25]
+    assert batch([0, 0], [20, 5], False).cu_seqlens is None
+    with pytest.raises(ValueError, match="fresh prompts only"):
+        batch([0, 16], [20, 5], True)
+
+
+def test_graphed_prefill_keys_say_whether_the_forward_attends_on_its_own_rows(tiny_model):
+    """The backend's varlen_prefill decides per graphed forward of fresh prompts; chunks after a cached prefix or an
+    earlier chunk never take it; the choice is part of the graph's key (a graph captures one attention route)."""
+    from conftest import ExecBackend, engine_config
+    from engine.api import PrefillItem
+    from engine.cuda.graphs import GraphCache
+    from engine.engine import Engine
+
+    engine = Engine(engine_config(tiny_model, max_seq_len=300, num_kv_blocks=256))
+    engine.runtime.dispatch.graphs = GraphCache(ExecBackend(), max_graphs=64, capture_after=2)
+    engine.runtime.ops.prefill_tokens = lambda n: -(-n // 64) * 64
+    engine.runtime.ops.varlen_prefill = lambda num_tokens, window, head_dim: num_tokens >= 128
+    stop = StoppingCriteria(max_new_tokens=2)
+    for r in range(2):  # a padded shape's graph is captured the second time it runs (other tokens: no cache hits)
+        a, b, c = (engine.alloc_sequence(250, SamplingParams(), stop).seq_id for _ in range(3))
+        engine.prefill([PrefillItem(a, [5 + r] * 100), PrefillItem(b, [7 + r] * 30, partial=True)])  # 192, fresh
+        engine.prefill([PrefillItem(b, [9 + r] * 90)])  # a chunk after 30 tokens: 128, not fresh
+        engine.prefill([PrefillItem(c, [11 + r] * 20)])  # 64 tokens: under the backend's size
+        engine.release([a, b, c])
+    assert set(engine.runtime.dispatch.graphs.keys()) == {("prefill", 192, 2, 192, True),
+                                                          ("prefill", 128, 1, 128, False),
+                                                          ("prefill", 64, 1, 64, False)}
+
+
 def _prepare_stand_in(lib, slots, num_cached, last_token, block_table, temperature, top_k, top_p, seed, penalty,
                       seen, block_size, input_ids, positions, slot_mapping, seq_lens, tables, row_temperature,
                       row_top_k, row_top_p, row_seed, row_penalty, row_position, row_seen, drafts=None):
