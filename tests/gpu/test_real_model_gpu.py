@@ -146,7 +146,11 @@ def test_default_model_bf16_answers_as_transformers_bf16(server, oracle):
 
 GPU_ACCURACY_SETTINGS = (("bf16", {}), ("fp8 w8a8", {"quantization": "fp8"}), ("fp8 kv", {"kv_cache_dtype": "fp8"}),
                          ("fp8 w8a8 + fp8 kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}),
-                         ("fp8 w8a16", {"quantization": "fp8", "fp8_activation_scheme": "none"}))
+                         ("fp8 w8a16", {"quantization": "fp8", "fp8_activation_scheme": "none"}),
+                         ("fp8 w8a16, layers 0 and 29 bf16", {"quantization": "fp8", "fp8_activation_scheme": "none",
+                                                             "fp8_skip_layers": "0,-1"}),
+                         ("fp8 w8a8, layers 0, 1, 28, 29 bf16", {"quantization": "fp8",
+                                                                "fp8_skip_layers": "0,1,-2,-1"}))
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +175,7 @@ def gpu_accuracy(model_dir, oracle) -> dict[str, tuple[float, float, float]]:
         finally:
             engine.close()
         figures[name] = pooled_figures(logps, reference, passages)
-        print(f"  {name:18s} top-1 agreement {figures[name][0]:.4f}  perplexity {figures[name][1]:.4f}  "
+        print(f"  {name:36s} top-1 agreement {figures[name][0]:.4f}  perplexity {figures[name][1]:.4f}  "
               f"KL {figures[name][2] * 1e3:.2f}e-3 nats")
     return figures
 
@@ -205,3 +209,12 @@ def test_fp8_weight_only_agreement_within_0_05_of_bf16_on_the_gpu(gpu_accuracy):
     base_agree = gpu_accuracy["bf16"][0]
     agree = gpu_accuracy["fp8 w8a16"][0]
     assert agree >= base_agree - 0.05, (agree, base_agree)
+
+
+def test_fp8_skip_layers_never_cost_agreement_on_the_gpu(gpu_accuracy):
+    """--fp8-skip-layers on the GPU: keeping decoder layers' projections in bf16 gives back agreement, never takes it
+    (on CPU, 2026-12-06: weight-only 0.9341 -> 0.9376 with layers 0 and 29, W8A8 0.9094 -> 0.9205 with four;
+    docs/fp8.md). The GPU figures are printed for the issue's 0.05."""
+    for skipped, full in (("fp8 w8a16, layers 0 and 29 bf16", "fp8 w8a16"),
+                          ("fp8 w8a8, layers 0, 1, 28, 29 bf16", "fp8 w8a8")):
+        assert gpu_accuracy[skipped][0] >= gpu_accuracy[full][0], (skipped, gpu_accuracy[skipped], gpu_accuracy[full])
