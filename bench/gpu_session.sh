@@ -35,8 +35,8 @@
 #   prefillgraphs  warm_up_cost.py 1B and 8B with prefill graphs up to 1024 and up to 4096 padded tokens
 #              (METRALE_PREFILL_GRAPH_TOKENS; the default is sized from the model), alternating: the warm-up's time, graphs and pool
 #              bytes, and 8 x 512 / 4 x 1024 prefills (whether 4096 should be the default); GRAPH_ROUNDS (2) rounds
-#   varlen     graphed fresh prompts' attention, cuDNN's varlen entry against the paged kernel: probe, then
-#              warm_up_cost.py 1B with METRALE_PREFILL_GRAPH_ATTENTION=paged / =cudnn alternating (VARLEN_ROUNDS, 2)
+#   varlen     graphed fresh prompts' attention, FlashAttention's varlen entry against the paged kernel: probe, then
+#              warm_up_cost.py 1B with METRALE_PREFILL_GRAPH_ATTENTION=paged / =flash alternating (VARLEN_ROUNDS, 2)
 #   bigbatch   scale_bench 1B / 8B decode at batches 64-256, context 128, with the kernel tables of the two lowest shares
 #   warpab     decode attention's warp entries (METRALE_DECODE_WARP) against the block entries: GPU tests (WARP_TESTS=0: none),
 #              scale_bench WARP_SHAPES (1b 8b) batch 64-256 at contexts 128 and 2k, WARP_ROUNDS (2) rounds alternating
@@ -199,14 +199,14 @@ for what in "$@"; do
                     METRALE_PREFILL_GRAPH_TOKENS=4096 TAIL=3 stage "graphs-4096-$shape-$round" 240 python3 bench/warm_up_cost.py --model "/tmp/floors-$shape" --out "$OUT"
                   done
                 done ;;
-    varlen)     # graphed fresh prompts' attention through cuDNN's varlen entry (engine/cuda/prefill_varlen.py) against
-                # the paged kernel: the probe of the entry, then warm_up_cost.py 1B (warm-up, then prefills of 8 x 512,
-                # 4 x 1024, 1 x 2048, 1 x 4096) with METRALE_PREFILL_GRAPH_ATTENTION=paged and =cudnn alternating,
+    varlen)     # graphed fresh prompts' attention through FlashAttention's varlen entry (engine/cuda/prefill_varlen.py)
+                # against the paged kernel: the probe of the entries, then warm_up_cost.py 1B (warm-up, then prefills of
+                # 8 x 512, 4 x 1024, 1 x 2048, 1 x 4096) with METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating,
                 # VARLEN_ROUNDS (2) rounds (the route's GPU tests are in the suite: -k varlen)
                 stage varlen-probe 150 python3 bench/varlen_probe.py
                 [ -f /tmp/floors-1b/config.json ] || python3 -m worker make-model /tmp/floors-1b --shape 1b --device cpu > /dev/null
                 for round in $(seq 1 "${VARLEN_ROUNDS:-2}"); do
-                  for route in paged cudnn; do
+                  for route in paged flash; do
                     METRALE_PREFILL_GRAPH_ATTENTION=$route TAIL=8 stage "varlen-$route-$round" 240 python3 \
                       bench/warm_up_cost.py --model /tmp/floors-1b --prefill 8x512 4x1024 1x2048 1x4096 --out "$OUT"
                   done

@@ -98,7 +98,7 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
-        self.varlen_refused = False  # cuDNN's variable-length attention refused a graphed prefill: never again
+        self.varlen_refused = False  # the variable-length entry refused a graphed prefill: never again
         # Forwards of at most gemm_sm90.MAX_ROWS rows (decode, verify, short prompts) run their projections on the
         # Hopper GEMM where env.GEMM asks and the device has it.
         self.gemm = HopperGemm.create(lib, env.GEMM)
@@ -177,9 +177,9 @@ class CudaOps(TorchOps):
             if not self.varlen_refused:
                 try:
                     return prefill_varlen.attend(q, kv.k, kv.v, meta.slot_mapping, meta.cu_seqlens, spec.scale)
-                except RuntimeError as e:  # a shape cuDNN refuses: the paged kernel from now on (the staged work list)
-                    log.warning("cuDNN's variable-length attention refused a prefill (%s); graphed prefills use the "
-                                "paged kernel from now on", str(e).splitlines()[0][:200])
+                except RuntimeError as e:  # a shape the entry refuses: the paged kernel from now on (the staged work list)
+                    log.warning("FlashAttention's variable-length entry refused a prefill (%s); graphed prefills use "
+                                "the paged kernel from now on", str(e).splitlines()[0][:200])
                     self.varlen_refused = True
             return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc, meta.seq_lens_host,
                                           spec.scale, spec.sliding_window, meta.prefill_work, meta.max_kv_len)

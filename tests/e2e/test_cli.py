@@ -126,7 +126,7 @@ def test_a_port_in_use_is_one_line_before_the_load(tmp_path, tiny_model, listeni
     ("METRALE_LOG_LEVEL", "LOUD", "DEBUG, INFO"),
     ("METRALE_W8A8_SKINNY_ROWS", "lots", "whole number"),
     ("METRALE_PREFILL_GRAPH_TOKENS", "-4", "whole number"),
-    ("METRALE_PREFILL_GRAPH_ATTENTION", "flash", "paged, cudnn"),
+    ("METRALE_PREFILL_GRAPH_ATTENTION", "cudnn", "paged, flash"),
 ])
 def test_a_bad_environment_variable_is_one_line_before_anything(tmp_path, tiny_model, name, value, expect):
     """A typo in a METRALE_ variable is refused, not silently a different configuration (or a traceback at import)."""
@@ -139,7 +139,7 @@ def test_environment_values_in_their_documented_sets_serve(tmp_path, tiny_model)
     """The check refuses only what is outside the sets: lower-case log levels and every documented value start."""
     proc = cli(tmp_path, *serve_args(tiny_model, "--port", "-1"), extra_env={
         "METRALE_LOG_LEVEL": "debug", "METRALE_GEMM": "cublas", "METRALE_STEP_WAIT": "thread", "METRALE_PDL": "0",
-        "METRALE_PREFILL_ATTENTION": "flash", "METRALE_W8A8_SKINNY_ROWS": "0", "METRALE_PREFILL_GRAPH_ATTENTION": "cudnn"})
+        "METRALE_PREFILL_ATTENTION": "flash", "METRALE_W8A8_SKINNY_ROWS": "0", "METRALE_PREFILL_GRAPH_ATTENTION": "flash"})
     line = one_line_error(proc, "port", "-1")  # refused by the flag, i.e. after the environment passed
     assert "METRALE_" not in line
 

@@ -61,13 +61,15 @@ def test_kernels_match_torch_ops_engine_at_1b(ckpt_1b, batch):
         if a == b:
             continue
         j = next(i for i in range(len(a)) if a[i] != b[i])
-        seq = ref_engine.alloc_sequence(len(p) + j + 2, SamplingParams(top_logprobs=5), GREEDY)
+        seq = ref_engine.alloc_sequence(len(p) + j + 2, SamplingParams(top_logprobs=20), GREEDY)
         logp = ref_engine.prefill([PrefillItem(seq.seq_id, p + b[:j])]).tokens[0].top_logprobs
         ref_engine.release([seq.seq_id])
         lp = dict(logp)
-        gap = lp[b[j]] - lp.get(a[j], float("-inf"))
+        # against the reference's best token of this prefill: its decode step's own token may rank below others here
+        # (this random model's top candidates lie within ~0.01 of each other, the reference's own bf16 noise)
+        gap = max(lp.values()) - lp.get(a[j], float("-inf"))
         print(f"divergence after {j} tokens (prompt {len(p)}): kernels {a[j]} vs torch {b[j]}, "
-              f"log-prob gap in the torch engine {gap:.4f}")
+              f"the kernels' token {gap:.4f} below the torch engine's best")
         assert gap < 0.1, f"not a near-tie: gap {gap}"
     exact = sum(a == b for a, b in zip(got, ref))
     agree = [next((i for i in range(64) if a[i] != b[i]), 64) for a, b in zip(got, ref)]
@@ -242,9 +244,9 @@ def test_prefill_graphs_match_eager_prefill(ckpt_1b, monkeypatch):
     assert s.captures >= 2 and s.hits > 0 and s.capture_failures == 0
 
 
-def test_fresh_prompt_graphs_through_cudnn_varlen_match_the_paged_kernel(ckpt_1b, monkeypatch):
-    """Graphed forwards of fresh prompts of >= prefill_varlen.MIN_TOKENS padded tokens attend through cuDNN's
-    variable-length attention (one graph per padded shape, the sequence lengths staged per replay); the paged kernel
+def test_fresh_prompt_graphs_through_flash_varlen_match_the_paged_kernel(ckpt_1b, monkeypatch):
+    """Graphed forwards of fresh prompts of >= prefill_varlen.MIN_TOKENS padded tokens attend through FlashAttention's
+    variable-length entry (one graph per padded shape, the sequence lengths staged per replay); the paged kernel
     (METRALE_PREFILL_GRAPH_ATTENTION=paged) gives the same first tokens and decode after, up to bf16 near-ties, and
     log-probs within bf16's rounding of a different summation order. Layer 0's KV cache (written before attention)
     is the same bits."""
@@ -270,7 +272,7 @@ def test_fresh_prompt_graphs_through_cudnn_varlen_match_the_paged_kernel(ckpt_1b
         engine.close()
         return firsts, steps, keys, kv0
 
-    (fa, sa, ka, kva), (fb, sb, kb, kvb) = run("cudnn"), run("paged")
+    (fa, sa, ka, kva), (fb, sb, kb, kvb) = run("flash"), run("paged")
     assert any(k[-1] for k in ka) and not any(k[-1] for k in kb), (ka, kb)
     assert all(k[1] >= prefill_varlen.MIN_TOKENS for k in ka if k[-1])
     diffs = []
@@ -287,25 +289,25 @@ def test_fresh_prompt_graphs_through_cudnn_varlen_match_the_paged_kernel(ckpt_1b
 
 
 def test_a_varlen_refusal_falls_back_to_the_paged_kernel_for_good(ckpt_1b, monkeypatch, caplog):
-    """cuDNN refusing a graphed fresh forward (a RuntimeError from its entry): that forward and every later one attend
+    """The variable-length entry refusing a graphed fresh forward (a RuntimeError): that forward and every later one attend
     on the paged kernel, with one warning; the tokens are the paged route's."""
     from engine.cuda import prefill_varlen
 
     def refuse(*args, **kwargs):
-        raise RuntimeError("cuDNN Frontend error: no execution plan (test)")
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer (test)")
 
     from engine import env
 
     ps = prompts([1500, 40], 128256, seed=7)
     monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "paged")
     want = greedy_run(gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048), ps, 3)
-    monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "cudnn")
+    monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "flash")
     monkeypatch.setattr(prefill_varlen, "attend", refuse)
     engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
     with caplog.at_level(logging.WARNING):
         got = greedy_run(engine, ps, 3)
     assert engine.runtime.ops.varlen_refused and not engine.runtime.ops.varlen_prefill(2048, 0, 64)
-    assert sum("variable-length attention refused" in r.getMessage() for r in caplog.records) == 1
+    assert sum("variable-length entry refused" in r.getMessage() for r in caplog.records) == 1
     assert got == want
 
 

@@ -1190,7 +1190,7 @@ def test_prefill_attention_chunks_after_a_cached_prefix(ops, gen, cached, new, H
 
 @pytest.mark.parametrize("H,Hkv,D", [(32, 8, 64), (32, 8, 128), (16, 16, 64)])
 def test_prefill_varlen_replays_other_sequence_lengths(gen, H, Hkv, D):
-    """A graphed forward of fresh prompts attends its own rows through cuDNN's variable-length attention
+    """A graphed forward of fresh prompts attends its own rows through FlashAttention's variable-length entry
     (engine/cuda/prefill_varlen.py): captured once at 8 sequence rows of 2048 padded tokens, then replayed with other
     lengths and counts (empty rows after the real ones, pad tokens after the last, scattered cache rows), each
     replay equal to the torch reference on every real row."""
@@ -1218,7 +1218,7 @@ def test_prefill_varlen_replays_other_sequence_lengths(gen, H, Hkv, D):
         return table, cu
 
     stage([256] * 8)
-    prefill_varlen.attend(q, k_cache, v_cache, slots, starts, scale)  # plans before the capture
+    prefill_varlen.attend(q, k_cache, v_cache, slots, starts, scale)  # loads the kernels before the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
