@@ -14,7 +14,7 @@ from engine import env
 from engine.checkpoint import ARCH_CLASSES, FP8_LAYOUTS, SHAPES, write_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from worker.config import WorkerConfig, config_from_args, serve_parser
+from worker.config import WorkerConfig, config_from_args, name_the_flag, serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         engine_config = config_from_args(EngineConfig, args)
         asyncio.run(serve(worker_config, engine_config))
     except ConfigError as e:
-        print(f"metrale-worker: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"metrale-worker: {name_the_flag(' '.join(str(e).split()))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C before serve's handlers are installed, or during make-model
         return 130

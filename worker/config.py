@@ -101,6 +101,18 @@ def add_config_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
                                help=f"the same as {flag_name('no_' + f.name)}")
 
 
+def name_the_flag(message: str) -> str:
+    """A configuration error as the command line shows it: a message that opens with a WorkerConfig or EngineConfig
+    field's name ("port must be ...", "fp8_skip_layers: layer 40 ...") opens with its flag instead ("--port must
+    be ..."): what the user typed. Others as they are."""
+    head, sep, rest = message.partition(" ")
+    field = head.removesuffix(":")
+    names = {f.name for cls in (WorkerConfig, EngineConfig) for f in dataclasses.fields(cls)}
+    if field not in names:
+        return message
+    return flag_name(field) + head[len(field):] + sep + rest
+
+
 def config_from_args(cls: type, args: argparse.Namespace):
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 

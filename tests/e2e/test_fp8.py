@@ -73,19 +73,19 @@ def test_an_unknown_quantization_is_one_line_and_exit_2(tiny_model):
     proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(tiny_model), "--port", "0",
                            "--quantize-lm-head"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == ("metrale-worker: quantize_lm_head needs quantization fp8 "
+    assert proc.stderr.strip().splitlines()[-1] == ("metrale-worker: --quantize-lm-head needs quantization fp8 "
                                                     "(--quantization fp8)")
 
 
 @pytest.mark.parametrize("args, line", [
     (["--quantization", "fp8", "--fp8-weight-block", "64"],
-     "metrale-worker: fp8_weight_block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
+     "metrale-worker: --fp8-weight-block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
      "got '64'"),
     (["--quantization", "fp8", "--fp8-weight-block", "0x64"],
-     "metrale-worker: fp8_weight_block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
+     "metrale-worker: --fp8-weight-block must be 'channel' or ROWSxCOLS with positive integers (e.g. 1x64, 128x128), "
      "got '0x64'"),
     (["--fp8-weight-block", "1x64"],
-     "metrale-worker: fp8_weight_block 1x64 needs quantization fp8 (--quantization fp8)"),
+     "metrale-worker: --fp8-weight-block 1x64 needs quantization fp8 (--quantization fp8)"),
 ])
 def test_a_bad_fp8_weight_block_is_one_line_and_exit_2(tiny_model, args, line):
     proc = subprocess.run([sys.executable, "-m", "worker", "serve", "--model", str(tiny_model), "--port", "0", *args],
@@ -95,11 +95,11 @@ def test_a_bad_fp8_weight_block_is_one_line_and_exit_2(tiny_model, args, line):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["--fp8-skip-layers", "0"], "metrale-worker: fp8_skip_layers 0 needs quantization fp8 (--quantization fp8)"),
+    (["--fp8-skip-layers", "0"], "metrale-worker: --fp8-skip-layers 0 needs quantization fp8 (--quantization fp8)"),
     (["--quantization", "fp8", "--fp8-skip-layers", "last"],
-     "metrale-worker: fp8_skip_layers must be comma-separated layer indices such as 0,-1, got 'last'"),
+     "metrale-worker: --fp8-skip-layers must be comma-separated layer indices such as 0,-1, got 'last'"),
     (["--quantization", "fp8", "--fp8-skip-layers", "0,{layers}"],
-     "metrale-worker: fp8_skip_layers: layer {layers} is outside the model's {layers} layers (0 .. {last}, or "
+     "metrale-worker: --fp8-skip-layers: layer {layers} is outside the model's {layers} layers (0 .. {last}, or "
      "-{layers} .. -1 from the last)"),
 ])
 def test_a_bad_fp8_skip_layers_is_one_line_and_exit_2(tiny_model, args, line):
@@ -114,7 +114,7 @@ def test_a_bad_fp8_skip_layers_is_one_line_and_exit_2(tiny_model, args, line):
 
 @pytest.mark.parametrize("args, line", [
     (["--fp8-activation-scheme", "none"],
-     "metrale-worker: fp8_activation_scheme none needs FP8 weights (--quantization fp8, or an FP8 checkpoint: "
+     "metrale-worker: --fp8-activation-scheme none needs FP8 weights (--quantization fp8, or an FP8 checkpoint: "
      "config.json's quantization_config); {model} holds float32 weights"),
     (["--quantization", "fp8", "--fp8-activation-scheme", "static"],
      "argument --fp8-activation-scheme: invalid choice: 'static'"),

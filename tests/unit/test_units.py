@@ -162,6 +162,22 @@ def test_config_validation(cls, change):
         cls(**change)
 
 
+def test_configuration_errors_name_the_flag_the_user_typed():
+    """The command line shows a configuration error that opens with a field's name with its flag instead."""
+    from worker.config import name_the_flag
+
+    for cls, change in ((WorkerConfig, dict(port=70000)), (EngineConfig, dict(max_slots=0)),
+                        (EngineConfig, dict(quantize_lm_head=True))):
+        with pytest.raises(ConfigError) as e:
+            cls(**change)
+        field = next(iter(change))
+        assert str(e.value).startswith(field + " ")
+        assert name_the_flag(str(e.value)) == "--" + field.replace("_", "-") + str(e.value)[len(field):]
+    assert name_the_flag("fp8_skip_layers: layer 40 is outside") == "--fp8-skip-layers: layer 40 is outside"
+    assert name_the_flag("the weights do not fit") == "the weights do not fit"
+    assert name_the_flag("portable: no") == "portable: no"
+
+
 def test_every_config_field_is_a_flag_with_the_dataclass_default():
     parser = serve_parser()
     defaults = parser.parse_args([])
