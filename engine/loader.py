@@ -284,7 +284,8 @@ def load_weights(path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
     for i in range(cfg.num_layers):
         prefix = LAYER_PREFIX.format(i=i)
         quantize = fp8 and i not in fp8_skipped_layers
-        fields = {name: None if name in absent else fetch([prefix + n for n in names], quantize and name in QUANTIZED_FIELDS)
+        fields = {name: None if name in absent
+                  else fetch([prefix + n for n in names], quantize and name in QUANTIZED_FIELDS)
                   for name, names in LAYER_TENSORS.items()}
         layers.append(LayerWeights(**fields))
     embed = fetch([EMBED])

@@ -26,8 +26,6 @@ engine.sampling.accept_drafts for B sequences with K drafts each).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from engine import env, sampling
@@ -54,8 +52,6 @@ from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
 from engine.quant import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight, Weight
-
-log = logging.getLogger(__name__)
 
 SKINNY_TOKENS = W8A16_MAX_ROWS  # forwards of at most this many tokens use the skinny kernels (faster than cuBLAS up to ~8)
 SPLIT_K_TOKENS = 64  # decode forwards of SKINNY_TOKENS + 1 .. this many tokens run linear_add as a split-K bmm
@@ -98,7 +94,7 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
-        self.varlen_refused = False  # the variable-length entry refused a graphed prefill: never again
+        self.varlen = prefill_varlen.VarlenPrefill()  # graphed fresh prompts' attention (opt-in)
         # Forwards of at most gemm_sm90.MAX_ROWS rows (decode, verify, short prompts) run their projections on the
         # Hopper GEMM where env.GEMM asks and the device has it.
         self.gemm = HopperGemm.create(lib, env.GEMM)
@@ -131,7 +127,7 @@ class CudaOps(TorchOps):
         return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
 
     def varlen_prefill(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-        return not self.varlen_refused and prefill_varlen.takes(num_tokens, sliding_window, head_dim)
+        return self.varlen.takes(num_tokens, sliding_window, head_dim)
 
     def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                                   chunk_tokens: int, max_seq_len: int) -> int:
@@ -174,15 +170,11 @@ class CudaOps(TorchOps):
             if meta.cu_seqlens is None:
                 return super().qkv_attention(h, layer, meta, kv, normed)
             q = self.norm_qkv_rope(h, layer, meta, kv, normed)
-            if not self.varlen_refused:
-                try:
-                    return prefill_varlen.attend(q, kv.k, kv.v, meta.slot_mapping, meta.cu_seqlens, spec.scale)
-                except RuntimeError as e:  # a shape the entry refuses: the paged kernel from now on (the staged work list)
-                    log.warning("FlashAttention's variable-length entry refused a prefill (%s); graphed prefills use "
-                                "the paged kernel from now on", str(e).splitlines()[0][:200])
-                    self.varlen_refused = True
-            return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc, meta.seq_lens_host,
-                                          spec.scale, spec.sliding_window, meta.prefill_work, meta.max_kv_len)
+            def paged() -> torch.Tensor:  # the staged work list: where the entry has refused
+                return self.prefill_attention(q, kv.k, kv.v, meta.block_tables, meta.query_start_loc,
+                                              meta.seq_lens_host, spec.scale, spec.sliding_window, meta.prefill_work,
+                                              meta.max_kv_len)
+            return self.varlen(q, kv.k, kv.v, meta.slot_mapping, meta.cu_seqlens, spec.scale, paged)
         B, H, Hkv, D = h.shape[0], spec.num_heads, spec.num_kv_heads, spec.head_dim
         if layer.q_norm is None and self._skinny and skinny_fits(h, layer.qkv, D):
             # Before waiting for the QKV kernel, attention reads everything that kernel did not write (it wrote

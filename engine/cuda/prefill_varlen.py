@@ -19,10 +19,15 @@ torch 2.11 on an H100): right values, but ~40 ms of a call at every shape (8 x 5
 for FlashAttention's), and its capture invalidates the graph (bench/RESULTS.md, "Kernel benchmarks")."""
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
 from engine import env
 from engine.ops.torch_ops import kv_rows
+
+log = logging.getLogger(__name__)
 
 # Graphed fresh forwards of at least this many padded tokens take this route (the entry loses to the paged kernel at
 # 8 x 512, head_dim 64, and ties at 1 x 1024 on an H100: bench/RESULTS.md).
@@ -30,8 +35,9 @@ MIN_TOKENS = 1024
 
 
 def takes(num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-    """Whether a graphed forward of fresh prompts padded to num_tokens runs its attention here (env.PREFILL_GRAPH_ATTENTION
-    "flash", read per call): no sliding window that would cut its keys, and a head_dim the entry takes."""
+    """Whether a graphed forward of fresh prompts padded to num_tokens runs its attention here
+    (env.PREFILL_GRAPH_ATTENTION "flash", read per call): no sliding window that would cut its keys, and a head_dim
+    the entry takes."""
     return (env.PREFILL_GRAPH_ATTENTION == "flash" and num_tokens >= MIN_TOKENS
             and (not sliding_window or num_tokens <= sliding_window) and head_dim % 8 == 0 and head_dim <= 256)
 
@@ -47,3 +53,26 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_m
     bound = q.shape[0]
     return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, bound, bound, 0.0, True, False,
                                                    scale=scale)[0]
+
+
+class VarlenPrefill:
+    """CudaOps' side of the route: whether a forward takes it, and the call, which falls back to the paged kernel
+    for good the first time the entry refuses a forward (a RuntimeError: a dtype or shape it does not take)."""
+
+    def __init__(self):
+        self.refused = False
+
+    def takes(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
+        return not self.refused and takes(num_tokens, sliding_window, head_dim)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 cu_seqlens: torch.Tensor, scale: float, paged: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """attend(), or paged() (the paged kernel on the forward's staged work list) once the entry has refused."""
+        if not self.refused:
+            try:
+                return attend(q, k_cache, v_cache, slot_mapping, cu_seqlens, scale)
+            except RuntimeError as e:
+                log.warning("FlashAttention's variable-length entry refused a prefill (%s); graphed prefills use the "
+                            "paged kernel from now on", str(e).splitlines()[0][:200])
+                self.refused = True
+        return paged()

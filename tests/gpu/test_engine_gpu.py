@@ -306,7 +306,7 @@ def test_a_varlen_refusal_falls_back_to_the_paged_kernel_for_good(ckpt_1b, monke
     engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
     with caplog.at_level(logging.WARNING):
         got = greedy_run(engine, ps, 3)
-    assert engine.runtime.ops.varlen_refused and not engine.runtime.ops.varlen_prefill(2048, 0, 64)
+    assert engine.runtime.ops.varlen.refused and not engine.runtime.ops.varlen_prefill(2048, 0, 64)
     assert sum("variable-length entry refused" in r.getMessage() for r in caplog.records) == 1
     assert got == want
 
