@@ -169,10 +169,12 @@ class PrefillStaging:
         start = index * mt if index < 4 else 4 * mt + (index - 4) * self.max_seqs
         return t[start:start + n]
 
-    def upload(self) -> None:
+    def upload(self, starts: bool = False) -> None:
+        """starts: the sequence starts too (a varlen forward's)."""
         self.ints.copy_(self.host_ints, non_blocking=True)
         self.work.copy_(self.host_work, non_blocking=True)
-        self.starts.copy_(self.host_starts, non_blocking=True)
+        if starts:
+            self.starts.copy_(self.host_starts, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
@@ -226,7 +228,7 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
         starts_h = staging.host_starts.numpy()
         starts_h[:num_real_seqs + 1] = qsl_a
         starts_h[num_real_seqs + 1:num_seqs + 1] = n
-    staging.upload()
+    staging.upload(starts=varlen)
 
     ids, pos, cache, tslots = (staging.region(i, num_tokens) for i in range(4))
     rows, slots_t = staging.region(4, num_seqs), staging.region(5, num_seqs)
