@@ -26,6 +26,7 @@
 # Stages (the figures in bench/RESULTS.md come from these):
 #   tests      the GPU test suite, its failures rerun  kernels    the kernel op tests only (faster)
 #              alone (GPU_TEST_WORKERS, RERUN_LIMIT)
+#   picked     chosen GPU tests: PICK (paths or node ids, default tests/gpu) and PICK_K (a -k expression)
 #   bench1b    engine_bench 1B beside transformers    bench8b    engine_bench 8B beside transformers (eager)
 #   scale      scale_bench.py 1B and 8B: decode at batch 1-256 x context 128-32k and prefills of 1 x 32k and 8 x 512
 #              beside their floors; torch.profiler's kernel times at the points of lowest share
@@ -172,6 +173,8 @@ for what in "$@"; do
                 if [ "${#failed[@]}" -gt 0 ]; then
                   TAIL=${TAIL:-25} stage gpu-tests-rerun-alone "${RERUN_LIMIT:-120}" python3 -m pytest "${failed[@]}" -m gpu -q -rfE -p no:cacheprovider --confcutdir=tests/gpu
                 fi ;;
+    picked)     # chosen GPU tests (PICK: pytest node ids or paths, PICK_K: a -k expression)
+                stage gpu-tests-picked 300 python3 -m pytest ${PICK:-tests/gpu} ${PICK_K:+-k "$PICK_K"} -m gpu -v -rfE -p no:cacheprovider --confcutdir=tests/gpu -n "${GPU_TEST_WORKERS:-4}" ;;
     kernels)    stage gpu-kernel-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_skinny_linear.py -m gpu -q -p no:cacheprovider --confcutdir=tests/gpu -n 4 ;;
     bench1b)    stage engine-bench-1b 420 python3 bench/engine_bench.py --shape 1b --out "$OUT" ;;
     bench8b)    stage engine-bench-8b 420 python3 bench/engine_bench.py --shape 8b --batches 1 8 32 --steps 100 --no-hf-compile --out "$OUT" ;;
