@@ -204,14 +204,14 @@ for what in "$@"; do
                 done ;;
     varlen)     # graphed fresh prompts' attention through FlashAttention's varlen entry (engine/cuda/prefill_varlen.py)
                 # against the paged kernel: the probe of the entries, then warm_up_cost.py 1B (warm-up, then prefills of
-                # 8 x 512, 4 x 1024, 1 x 2048, 1 x 4096) with METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating,
-                # VARLEN_ROUNDS (2) rounds (the route's GPU tests are in the suite: -k varlen)
+                # VARLEN_SHAPES, default 8 x 512, 4 x 1024, 1 x 2048, 2 x 2048, 1 x 4096) with
+                # METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating, VARLEN_ROUNDS (2) rounds (the route's GPU tests are in the suite: -k varlen)
                 stage varlen-probe 150 python3 bench/varlen_probe.py
                 [ -f /tmp/floors-1b/config.json ] || python3 -m worker make-model /tmp/floors-1b --shape 1b --device cpu > /dev/null
                 for round in $(seq 1 "${VARLEN_ROUNDS:-2}"); do
                   for route in paged flash; do
                     METRALE_PREFILL_GRAPH_ATTENTION=$route TAIL=8 stage "varlen-$route-$round" 240 python3 \
-                      bench/warm_up_cost.py --model /tmp/floors-1b --prefill 8x512 4x1024 1x2048 1x4096 --out "$OUT"
+                      bench/warm_up_cost.py --model /tmp/floors-1b --prefill ${VARLEN_SHAPES:-8x512 4x1024 1x2048 2x2048 1x4096} --out "$OUT"
                   done
                 done ;;
     bigbatch)   # decode at batches 64-256, context 128 (issue 42's lowest shares), 1B and 8B, with torch.profiler's

@@ -78,10 +78,10 @@ PREFILL_ATTENTION = _choice("METRALE_PREFILL_ATTENTION", "cudnn", ("cudnn", "fla
 # Prefill forwards of at most this many padded tokens replay CUDA graphs (engine/prefill.py; larger ones run eager);
 # 0 (unset): sized from the model (prefill.prefill_graph_tokens: 4096 at 1B, 1024 at 8B).
 PREFILL_GRAPH_TOKENS = _count("METRALE_PREFILL_GRAPH_TOKENS", 0)
-# Attention of graphed prefill forwards of fresh prompts of >= 1024 padded tokens (engine/cuda/prefill_varlen.py):
-# "paged" (kernels_cu/prefill_attention.cu, as every other graphed forward) or "flash" (FlashAttention's
-# variable-length entry on the forward's own rows; opt-in until an A/B in the engine: bench/gpu_session.sh varlen).
-PREFILL_GRAPH_ATTENTION = _choice("METRALE_PREFILL_GRAPH_ATTENTION", "paged", ("paged", "flash"))
+# Attention of graphed prefill forwards of fresh prompts whose longest has >= 2048 tokens (engine/cuda/prefill_varlen.py):
+# "flash" (FlashAttention's variable-length entry on the forward's own rows) or "paged" (kernels_cu/prefill_attention.cu,
+# as every other graphed forward).
+PREFILL_GRAPH_ATTENTION = _choice("METRALE_PREFILL_GRAPH_ATTENTION", "flash", ("paged", "flash"))
 # With "cudnn": the keys a forward's longest sequence must have for cuDNN to take it (FlashAttention below).
 CUDNN_MIN_KEYS = _count("METRALE_CUDNN_MIN_KEYS", 4096)
 # The GEMMs of forwards of 9-256 rows (decode, verify, short prompts): "cublas" (torch's, with the split-K bmm and the

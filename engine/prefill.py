@@ -208,7 +208,8 @@ class Prefiller:
             max_kv = num_tokens if max_kv <= num_tokens else 1 << (max_kv - 1).bit_length()
             # Fresh prompts only (no cached prefix, no earlier chunk): the backend may attend on the forward's own rows.
             mc = rt.model_config
-            varlen = not any(starts) and rt.ops.varlen_prefill(num_tokens, mc.sliding_window, mc.head_dim)
+            longest = max(n for _, n, _ in chunk)
+            varlen = not any(starts) and rt.ops.varlen_prefill(longest, mc.sliding_window, mc.head_dim)
             token_slots, input_ids, make_batch = build_staged_prefill_batch(
                 staging, state.block_table, [s.blocks.block_ids for s, _, _ in chunk], slots, starts, tokens, logits_rows,
                 rt.block_size, num_tokens, num_seqs, max_kv, varlen)

@@ -126,8 +126,8 @@ class CudaOps(TorchOps):
     def prefill_buckets(self, limit: int) -> list[int]:
         return sorted({prefill_bucket(n) for n in range(1, limit + 1)})
 
-    def varlen_prefill(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-        return self.varlen.takes(num_tokens, sliding_window, head_dim)
+    def varlen_prefill(self, longest: int, sliding_window: int, head_dim: int) -> bool:
+        return self.varlen.takes(longest, sliding_window, head_dim)
 
     def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                                   chunk_tokens: int, max_seq_len: int) -> int:

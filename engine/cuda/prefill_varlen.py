@@ -1,7 +1,7 @@
 """Prefill attention of graphed forwards of fresh prompts (every sequence starts at position 0) through FlashAttention's
 variable-length entry (torch's vendored FlashAttention 2, `aten._flash_attention_forward` with cumulative sequence
-lengths) on the forward's own rows, in place of the paged kernel of kernels_cu/prefill_attention.cu. Opt-in
-(env.PREFILL_GRAPH_ATTENTION "flash") until an A/B in the engine decides (bench/gpu_session.sh varlen).
+lengths) on the forward's own rows, in place of the paged kernel of kernels_cu/prefill_attention.cu, when the forward's
+longest prompt has MIN_SEQ_TOKENS or more (env.PREFILL_GRAPH_ATTENTION "flash", the default; "paged" turns it off).
 
 Why it can replay from a CUDA graph: a fresh forward's keys are its own rows, so the call's shapes are the graph's
 (the padded token count T as both bounds max_q and max_k, its padded sequence rows S): only the sequence starts
@@ -29,17 +29,19 @@ from engine.ops.torch_ops import kv_rows
 
 log = logging.getLogger(__name__)
 
-# Graphed fresh forwards of at least this many padded tokens take this route (the entry loses to the paged kernel at
-# 8 x 512, head_dim 64, and ties at 1 x 1024 on an H100: bench/RESULTS.md).
-MIN_TOKENS = 1024
+# Graphed fresh forwards whose longest prompt has at least this many tokens take this route. The paged kernel's cost
+# grows with the longest sequence (its 64-row work items near the end walk every key tile before them), the entry's
+# less: in the engine (1B, H200, warm_up_cost) the entry made 1 x 2048 prompts 1.05x and 1 x 4096 1.15x faster, tied
+# at 8 x 512 and lost 2.6% at 4 x 1024 (bench/RESULTS.md).
+MIN_SEQ_TOKENS = 2048
 
 
-def takes(num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-    """Whether a graphed forward of fresh prompts padded to num_tokens runs its attention here
+def takes(longest: int, sliding_window: int, head_dim: int) -> bool:
+    """Whether a graphed forward of fresh prompts whose longest has `longest` tokens runs its attention here
     (env.PREFILL_GRAPH_ATTENTION "flash", read per call): no sliding window that would cut its keys, and a head_dim
     the entry takes."""
-    return (env.PREFILL_GRAPH_ATTENTION == "flash" and num_tokens >= MIN_TOKENS
-            and (not sliding_window or num_tokens <= sliding_window) and head_dim % 8 == 0 and head_dim <= 256)
+    return (env.PREFILL_GRAPH_ATTENTION == "flash" and longest >= MIN_SEQ_TOKENS
+            and (not sliding_window or longest <= sliding_window) and head_dim % 8 == 0 and head_dim <= 256)
 
 
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
@@ -62,8 +64,8 @@ class VarlenPrefill:
     def __init__(self):
         self.refused = False
 
-    def takes(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-        return not self.refused and takes(num_tokens, sliding_window, head_dim)
+    def takes(self, longest: int, sliding_window: int, head_dim: int) -> bool:
+        return not self.refused and takes(longest, sliding_window, head_dim)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                  cu_seqlens: torch.Tensor, scale: float, paged: Callable[[], torch.Tensor]) -> torch.Tensor:

@@ -81,10 +81,10 @@ class TorchOps:
         small enough to warm up (Engine.warm_up_prefill); none here: no per-shape costs to pay."""
         return []
 
-    def varlen_prefill(self, num_tokens: int, sliding_window: int, head_dim: int) -> bool:
-        """Whether a graphed forward of fresh prompts padded to num_tokens attends on its own rows (the forward's
-        batch then carries their starts, ForwardBatch.cu_seqlens) instead of the paged cache's work list; never
-        here (no graphs)."""
+    def varlen_prefill(self, longest: int, sliding_window: int, head_dim: int) -> bool:
+        """Whether a graphed forward of fresh prompts whose longest has `longest` tokens attends on its own rows (the
+        forward's batch then carries their starts, ForwardBatch.cu_seqlens) instead of the paged cache's work list;
+        never here (no graphs)."""
         return False
 
     def warm_up_prefill_attention(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,

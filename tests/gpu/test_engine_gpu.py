@@ -245,19 +245,24 @@ def test_prefill_graphs_match_eager_prefill(ckpt_1b, monkeypatch):
 
 
 def test_fresh_prompt_graphs_through_flash_varlen_match_the_paged_kernel(ckpt_1b, monkeypatch):
-    """Graphed forwards of fresh prompts of >= prefill_varlen.MIN_TOKENS padded tokens attend through FlashAttention's
-    variable-length entry (one graph per padded shape, the sequence lengths staged per replay); the paged kernel
+    """Graphed forwards of fresh prompts whose longest has >= prefill_varlen.MIN_SEQ_TOKENS tokens attend through
+    FlashAttention's variable-length entry (one graph per padded shape, the sequence lengths staged per replay), others
+    of the same padded shape on the paged kernel (a graph of each route); the paged kernel
     (METRALE_PREFILL_GRAPH_ATTENTION=paged) gives the same first tokens and decode after, up to bf16 near-ties, and
     log-probs within bf16's rounding of a different summation order. Layer 0's KV cache (written before attention)
     is the same bits."""
     from engine import env
     from engine.cuda import prefill_varlen
 
-    rounds = [[1500], [600, 700], [512] * 4, [1100, 64, 300], [1500], [600, 700], [300] * 7, [2000]]
+    # Padded shapes (tokens, sequence rows) through the entry twice each, so captured and then replayed with other
+    # lengths: (2304, 1), (3584, 2), (4096, 4); (3584, 2) twice on the paged kernel too (longest under
+    # MIN_SEQ_TOKENS); (1344, 2), (2048, 4) and (2048, 1) on the paged kernel.
+    rounds = [[2100], [2500, 1000], [600, 700], [2048, 64, 300, 1500], [2200], [1700, 1800], [2500, 1000],
+              [512] * 4, [2900, 10, 700, 400], [1750, 1750], [2000]]
 
     def run(route: str):
         monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", route)
-        engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
+        engine = gpu_engine(ckpt_1b, num_kv_blocks=2048, max_seq_len=4096)
         vocab = engine.model_config.vocab_size
         firsts, steps = [], []
         for r, lengths in enumerate(rounds):
@@ -274,7 +279,9 @@ def test_fresh_prompt_graphs_through_flash_varlen_match_the_paged_kernel(ckpt_1b
 
     (fa, sa, ka, kva), (fb, sb, kb, kvb) = run("flash"), run("paged")
     assert any(k[-1] for k in ka) and not any(k[-1] for k in kb), (ka, kb)
-    assert all(k[1] >= prefill_varlen.MIN_TOKENS for k in ka if k[-1])
+    assert {(2304, 1), (3584, 2), (4096, 4)} <= {k[1:3] for k in ka if k[-1]}, ka
+    assert all(k[1] >= prefill_varlen.MIN_SEQ_TOKENS for k in ka if k[-1]), ka
+    assert (3584, 2) in {k[1:3] for k in ka if not k[-1]}, ka
     diffs = []
     for (ta, la, _), (tb, lb, top_b) in zip(fa, fb):
         if ta == tb:
@@ -298,15 +305,15 @@ def test_a_varlen_refusal_falls_back_to_the_paged_kernel_for_good(ckpt_1b, monke
 
     from engine import env
 
-    ps = prompts([1500, 40], 128256, seed=7)
+    ps = prompts([2100, 40], 128256, seed=7)
     monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "paged")
-    want = greedy_run(gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048), ps, 3)
+    want = greedy_run(gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=4096), ps, 3)
     monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "flash")
     monkeypatch.setattr(prefill_varlen, "attend", refuse)
-    engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=2048)
+    engine = gpu_engine(ckpt_1b, num_kv_blocks=1024, max_seq_len=4096)
     with caplog.at_level(logging.WARNING):
         got = greedy_run(engine, ps, 3)
-    assert engine.runtime.ops.varlen.refused and not engine.runtime.ops.varlen_prefill(2048, 0, 64)
+    assert engine.runtime.ops.varlen.refused and not engine.runtime.ops.varlen_prefill(4096, 0, 64)
     assert sum("variable-length entry refused" in r.getMessage() for r in caplog.records) == 1
     assert got == want
 
