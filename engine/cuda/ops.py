@@ -31,7 +31,7 @@ import torch
 from engine import env, sampling
 from engine.batch import prefill_work
 from engine.cuda.driver import CudaError, KernelArgError, KernelLoadError
-from engine.cuda import fp8_linear, prefill_varlen
+from engine.cuda import device_sampling, fp8_linear, prefill_varlen
 from engine.cuda.fp8_linear import fp8_projection
 from engine.cuda.hopper_gemm import HopperGemm
 from engine.cuda.library import KernelLibrary
@@ -45,10 +45,7 @@ from engine.cuda.wrappers import (
     rope_cache_write,
     silu_and_mul,
     skinny_linear,
-    spec_accept,
 )
-from engine.cuda.wrappers import sampling as sample_kernels
-from engine.cuda.wrappers.sampling import SAMPLE_PART_STRIDE, TOPK_CHUNK
 from engine.errors import ConfigError
 from engine.ops.torch_ops import AttentionMeta, LayerKV, TorchOps
 from engine.quant import FP8_DTYPE, W8A16_MAX_ROWS, Fp8Weight, Weight
@@ -357,49 +354,12 @@ class CudaOps(TorchOps):
         return out
 
     def sample(self, logits: torch.Tensor, st: sampling.SamplingTensors, num_top: int = 0) -> sampling.SampleOutput:
-        logits = logits.float().contiguous()
-        rows, vocab = logits.shape
-        dev = logits.device
-        args = (logits, st.seen.contiguous(), st.temperature.float(), st.top_k.long(), st.top_p.float(),
-                st.seed.long(), st.repetition_penalty.float(), st.position.long())
-        splits = sample_kernels.vocab_splits(self.lib, rows, vocab)
-        parts = torch.empty((rows, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
-        thresholds = torch.empty(rows, dtype=torch.int32, device=dev)
-        tokens = torch.empty(rows, dtype=torch.int64, device=dev)
-        logprobs = torch.empty(rows, dtype=torch.float32, device=dev)
-        if rows:
-            sample_kernels.stats(self.lib, parts, *args)
-            sample_kernels.select(self.lib, thresholds, parts, *args)
-            sample_kernels.draw(self.lib, parts, thresholds, *args)
-            sample_kernels.finish(self.lib, tokens, logprobs, parts, logits, args[2])
-        if not num_top:
-            return sampling.SampleOutput(tokens, logprobs, None, None)
-        if not rows or not sample_kernels.topk_fits(self.lib, vocab, num_top):
-            top = torch.topk(torch.log_softmax(logits, dim=-1), num_top, dim=-1)
-            return sampling.SampleOutput(tokens, logprobs, top.indices, top.values)
-        top_ids = torch.empty((rows, num_top), dtype=torch.int64, device=dev)
-        top_logprobs = torch.empty((rows, num_top), dtype=torch.float32, device=dev)
-        cand = torch.empty((rows, -(-vocab // TOPK_CHUNK), num_top), dtype=torch.int64, device=dev)
-        sample_kernels.topk(self.lib, top_ids, top_logprobs, cand, parts, logits)  # (torch.topk is several times slower)
-        return sampling.SampleOutput(tokens, logprobs, top_ids, top_logprobs)
+        return device_sampling.sample(self.lib, logits, st, num_top)
 
     def accept_drafts(self, target_logp: torch.Tensor, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None,
                       seed: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batched engine.sampling.accept_drafts: target_logp [B, K+1, V] (target_logprobs rows), draft_ids
-        [B, K], draft_probs [B, K, V] or None, seed / position [B, K+1]. Returns (num_accepted [B] int64,
-        the token drawn after them [B] int64), on the device, with no host sync."""
-        batch, k1, vocab = target_logp.shape
-        dev = target_logp.device
-        splits = sample_kernels.vocab_splits(self.lib, batch, vocab)
-        parts = torch.empty((batch, splits, SAMPLE_PART_STRIDE), dtype=torch.float32, device=dev)
-        num_accepted = torch.empty(batch, dtype=torch.int64, device=dev)
-        tokens = torch.empty(batch, dtype=torch.int64, device=dev)
-        if draft_probs is not None:
-            draft_probs = draft_probs.float().contiguous()
-        spec_accept.draw(self.lib, parts, target_logp.float().contiguous(), draft_ids.long().contiguous(),
-                         draft_probs, seed.long().contiguous(), position.long().contiguous())
-        spec_accept.finish(self.lib, num_accepted, tokens, parts, k1 - 1)
-        return num_accepted, tokens
+        """engine/cuda/device_sampling.py accept_drafts: batched speculative acceptance, no host sync."""
+        return device_sampling.accept_drafts(self.lib, target_logp, draft_ids, draft_probs, seed, position)
 
 
 PREFILL_BUCKET = 64  # prefill forwards are padded to a multiple of this many tokens (see prefill_tokens)
