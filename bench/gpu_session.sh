@@ -205,8 +205,8 @@ for what in "$@"; do
     varlen)     # graphed fresh prompts' attention through FlashAttention's varlen entry (engine/cuda/prefill_varlen.py)
                 # against the paged kernel: the probe of the entries, then warm_up_cost.py 1B (warm-up, then prefills of
                 # VARLEN_SHAPES, default 8 x 512, 4 x 1024, 1 x 2048, 2 x 2048, 1 x 4096) with
-                # METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating, VARLEN_ROUNDS (2) rounds (the route's GPU tests are in the suite: -k varlen)
-                stage varlen-probe 150 python3 bench/varlen_probe.py
+                # METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating, VARLEN_ROUNDS (2) rounds (VARLEN_PROBE=0: no probe) (the route's GPU tests are in the suite: -k varlen)
+                [ "${VARLEN_PROBE:-1}" = 0 ] || stage varlen-probe 150 python3 bench/varlen_probe.py
                 [ -f /tmp/floors-1b/config.json ] || python3 -m worker make-model /tmp/floors-1b --shape 1b --device cpu > /dev/null
                 for round in $(seq 1 "${VARLEN_ROUNDS:-2}"); do
                   for route in paged flash; do
