@@ -598,6 +598,26 @@ def test_staged_prefill_batch_carries_fresh_prompts_starts():
         batch([0, 16], [20, 5], True)
 
 
+def test_the_varlen_route_takes_forwards_by_their_longest_prompt(monkeypatch):
+    """engine/cuda/prefill_varlen.py's rule (no GPU needed): a graphed fresh forward attends through FlashAttention's
+    varlen entry when its longest prompt has MIN_SEQ_TOKENS (2048) or more, unless a sliding window could cut its keys,
+    the head_dim is one the entry does not take, METRALE_PREFILL_GRAPH_ATTENTION is "paged", or the entry has refused."""
+    from engine import env
+    from engine.cuda import prefill_varlen
+
+    assert env.PREFILL_GRAPH_ATTENTION == "flash"  # the default
+    takes = prefill_varlen.takes
+    assert takes(2048, 0, 64) and takes(4096, 0, 128) and not takes(2047, 0, 64)
+    assert takes(3000, 4096, 64) and not takes(3000, 2048, 64)  # a window shorter than the prompt cuts keys
+    assert takes(2048, 0, 72) and not takes(2048, 0, 68) and not takes(2048, 0, 264)
+    route = prefill_varlen.VarlenPrefill()
+    assert route.takes(2048, 0, 64)
+    route.refused = True
+    assert not route.takes(4096, 0, 64)
+    monkeypatch.setattr(env, "PREFILL_GRAPH_ATTENTION", "paged")
+    assert not takes(4096, 0, 64)
+
+
 def test_graphed_prefill_keys_say_whether_the_forward_attends_on_its_own_rows(tiny_model):
     """The backend's varlen_prefill decides per graphed forward of fresh prompts; chunks after a cached prefix or an
     earlier chunk never take it; the choice is part of the graph's key (a graph captures one attention route)."""
