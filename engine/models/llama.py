@@ -64,7 +64,7 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Returns fp32 logits [len(batch.logits_indices), vocab]; with batch.hidden_states, those rows' hidden
         states after the final norm instead, fp32 [rows, hidden] (no LM head: embeddings)."""
-        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        ops, eps = self.ops, self.cfg.rms_norm_eps
         cos_sin, rope_index = self.rotary.rows(batch.positions, batch.rope_scale_lens)
         meta = AttentionMeta(self.attention, cos_sin, rope_index, batch.slot_mapping, batch.block_tables,
                              batch.seq_lens, batch.is_decode, batch.query_start_loc, batch.seq_lens_host,
