@@ -124,6 +124,10 @@ stage() {  # stage NAME TIMEOUT CMD...: CMD's output to $OUT/NAME.log, its last 
   echo "== $name rc=$rc in $(( $(date +%s) - s ))s"
 }
 
+checkpoint() {  # checkpoint SHAPE: a random-weight checkpoint of that shape at /tmp/floors-SHAPE, written once a call
+  [ -f "/tmp/floors-$1/config.json" ] || python3 -m worker make-model "/tmp/floors-$1" --shape "$1" --device cpu > /dev/null
+}
+
 prepare_tree() {  # prepare_tree DIR: another source tree made ready to run with this tree's stubs, and this
   # tree's fatbins where it has none, so that only the kernels whose sources differ are rebuilt there
   local dir=$1
@@ -182,7 +186,7 @@ for what in "$@"; do
     prefill)    # long prompts' attention: every route's GPU tests, kernel figures and cuDNN's planning costs, then
                 # 1 x 32k and 8 x 512 prefills with FlashAttention and with cuDNN, PREFILL_ROUNDS (2) rounds alternating
                 for shape in 1b 8b; do
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                 done
                 stage gpu-prefill-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_fp8_kv_gpu.py -m gpu -q -k "prefill or fresh_prompts" -p no:cacheprovider --confcutdir=tests/gpu -n 4
                 TAIL=${TAIL:-90} stage prefill-long 300 python3 bench/bench_kernels.py --prefill-long
@@ -194,7 +198,7 @@ for what in "$@"; do
                   done
                 done ;;
     prefillgraphs) for shape in 1b 8b; do
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                 done
                 for round in $(seq 1 "${GRAPH_ROUNDS:-2}"); do
                   for shape in 1b 8b; do
@@ -205,9 +209,10 @@ for what in "$@"; do
     varlen)     # graphed fresh prompts' attention through FlashAttention's varlen entry (engine/cuda/prefill_varlen.py)
                 # against the paged kernel: the probe of the entries, then warm_up_cost.py 1B (warm-up, then prefills of
                 # VARLEN_SHAPES, default 8 x 512, 4 x 1024, 1 x 2048, 2 x 2048, 1 x 4096) with
-                # METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating, VARLEN_ROUNDS (2) rounds (VARLEN_PROBE=0: no probe) (the route's GPU tests are in the suite: -k varlen)
+                # METRALE_PREFILL_GRAPH_ATTENTION=paged and =flash alternating, VARLEN_ROUNDS (2) rounds (VARLEN_PROBE=0: no
+                # probe; the route's GPU tests are in the suite: -k varlen)
                 [ "${VARLEN_PROBE:-1}" = 0 ] || stage varlen-probe 150 python3 bench/varlen_probe.py
-                [ -f /tmp/floors-1b/config.json ] || python3 -m worker make-model /tmp/floors-1b --shape 1b --device cpu > /dev/null
+                checkpoint 1b
                 for round in $(seq 1 "${VARLEN_ROUNDS:-2}"); do
                   for route in paged flash; do
                     METRALE_PREFILL_GRAPH_ATTENTION=$route TAIL=8 stage "varlen-$route-$round" 240 python3 \
@@ -217,14 +222,14 @@ for what in "$@"; do
     bigbatch)   # decode at batches 64-256, context 128 (issue 42's lowest shares), 1B and 8B, with torch.profiler's
                 # kernel table at the two points of lowest share each
                 for shape in 1b 8b; do
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                   TAIL=60 stage "bigbatch-$shape" 300 python3 bench/scale_bench.py --model "/tmp/floors-$shape" --batches 64 128 256 --contexts 128 --steps 30 --profile --profile-points 2 --out "$OUT/bigbatch"
                 done ;;
     warpab)     # decode attention's warp entries (METRALE_DECODE_WARP=1, the default) against the block entries (=0):
                 # their GPU tests, then scale_bench 1B / 8B decode at batches 64-256, contexts 128 and 2k, WARP_ROUNDS (2)
                 # rounds alternating
                 for shape in 1b 8b; do
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                 done
                 [ "${WARP_TESTS:-1}" = 1 ] && TAIL=6 stage gpu-warp-tests 300 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -rfE -k "decode_attention" -p no:cacheprovider --confcutdir=tests/gpu -n 8
                 for round in $(seq 1 "${WARP_ROUNDS:-2}"); do
@@ -241,7 +246,7 @@ for what in "$@"; do
     gemmscale)  # scale_bench decode at batches 16-256, context 128, 1B and 8B bf16, and 8B FP8 (W8A8) at 16-128,
                 # METRALE_GEMM=cublas and =sm90 (the measured routes) alternating, GEMM_ROUNDS (1) rounds
                 for shape in 1b 8b; do
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                 done
                 for round in $(seq 1 "${GEMM_ROUNDS:-1}"); do
                   for gemm in cublas sm90; do
@@ -252,7 +257,7 @@ for what in "$@"; do
                   done
                 done ;;
     floors)     for shape in 1b 8b; do  # checkpoints written once, kept for later stages of the call
-                  [ -f "/tmp/floors-$shape/config.json" ] || python3 -m worker make-model "/tmp/floors-$shape" --shape $shape --device cpu > /dev/null
+                  checkpoint "$shape"
                 done
                 TAIL=${TAIL:-30} stage floors 540 python3 bench/issue_floors.py --model-1b /tmp/floors-1b --model-8b /tmp/floors-8b --out "$OUT" ;;
     load1b)     stage load-1b 540 "${LOAD_1B[@]}" --concurrency 1 4 16 32 64 128 --pipeline 1 2 3 ;;

@@ -91,7 +91,7 @@ class CudaOps(TorchOps):
         self._prefill_work: torch.Tensor | None = None
         self.fused_min_tokens = FUSED_MIN_TOKENS
         self.fused_prefill = FusedPrefill(env.PREFILL_ATTENTION)
-        self.varlen = prefill_varlen.VarlenPrefill()  # graphed fresh prompts' attention (opt-in)
+        self.varlen = prefill_varlen.VarlenPrefill()  # graphed fresh prompts' attention (longest >= 2048 tokens)
         # Forwards of at most gemm_sm90.MAX_ROWS rows (decode, verify, short prompts) run their projections on the
         # Hopper GEMM where env.GEMM asks and the device has it.
         self.gemm = HopperGemm.create(lib, env.GEMM)
