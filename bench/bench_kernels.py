@@ -428,7 +428,8 @@ def attention_split_rows(ops, dev, dt) -> list[tuple]:
     return rows
 
 
-def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=None) -> list[tuple]:
+def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=None, split_counts=None,
+                      head_dims=(64, 128)) -> list[tuple]:
     """Decode attention from DRAM at long contexts, 32 query heads over 8 KV heads at head_dim 64 (1B) and 128
     (8B): batches 1, 8, 32 by contexts 2k, 8k, 32k, with the shipped key splits (*, max_seq_len 32k + 64) and
     with half, twice and four times as many, and the shipped count again over blocks scattered at random
@@ -440,9 +441,10 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
     as many): KV bytes read, GB/s, and the speed-up over the bf16 row of the same blocks and shipped splits (x).
     shapes: [(batch, context)] to run (default: all nine). lib: the kernel library to time (default ops.lib; a
     --variant's). Rows marked "wave" use as many splits as one wave of blocks holds (where the shipped count is
-    fewer)."""
+    fewer). split_counts: the 16-bit cache's rows at the shipped count and these (instead of half, twice, four
+    times and one wave); head_dims: which of 64 and 128."""
     lib, rows = lib or ops.lib, []
-    for d in (64, 128):
+    for d in head_dims:
         for batch, ctx in shapes or itertools.product((1, 8, 32), (2048, 8192, 32768)):
             blocks = -(-ctx // BS)
             kv_bytes = batch * ctx * HKV * d * 2 * 2
@@ -468,12 +470,16 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
                 k8, v8 = (kc.to(FP8_DTYPE), vc.to(FP8_DTYPE)) if fp8 else (kc, vc)
                 shipped = decode_attention.key_splits(lib, batch, H, HKV, d, 32768 + 64, fp8_kv=fp8)
                 variants = [(shipped, ordered, "*"), (shipped, scattered, "* scattered")]
-                variants += [(s, ordered, "") for s in ((shipped // 2, shipped * 2) if fp8 else
-                                                        (shipped // 2, shipped * 2, shipped * 4)) if usable(s)]
-                wave = decode_attention.blocks_per_sm(lib, d, fp8) * lib.num_sms // (batch * HKV)
-                wave = wave if wave <= lib.decode_cluster else wave // lib.decode_cluster * lib.decode_cluster
-                if wave not in (shipped, shipped // 2, shipped * 2, shipped * 4) and shipped < wave and usable(wave):
-                    variants.append((wave, ordered, " wave"))
+                if split_counts and not fp8:
+                    variants = [(shipped, ordered, "*")] + [(s, ordered, "") for s in split_counts
+                                                            if s != shipped and usable(s)]
+                else:
+                    variants += [(s, ordered, "") for s in ((shipped // 2, shipped * 2) if fp8 else
+                                                            (shipped // 2, shipped * 2, shipped * 4)) if usable(s)]
+                    wave = decode_attention.blocks_per_sm(lib, d, fp8) * lib.num_sms // (batch * HKV)
+                    wave = wave if wave <= lib.decode_cluster else wave // lib.decode_cluster * lib.decode_cluster
+                    if wave not in (shipped, shipped // 2, shipped * 2, shipped * 4) and shipped < wave and usable(wave):
+                        variants.append((wave, ordered, " wave"))
                 nbytes = kv_bytes // 2 if fp8 else kv_bytes
                 for splits, tables, tag in variants:
                     po = torch.empty(batch, H, splits, d, device=dev)
@@ -751,7 +757,8 @@ def main() -> int:
     rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
     --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
     attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
-    them; --shapes 8x8192,1x32768: only those batch x context points), --topk (only the
+    them; --shapes 8x8192,1x32768: only those batch x context points; --split-counts 1,2,4: the 16-bit rows at
+    those key splits; --head-dim 64: only that one), --topk (only the
     top-logprob candidates, torch's log_softmax + topk and the sample_topk kernels, at k = 1, 2, 5, 8, 20), --w8a8
     (only W8A8 at prompt sizes: the activation quantization kernel vs torch, the FP8 GEMM, bf16, w8a8_rows);
     --tokens 1,8 with --skinny: only those token counts; --skinny prints the FP8 rows (fp8_skinny_rows) last,
@@ -777,8 +784,11 @@ def main() -> int:
         if "--shapes" in sys.argv:
             spec = sys.argv[sys.argv.index("--shapes") + 1]
             shapes = [tuple(int(x) for x in bc.split("x")) for bc in spec.split(",")]
+        counts = ([int(x) for x in sys.argv[sys.argv.index("--split-counts") + 1].split(",")]
+                  if "--split-counts" in sys.argv else None)
+        dims = ((int(sys.argv[sys.argv.index("--head-dim") + 1]),) if "--head-dim" in sys.argv else (64, 128))
         for tag, lib in [("", ops.lib)] + variant_libs(dev):
-            for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes, lib):
+            for batch, name, d_us, _, extra in long_context_rows(ops, dev, dt, kv, shapes, lib, counts, dims):
                 print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--prefill-long" in sys.argv:
