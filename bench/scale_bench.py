@@ -377,6 +377,9 @@ def parse_args(argv):
                    help="with --quantization fp8: dynamic (W8A8 past 8 rows) or none (W8A16 throughout)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the engine's KV cache: the model dtype, or E4M3 (half the KV bytes a step reads)")
+    p.add_argument("--decode-min-splits", type=int, default=None,
+                   help="experiment: decode attention's key splits at least this many (a multiple of the cluster "
+                        "past it; at most one per 64-key tile), where the shipped rule gives fewer")
     p.add_argument("--profile", action="store_true", help="profile the points of lowest share")
     p.add_argument("--profile-points", type=int, default=3)
     p.add_argument("--profile-steps", type=int, default=5)
@@ -410,8 +413,24 @@ def free_device_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def force_min_splits(n: int) -> None:
+    """--decode-min-splits: wraps decode_attention.key_splits (which CudaOps and fits_one_wave call through the
+    module) so that it returns at least n splits, rounded down to a multiple of the cluster past it."""
+    from engine.cuda.wrappers import decode_attention
+    shipped = decode_attention.key_splits
+
+    def key_splits(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv=False):
+        s = shipped(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv)
+        forced = min(n, max(1, -(-max_seq_len // decode_attention.DECODE_TILE)), lib.decode_max_splits)
+        forced = forced if forced <= lib.decode_cluster else forced // lib.decode_cluster * lib.decode_cluster
+        return max(s, forced)
+    decode_attention.key_splits = key_splits
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.decode_min_splits:
+        force_min_splits(args.decode_min_splits)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine's dtype there
