@@ -79,6 +79,8 @@
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
 #   skinnyab   the skinny kernels against SKINNY_BASE's (build/ab-base): GPU tests, kernels side by side, scale_bench b1 / b8
 #   shallow    decode attention's _s2 entries (METRALE_DECODE_SHALLOW=1) against =0: its GPU tests, scale_bench 1B b1-256 alternating
+#   splitab    scale_bench 1B decode (SPLIT_BATCHES, default 32; contexts 128, 2k, 8k, 32k) with the shipped key splits
+#              and with --decode-min-splits SPLIT_MIN (4) alternating, SPLIT_ROUNDS (2) rounds
 #   kbench     bench_kernels.py (KBENCH_ARGS: --skinny, --attention, --topk, --sample, --norm; none: all)
 #   ncu        Nsight Compute on sample_stats and decode attention (keys from DRAM)
 #   ab         A/B: the same benchmark in other trees and this one, round after round (see below)
@@ -217,6 +219,12 @@ for what in "$@"; do
                   for route in paged flash; do
                     METRALE_PREFILL_GRAPH_ATTENTION=$route TAIL=8 stage "varlen-$route-$round" 240 python3 \
                       bench/warm_up_cost.py --model /tmp/floors-1b --prefill ${VARLEN_SHAPES:-8x512 4x1024 1x2048 2x2048 1x4096} --out "$OUT"
+                  done
+                done ;;
+    splitab)    checkpoint 1b
+                for round in $(seq 1 "${SPLIT_ROUNDS:-2}"); do
+                  for n in 0 "${SPLIT_MIN:-4}"; do
+                    TAIL=8 stage "split-$n-$round" 300 python3 bench/scale_bench.py --model /tmp/floors-1b --batches ${SPLIT_BATCHES:-32} --contexts 128 2048 8192 32768 --steps 30 --prefill 1x16 --decode-min-splits "$n" --out "$OUT/split-$n"
                   done
                 done ;;
     bigbatch)   # decode at batches 64-256, context 128 (issue 42's lowest shares), 1B and 8B, with torch.profiler's
