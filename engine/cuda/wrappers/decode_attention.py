@@ -21,12 +21,13 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 
 
-def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False, shallow: bool = False) -> int:
-    """The q tile and 2-3 K and V tiles (rows padded by 8 elements; shallow, the _s2 entries: 2); the fused-RoPE
-    entries (rope) also one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8 entries): 3-5 K and V tiles of
-    E4M3 rows (head_dim bytes, + 16 where head_dim / 16 is even), and with rope the new token's k and v rows (16-bit)
-    too."""
-    stages = 2 if head_dim >= 128 or shallow else 3
+def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False, shallow: bool = False,
+               deep: bool = False) -> int:
+    """The q tile and 2-3 K and V tiles (rows padded by 8 elements; shallow, the _s2 entries: 2; deep, the _s5
+    entries: 5); the fused-RoPE entries (rope) also one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8
+    entries): 3-5 K and V tiles of E4M3 rows (head_dim bytes, + 16 where head_dim / 16 is even), and with rope the
+    new token's k and v rows (16-bit) too."""
+    stages = DEEP_STAGES if deep else 2 if head_dim >= 128 or shallow else 3
     if fp8_kv:
         row = head_dim if head_dim % 32 else head_dim + 16
         extra = 2 * head_dim * 2 + head_dim * 4 if rope else 0
@@ -74,6 +75,21 @@ def shallow_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, rope: boo
     1 and a 32k context: 1.49 -> 1.71 ms a step with 2-deep tiles, H100, bench/RESULTS.md)."""
     return (lib.decode_shallow and head_dim < 128 and not rope and not fp8_kv
             and grid_blocks > blocks_per_sm(lib, head_dim) * lib.num_sms)
+
+
+# The deep entries (decode_attention_{,rope_}*_d64_s5): five K and V tiles deep (kernels_cu/decode_attention.cu).
+DEEP_HEAD_DIMS = (64,)
+DEEP_STAGES = 5
+
+
+def deep_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, fp8_kv: bool) -> bool:
+    """Whether a launch takes the 5-deep _s5 entry (fused RoPE or not): the library's switch on (METRALE_DECODE_DEEP,
+    an experiment, off by default), a 16-bit cache, head_dim 64, and a grid that one wave of the deep blocks holds
+    (two an SM: batch 1 at 32 splits and batch 32 at one, at the 1B's heads), where each block is long and the bytes a
+    block keeps in flight bound the bandwidth."""
+    return (lib.decode_deep and head_dim in DEEP_HEAD_DIMS and not fp8_kv
+            and lib.decode_deep_blocks_per_sm.get(head_dim, 0) > 0
+            and grid_blocks <= lib.decode_deep_blocks_per_sm[head_dim] * lib.num_sms)
 
 
 # The warp entries (decode_attention_*_d128_w): one warp per (sequence, KV head, head chunk), persistent, each warp
@@ -186,8 +202,10 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
             int(sliding_window or 0), float(scale) * math.log2(math.e), B, pdl=pdl)
         return
     shallow = shallow_entry(lib, num_splits * Hkv * head_chunks * B, D, fused, bool(kv))
-    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{'_s2' if shallow else ''}"](
-        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow),
+    deep = not shallow and deep_entry(lib, num_splits * Hkv * head_chunks * B, D, bool(kv))
+    depth = "_s2" if shallow else "_s5" if deep else ""
+    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{depth}"](
+        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow, deep),
         lib.stream(),
         o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
         num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
