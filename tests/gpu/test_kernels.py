@@ -318,6 +318,17 @@ def test_decode_attention(lib, gen, dtype, B, ctx, H, Hkv, D, bs, window):
             assert not counters.any(), "the split tickets must be back at zero after the launch"
 
 
+def split_attention(lib, q, k_cache, v_cache, table, lens, splits, counters, ref, label) -> torch.Tensor:
+    """decode_attention.launch over `splits` key splits (no window), checked against the reference ref."""
+    B, H, D = q.shape
+    out = nan((B, H, D), q.dtype)
+    part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
+    decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens, D ** -0.5, 0,
+                            splits)
+    check(f"decode_attention d{D} ({splits} splits, {label})", out, ref, BF16_TOL)
+    return out
+
+
 @pytest.mark.parametrize("D", [16, 32, 64, 80, 96])
 def test_decode_attention_shallow_entries_match_the_default_ones(lib, gen, D):
     """Grids of more than one wave at head_dim < 128 run the 2-deep _s2 entries (shallow_entry): the same
@@ -338,12 +349,8 @@ def test_decode_attention_shallow_entries_match_the_default_ones(lib, gen, D):
                 lib.decode_shallow = shallow
                 assert decode_attention.shallow_entry(lib, splits * B * Hkv, D, rope=False, fp8_kv=False) == (
                     shallow and splits * B * Hkv > decode_attention.blocks_per_sm(lib, D) * lib.num_sms)
-                out = nan((B, H, D), dtype)
-                part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-                decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens,
-                                        D ** -0.5, 0, splits)
-                check(f"decode_attention d{D} ({splits} splits, shallow={shallow})", out, ref, BF16_TOL)
-                outs.append(out)
+                outs.append(split_attention(lib, q, k_cache, v_cache, table, lens, splits, counters, ref,
+                                            f"shallow={shallow}"))
             assert torch.equal(outs[0], outs[1])
         lib.decode_shallow = True
         assert decode_attention.shallow_entry(lib, 16 * B * Hkv, D, rope=False, fp8_kv=False)
@@ -371,12 +378,7 @@ def test_decode_attention_deep_entries_match_the_default_ones(lib, ops, gen, B, 
         for deep in (True, False):
             lib.decode_deep = deep
             assert decode_attention.deep_entry(lib, splits * B * Hkv, D, fp8_kv=False) == deep
-            out = nan((B, H, D), dtype)
-            part_o, part_lse = nan((B, H, splits, D), torch.float32), nan((B, H, splits), torch.float32)
-            decode_attention.launch(lib, out, part_o, part_lse, counters, q, k_cache, v_cache, table, lens,
-                                    D ** -0.5, 0, splits)
-            check(f"decode_attention d{D} ({splits} splits, deep={deep})", out, ref, BF16_TOL)
-            outs.append(out)
+            outs.append(split_attention(lib, q, k_cache, v_cache, table, lens, splits, counters, ref, f"deep={deep}"))
         assert torch.equal(outs[0], outs[1])
         assert not counters.any()
         # the fused-RoPE entry, as qkv_attention launches it past the skinny kernels
