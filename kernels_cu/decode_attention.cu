@@ -770,7 +770,7 @@ __device__ __forceinline__ void decode_attention_impl(
   DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_kvfp8, T, D, true, unsigned char, (D >= 128 ? 2 : 3))
 #define DECODE_ENTRY_S2(SUFFIX, T, D) DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_s2, T, D, false, u16, 2)
 // decode_attention_{,rope_}*_d64_s5: 5-deep 16-bit tiles (four 64-key tiles in flight, 64 KB of K and V a block), for
-// grids of at most one wave of them (two blocks an SM): few long splits (batch 1 and 32 at the 1B's heads), where the
+// grids of at most one wave of them (two blocks an SM): few long splits (batch 1, 8 and 32 at the 1B's heads), where the
 // default entries' blocks hold 32 KB in flight each and an H200 needs more bytes in flight than an H100 for its
 // bandwidth (engine/cuda/wrappers/decode_attention.py deep_entry; opt-in: METRALE_DECODE_DEEP).
 #define DECODE_ENTRY_S5(SUFFIX, T, D)                                              \

@@ -116,6 +116,7 @@ class KernelLibrary:
 
     # A cap on decode attention's key splits (an instance may lower it: bench/engine_bench.py --decode-splits).
     decode_max_splits = 128
+    decode_deep = False  # set from env.DECODE_DEEP at load (decode_attention.deep_entry)
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
                  kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,

@@ -55,6 +55,9 @@ def key_splits(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: int
     blocks = blocks_per_split(batch, num_heads, num_kv_heads)
     max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
     one_wave = blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
+    deep_wave = deep_blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
+    if deep_wave >= 1:  # METRALE_DECODE_DEEP: no more splits than one wave of the _s5 entries (deep_entry) holds
+        one_wave = min(one_wave, deep_wave)
     splits = max(1, min(-(-2 * lib.num_sms // blocks), one_wave, max_tiles, lib.decode_max_splits))
     return splits if splits <= lib.decode_cluster else splits // lib.decode_cluster * lib.decode_cluster
 
@@ -82,14 +85,19 @@ DEEP_HEAD_DIMS = (64,)
 DEEP_STAGES = 5
 
 
+def deep_blocks_per_sm(lib: KernelLibrary, head_dim: int, fp8_kv: bool = False) -> int:
+    """_s5 blocks one SM holds at once where the library's switch (METRALE_DECODE_DEEP, an experiment, off by default)
+    sends launches of this head_dim and cache to them; 0 where it does not."""
+    if not lib.decode_deep or head_dim not in DEEP_HEAD_DIMS or fp8_kv:
+        return 0
+    return lib.decode_deep_blocks_per_sm.get(head_dim, 0)
+
+
 def deep_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, fp8_kv: bool) -> bool:
-    """Whether a launch takes the 5-deep _s5 entry (fused RoPE or not): the library's switch on (METRALE_DECODE_DEEP,
-    an experiment, off by default), a 16-bit cache, head_dim 64, and a grid that one wave of the deep blocks holds
-    (two an SM: batch 1 at 32 splits and batch 32 at one, at the 1B's heads), where each block is long and the bytes a
-    block keeps in flight bound the bandwidth."""
-    return (lib.decode_deep and head_dim in DEEP_HEAD_DIMS and not fp8_kv
-            and lib.decode_deep_blocks_per_sm.get(head_dim, 0) > 0
-            and grid_blocks <= lib.decode_deep_blocks_per_sm[head_dim] * lib.num_sms)
+    """Whether a launch takes the 5-deep _s5 entry (fused RoPE or not): a grid that one wave of the deep blocks holds
+    (two an SM; key_splits keeps the splits within it: the 1B's heads at batch 1 with 32 splits, 8 with 4, 32 with
+    one), where each block is long and the bytes a block keeps in flight bound the bandwidth."""
+    return 0 < grid_blocks <= deep_blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms
 
 
 # The warp entries (decode_attention_*_d128_w): one warp per (sequence, KV head, head chunk), persistent, each warp
