@@ -477,8 +477,8 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
                     variants += [(s, ordered, "") for s in ((shipped // 2, shipped * 2) if fp8 else
                                                             (shipped // 2, shipped * 2, shipped * 4)) if usable(s)]
                     wave = decode_attention.blocks_per_sm(lib, d, fp8) * lib.num_sms // (batch * HKV)
-                    wave = wave if wave <= lib.decode_cluster else wave // lib.decode_cluster * lib.decode_cluster
-                    if wave not in (shipped, shipped // 2, shipped * 2, shipped * 4) and shipped < wave and usable(wave):
+                    wave = decode_attention.cluster_splits(lib, wave)
+                    if shipped < wave and wave not in (shipped * 2, shipped * 4) and usable(wave):
                         variants.append((wave, ordered, " wave"))
                 nbytes = kv_bytes // 2 if fp8 else kv_bytes
                 for splits, tables, tag in variants:

@@ -422,8 +422,7 @@ def force_min_splits(n: int) -> None:
     def key_splits(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv=False):
         s = shipped(lib, batch, num_heads, num_kv_heads, head_dim, max_seq_len, fp8_kv)
         forced = min(n, max(1, -(-max_seq_len // decode_attention.DECODE_TILE)), lib.decode_max_splits)
-        forced = forced if forced <= lib.decode_cluster else forced // lib.decode_cluster * lib.decode_cluster
-        return max(s, forced)
+        return max(s, decode_attention.cluster_splits(lib, forced))
     decode_attention.key_splits = key_splits
 
 

@@ -58,7 +58,11 @@ def key_splits(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: int
     deep_wave = deep_blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
     if deep_wave >= 1:  # METRALE_DECODE_DEEP: no more splits than one wave of the _s5 entries (deep_entry) holds
         one_wave = min(one_wave, deep_wave)
-    splits = max(1, min(-(-2 * lib.num_sms // blocks), one_wave, max_tiles, lib.decode_max_splits))
+    return cluster_splits(lib, max(1, min(-(-2 * lib.num_sms // blocks), one_wave, max_tiles, lib.decode_max_splits)))
+
+
+def cluster_splits(lib: KernelLibrary, splits: int) -> int:
+    """splits as a launch takes them: as they are up to one cluster, else rounded down to a multiple of it."""
     return splits if splits <= lib.decode_cluster else splits // lib.decode_cluster * lib.decode_cluster
 
 
