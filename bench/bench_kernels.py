@@ -530,6 +530,30 @@ def prefill_rows(lib, dev, dt) -> list[tuple]:
     return rows
 
 
+def ncu_prefill_targets(lib, dev, dt) -> None:
+    """Eager launches for Nsight Compute (bench/gpu_session.sh stage ncuprefill): the paged prefill attention (and its
+    merge, where split) at the 1B's heads (head_dim 64, 32 query heads over 8), a 128-token chunk on 3,968 cached
+    tokens (issue 40's TTFT) and 8 fresh 512-token prompts (issue 42's 8 x 512), with the shipped key splits, twice
+    each: prefill_rows' shapes, without the timing loops."""
+    from engine.batch import prefill_work
+    from engine.cuda.wrappers import prefill_attention
+    d = 64
+    for cached, new, seqs in ((3968, 128, 1), (0, 512, 8)):
+        total = cached + new
+        blocks = -(-total // BS)
+        kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
+        vc = torch.randn_like(kc)
+        table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
+        q = torch.randn(seqs * new, H, d, device=dev).to(dt)
+        out = torch.empty_like(q)
+        work = torch.tensor(prefill_work([i * new for i in range(seqs + 1)], [total] * seqs), dtype=torch.int32,
+                            device=dev)
+        splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
+        for _ in range(2):
+            prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits)
+    torch.cuda.synchronize()
+
+
 def event_ms(fn, reps: int = 5) -> float:
     """Median wall time of one eager call between CUDA events (calls of milliseconds: launch gaps do not count)."""
     fn()
@@ -754,7 +778,8 @@ def variant_libs(dev, **kw) -> list[tuple[str, KernelLibrary]]:
 
 def main() -> int:
     """Flags: --skinny (only the skinny linear rows), --sample (only the sampling kernels), --norm (only
-    rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute),
+    rms_norm layouts at prompt sizes), --ncu (only the launches ncu_targets makes, for Nsight Compute), --ncu-prefill
+    (only ncu_prefill_targets' prefill attention launches),
     --attention (only decode attention with forced key splits, attention_split_rows), --long (decode
     attention from DRAM at long contexts, bf16 and FP8 KV caches, long_context_rows; --kv fp8 or bf16: one of
     them; --shapes 8x8192,1x32768: only those batch x context points; --split-counts 1,2,4: the 16-bit rows at
@@ -775,6 +800,9 @@ def main() -> int:
     ops = CudaOps.create(dev, max_seq_len=8192)
     dt = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name(dev)}, {ops.lib.num_sms} SMs; kernels: {ops.lib.origin}")
+    if "--ncu-prefill" in sys.argv:
+        ncu_prefill_targets(ops.lib, dev, dt)
+        return 0
     if "--ncu" in sys.argv:
         ncu_targets(ops, dev, dt)
         return 0

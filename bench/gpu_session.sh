@@ -79,6 +79,8 @@
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
 #   skinnyab   the skinny kernels against SKINNY_BASE's (build/ab-base): GPU tests, kernels side by side, scale_bench b1 / b8
 #   shallow    decode attention's _s2 entries (METRALE_DECODE_SHALLOW=1) against =0: its GPU tests, scale_bench 1B b1-256 alternating
+#   ncuprefill Nsight Compute on the paged prefill attention at the 1B's heads: 128 tokens on 3968 cached (issue 40's
+#              TTFT) and 8 x 512 (issue 42), with their merges
 #   splitab    scale_bench 1B decode (SPLIT_BATCHES, default 32; contexts 128, 2k, 8k, 32k) with the shipped key splits
 #              and with --decode-min-splits SPLIT_MIN (4) alternating, SPLIT_ROUNDS (2) rounds
 #   deepab     decode attention's 5-deep _s5 entries (METRALE_DECODE_DEEP=1) against the default ones (=0): their GPU
@@ -352,6 +354,7 @@ for what in "$@"; do
                 done ;;
     kbench)     stage bench-kernels 300 python3 bench/bench_kernels.py ${KBENCH_ARGS:-} ;;
     ncu)        stage ncu-sample-attention 200 ncu --clock-control none --target-processes all --kernel-name regex:"sample_stats|decode_attention" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats python3 bench/bench_kernels.py --ncu ;;
+    ncuprefill) TAIL=${TAIL:-150} stage ncu-prefill-attention 200 ncu --clock-control none --target-processes all --kernel-name regex:"prefill_attention" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats python3 bench/bench_kernels.py --ncu-prefill ;;
     ab)         ab ;;
     *)          echo "unknown stage $what (the header of bench/gpu_session.sh lists them)" ;;
   esac
