@@ -262,16 +262,18 @@ class BlockPool:
         used cached ones (evicted: a removed event each). reserved: take them out of an earlier
         reserve()."""
         self._take(n, reserved, n)
-        out = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.pop()
-            else:
-                block, _ = self._lru.popitem(last=False)
-                self._uncache(block)
-                self.stats.evicted_blocks += 1
-            self._refs[block] = 1
+        free, refs = self._free, self._refs
+        start = len(free) - min(n, len(free))
+        out = free[start:]
+        del free[start:]
+        out.reverse()  # the order pop() takes them in
+        for _ in range(n - len(out)):
+            block, _ = self._lru.popitem(last=False)
+            self._uncache(block)
+            self.stats.evicted_blocks += 1
             out.append(block)
+        for block in out:
+            refs[block] = 1
         return out
 
     def _take(self, n: int, reserved: bool, need: int) -> None:
@@ -318,12 +320,13 @@ class BlockPool:
             raise ValueError(f"acquire: duplicate block ids in {block_ids}")
         if not distinct <= self._hash_of.keys():
             raise ValueError(f"acquire: blocks {sorted(distinct - self._hash_of.keys())} are not cached")
-        refs = self._refs
-        idle = [b for b in block_ids if refs[b] == 0]
-        self._take(len(block_ids), reserved, len(idle))
-        for b in idle:
-            del self._lru[b]
+        refs, lru = self._refs, self._lru
+        # An unreserved take books the evictable blocks it makes referenced (a reserved one was booked by reserve()),
+        # counted before anything changes.
+        self._take(len(block_ids), reserved, 0 if reserved else sum(refs[b] == 0 for b in block_ids))
         for b in block_ids:
+            if refs[b] == 0:  # evictable (cached, unreferenced): leaves the LRU
+                del lru[b]
             refs[b] += 1
 
     def release(self, block_ids: list[int]) -> None:

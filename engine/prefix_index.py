@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import hashlib
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -40,6 +41,7 @@ class PrefixIndex:
         self._r = self._odd(block_size)
         self._q = self._odd(64)  # grown on demand
         self._r_ints, self._q_ints = self._r.tolist(), self._q.tolist()  # the same, as Python ints (SMALL_RUN)
+        self._r_sum = self._r.sum(dtype=np.uint64)  # sum of R (wrapping): the "+ 1" of every token of a block
         self.num_blocks = num_blocks
         self._size = 0  # rows of the tables below: grown (doubling) to the largest block id added
         self._tokens = np.zeros((0, block_size), dtype=np.uint32)
@@ -50,7 +52,7 @@ class PrefixIndex:
         self._key = np.zeros(0, dtype=np.uint64)
         self._block_of: dict[int, int] = {}       # fingerprint -> block id
         self._extra_ids: dict[bytes, int] = {}
-        self._seeds: dict[bytes, int] = {}
+        self._seeds: dict[bytes, np.uint64] = {}
 
     def _odd(self, n: int) -> np.ndarray:
         return self._rng.integers(0, 1 << 63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
@@ -61,9 +63,11 @@ class PrefixIndex:
         return self._extra_ids[extra]
 
     def _seed(self, extra: bytes) -> np.uint64:
-        if extra not in self._seeds:
-            self._seeds[extra] = int.from_bytes(hashlib.sha256(b"prefix-index" + extra).digest()[:8], "little")
-        return np.uint64(self._seeds[extra])
+        seed = self._seeds.get(extra)
+        if seed is None:
+            digest = hashlib.sha256(b"prefix-index" + extra).digest()
+            seed = self._seeds[extra] = np.uint64(int.from_bytes(digest[:8], "little"))
+        return seed
 
     def _grow(self, block_id: int) -> None:
         size = min(self.num_blocks, max(1024, 2 * self._size, block_id + 1))
@@ -100,11 +104,18 @@ class PrefixIndex:
                 k = (k + f * self._q_ints[i]) & _MASK64
                 out.append(k)
             return out
-        with np.errstate(over="ignore"):
-            f = ((ids.astype(np.uint64) + np.uint64(1)) * self._r).sum(axis=1, dtype=np.uint64)
-            k = np.cumsum(f * self._q[first_block:end], dtype=np.uint64)
-            k += self._seed(extra) if prev_key is None else np.uint64(prev_key)
+        k = self._block_sums(ids)
+        k *= self._q[first_block:end]
+        np.add.accumulate(k, out=k)  # the running sum over j <= i
+        k += self._seed(extra) if prev_key is None else np.uint64(prev_key)
         return k.tolist()
+
+    def _block_sums(self, ids: np.ndarray) -> np.ndarray:
+        """f_j of each row of ids (uint64 [n], wrapping): sum over p of token[p] * R[p], plus the sum of R for the
+        + 1 of each token. Integer arrays wrap without a warning (a numpy scalar would warn): only arrays here."""
+        f = ids.astype(np.uint64) @ self._r
+        f += self._r_sum
+        return f
 
     def child_keys(self, ids: np.ndarray, block_index: Sequence[int], prev_keys: Sequence[int | None],
                    extra: bytes) -> list[int]:
@@ -118,10 +129,10 @@ class PrefixIndex:
         if n <= SMALL_RUN:
             return [self.keys(ids[i:i + 1], block_index[i], prev_keys[i], extra)[0] for i in range(n)]
         seed = int(self._seed(extra))
-        prev = np.asarray([seed if k is None else k for k in prev_keys], dtype=np.uint64)
-        with np.errstate(over="ignore"):
-            f = ((ids.astype(np.uint64) + np.uint64(1)) * self._r).sum(axis=1, dtype=np.uint64)
-            return (prev + f * self._q[np.asarray(block_index, dtype=np.int64)]).tolist()
+        k = self._block_sums(ids)
+        k *= self._q[np.asarray(block_index, dtype=np.int64)]
+        k += np.asarray([seed if p is None else p for p in prev_keys], dtype=np.uint64)
+        return k.tolist()
 
     # The cached blocks ---------------------------------------------------------------------------
 
@@ -177,26 +188,37 @@ class PrefixIndex:
         """The cached blocks that begin a sequence whose first blocks are ids (blocks_of; keys: keys(ids, 0, None,
         extra)) and their hashes: the longest run of candidates that pass the exact check."""
         cand = list(map(self._block_of.get, keys))
-        if None in cand:
-            cand = cand[:cand.index(None)]
-        if not cand:
+        try:
+            m = cand.index(None)
+        except ValueError:
+            m = len(cand)
+        if not m:
             return [], []
-        m = len(cand)
-        c = np.asarray(cand, dtype=np.int64)
-        ok = (self._tokens[c] == ids[:m]).all(axis=1)
-        ok &= self._extra[c] == self._extra_ids.get(extra, _NONE - 1)
-        ok[0] &= not self._has_parent[c[0]]
-        if m > 1:
-            ok[1:] &= self._has_parent[c[1:]] & (self._parent[c[1:]] == self._hash[c[:-1]])
+        del cand[m:]
+        c = np.fromiter(cand, dtype=np.int64, count=m)
+        tokens, hashes = self._tokens.take(c, axis=0), self._hash.take(c)
+        parents, has_parent, extras = self._parent.take(c), self._has_parent.take(c), self._extra.take(c)
+        extra_id = self._extra_ids.get(extra, _NONE - 1)
+        # Every candidate passes unless fingerprints collided: checked whole first, each table's values against
+        # the expected ones as raw bytes (equal uint32, int64, bool and int32 values are equal bytes), row by row
+        # only where that fails.
+        if (tokens.tobytes() == ids[:m].tobytes() and parents[1:].tobytes() == hashes[:-1].tobytes()
+                and has_parent.tobytes() == b"\0" + b"\1" * (m - 1)
+                and extras.tobytes() == extra_id.to_bytes(4, sys.byteorder, signed=True) * m):
+            return cand, hashes.tolist()
+        ok = (tokens == ids[:m]).all(axis=1)
+        ok &= extras == extra_id
+        ok[0] &= not has_parent[0]
+        ok[1:] &= has_parent[1:] & (parents[1:] == hashes[:-1])
         good = m if ok.all() else int(np.argmin(ok))
-        return cand[:good], self._hash[c[:good]].tolist()
+        return cand[:good], hashes[:good].tolist()
 
 
 def blocks_of(token_ids: Sequence[int], block_size: int) -> np.ndarray:
     """The full blocks of token_ids as uint32 [n, block_size]; ValueError for ids outside [0, 2**32)."""
     n = len(token_ids) // block_size
     try:
-        packed = array.array("I", token_ids[:n * block_size])
+        packed = array.array("I", token_ids if len(token_ids) == n * block_size else token_ids[:n * block_size])
     except (OverflowError, TypeError):
         raise ValueError("token ids must be integers in [0, 2**32)") from None
     return np.frombuffer(packed, dtype=np.uint32).reshape(n, block_size)
