@@ -503,28 +503,37 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
     return rows
 
 
+PREFILL_CASES = (("128 on 3968 cached", 3968, 128, 1), ("1 x 1024", 0, 1024, 1), ("8 x 512", 0, 512, 8))
+
+
+def prefill_launch(lib, dev, dt, d: int, cached: int, new: int, seqs: int):
+    """One paged prefill attention case at 32 query heads over 8 KV heads: seqs sequences of `new` query tokens after
+    `cached` keys each, in a scattered cache; returns (its launch with the shipped key splits, the splits)."""
+    from engine.batch import prefill_work
+    from engine.cuda.wrappers import prefill_attention
+    total = cached + new
+    blocks = -(-total // BS)
+    kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
+    vc = torch.randn_like(kc)
+    table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
+    q = torch.randn(seqs * new, H, d, device=dev).to(dt)
+    out = torch.empty_like(q)
+    work = torch.tensor(prefill_work([i * new for i in range(seqs + 1)], [total] * seqs), dtype=torch.int32,
+                        device=dev)
+    splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
+    return (lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits)), splits
+
+
 def prefill_rows(lib, dev, dt) -> list[tuple]:
     """The paged prefill attention kernel (and its merge, where split) at the 1B (head_dim 64) and 8B (128) heads,
     32 query heads over 8 KV heads: a 128-token chunk continuing a 3,968-token cached prefix (issue 40's TTFT), a
     fresh 1,024-token prompt and 8 fresh 512-token ones, with the shipped key splits; device us and TFLOP/s (causal
     FLOPs only)."""
-    from engine.batch import prefill_work
-    from engine.cuda.wrappers import prefill_attention
     rows = []
     for d in (64, 128):
-        for name, cached, new, seqs in (("128 on 3968 cached", 3968, 128, 1), ("1 x 1024", 0, 1024, 1),
-                                        ("8 x 512", 0, 512, 8)):
-            total = cached + new
-            blocks = -(-total // BS)
-            kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
-            vc = torch.randn_like(kc)
-            table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
-            q = torch.randn(seqs * new, H, d, device=dev).to(dt)
-            out = torch.empty_like(q)
-            qsl = [i * new for i in range(seqs + 1)]
-            work = torch.tensor(prefill_work(qsl, [total] * seqs), dtype=torch.int32, device=dev)
-            splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
-            d_us = device_us(lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits))
+        for name, cached, new, seqs in PREFILL_CASES:
+            launch, splits = prefill_launch(lib, dev, dt, d, cached, new, seqs)
+            d_us = device_us(launch)
             flops = seqs * 4 * H * d * (new * cached + new * (new + 1) / 2)
             rows.append((seqs, f"prefill d{d} {name} splits={splits}", d_us, 0.0, f"{flops / d_us / 1e6:8.1f} TFLOP/s"))
     return rows
@@ -532,25 +541,13 @@ def prefill_rows(lib, dev, dt) -> list[tuple]:
 
 def ncu_prefill_targets(lib, dev, dt) -> None:
     """Eager launches for Nsight Compute (bench/gpu_session.sh stage ncuprefill): the paged prefill attention (and its
-    merge, where split) at the 1B's heads (head_dim 64, 32 query heads over 8), a 128-token chunk on 3,968 cached
-    tokens (issue 40's TTFT) and 8 fresh 512-token prompts (issue 42's 8 x 512), with the shipped key splits, twice
-    each: prefill_rows' shapes, without the timing loops."""
-    from engine.batch import prefill_work
-    from engine.cuda.wrappers import prefill_attention
-    d = 64
-    for cached, new, seqs in ((3968, 128, 1), (0, 512, 8)):
-        total = cached + new
-        blocks = -(-total // BS)
-        kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
-        vc = torch.randn_like(kc)
-        table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
-        q = torch.randn(seqs * new, H, d, device=dev).to(dt)
-        out = torch.empty_like(q)
-        work = torch.tensor(prefill_work([i * new for i in range(seqs + 1)], [total] * seqs), dtype=torch.int32,
-                            device=dev)
-        splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
-        for _ in range(2):
-            prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits)
+    merge, where split) at the 1B's heads (head_dim 64), 128 tokens on 3,968 cached (issue 40's TTFT) and 8 fresh
+    512-token prompts (issue 42's 8 x 512), twice each: prefill_rows' cases without the timing loops."""
+    for name, cached, new, seqs in PREFILL_CASES:
+        if name != "1 x 1024":
+            launch, _ = prefill_launch(lib, dev, dt, 64, cached, new, seqs)
+            launch()
+            launch()
     torch.cuda.synchronize()
 
 
