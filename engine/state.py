@@ -69,6 +69,8 @@ class SlotState:
         words = -(-vocab_size // 32)
         self.token_mask = zeros(max_slots, words, dtype=torch.int32)
         self._mask_host = torch.zeros((max_slots, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        # The block-table rows' host side (start_row): max_slots x max_blocks_per_seq x 4 bytes of pinned memory.
+        self._row_host = torch.zeros(self.block_table.shape, dtype=torch.int32, pin_memory=device.type == "cuda")
         # Token t's byte in a mask read as bytes (little-endian words: bit t % 8 of byte t // 8) and its bit there:
         # a step unpacks masks one byte per token, not four.
         vocab = torch.arange(vocab_size, device=device)
@@ -124,12 +126,17 @@ class SlotState:
         self.assign_sampling(slot, params, stopping)
 
     def start_row(self, slot: int, block_ids: list[int]) -> None:
-        """The slot's block-table row: block_ids, then 0 (the scratch block) to its end, in one copy from pageable
-        memory (no wait for the device: the driver stages the bytes before it returns). No step in flight may
-        read the row; called on the forwards' stream, as set_blocks."""
-        row = np.zeros(self.block_table.shape[1], dtype=np.int32)
-        row[:len(block_ids)] = block_ids
-        self.block_table[slot].copy_(torch.from_numpy(row), non_blocking=True)
+        """The slot's block-table row: block_ids, then 0 (the scratch block) to its end, in one copy through the
+        slot's pinned row (an asynchronous DMA: a copy from pageable memory makes the driver stage the bytes
+        first). No step in flight may read the row; called on the forwards' stream, as set_blocks. The pinned row
+        is rewritten only when the next sequence starts in the slot: by then this copy has run, or, if the
+        sequence was released before its forward ran, both copies write the same device row in stream order and
+        the later one, with the new row, lands last."""
+        host = self._row_host[slot].numpy()
+        n = len(block_ids)
+        host[:n] = block_ids
+        host[n:] = 0
+        self.block_table[slot].copy_(self._row_host[slot], non_blocking=True)
 
     def assign_sampling(self, slot: int, params: SamplingParams, stopping: StoppingCriteria | None = None) -> None:
         """The slot's sampling and step rows (last token, cached count, parameters, seen tokens, processors). A

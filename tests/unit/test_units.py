@@ -747,6 +747,26 @@ def test_kernel_slot_io_matches_the_reference_wiring(k, monkeypatch):
     assert torch.equal(got[1].seen[penalised], want[1].seen[penalised])
 
 
+def test_start_row_writes_the_whole_row_and_set_blocks_extends_it():
+    """A slot's block-table row after start_row is its blocks, then the scratch block 0 to the end, whatever an
+    earlier sequence left there (longer or not); set_blocks appends after it; other slots' rows are untouched."""
+    import torch
+
+    from engine.state import SlotState
+
+    state = SlotState(3, 6, 10, torch.device("cpu"))
+    state.block_table.fill_(-7)
+    state.start_row(1, [5, 9, 2, 8, 4])
+    assert state.block_table[1].tolist() == [5, 9, 2, 8, 4, 0]
+    state.start_row(1, [3])  # a shorter row in the same slot: the old tail is cleared
+    assert state.block_table[1].tolist() == [3, 0, 0, 0, 0, 0]
+    state.set_blocks(1, 1, [6, 7])
+    assert state.block_table[1].tolist() == [3, 6, 7, 0, 0, 0]
+    state.start_row(2, [])
+    assert state.block_table[2].tolist() == [0] * 6
+    assert state.block_table[0].tolist() == [-7] * 6
+
+
 def test_the_torch_and_cuda_op_backends_have_one_interface():
     """CudaOps implements TorchOps' ops under the same names and signatures (the model calls either), and adds
     no public op of its own that the reference lacks."""
