@@ -91,9 +91,14 @@ __device__ __forceinline__ void prefill_attention_impl(
 
   const int* table = block_tables + (i64)b * bt_stride;
   const int bs_mask = (1 << bs_log2) - 1;
-  auto load_tile = [&](int tile, int stage) {
+  // The block-table entries of a tile (none read for a tile past the keys): read one iteration before the tile's
+  // copies are issued, so that no iteration waits on a table read before it can issue them.
+  auto tile_table = [&](int tile) {
     const int base = kv_lo + (tile_begin + tile) * PA_TILE;
-    const TileTable entries(table, base, min(base + PA_TILE, kv_hi), bs_log2, lane);
+    return TileTable(table, base, min(base + PA_TILE, kv_hi), bs_log2, lane);
+  };
+  auto load_tile = [&](int tile, int stage, const TileTable& entries) {
+    const int base = kv_lo + (tile_begin + tile) * PA_TILE;
     if constexpr (KV8) {  // 16 E4M3 values per copy
       for (int i = tid; i < PA_TILE * VPR8; i += PA_THREADS) {
         const int tok = i / VPR8, c = i - tok * VPR8;
@@ -151,8 +156,10 @@ __device__ __forceinline__ void prefill_attention_impl(
     }
   };
 
-  if (num_tiles > 0) load_tile(0, 0);
+  TileTable entries = tile_table(0);
+  if (num_tiles > 0) load_tile(0, 0, entries);
   cp_async_commit();
+  entries = tile_table(1);
 
   const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
   const int ld_col = (lane >> 4) * 8;
@@ -168,8 +175,9 @@ __device__ __forceinline__ void prefill_attention_impl(
   float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
   for (int it = 0; it < num_tiles; ++it) {
-    if (it + 1 < num_tiles) load_tile(it + 1, (it + 1) & 1);
+    if (it + 1 < num_tiles) load_tile(it + 1, (it + 1) & 1, entries);
     cp_async_commit();
+    entries = tile_table(it + 2);  // the next iteration's copies
     cp_async_wait<1>();
     if constexpr (KV8) convert_tile(it & 1);  // (the previous iteration's last barrier: no warp reads the tile)
     __syncthreads();
@@ -206,14 +214,13 @@ __device__ __forceinline__ void prefill_attention_impl(
       // no mask (warp-uniform).
       const bool unmasked = tile_start + PA_TILE - 1 <= warp_qmin && tile_start + PA_TILE <= kv_hi &&
                             (window <= 0 || tile_start > warp_qmax - window);
+      // The scores stay unscaled here: scale_log2 > 0, so the row max of the raw scores, scaled once, is the max of
+      // the scaled ones (rounding is monotonic), and each exponent is one fma (s * scale_log2 - mu) below.
       if (unmasked) {
 #pragma unroll
         for (int j = 0; j < PA_TILE / 8; ++j) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            s[j][e] *= scale_log2;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-          }
+          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
         }
       } else {
 #pragma unroll
@@ -223,7 +230,7 @@ __device__ __forceinline__ void prefill_attention_impl(
             const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
             const int p = qp[e >> 1];
             const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
-            s[j][e] = valid ? s[j][e] * scale_log2 : NEG_INF;
+            s[j][e] = valid ? s[j][e] : NEG_INF;
             mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
           }
         }
@@ -233,7 +240,7 @@ __device__ __forceinline__ void prefill_attention_impl(
       for (int r = 0; r < 2; ++r) {
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
         mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-        const float mn = fmaxf(m[r], mx[r]);
+        const float mn = fmaxf(m[r], mx[r] * scale_log2);  // (-inf * scale_log2 = -inf: a row with no key yet)
         mu[r] = mn == NEG_INF ? 0.f : mn;
         alpha[r] = exp2f(m[r] - mu[r]);
         m[r] = mn;
@@ -243,7 +250,7 @@ __device__ __forceinline__ void prefill_attention_impl(
       for (int j = 0; j < PA_TILE / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(s[j][e] - mu[e >> 1]);
+          s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -mu[e >> 1]));
           l[e >> 1] += s[j][e];
         }
       }
