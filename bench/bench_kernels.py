@@ -17,6 +17,8 @@ shape also into an FP8 KV cache (skinny_rope_kvfp8: FP8 weights and FP8 KV toget
 """
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import itertools
 import pathlib
 import statistics
@@ -506,11 +508,13 @@ def long_context_rows(ops, dev, dt, kv_dtypes=("bf16", "fp8"), shapes=None, lib=
 PREFILL_CASES = (("128 on 3968 cached", 3968, 128, 1), ("1 x 1024", 0, 1024, 1), ("8 x 512", 0, 512, 8))
 
 
-def prefill_launch(lib, dev, dt, d: int, cached: int, new: int, seqs: int):
+def prefill_launch(lib, dev, dt, d: int, cached: int, new: int, seqs: int, work_list=None):
     """One paged prefill attention case at 32 query heads over 8 KV heads: seqs sequences of `new` query tokens after
-    `cached` keys each, in a scattered cache; returns (its launch with the shipped key splits, the splits)."""
+    `cached` keys each, in a scattered cache; returns (its launch with the shipped key splits, the splits).
+    work_list: the work list rule of lib's kernels (tree_prefill_work); None: this tree's engine.batch.prefill_work."""
     from engine.batch import prefill_work
     from engine.cuda.wrappers import prefill_attention
+    work_list = work_list or prefill_work
     total = cached + new
     blocks = -(-total // BS)
     kc = torch.randn(seqs * blocks + 1, BS, HKV, d, device=dev).to(dt)
@@ -518,21 +522,21 @@ def prefill_launch(lib, dev, dt, d: int, cached: int, new: int, seqs: int):
     table = (torch.arange(seqs * blocks, device=dev, dtype=torch.int32) + 1).view(seqs, blocks)
     q = torch.randn(seqs * new, H, d, device=dev).to(dt)
     out = torch.empty_like(q)
-    work = torch.tensor(prefill_work([i * new for i in range(seqs + 1)], [total] * seqs), dtype=torch.int32,
+    work = torch.tensor(work_list([i * new for i in range(seqs + 1)], [total] * seqs, d), dtype=torch.int32,
                         device=dev)
     splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
     return (lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0, splits)), splits
 
 
-def prefill_rows(lib, dev, dt) -> list[tuple]:
+def prefill_rows(lib, dev, dt, work_list=None) -> list[tuple]:
     """The paged prefill attention kernel (and its merge, where split) at the 1B (head_dim 64) and 8B (128) heads,
     32 query heads over 8 KV heads: a 128-token chunk continuing a 3,968-token cached prefix (issue 40's TTFT), a
     fresh 1,024-token prompt and 8 fresh 512-token ones, with the shipped key splits; device us and TFLOP/s (causal
-    FLOPs only)."""
+    FLOPs only). work_list: as prefill_launch's."""
     rows = []
     for d in (64, 128):
         for name, cached, new, seqs in PREFILL_CASES:
-            launch, splits = prefill_launch(lib, dev, dt, d, cached, new, seqs)
+            launch, splits = prefill_launch(lib, dev, dt, d, cached, new, seqs, work_list)
             d_us = device_us(launch)
             flops = seqs * 4 * H * d * (new * cached + new * (new + 1) / 2)
             rows.append((seqs, f"prefill d{d} {name} splits={splits}", d_us, 0.0, f"{flops / d_us / 1e6:8.1f} TFLOP/s"))
@@ -593,7 +597,7 @@ def long_prefill_rows(lib, dev, dt) -> list[tuple]:
             out = torch.empty_like(q)
             flops = 4 * H * d * (new * cached + new * (new + 1) / 2)
             name = f"d{d} {new} on {cached} cached"
-            work = torch.tensor(prefill_work([0, new], [total]), dtype=torch.int32, device=dev)
+            work = torch.tensor(prefill_work([0, new], [total], d), dtype=torch.int32, device=dev)
             splits = prefill_attention.key_splits(lib, work.shape[0], H, total, d)
             routes = {"paged kernel": lambda: prefill_attention.launch(lib, out, q, kc, vc, table, work, d ** -0.5, 0,
                                                                        splits)}
@@ -759,18 +763,34 @@ def ncu_targets(ops, dev, dt) -> None:
     torch.cuda.synchronize()
 
 
+def variant_args() -> list[tuple[pathlib.Path, pathlib.Path]]:
+    """(SRC, BUILD) of every `--variant SRC BUILD` pair on the command line."""
+    return [(pathlib.Path(sys.argv[i + 1]), pathlib.Path(sys.argv[i + 2]))
+            for i, arg in enumerate(sys.argv) if arg == "--variant"]
+
+
 def variant_libs(dev, **kw) -> list[tuple[str, KernelLibrary]]:
     """The kernel libraries of every `--variant SRC BUILD` pair on the command line, each tagged with the name of
     SRC's parent folder (the variant's) for its rows. They launch with programmatic dependent launch as CudaOps'
     library does (env.PDL) unless kw says otherwise: rows of a variant without it beside this tree's with it
     compared the launch mode, not the kernels."""
     kw.setdefault("pdl", env.PDL)
-    libs = []
-    for i, arg in enumerate(sys.argv):
-        if arg == "--variant":
-            src, out = (pathlib.Path(a) for a in sys.argv[i + 1:i + 3])
-            libs.append((f"[{src.parent.name}] ", KernelLibrary(dev, build_dir=out, kernel_dir=src, **kw)))
-    return libs
+    return [(f"[{src.parent.name}] ", KernelLibrary(dev, build_dir=out, kernel_dir=src, **kw))
+            for src, out in variant_args()]
+
+
+def tree_prefill_work(src: pathlib.Path):
+    """The paged prefill attention's work list rule of the tree whose kernels_cu is src, as (query starts, sequence
+    lengths, head_dim) -> work list: the kernels built from a tree take work items of that tree's size (its
+    engine/batch.py prefill_work; one without a head_dim argument makes 64-row items at every head dim)."""
+    name = f"_variant_batch_{len(sys.modules)}"
+    spec = importlib.util.spec_from_file_location(name, src.parent / "engine" / "batch.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # (its dataclasses look their module up)
+    spec.loader.exec_module(module)
+    if "head_dim" in inspect.signature(module.prefill_work).parameters:
+        return module.prefill_work
+    return lambda query_start_loc, seq_lens, head_dim: module.prefill_work(query_start_loc, seq_lens)
 
 
 def main() -> int:
@@ -821,8 +841,9 @@ def main() -> int:
             print(f"{batch:>5}  {name:<60} {d_us:>10.1f}  {extra}", flush=True)
         return 0
     if "--prefill" in sys.argv:
-        for tag, lib in [("", ops.lib)] + variant_libs(dev):
-            for batch, name, d_us, _, extra in prefill_rows(lib, dev, dt):
+        work_lists = [None] + [tree_prefill_work(src) for src, _ in variant_args()]
+        for (tag, lib), work_list in zip([("", ops.lib)] + variant_libs(dev), work_lists):
+            for batch, name, d_us, _, extra in prefill_rows(lib, dev, dt, work_list):
                 print(f"{batch:>5}  {tag + name:<52} {d_us:>10.2f}  {extra}", flush=True)
         return 0
     if "--attention" in sys.argv:

@@ -121,42 +121,49 @@ def build_extend_batch(block_table: torch.Tensor, slots: list[int], starts: list
     )
 
 
-PREFILL_ROWS = 64  # query rows per prefill attention work item (kernels_cu/prefill_attention.cu)
+def prefill_rows(head_dim: int) -> int:
+    """Query rows per paged prefill attention work item at head_dim (kernels_cu/prefill_attention.cu ROWS(D)): 128
+    up to head_dim 64 (two m16 tiles a warp), 64 above."""
+    return 128 if head_dim <= 64 else 64
 
 
-def prefill_work(query_start_loc: list[int], seq_lens: list[int]) -> list[tuple[int, int, int, int]]:
+def prefill_work(query_start_loc: list[int], seq_lens: list[int],
+                 head_dim: int) -> list[tuple[int, int, int, int]]:
     """The paged prefill attention's work list: one (sequence, first query token, rows, position of the
-    first row) per PREFILL_ROWS query rows; the queries of sequence b are the last query_len of its
+    first row) per prefill_rows(head_dim) query rows; the queries of sequence b are the last query_len of its
     seq_lens[b] keys. A row with 0 rows is empty work (a list padded to a fixed length)."""
+    rows = prefill_rows(head_dim)
     work = []
     for b, kv_len in enumerate(seq_lens):
         start, end = query_start_loc[b], query_start_loc[b + 1]
         first_pos = kv_len - (end - start)
-        for r in range(0, end - start, PREFILL_ROWS):
-            work.append((b, start + r, min(PREFILL_ROWS, end - start - r), first_pos + r))
+        for r in range(0, end - start, rows):
+            work.append((b, start + r, min(rows, end - start - r), first_pos + r))
     return work
 
 
-def prefill_work_rows(num_tokens: int, num_seqs: int) -> int:
-    """The most work items a forward of num_tokens tokens over num_seqs sequences can have."""
-    return -(-num_tokens // PREFILL_ROWS) + num_seqs
+def prefill_work_rows(num_tokens: int, num_seqs: int, head_dim: int) -> int:
+    """The most work items a forward of num_tokens tokens over num_seqs sequences can have at head_dim."""
+    return -(-num_tokens // prefill_rows(head_dim)) + num_seqs
 
 
 class PrefillStaging:
-    """The static device inputs of prefill forwards that replay CUDA graphs (Engine._prefill_forward).
+    """The static device inputs of prefill forwards that replay CUDA graphs (Engine._prefill_forward), for a
+    model of head_dim (it sets the attention's work items: prefill_rows).
 
     A forward padded to T tokens over S sequence rows reads the first T (or S, or prefill_work_rows(T,
-    S)) entries of each region, so the addresses its graph captured never move. The host writes the
+    S, head_dim)) entries of each region, so the addresses its graph captured never move. The host writes the
     pinned mirror and queues one copy per buffer; before writing again it waits for the copies it
     queued last time (a forward that samples nothing returns without a host sync)."""
 
-    def __init__(self, max_tokens: int, max_seqs: int, device: torch.device):
-        self.max_tokens, self.max_seqs = max_tokens, max_seqs
+    def __init__(self, max_tokens: int, max_seqs: int, head_dim: int, device: torch.device):
+        self.max_tokens, self.max_seqs, self.head_dim = max_tokens, max_seqs, head_dim
         pinned = device.type == "cuda"
         # Regions: ids, positions, cache slots, token slots [max_tokens each]; logits rows, slots [max_seqs each].
         self.ints = torch.zeros(4 * max_tokens + 2 * max_seqs, dtype=torch.int64, device=device)
         self.host_ints = torch.zeros(self.ints.shape, dtype=torch.int64, pin_memory=pinned)
-        self.work = torch.zeros((prefill_work_rows(max_tokens, max_seqs), 4), dtype=torch.int32, device=device)
+        self.work = torch.zeros((prefill_work_rows(max_tokens, max_seqs, head_dim), 4), dtype=torch.int32,
+                                device=device)
         self.host_work = torch.zeros(self.work.shape, dtype=torch.int32, pin_memory=pinned)
         # The sequence starts of a fresh forward attended on its own rows (ForwardBatch.cu_seqlens) [max_seqs + 1].
         self.starts = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
@@ -217,8 +224,8 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     rows_h[len(logits_idx):] = 0
     slots_h[:num_real_seqs] = slots_a
     slots_h[num_real_seqs:] = slots_a[0]
-    work = prefill_work(qsl_a.tolist(), seq_lens.tolist())
-    work_rows = prefill_work_rows(num_tokens, num_seqs)
+    work = prefill_work(qsl_a.tolist(), seq_lens.tolist(), staging.head_dim)
+    work_rows = prefill_work_rows(num_tokens, num_seqs, staging.head_dim)
     work_h = staging.host_work.numpy()
     work_h[:len(work)] = work
     work_h[len(work):work_rows] = 0

@@ -58,7 +58,8 @@ class Prefiller:
         self.num_top = num_top
         config = rt.config
         self.staging = PrefillStaging(min(prefill_graph_tokens(rt.model_config), config.max_prefill_tokens),
-                                      min(PREFILL_GRAPH_SEQS, config.max_batch_size), rt.device)
+                                      min(PREFILL_GRAPH_SEQS, config.max_batch_size), rt.model_config.head_dim,
+                                      rt.device)
         # The logits a replayed prefill forward writes (outside the graph pool), one row per sequence row.
         self._logits = torch.empty((self.staging.max_seqs, rt.vocab_size), dtype=torch.float32, device=rt.device)
         # The slots and positions of a forward's sampled rows, uploaded from pinned memory: rewritten only by the

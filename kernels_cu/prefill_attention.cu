@@ -10,9 +10,11 @@
 // Layouts:
 //   q [T, H, D] (heads contiguous, token stride q_stride elements); out [T, H, D] contiguous.
 //   k_cache / v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, bt_stride] int32.
-//   work [num_work, 4] int32, one row per block: (b, first query token in q, rows <= 64, position of the
+//   work [num_work, 4] int32, one row per block: (b, first query token in q, rows <= ROWS(D), position of the
 //   first row), built on the host (engine.batch.prefill_work). A row with 0 rows is empty work, so a
 //   forward replayed from a CUDA graph pads its list to a fixed grid.
+//   ROWS(D) = 64 * MT, MT = the m16 tiles a warp holds (pa_m_tiles): 128 rows an item up to head_dim 64, 64 above
+//   (engine.batch.prefill_rows).
 //
 // Key splits: gridDim.z = splits. With splits > 1, block (w, h, z) scores only share z of its rows' key tiles
 // and writes its unnormalised output and row statistics in fp32 to part_o [splits, num_q, H, D] and part_ml
@@ -20,11 +22,13 @@
 // combines the shares. A chunk that continues a long cached prefix has few work items and many key tiles:
 // split, its blocks fill the GPU instead of each walking every tile of the prefix.
 //
-// Work split: block (work item w, query head h): 64 query rows of one head, 4 warps of 16 rows.
-// 64-token K/V tiles stream through shared memory with cp.async (2 stages) from the first key any row
-// needs to the last; S = Q K^T and O += P V run on mma.m16n8k16 with fp32 accumulation and an online
-// softmax per row (FlashAttention-2 structure). Tiles entirely outside a warp's causal/window range
-// are skipped by that warp.
+// Work split: block (work item w, query head h): ROWS(D) query rows of one head, 4 warps of 16 * MT consecutive
+// rows, MT m16 tiles a warp. 64-token K/V tiles stream through shared memory with cp.async (2 stages) from the
+// first key any row needs to the last; S = Q K^T and O += P V run on mma.m16n8k16 with fp32 accumulation and an
+// online softmax per row (FlashAttention-2 structure). Each K or V fragment a warp loads from shared memory (ldmatrix)
+// feeds the mmas of all its MT m-tiles: with MT = 2 a block loads each K/V tile from shared memory for 128 rows,
+// not 64. Tiles entirely outside a warp's causal/window range are skipped by that warp (MT = 2: the range of its rows
+// before nrows; a warp with none skips every tile).
 //
 // FP8 KV cache (the _kvfp8 entries: k_cache / v_cache hold E4M3 bytes, engine/quant.py fp8_kv): the tiles stream
 // through shared memory as the cache holds them (16-byte cp.async, 16 values per copy: half the bytes of a 16-bit
@@ -33,22 +37,31 @@
 // everything is the 16-bit kernel's (the 4 warps share each converted tile: one conversion per value and block).
 //
 // Launch contract (prefill_attention_{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8]):
-//   grid (num_work, H, splits), block (128); dynamic shared memory = (64 + 2 * 2 * 64) * (D + 8) * 2 bytes
-//   (_kvfp8: (64 + 2 * 64) * (D + 8) * 2 + 2 * 2 * 64 * D: one 16-bit K and V tile, two stages of E4M3 ones);
-//   part_o / part_ml used (and needed) only when splits > 1 (at most 16). Merge
-//   (prefill_attention_merge_{dt}_d{D}): grid (num_work, H, 64 / 16), block (128), the same work list; it writes
-//   out.
+//   grid (num_work, H, splits), block (128); work rows of at most ROWS(D) rows (128 up to D = 64, 64 above);
+//   dynamic shared memory = (ROWS(D) + 2 * 2 * 64) * (D + 8) * 2 bytes: a ROWS(D)-row q tile and two stages of
+//   64-row K and V tiles (_kvfp8: (ROWS(D) + 2 * 64) * (D + 8) * 2 + 2 * 2 * 64 * D: one 16-bit K and V tile, two
+//   stages of E4M3 ones); so at D = 16 / 32 / 64: 18432 / 30720 / 55296 bytes (_kvfp8 16384 / 28672 / 53248), at
+//   80 / 96 / 128: 56320 / 66560 / 87040 (_kvfp8 54272 / 64512 / 84992). part_o / part_ml used (and needed) only
+//   when splits > 1 (at most 16). Merge (prefill_attention_merge_{dt}_d{D}): grid (num_work, H, ROWS(D) / 16),
+//   block (128), the same work list; it writes out.
 //   (engine/cuda/wrappers/prefill_attention.py computes the same; the library raises the function's limit at load).
 //   block_size a power of two (bs_log2); scale_log2 = scale * log2(e); q, out, caches 16-byte aligned.
 #include "common.cuh"
 
 #define PA_THREADS 128
-#define PA_ROWS 64
 #define PA_TILE 64
 #define PA_STAGES 2
+// m16 tiles a warp holds (16 query rows each; a block 4 warps, so 64 * m-tiles rows a work item): two up to head_dim
+// 64, so that every K and V fragment a warp loads from shared memory feeds two mmas; one above (a second tile's
+// output accumulators, D / 2 registers, would not fit beside the first's).
+template <int D>
+__host__ __device__ constexpr int pa_m_tiles() {
+  return D <= 64 ? 2 : 1;
+}
 // The entries' launch bounds: a hint of 2 blocks an SM made ptxas schedule the 128-wide entries 12-14% faster
-// (bench_kernels --prefill, H100); at head_dim 64 a hint of 3 or 4 spills (4: no faster) and 1 costs a block an SM,
-// so the others have none.
+// (bench_kernels --prefill, H100). The others have none: up to 64 wide (two m-tiles) the q, S and O fragments alone
+// take 3 * D / 2 + 64 registers a thread (160 at 64; ptxas takes ~250 there, 2 blocks an SM), so a hint of 3 (168)
+// would spill.
 #define PA_BOUNDS_D128 (PA_THREADS, 2)
 #define PA_BOUNDS (PA_THREADS)
 
@@ -60,11 +73,12 @@ __device__ __forceinline__ void prefill_attention_impl(
     i64 q_stride, int bt_stride, int H, int Hkv, int bs_log2, int window, float scale_log2, float* __restrict__ part_o,
     float* __restrict__ part_ml, int num_q) {
   constexpr bool KV8 = sizeof(KV) == 1;
+  constexpr int MT = pa_m_tiles<D>(), ROWS = 64 * MT, WARP_ROWS = 16 * MT;
   constexpr int LD = D + 8, VPR = D / 8, VPR8 = D / 16;
   constexpr int KV_STAGES = KV8 ? 1 : PA_STAGES;  // 16-bit tiles (KV8: the converted one)
   extern __shared__ Vec16 smem_raw[];
-  u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [64][LD]
-  u16* k_s = q_s + PA_ROWS * LD;                // [KV_STAGES][TILE][LD]
+  u16* q_s = reinterpret_cast<u16*>(smem_raw);  // [ROWS][LD]
+  u16* k_s = q_s + ROWS * LD;                   // [KV_STAGES][TILE][LD]
   u16* v_s = k_s + KV_STAGES * PA_TILE * LD;    // [KV_STAGES][TILE][LD]
   unsigned char* k8_s = reinterpret_cast<unsigned char*>(v_s + KV_STAGES * PA_TILE * LD);  // KV8: [STAGES][TILE][D]
   unsigned char* v8_s = k8_s + PA_STAGES * PA_TILE * D;                                   // KV8: [STAGES][TILE][D]
@@ -82,7 +96,7 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int tile_begin = (int)((long long)all_tiles * split / splits);
   const int num_tiles = (int)((long long)all_tiles * (split + 1) / splits) - tile_begin;
 
-  for (int i = tid; i < PA_ROWS * VPR; i += PA_THREADS) {
+  for (int i = tid; i < ROWS * VPR; i += PA_THREADS) {
     const int r = i / VPR, c = i - r * VPR;
     const bool valid = r < nrows;
     const u16* src = valid ? q + (i64)(q_tok + r) * q_stride + (i64)h * D + c * 8 : q;
@@ -164,15 +178,30 @@ __device__ __forceinline__ void prefill_attention_impl(
   const int ld_row = (lane & 7) + ((lane >> 3) & 1) * 8;
   const int ld_col = (lane >> 4) * 8;
   const int g = lane >> 2, t4 = lane & 3;
-  const int wrow = warp * 16;
-  const int qp[2] = {q_pos0 + wrow + g, q_pos0 + wrow + g + 8};
-  const int warp_qmin = q_pos0 + wrow, warp_qmax = q_pos0 + wrow + 15;
+  // Warp w holds rows [w * WARP_ROWS, (w + 1) * WARP_ROWS) of the item, m-tile i of them the 16 from
+  // w * WARP_ROWS + 16 i; this thread the rows g and g + 8 of each m-tile (the mma accumulator layout), at positions
+  // qp0 + 16 i and qp0 + 16 i + 8.
+  const int wrow = warp * WARP_ROWS;
+  const int qp0 = q_pos0 + wrow + g;
+  // The positions [warp_qmin, warp_qmax] whose keys the warp walks. Two m-tiles: its real rows' only (rows past nrows
+  // are computed from zero queries and never written; a warp with none has warp_qmax = -1, before every tile, and
+  // skips them all: a short item leaves whole warps without rows). One m-tile: all 16 rows (with the clamp ptxas
+  // allocates the 80-128-wide entries' registers anew, in one form of it spilling at 80 and 96).
+  const int warp_qmin = q_pos0 + wrow;
+  const int warp_qmax = MT == 1        ? warp_qmin + WARP_ROWS - 1
+                        : wrow < nrows ? q_pos0 + min(wrow + WARP_ROWS, nrows) - 1
+                                       : -1;
 
-  u32 qa[D / 16][4];
-  float o[D / 8][4];
+  u32 qa[MT][D / 16][4];
+  float o[MT][D / 8][4];
+  float m[MT][2], l[MT][2];
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[i][n][0] = o[i][n][1] = o[i][n][2] = o[i][n][3] = 0.f;
+    m[i][0] = m[i][1] = NEG_INF;
+    l[i][0] = l[i][1] = 0.f;
+  }
 
   for (int it = 0; it < num_tiles; ++it) {
     if (it + 1 < num_tiles) load_tile(it + 1, (it + 1) & 1, entries);
@@ -183,7 +212,11 @@ __device__ __forceinline__ void prefill_attention_impl(
     __syncthreads();
     if (it == 0) {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) ldmatrix_x4(qa[ks], q_s + (wrow + ld_row) * LD + ks * 16 + ld_col);
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks)
+          ldmatrix_x4(qa[i][ks], q_s + (wrow + 16 * i + ld_row) * LD + ks * 16 + ld_col);
+      }
     }
     const int stage = it & 1;
     const int tile_start = kv_lo + (tile_begin + it) * PA_TILE;
@@ -192,88 +225,112 @@ __device__ __forceinline__ void prefill_attention_impl(
     if (!in_future && !too_old) {
       const u16* kb = k_s + (KV8 ? 0 : stage) * PA_TILE * LD;
       const u16* vb = v_s + (KV8 ? 0 : stage) * PA_TILE * LD;
-      float s[PA_TILE / 8][4];
+      // S = Q K^T: each K fragment feeds the mma of every m-tile before the next is loaded.
+      float s[MT][PA_TILE / 8][4];
 #pragma unroll
       for (int j = 0; j < PA_TILE / 8; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int i = 0; i < MT; ++i) s[i][j][0] = s[i][j][1] = s[i][j][2] = s[i][j][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 32; ++kk) {
           u32 kf[4];
           ldmatrix_x4(kf, kb + (j * 8 + (lane & 7)) * LD + kk * 32 + (lane >> 3) * 8);
-          Mma<T>::run(s[j], qa[2 * kk], kf[0], kf[1]);
-          Mma<T>::run(s[j], qa[2 * kk + 1], kf[2], kf[3]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            Mma<T>::run(s[i][j], qa[i][2 * kk], kf[0], kf[1]);
+            Mma<T>::run(s[i][j], qa[i][2 * kk + 1], kf[2], kf[3]);
+          }
         }
         if (D % 32) {  // head_dim = 32 m + 16: the last k-step alone
           u32 kf[2];
           ldmatrix_x2(kf, kb + (j * 8 + (lane & 7)) * LD + (D - 16) + ((lane >> 3) & 1) * 8);
-          Mma<T>::run(s[j], qa[D / 16 - 1], kf[0], kf[1]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) Mma<T>::run(s[i][j], qa[i][D / 16 - 1], kf[0], kf[1]);
         }
       }
-      float mx[2] = {NEG_INF, NEG_INF};
-      // Every key of the tile visible to every row of the warp (past its rows, before kv_hi, inside the window):
-      // no mask (warp-uniform).
+      float mx[MT][2];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) mx[i][0] = mx[i][1] = NEG_INF;
+      // Every key of the tile visible to every real row of the warp (past its rows, before kv_hi, inside the
+      // window): no mask (warp-uniform).
       const bool unmasked = tile_start + PA_TILE - 1 <= warp_qmin && tile_start + PA_TILE <= kv_hi &&
                             (window <= 0 || tile_start > warp_qmax - window);
       // The scores stay unscaled here: scale_log2 > 0, so the row max of the raw scores, scaled once, is the max of
       // the scaled ones (rounding is monotonic), and each exponent is one fma (s * scale_log2 - mu) below.
       if (unmasked) {
 #pragma unroll
-        for (int j = 0; j < PA_TILE / 8; ++j) {
+        for (int i = 0; i < MT; ++i) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          for (int j = 0; j < PA_TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[i][e >> 1] = fmaxf(mx[i][e >> 1], s[i][j][e]);
+          }
         }
       } else {
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+#pragma unroll
+          for (int j = 0; j < PA_TILE / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
+              const int p = qp0 + 16 * i + 8 * (e >> 1);
+              const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
+              s[i][j][e] = valid ? s[i][j][e] : NEG_INF;
+              mx[i][e >> 1] = fmaxf(mx[i][e >> 1], s[i][j][e]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        float alpha[2], mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[i][r] = fmaxf(mx[i][r], __shfl_xor_sync(FULL_MASK, mx[i][r], 1));
+          mx[i][r] = fmaxf(mx[i][r], __shfl_xor_sync(FULL_MASK, mx[i][r], 2));
+          const float mn = fmaxf(m[i][r], mx[i][r] * scale_log2);  // (-inf * scale_log2 = -inf: a row with no key yet)
+          mu[r] = mn == NEG_INF ? 0.f : mn;
+          alpha[r] = exp2f(m[i][r] - mu[r]);
+          m[i][r] = mn;
+          l[i][r] *= alpha[r];
+        }
 #pragma unroll
         for (int j = 0; j < PA_TILE / 8; ++j) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int kp = tile_start + j * 8 + 2 * t4 + (e & 1);
-            const int p = qp[e >> 1];
-            const bool valid = kp <= p && kp < kv_hi && (window <= 0 || kp > p - window);
-            s[j][e] = valid ? s[j][e] : NEG_INF;
-            mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+            s[i][j][e] = exp2f(fmaf(s[i][j][e], scale_log2, -mu[e >> 1]));
+            l[i][e >> 1] += s[i][j][e];
           }
         }
-      }
-      float alpha[2], mu[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(FULL_MASK, mx[r], 2));
-        const float mn = fmaxf(m[r], mx[r] * scale_log2);  // (-inf * scale_log2 = -inf: a row with no key yet)
-        mu[r] = mn == NEG_INF ? 0.f : mn;
-        alpha[r] = exp2f(m[r] - mu[r]);
-        m[r] = mn;
-        l[r] *= alpha[r];
-      }
-#pragma unroll
-      for (int j = 0; j < PA_TILE / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = exp2f(fmaf(s[j][e], scale_log2, -mu[e >> 1]));
-          l[e >> 1] += s[j][e];
+        for (int n = 0; n < D / 8; ++n) {
+          o[i][n][0] *= alpha[0];
+          o[i][n][1] *= alpha[0];
+          o[i][n][2] *= alpha[1];
+          o[i][n][3] *= alpha[1];
         }
       }
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        o[n][0] *= alpha[0];
-        o[n][1] *= alpha[0];
-        o[n][2] *= alpha[1];
-        o[n][3] *= alpha[1];
-      }
+      // O += P V: each V fragment feeds the mmas of every m-tile before the next is loaded.
 #pragma unroll
       for (int kt = 0; kt < PA_TILE / 16; ++kt) {
-        u32 pa[4];
-        pa[0] = T::pack(s[2 * kt][0], s[2 * kt][1]);
-        pa[1] = T::pack(s[2 * kt][2], s[2 * kt][3]);
-        pa[2] = T::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-        pa[3] = T::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+        u32 pa[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+          pa[i][0] = T::pack(s[i][2 * kt][0], s[i][2 * kt][1]);
+          pa[i][1] = T::pack(s[i][2 * kt][2], s[i][2 * kt][3]);
+          pa[i][2] = T::pack(s[i][2 * kt + 1][0], s[i][2 * kt + 1][1]);
+          pa[i][3] = T::pack(s[i][2 * kt + 1][2], s[i][2 * kt + 1][3]);
+        }
 #pragma unroll
         for (int nn = 0; nn < D / 16; ++nn) {
           u32 vf[4];
           ldmatrix_x4_trans(vf, vb + (kt * 16 + ld_row) * LD + nn * 16 + ld_col);
-          Mma<T>::run(o[2 * nn], pa, vf[0], vf[1]);
-          Mma<T>::run(o[2 * nn + 1], pa, vf[2], vf[3]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            Mma<T>::run(o[i][2 * nn], pa[i], vf[0], vf[1]);
+            Mma<T>::run(o[i][2 * nn + 1], pa[i], vf[2], vf[3]);
+          }
         }
       }
     }
@@ -282,33 +339,47 @@ __device__ __forceinline__ void prefill_attention_impl(
   cp_async_wait<0>();
 
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 1);
-    l[r] += __shfl_xor_sync(FULL_MASK, l[r], 2);
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      l[i][r] += __shfl_xor_sync(FULL_MASK, l[i][r], 1);
+      l[i][r] += __shfl_xor_sync(FULL_MASK, l[i][r], 2);
+    }
   }
   if (splits > 1) {  // this share's unnormalised output and row statistics, for the merge
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = wrow + g + 8 * r;
-      if (row >= nrows) continue;
-      const i64 at = ((i64)split * num_q + q_tok + row) * H + h;
-      float* dst = part_o + at * D + 2 * t4;
+    for (int i = 0; i < MT; ++i) {
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * r], o[n][2 * r + 1]);
-      if (t4 == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m[r], l[r]);
+      for (int r = 0; r < 2; ++r) {
+        const int row = wrow + 16 * i + g + 8 * r;
+        if (row >= nrows) continue;
+        const i64 at = ((i64)split * num_q + q_tok + row) * H + h;
+        float* dst = part_o + at * D + 2 * t4;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[i][n][2 * r], o[i][n][2 * r + 1]);
+        if (t4 == 0) *reinterpret_cast<float2*>(part_ml + at * 2) = make_float2(m[i][r], l[i][r]);
+      }
     }
     return;
   }
-  const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+  float inv[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = wrow + g + 8 * r;
-    if (row >= nrows) continue;
-    u16* dst = out + ((i64)(q_tok + row) * H + h) * D + 2 * t4;
+  for (int i = 0; i < MT; ++i) {
+    inv[i][0] = l[i][0] > 0.f ? 1.f / l[i][0] : 0.f;
+    inv[i][1] = l[i][1] > 0.f ? 1.f / l[i][1] : 0.f;
+  }
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      *reinterpret_cast<u32*>(dst + n * 8) = T::pack(o[n][2 * r] * inv[r], o[n][2 * r + 1] * inv[r]);
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + 16 * i + g + 8 * r;
+      if (row >= nrows) continue;
+      u16* dst = out + ((i64)(q_tok + row) * H + h) * D + 2 * t4;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        *reinterpret_cast<u32*>(dst + n * 8) = T::pack(o[i][n][2 * r] * inv[i][r], o[i][n][2 * r + 1] * inv[i][r]);
+    }
   }
 }
 

@@ -252,7 +252,8 @@ class KernelLibrary:
                          decode_attention.warp_smem_bytes(d)))
             if decode_attention.warp_smem_bytes(d) <= self.max_smem_optin else 0
             for d in decode_attention.WARP_HEAD_DIMS}
-        # Prefill attention blocks one SM holds at once, per head dim and cache (prefill_attention.key_splits).
+        # Prefill attention blocks (work items of prefill_rows(d) query rows) one SM holds at once, per head dim and
+        # cache (prefill_attention.key_splits).
         self.prefill_blocks_per_sm = {
             (d, bool(kv)): check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(prefill_attention_bf16_d{d}{kv})",
                                  driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(

@@ -331,11 +331,11 @@ class CudaOps(TorchOps):
         if (0 < num_tokens and num_tokens >= self.fused_min_tokens
                 and (not sliding_window or max(seq_lens, default=0) <= sliding_window)):
             return self.fused_prefill(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-        key = (tuple(query_start_loc), tuple(seq_lens))
+        key = (tuple(query_start_loc), tuple(seq_lens), q.shape[2])
         # The work list is the same for every layer of a forward: copied to the device once, since a
         # pageable host-to-device copy waits for the GPU work queued before it.
         if self._prefill_work_key != key:
-            work = prefill_work(query_start_loc, seq_lens)
+            work = prefill_work(query_start_loc, seq_lens, q.shape[2])
             self._prefill_work = torch.tensor(work, dtype=torch.int32, device=q.device) if work else None
             self._prefill_work_key = key
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

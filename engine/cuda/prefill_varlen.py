@@ -30,7 +30,7 @@ from engine.ops.torch_ops import kv_rows
 log = logging.getLogger(__name__)
 
 # Graphed fresh forwards whose longest prompt has at least this many tokens take this route. The paged kernel's cost
-# grows with the longest sequence (its 64-row work items near the end walk every key tile before them), the entry's
+# grows with the longest sequence (its work items near the end walk every key tile before them), the entry's
 # less: in the engine (1B, H200, warm_up_cost) the entry made 1 x 2048 prompts 1.05x and 1 x 4096 1.15x faster, tied
 # at 8 x 512 and lost 2.6% at 4 x 1024 (bench/RESULTS.md).
 MIN_SEQ_TOKENS = 2048

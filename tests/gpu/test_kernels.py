@@ -510,6 +510,12 @@ PREFILL_CASES = [
     ([(0, 100), (20, 30)], 4, 2, 16, 16, 0),
     ([(0, 150)], 8, 4, 32, 16, 40),
     ([(64, 200)], 16, 2, 80, 16, 0),
+    # 128-row items up to head_dim 64 (4 warps of two m-tiles): items of 100 rows (warp 3's second m-tile empty), 1
+    # (warps 1-3 without rows) and 33 (warp 1 one row); of 113 and 127 (warp 3's second m-tile partly filled) and 122
+    # under a window shorter than a warp's 32 rows (its m-tiles see different keys), after cached prefixes
+    ([(130, 100), (0, 257), (5, 33)], 8, 2, 64, 16, 0),
+    ([(0, 113), (30, 127), (200, 250)], 16, 4, 64, 16, 24),
+    ([(50, 140)], 8, 4, 32, 16, 7),
 ]
 
 
@@ -523,7 +529,7 @@ def prefill_inputs(seqs, H, Hkv, D, bs, dtype):
         qsl.append(qsl[-1] + n)
     k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
     q = randn(qsl[-1], H, D, dtype=dtype)
-    work = torch.tensor(prefill_work(qsl, seq_lens), dtype=torch.int32, device=dev())
+    work = torch.tensor(prefill_work(qsl, seq_lens, D), dtype=torch.int32, device=dev())
     return q, k_cache, v_cache, table, qsl, seq_lens, work
 
 
@@ -546,6 +552,8 @@ PREFILL_SPLIT_CASES = [
     ([(500, 1)], 8, 8, 64, 16, 0, 16),  # more shares than some rows have tiles: empty shares
     ([(0, 200)], 32, 8, 64, 16, 0, 5),  # a fresh prompt: causal rows see no key of the later shares
     ([(77, 33)], 4, 2, 16, 16, 0, 2),
+    ([(2000, 97)], 16, 4, 64, 16, 300, 5),  # a window over a long prefix, warp 3 of the item with one row
+    ([(3000, 200), (0, 40)], 8, 8, 64, 16, 0, 7),  # items of 72 rows (warp 3 empty) and 40 (one key tile, 7 shares)
 ]
 
 
@@ -566,8 +574,10 @@ def test_prefill_attention_split_over_keys(lib, gen, dtype, seqs, H, Hkv, D, bs,
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_key_splits_fill_the_gpu_for_a_long_prefix_only(lib, head_dim):
+    from engine.batch import prefill_rows
     sms = lib.num_sms
-    assert prefill_attention.key_splits(lib, 2, 32, 4096, head_dim) >= 2  # 128 new tokens over a 4k prefix
+    items = 128 // prefill_rows(head_dim)  # 128 new tokens over a 4k prefix
+    assert prefill_attention.key_splits(lib, items, 32, 4096, head_dim) >= 2
     assert lib.prefill_blocks_per_sm[(head_dim, False)] >= 1 and lib.prefill_blocks_per_sm[(head_dim, True)] >= 1
     assert prefill_attention.key_splits(lib, 2, 32, 128, head_dim) == 1  # a short fresh prompt: nothing to split
     assert prefill_attention.key_splits(lib, 4 * sms, 32, 32768, head_dim) == 1  # the grid fills the GPU already

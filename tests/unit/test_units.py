@@ -491,6 +491,59 @@ def test_decode_attention_shallow_entry():
     assert "decode_attention_bf16_d128_s2" not in names
 
 
+def test_prefill_work_items_hold_128_rows_up_to_head_dim_64_else_64():
+    """The paged prefill attention's work list (engine.batch.prefill_work): an item per 128 query rows of a sequence
+    up to head_dim 64 (kernels_cu/prefill_attention.cu: two m16 tiles a warp), per 64 above; each item (sequence,
+    first query token, rows, position of the first row), a sequence's queries the last of its keys."""
+    from engine.batch import prefill_rows, prefill_work, prefill_work_rows
+    assert [prefill_rows(d) for d in (16, 32, 64, 80, 96, 128)] == [128, 128, 128, 64, 64, 64]
+    # 300 fresh tokens; 1 token after 499 cached; 129 tokens after 71 cached
+    qsl, seq_lens = [0, 300, 301, 430], [300, 500, 200]
+    assert prefill_work(qsl, seq_lens, 64) == [(0, 0, 128, 0), (0, 128, 128, 128), (0, 256, 44, 256),
+                                               (1, 300, 1, 499),
+                                               (2, 301, 128, 71), (2, 429, 1, 199)]
+    assert prefill_work(qsl, seq_lens, 128) == [(0, 0, 64, 0), (0, 64, 64, 64), (0, 128, 64, 128), (0, 192, 64, 192),
+                                                (0, 256, 44, 256),
+                                                (1, 300, 1, 499),
+                                                (2, 301, 64, 71), (2, 365, 64, 135), (2, 429, 1, 199)]
+    assert prefill_work(qsl, seq_lens, 32) == prefill_work(qsl, seq_lens, 64)
+    assert prefill_work(qsl, seq_lens, 96) == prefill_work(qsl, seq_lens, 128)
+    # a staged list's length: ceil(430 / rows) items over the tokens, one more per sequence
+    assert prefill_work_rows(430, 3, 64) == 4 + 3 and prefill_work_rows(430, 3, 128) == 7 + 3
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_staged_prefill_work_list_has_the_models_items(head_dim):
+    """A graphed prefill forward's staged work list (build_staged_prefill_batch): the items of the staging's head_dim,
+    then empty rows up to prefill_work_rows of the padded shape."""
+    import torch
+    from engine.batch import PrefillStaging, build_staged_prefill_batch
+
+    staging = PrefillStaging(256, 4, head_dim, torch.device("cpu"))
+    assert staging.work.shape == ((2 if head_dim == 64 else 4) + 4, 4)
+    table = torch.zeros((4, 16), dtype=torch.int32)
+    # 150 fresh tokens and 5 tokens after 16 cached, padded to 256 tokens over 4 sequence rows
+    _, _, make = build_staged_prefill_batch(staging, table, [list(range(1, 11)), [11, 12]], [0, 1], [0, 16],
+                                            [list(range(150)), list(range(5))], [[149], [4]], 16, 256, 4, 256)
+    if head_dim == 64:
+        items = [[0, 0, 128, 0], [0, 128, 22, 128], [1, 150, 5, 16]] + [[0, 0, 0, 0]] * 3
+    else:
+        items = [[0, 0, 64, 0], [0, 64, 64, 64], [0, 128, 22, 128], [1, 150, 5, 16]] + [[0, 0, 0, 0]] * 4
+    assert make().prefill_work.tolist() == items
+
+
+def test_prefill_attention_shared_memory_holds_a_work_items_q_rows():
+    """engine/cuda/wrappers/prefill_attention.py smem_bytes: a q tile of prefill_rows(head_dim) rows and two stages
+    of 64-row K and V tiles, rows padded by 8 elements of 2 bytes (E4M3: one 16-bit K and V tile, two stages of
+    E4M3 ones), as kernels_cu/prefill_attention.cu's launch contract states."""
+    from engine.cuda.wrappers import prefill_attention as pa
+    assert pa.smem_bytes(64) == (128 + 256) * 72 * 2 == 55296
+    assert pa.smem_bytes(64, fp8_kv=True) == (128 + 128) * 72 * 2 + 4 * 64 * 64 == 53248
+    assert pa.smem_bytes(16) == 18432 and pa.smem_bytes(32, fp8_kv=True) == 28672
+    assert pa.smem_bytes(128) == (64 + 256) * 136 * 2 == 87040
+    assert pa.smem_bytes(128, fp8_kv=True) == (64 + 128) * 136 * 2 + 4 * 64 * 128 == 84992
+
+
 def test_prefill_key_split_rule():
     """Prefill attention's key splits (engine/cuda/wrappers/prefill_attention.py) on an H200's numbers: as many
     as one wave of blocks holds, at least MIN_SPLIT_TILES key tiles a split; none for short keys or a full grid."""
@@ -622,7 +675,7 @@ def test_staged_prefill_batch_carries_fresh_prompts_starts():
     import torch
     from engine.batch import PrefillStaging, build_staged_prefill_batch
 
-    staging = PrefillStaging(256, 8, torch.device("cpu"))
+    staging = PrefillStaging(256, 8, 64, torch.device("cpu"))
     table = torch.zeros((4, 16), dtype=torch.int32)
 
     def batch(starts, lengths, varlen):

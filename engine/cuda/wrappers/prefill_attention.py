@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.batch import prefill_rows
 from engine.cuda.checks import attention_inputs, expect_shape, tensor_arg
 from engine.cuda.driver import KernelArgError
 
@@ -30,7 +31,9 @@ def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: in
     at once make the shortest chains, and a second wave would double them. A function of host-known sizes that
     the tile count enters only through the MIN_SPLIT_TILES cap, so a graphed forward (its max_kv_len rounded up)
     and the same forward run eagerly split alike for long keys (a replayed graph keeps its capture's splits).
-    num_work: the real work items (at most: a staged list's empty rows do not count, they return at once)."""
+    num_work: the real work items (at most: a staged list's empty rows do not count, they return at once), of
+    prefill_rows(head_dim) rows each (engine.batch.prefill_work at the same head_dim): blocks are counted per item,
+    and lib.prefill_blocks_per_sm is the occupancy of blocks of that many rows."""
     tiles = -(-max(0, max_kv_len) // 64)
     blocks = max(1, num_work) * num_heads
     one_wave = max(1, lib.prefill_blocks_per_sm[(head_dim, fp8_kv)]) * lib.num_sms // blocks
@@ -38,18 +41,21 @@ def key_splits(lib: KernelLibrary, num_work: int, num_heads: int, max_kv_len: in
 
 
 def smem_bytes(head_dim: int, fp8_kv: bool = False) -> int:
-    """A 64-row q tile and two stages of 64-row K and V tiles (rows padded by 8 elements); an E4M3 cache (fp8_kv):
-    one 16-bit K and V tile, and two stages of E4M3 ones (head_dim bytes a row)."""
+    """A q tile of a work item's prefill_rows(head_dim) rows and two stages of 64-row K and V tiles (rows padded by
+    8 elements); an E4M3 cache (fp8_kv): one 16-bit K and V tile, and two stages of E4M3 ones (head_dim bytes a
+    row)."""
+    q_rows = prefill_rows(head_dim)
     if fp8_kv:
-        return (64 + 2 * 64) * (head_dim + 8) * 2 + 2 * 2 * 64 * head_dim
-    return (64 + 2 * 2 * 64) * (head_dim + 8) * 2
+        return (q_rows + 2 * 64) * (head_dim + 8) * 2 + 2 * 2 * 64 * head_dim
+    return (q_rows + 2 * 2 * 64) * (head_dim + 8) * 2
 
 
 def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
            block_tables: torch.Tensor, work: torch.Tensor, scale: float, sliding_window: int, splits: int = 1) -> None:
-    """work [n, 4] int32 rows (b, first query token, rows <= 64, position of the first row). splits > 1: each
-    work item's keys in that many shares (fp32 partial outputs allocated here), then the merge kernel. The caches
-    are q's dtype or E4M3 (an FP8 KV cache: the _kvfp8 entry)."""
+    """work [n, 4] int32 rows (b, first query token, rows <= prefill_rows(head_dim), position of the first row:
+    engine.batch.prefill_work at q's head_dim). splits > 1: each work item's keys in that many shares (fp32 partial
+    outputs allocated here), then the merge kernel. The caches are q's dtype or E4M3 (an FP8 KV cache: the _kvfp8
+    entry)."""
     sfx, H, D, Hkv, qp, kc, vc, kv = attention_inputs("prefill", q, k_cache, v_cache)
     T = q.shape[0]
     bt = tensor_arg(block_tables, "block_tables", torch.int32, 2, contiguous=False, align=False)
@@ -76,5 +82,5 @@ def launch(lib: KernelLibrary, out: torch.Tensor, q: torch.Tensor, k_cache: torc
         part_ml.data_ptr() if part_ml is not None else 0, T)
     if splits > 1:
         lib.kernels[f"prefill_attention_merge_{sfx}_d{D}"](
-            (work.shape[0], H, 64 // MERGE_ROWS), (128, 1, 1), 0, lib.stream(), o, part_o.data_ptr(), part_ml.data_ptr(), wk, T, H,
-            splits)
+            (work.shape[0], H, prefill_rows(D) // MERGE_ROWS), (128, 1, 1), 0, lib.stream(), o, part_o.data_ptr(),
+            part_ml.data_ptr(), wk, T, H, splits)
