@@ -79,7 +79,7 @@
 #   sanitize   compute-sanitizer memcheck and racecheck over bench/sanitize_kernels.py
 #   skinnyab   the skinny kernels against SKINNY_BASE's (build/ab-base): GPU tests, kernels side by side, scale_bench b1 / b8
 #   fp8skinny  the FP8-weight skinny kernels against SKINNY_BASE's: their GPU tests, then the kernels side by side
-#   prefillab  the paged prefill attention against PREFILL_BASE's: its GPU tests, then the kernels side by side
+#   prefillab  the paged prefill attention against PREFILL_BASE's (one tree or several): its GPU tests, then the kernels side by side
 #   shallow    decode attention's _s2 entries (METRALE_DECODE_SHALLOW=1) against =0: its GPU tests, scale_bench 1B b1-256 alternating
 #   ncuprefill Nsight Compute on the paged prefill attention at the 1B's heads: 128 tokens on 3968 cached (issue 40's
 #              TTFT) and 8 x 512 (issue 42), with their merges
@@ -350,11 +350,14 @@ for what in "$@"; do
                 base=${SKINNY_BASE:-build/ab-base}; prepare_tree "$base"
                 TAIL=6 stage gpu-fp8-skinny-tests 300 python3 -m pytest tests/gpu/test_fp8_gpu.py -m gpu -q -rfE -p no:cacheprovider --confcutdir=tests/gpu -n 8
                 TAIL=${TAIL:-60} stage fp8-skinny-kernels 300 python3 bench/bench_kernels.py --skinny --fp8 --tokens 1,8 --variant "$base/kernels_cu" "$base/kernels_cu/build" ;;
-    prefillab)  # the paged prefill attention against PREFILL_BASE's (build/ab-base): its GPU tests here (16-bit and E4M3
-                # caches), then both trees' kernels side by side (bench_kernels --prefill)
-                base=${PREFILL_BASE:-build/ab-base}; prepare_tree "$base"
+    prefillab)  # the paged prefill attention against PREFILL_BASE's (build/ab-base; PREFILL_BASE may name several trees):
+                # its GPU tests here (16-bit and E4M3 caches), then every tree's kernels side by side (bench_kernels --prefill)
+                variants=()
+                for base in ${PREFILL_BASE:-build/ab-base}; do
+                  prepare_tree "$base"; variants+=(--variant "$base/kernels_cu" "$base/kernels_cu/build")
+                done
                 TAIL=6 stage gpu-prefill-tests 300 python3 -m pytest tests/gpu/test_kernels.py tests/gpu/test_fp8_kv_gpu.py -m gpu -q -rfE -k prefill -p no:cacheprovider --confcutdir=tests/gpu -n 8
-                TAIL=${TAIL:-30} stage prefill-kernels 200 python3 bench/bench_kernels.py --prefill --variant "$base/kernels_cu" "$base/kernels_cu/build" ;;
+                TAIL=${TAIL:-40} stage prefill-kernels 200 python3 bench/bench_kernels.py --prefill "${variants[@]}" ;;
     shallow)    # decode attention's 2-deep _s2 entries for grids past one wave (METRALE_DECODE_SHALLOW=1, the default) against
                 # the default entries only (=0): the decode attention GPU tests, then scale_bench 1B decode at batch 1-256,
                 # context 128 / 2k / 8k, =0 and =1 alternating, SHALLOW_ROUNDS (2) rounds
