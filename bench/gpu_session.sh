@@ -85,9 +85,6 @@
 #              TTFT) and 8 x 512 (issue 42), with their merges
 #   splitab    scale_bench 1B decode (SPLIT_BATCHES, default 32; contexts 128, 2k, 8k, 32k) with the shipped key splits
 #              and with --decode-min-splits SPLIT_MIN (4) alternating, SPLIT_ROUNDS (2) rounds
-#   deepab     decode attention's 5-deep _s5 entries (METRALE_DECODE_DEEP=1) against the default ones (=0): their GPU
-#              tests, bench_kernels --long at head_dim 64 both ways, then scale_bench 1B at batch 1, 8 and 32, contexts 128,
-#              8k and 32k, DEEP_ROUNDS (2) rounds alternating
 #   kbench     bench_kernels.py (KBENCH_ARGS: --skinny, --attention, --topk, --sample, --norm; none: all)
 #   ncu        Nsight Compute on sample_stats and decode attention (keys from DRAM)
 #   ab         A/B: the same benchmark in other trees and this one, round after round (see below)
@@ -226,16 +223,6 @@ for what in "$@"; do
                   for route in paged flash; do
                     METRALE_PREFILL_GRAPH_ATTENTION=$route TAIL=8 stage "varlen-$route-$round" 240 python3 \
                       bench/warm_up_cost.py --model /tmp/floors-1b --prefill ${VARLEN_SHAPES:-8x512 4x1024 1x2048 2x2048 1x4096} --out "$OUT"
-                  done
-                done ;;
-    deepab)     checkpoint 1b
-                TAIL=6 stage gpu-deep-tests 240 python3 -m pytest tests/gpu/test_kernels.py -m gpu -q -rfE -k "deep_entries or fused_rope or shallow_entries" -p no:cacheprovider --confcutdir=tests/gpu -n 8
-                for deep in 0 1; do
-                  METRALE_DECODE_DEEP=$deep TAIL=12 stage "deep-kbench-$deep" 150 python3 bench/bench_kernels.py --long --kv bf16 --head-dim 64 --shapes 1x8192,1x32768,8x8192,32x8192,32x32768 --split-counts 1
-                done
-                for round in $(seq 1 "${DEEP_ROUNDS:-2}"); do
-                  for deep in 0 1; do
-                    METRALE_DECODE_DEEP=$deep TAIL=8 stage "deep-$deep-$round" 300 python3 bench/scale_bench.py --model /tmp/floors-1b --batches 1 8 32 --contexts 128 8192 32768 --steps 30 --prefill 1x16 --out "$OUT/deep-$deep"
                   done
                 done ;;
     splitab)    checkpoint 1b

@@ -61,10 +61,6 @@ DECODE_SHALLOW = _switch("METRALE_DECODE_SHALLOW", "1")
 # Decode attention launches of one split whose grid needs more than one wave (head_dim 128, 16-bit cache) on the warp
 # entries (one warp an item, persistent: engine/cuda/wrappers/decode_attention.py warp_entry); "0": never.
 DECODE_WARP = _switch("METRALE_DECODE_WARP", "1")
-# Decode attention grids of at most one wave of the 5-deep _s5 entries at head_dim 64 on them (engine/cuda/
-# wrappers/decode_attention.py deep_entry); "1": on. An experiment for the H200 (bench/gpu_session.sh deepab), off
-# until measured.
-DECODE_DEEP = _switch("METRALE_DECODE_DEEP", "0")
 # How the worker's event loop learns that a step's device work ended (worker/runner.py): "poll" (the loop itself
 # queries the step's event between its other callbacks: a core busy while steps run, ~50 us sooner than a thread's
 # wake-up, and the loop never waits on another thread for it) or "thread" (a helper thread waits on the event and

@@ -59,11 +59,11 @@
 // The merge of the 4 warps, of the splits and of the cluster is the 16-bit kernel's (fp32 in shared memory).
 //
 // Launch contract (decode_attention_{,rope_}{bf16,fp16}_d{16,32,64,80,96,128}[_kvfp8],
-// decode_attention_{bf16,fp16}_d{16,32,64,80,96}_s2 and decode_attention_{,rope_}{bf16,fp16}_d64_s5):
+// decode_attention_{bf16,fp16}_d{16,32,64,80,96}_s2):
 //   grid (num_splits, Hkv * head_chunks, B), head_chunks = ceil(G / 16); block (128);
 //   dynamic shared memory = (16 + 2 * STAGES * 64) * (D + 8) * 2 bytes (the q tile, STAGES K and V tiles),
 //   plus D * 4 (one cos / sin row in fp32) for the fused-RoPE entries, STAGES = 2 if D >= 128 else 3 (the _s2
-//   entries: 2; the _s5 entries: 5);
+//   entries: 2);
 //   _kvfp8: 16 * (D + 8) * 2 + 2 * STAGES8 * 64 * LD8 bytes, plus 2 * D * 2 + D * 4 (the new token's k and v
 //   rows, and cos / sin) for the fused-RoPE entries
 //   (engine/cuda/wrappers/decode_attention.py computes the same; the library raises the function's limit at
@@ -769,13 +769,6 @@ __device__ __forceinline__ void decode_attention_impl(
   DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_kvfp8, T, D, false, unsigned char, (D >= 128 ? 2 : 3))   \
   DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_kvfp8, T, D, true, unsigned char, (D >= 128 ? 2 : 3))
 #define DECODE_ENTRY_S2(SUFFIX, T, D) DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_s2, T, D, false, u16, 2)
-// decode_attention_{,rope_}*_d64_s5: 5-deep 16-bit tiles (four 64-key tiles in flight, 64 KB of K and V a block), for
-// grids of at most one wave of them (two blocks an SM): few long splits (batch 1, 8 and 32 at the 1B's heads), where the
-// default entries' blocks hold 32 KB in flight each and an H200 needs more bytes in flight than an H100 for its
-// bandwidth (engine/cuda/wrappers/decode_attention.py deep_entry; opt-in: METRALE_DECODE_DEEP).
-#define DECODE_ENTRY_S5(SUFFIX, T, D)                                              \
-  DECODE_ENTRY1(decode_attention_##SUFFIX##_d##D##_s5, T, D, false, u16, 5)        \
-  DECODE_ENTRY1(decode_attention_rope_##SUFFIX##_d##D##_s5, T, D, true, u16, 5)
 
 DECODE_ENTRY(bf16, Bf16, 16)
 DECODE_ENTRY(bf16, Bf16, 32)
@@ -799,8 +792,6 @@ DECODE_ENTRY_S2(fp16, Fp16, 32)
 DECODE_ENTRY_S2(fp16, Fp16, 64)
 DECODE_ENTRY_S2(fp16, Fp16, 80)
 DECODE_ENTRY_S2(fp16, Fp16, 96)
-DECODE_ENTRY_S5(bf16, Bf16, 64)
-DECODE_ENTRY_S5(fp16, Fp16, 64)
 
 // ---------------------------------------------------------------------------------------------
 // Warp entries (decode_attention_{bf16,fp16}_d128_w): one warp per item (sequence b, KV head, head chunk), for

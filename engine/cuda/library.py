@@ -60,8 +60,6 @@ MODULES: dict[str, list[KernelSpec]] = {
                          for kv in KV_SUFFIXES]
     + [KernelSpec(f"decode_attention_{dt}_d{d}_s2", DECODE_ATTENTION_ARGS)
        for dt in ("bf16", "fp16") for d in ATTENTION_HEAD_DIMS if d < 128]
-    + [KernelSpec(f"decode_attention_{rope}{dt}_d{d}_s5", DECODE_ATTENTION_ARGS)
-       for rope in ("", "rope_") for dt in ("bf16", "fp16") for d in decode_attention.DEEP_HEAD_DIMS]
     + [KernelSpec(f"decode_attention_{dt}_d{d}_w", "pppppp" + "l" + "iiiiii" + "f" + "i")
        for dt in ("bf16", "fp16") for d in decode_attention.WARP_HEAD_DIMS],
     "prefill_attention": [KernelSpec(f"prefill_attention_{dt}_d{d}{kv}", "pppppp" + "l" + "iiiii" + "f" + "ppi")
@@ -116,7 +114,6 @@ class KernelLibrary:
 
     # A cap on decode attention's key splits (an instance may lower it: bench/engine_bench.py --decode-splits).
     decode_max_splits = 128
-    decode_deep = False  # set from env.DECODE_DEEP at load (decode_attention.deep_entry)
 
     def __init__(self, device: torch.device | int | None = None, build_dir: pathlib.Path = build.BUILD_DIR,
                  kernel_dir: pathlib.Path = build.KERNEL_DIR, cache_dir: pathlib.Path | None = None,
@@ -169,8 +166,6 @@ class KernelLibrary:
         self.decode_shallow = env.DECODE_SHALLOW
         # One-split grids of more than one wave on the warp entries (decode_attention.warp_entry); False: never.
         self.decode_warp = env.DECODE_WARP
-        # Grids of at most one wave of the 5-deep _s5 entries at head_dim 64 take them (decode_attention.deep_entry).
-        self.decode_deep = env.DECODE_DEEP
         if self.compute_capability < MIN_COMPUTE_CAPABILITY:
             raise KernelLoadError(f"the CUDA kernels need compute capability >= 8.0 (cp.async, bf16 mma); "
                                   f"device {index} is {major}.{minor}")
@@ -202,10 +197,6 @@ class KernelLibrary:
                          (f"prefill_attention_{dt}_d{d}{kv}", prefill_attention.smem_bytes(d, fp8))]
                 if d < 128 and not fp8:
                     sizes.append((f"decode_attention_{dt}_d{d}_s2", decode_attention.smem_bytes(d, shallow=True)))
-                if d in decode_attention.DEEP_HEAD_DIMS and not fp8 and \
-                        decode_attention.smem_bytes(d, rope=True, deep=True) <= self.max_smem_optin:  # else never taken
-                    sizes += [(f"decode_attention_{rope}{dt}_d{d}_s5",
-                               decode_attention.smem_bytes(d, rope=bool(rope), deep=True)) for rope in ("", "rope_")]
                 if d in decode_attention.WARP_HEAD_DIMS and not fp8 and \
                         decode_attention.warp_smem_bytes(d) <= self.max_smem_optin:  # else never taken (below)
                     sizes.append((f"decode_attention_{dt}_d{d}_w", decode_attention.warp_smem_bytes(d)))
@@ -235,14 +226,6 @@ class KernelLibrary:
                           decode_attention.smem_bytes(d, fp8_kv=bool(kv))))
              for d in ATTENTION_HEAD_DIMS}
             for kv in KV_SUFFIXES)
-        # Deep-entry blocks one SM holds at once, per head dim (decode_attention.deep_entry); 0 where they do not fit.
-        self.decode_deep_blocks_per_sm = {
-            d: check(f"cuOccupancyMaxActiveBlocksPerMultiprocessor(decode_attention_rope_bf16_d{d}_s5)",
-                     driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                         self.kernels[f"decode_attention_rope_bf16_d{d}_s5"].func, decode_attention.DECODE_THREADS,
-                         decode_attention.smem_bytes(d, rope=True, deep=True)))
-            if decode_attention.smem_bytes(d, rope=True, deep=True) <= self.max_smem_optin else 0
-            for d in decode_attention.DEEP_HEAD_DIMS}
         # Warp-entry blocks one SM holds at once (decode_attention.warp_grid), per head dim; 0 where a block's rings
         # exceed the device's shared memory (head_dim 128 on Ada's 99 KiB: the block entries serve there).
         self.decode_warp_blocks_per_sm = {

@@ -358,51 +358,6 @@ def test_decode_attention_shallow_entries_match_the_default_ones(lib, gen, D):
         lib.decode_shallow = before
 
 
-@pytest.mark.parametrize("B,splits", [(8, 1), (8, 4), (32, 1)])
-def test_decode_attention_deep_entries_match_the_default_ones(lib, ops, gen, B, splits):
-    """Grids that one wave of the 5-deep _s5 entries holds (METRALE_DECODE_DEEP; head_dim 64, the 1B's 32 over 8 heads)
-    run them: the same results as the default entries at the same splits bit for bit (the depth changes when tiles
-    arrive, not the arithmetic) and the torch reference; at batch 32, through CudaOps' fused RoPE (the
-    decode_attention_rope_*_s5 entry), the attention and both caches equal the default entry's."""
-    H, Hkv, D, bs, hidden, dtype = 32, 8, 64, 16, 512, torch.bfloat16
-    rng = random.Random(gen)
-    seq_lens = [1500] + [rng.choice([1, 63, 64, 65, 300, 1500, 3000]) for _ in range(B - 1)]
-    k_cache, v_cache, table = paged_cache(seq_lens, Hkv, D, bs, dtype)
-    q = randn(B, H, D, dtype=dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev())
-    ref = TORCH.decode_attention(q.float(), k_cache.float(), v_cache.float(), table, lens, D ** -0.5, 0)
-    counters = torch.zeros(B * H, dtype=torch.int32, device=dev())
-    before = lib.decode_deep  # ops runs on the same library
-    try:
-        outs = []
-        for deep in (True, False):
-            lib.decode_deep = deep
-            assert decode_attention.deep_entry(lib, splits * B * Hkv, D, fp8_kv=False) == deep
-            outs.append(split_attention(lib, q, k_cache, v_cache, table, lens, splits, counters, ref, f"deep={deep}"))
-        assert torch.equal(outs[0], outs[1])
-        assert not counters.any()
-        if B <= 8:  # the skinny kernels' path (no fused RoPE), whose splits the switch changes (key_splits)
-            return
-        # the fused-RoPE entry, as qkv_attention launches it past the skinny kernels (one split either way)
-        positions = lens.long() - 1
-        slots = table[torch.arange(B, device=dev()), positions // bs].long() * bs + positions % bs
-        cos_sin = rope_table(4096, D)
-        h, norm = randn(B, hidden, dtype=dtype), (1 + 0.1 * randn(hidden)).to(dtype)
-        layer = attention_layer(norm, (0.05 * randn((H + 2 * Hkv) * D, hidden)).to(dtype), None)
-        meta = attention_meta(H, Hkv, D, cos_sin, positions, slots, table, lens, 0)
-        results = []
-        for deep in (True, False):
-            lib.decode_deep = deep
-            kc, vc = k_cache.clone(), v_cache.clone()
-            ops.begin_forward(B, decode=True)
-            results.append((ops.qkv_attention(h, layer, meta, LayerKV(kc, vc)), kc, vc))
-        for name, a, b in zip(("attention", "k_cache", "v_cache"), *results):
-            assert torch.equal(a, b), f"deep entry with the fused RoPE: {name} differs from the default entry's"
-        assert not results[0][0].isnan().any()
-    finally:
-        lib.decode_deep = before
-
-
 WARP_CASES = [
     # B, max context, H, Hkv, D, block_size, window: one split over grids of more than one wave of the default entry
     (160, 700, 32, 8, 128, 16, 0),  # the 8B's heads, contexts 1-700 (one to 44 tiles of 16 keys)

@@ -156,8 +156,8 @@ def test_every_attention_and_cache_write_entry_has_an_fp8_kv_twin():
                              ("prefill_attention", ["prefill_attention_bf16", "prefill_attention_fp16"])):
         base = [s.name for s in MODULES[module] if s.name.startswith(tuple(prefixes))
                 and not s.name.endswith(KV_FP8_SUFFIX)
-                # 2- and 5-deep 16-bit tiles (the E4M3 entries' depth is their own) and the warp entries (16-bit only)
-                and not s.name.endswith(("_s2", "_s5", "_w"))]
+                # 2-deep 16-bit tiles (the E4M3 entries' depth is their own) and the warp entries (16-bit only)
+                and not s.name.endswith(("_s2", "_w"))]
         assert base and all(n + KV_FP8_SUFFIX in names for n in base), module
         args = {s.name: s.args for s in MODULES[module]}
         assert all(args[n] == args[n + KV_FP8_SUFFIX] for n in base), module
@@ -230,7 +230,7 @@ def test_the_fp8_kv_entries_size_their_splits_by_their_own_occupancy():
     """key_splits / fits_one_wave of the E4M3 entries read the library's decode_blocks_per_sm_kvfp8 (their own
     shared memory and registers), the 16-bit ones decode_blocks_per_sm."""
     from types import SimpleNamespace
-    lib = SimpleNamespace(num_sms=132, decode_cluster=8, decode_max_splits=128, decode_deep=False,
+    lib = SimpleNamespace(num_sms=132, decode_cluster=8, decode_max_splits=128,
                           decode_blocks_per_sm={64: 3, 128: 3}, decode_blocks_per_sm_kvfp8={64: 4, 128: 1})
     for batch, d in ((32, 64), (8, 128), (1, 128), (64, 64)):
         blocks = batch * 8  # (sequence, KV head) blocks a split: 32 query heads over 8, one head chunk

@@ -426,45 +426,6 @@ def test_decode_attention_warp_entry_and_grid():
     assert "decode_attention_bf16_d64_w" not in names
 
 
-def test_decode_attention_deep_entry():
-    """The 5-deep _s5 entries (an experiment behind METRALE_DECODE_DEEP) take decode attention grids that one wave of
-    them holds, at head_dim 64 with a 16-bit cache only (fused RoPE or not), never a grid the _s2 entries take, and
-    nothing when the switch is off; their shared memory is the q tile and five K and V tiles, two blocks within an
-    SM's 228 KB."""
-    from engine.cuda.library import MODULES, KernelLibrary
-    from engine.cuda.wrappers import decode_attention as da
-    lib = KernelLibrary.__new__(KernelLibrary)
-    lib.num_sms, lib.decode_blocks_per_sm, lib.decode_shallow, lib.decode_deep = 132, {64: 3, 128: 2}, True, True
-    lib.decode_deep_blocks_per_sm = {64: 2}
-    assert da.deep_entry(lib, 32 * 8, 64, fp8_kv=False)  # 1B at batch 1 (32 splits) and at batch 32 (one)
-    assert da.deep_entry(lib, 2 * 132, 64, fp8_kv=False)
-    assert not da.deep_entry(lib, 2 * 132 + 1, 64, fp8_kv=False)  # e.g. 5 splits of 64 blocks (1B, batch 8)
-    lib.decode_cluster, lib.decode_max_splits = 8, 128
-    # with the switch on, the splits of the 1B's heads stay within one wave of _s5 blocks: batch 8 takes 4, not 5
-    for batch, splits in ((1, 32), (8, 4), (32, 1)):
-        assert da.key_splits(lib, batch, 32, 8, 64, 32768) == splits
-        assert da.deep_entry(lib, splits * batch * 8, 64, fp8_kv=False)
-    with_switch = [da.key_splits(lib, b, 32, 8, 128, 32768) for b in (1, 8, 32)]  # head_dim 128: the rule as before
-    lib.decode_deep = False
-    assert with_switch == [da.key_splits(lib, b, 32, 8, 128, 32768) for b in (1, 8, 32)]
-    lib.decode_deep = True
-    assert not da.deep_entry(lib, 64 * 8, 64, fp8_kv=False)  # batch 64: one split is already past one deep wave
-    assert not da.deep_entry(lib, 32 * 8, 128, fp8_kv=False)
-    assert not da.deep_entry(lib, 32 * 8, 64, fp8_kv=True)
-    assert not da.shallow_entry(lib, 2 * 132, 64, rope=False, fp8_kv=False)  # the two rules never overlap
-    lib.decode_deep = False
-    assert not da.deep_entry(lib, 32 * 8, 64, fp8_kv=False)
-    assert da.key_splits(lib, 8, 32, 8, 64, 32768) == 5  # the shipped rule
-    lib.decode_deep, lib.decode_deep_blocks_per_sm = True, {64: 0}  # a device whose shared memory holds none
-    assert not da.deep_entry(lib, 1, 64, fp8_kv=False)
-    assert da.smem_bytes(64, deep=True) == (16 + 2 * 5 * 64) * 72 * 2
-    assert da.smem_bytes(64, rope=True, deep=True) == da.smem_bytes(64, deep=True) + 64 * 4
-    assert 2 * (da.smem_bytes(64, rope=True, deep=True) + 1024) <= 228 * 1024
-    names = {spec.name for spec in MODULES["decode_attention"]}
-    assert {f"decode_attention_{rope}{dt}_d64_s5" for rope in ("", "rope_") for dt in ("bf16", "fp16")} <= names
-    assert "decode_attention_bf16_d128_s5" not in names
-
-
 def test_decode_attention_shallow_entry():
     """The 2-deep _s2 entries take decode attention grids of more than one wave of the default entry at head_dim
     < 128, 16-bit caches without the fused RoPE only, and nothing when the library's switch is off; their shared

@@ -21,13 +21,12 @@ DECODE_CLUSTER = 8  # the portable maximum cluster size
 DECODE_THREADS = 128
 
 
-def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False, shallow: bool = False,
-               deep: bool = False) -> int:
-    """The q tile and 2-3 K and V tiles (rows padded by 8 elements; shallow, the _s2 entries: 2; deep, the _s5
-    entries: 5); the fused-RoPE entries (rope) also one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8
-    entries): 3-5 K and V tiles of E4M3 rows (head_dim bytes, + 16 where head_dim / 16 is even), and with rope the
-    new token's k and v rows (16-bit) too."""
-    stages = DEEP_STAGES if deep else 2 if head_dim >= 128 or shallow else 3
+def smem_bytes(head_dim: int, rope: bool = False, fp8_kv: bool = False, shallow: bool = False) -> int:
+    """The q tile and 2-3 K and V tiles (rows padded by 8 elements; shallow, the _s2 entries: 2); the fused-RoPE
+    entries (rope) also one cos / sin row (fp32). An E4M3 cache (fp8_kv, the _kvfp8 entries): 3-5 K and V tiles of
+    E4M3 rows (head_dim bytes, + 16 where head_dim / 16 is even), and with rope the new token's k and v rows (16-bit)
+    too."""
+    stages = 2 if head_dim >= 128 or shallow else 3
     if fp8_kv:
         row = head_dim if head_dim % 32 else head_dim + 16
         extra = 2 * head_dim * 2 + head_dim * 4 if rope else 0
@@ -55,9 +54,6 @@ def key_splits(lib: KernelLibrary, batch: int, num_heads: int, num_kv_heads: int
     blocks = blocks_per_split(batch, num_heads, num_kv_heads)
     max_tiles = max(1, -(-max_seq_len // DECODE_TILE))
     one_wave = blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
-    deep_wave = deep_blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms // blocks
-    if deep_wave >= 1:  # METRALE_DECODE_DEEP: no more splits than one wave of the _s5 entries (deep_entry) holds
-        one_wave = min(one_wave, deep_wave)
     return cluster_splits(lib, max(1, min(-(-2 * lib.num_sms // blocks), one_wave, max_tiles, lib.decode_max_splits)))
 
 
@@ -82,26 +78,6 @@ def shallow_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, rope: boo
     1 and a 32k context: 1.49 -> 1.71 ms a step with 2-deep tiles, H100, bench/RESULTS.md)."""
     return (lib.decode_shallow and head_dim < 128 and not rope and not fp8_kv
             and grid_blocks > blocks_per_sm(lib, head_dim) * lib.num_sms)
-
-
-# The deep entries (decode_attention_{,rope_}*_d64_s5): five K and V tiles deep (kernels_cu/decode_attention.cu).
-DEEP_HEAD_DIMS = (64,)
-DEEP_STAGES = 5
-
-
-def deep_blocks_per_sm(lib: KernelLibrary, head_dim: int, fp8_kv: bool = False) -> int:
-    """_s5 blocks one SM holds at once where the library's switch (METRALE_DECODE_DEEP, an experiment, off by default)
-    sends launches of this head_dim and cache to them; 0 where it does not."""
-    if not lib.decode_deep or head_dim not in DEEP_HEAD_DIMS or fp8_kv:
-        return 0
-    return lib.decode_deep_blocks_per_sm.get(head_dim, 0)
-
-
-def deep_entry(lib: KernelLibrary, grid_blocks: int, head_dim: int, fp8_kv: bool) -> bool:
-    """Whether a launch takes the 5-deep _s5 entry (fused RoPE or not): a grid that one wave of the deep blocks holds
-    (two an SM; key_splits keeps the splits within it: the 1B's heads at batch 1 with 32 splits, 8 with 4, 32 with
-    one), where each block is long and the bytes a block keeps in flight bound the bandwidth."""
-    return 0 < grid_blocks <= deep_blocks_per_sm(lib, head_dim, fp8_kv) * lib.num_sms
 
 
 # The warp entries (decode_attention_*_d128_w): one warp per (sequence, KV head, head chunk), persistent, each warp
@@ -214,10 +190,8 @@ def launch(lib: KernelLibrary, out: torch.Tensor, part_o: torch.Tensor | None, p
             int(sliding_window or 0), float(scale) * math.log2(math.e), B, pdl=pdl)
         return
     shallow = shallow_entry(lib, num_splits * Hkv * head_chunks * B, D, fused, bool(kv))
-    deep = not shallow and deep_entry(lib, num_splits * Hkv * head_chunks * B, D, bool(kv))
-    depth = "_s2" if shallow else "_s5" if deep else ""
-    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{depth}"](
-        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow, deep),
+    lib.kernels[f"decode_attention_{'rope_' if fused else ''}{sfx}_d{D}{kv}{'_s2' if shallow else ''}"](
+        (num_splits, Hkv * head_chunks, B), (DECODE_THREADS, 1, 1), smem_bytes(D, fused, bool(kv), shallow),
         lib.stream(),
         o, po, pl, ct, qp, kc, vc, bt, sl, q.stride(0), block_tables.stride(0), H, Hkv, head_chunks, bs_log2,
         num_splits, int(sliding_window or 0), float(scale) * math.log2(math.e), cluster, *rp,
