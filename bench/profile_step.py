@@ -30,6 +30,8 @@ from engine.api import PrefillItem, VerifyItem  # noqa: E402
 from engine.checkpoint import write_temporary_checkpoint  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine import decode as decode_module  # noqa: E402
+from engine import logits_processors  # noqa: E402
+from engine import prefill as prefill_module  # noqa: E402
 from engine import sequence_blocks  # noqa: E402
 from engine import verify as verify_module  # noqa: E402
 from engine.decode import PendingStep  # noqa: E402
@@ -127,12 +129,15 @@ def profile_prefill(engine: Engine, vocab: int, g: torch.Generator, batch: int =
     gaps_table(prof, f"prefill {batch}x{length} timeline")
 
 
-def timed(spent: collections.Counter, obj, name: str, label: str) -> None:
-    """Replaces obj.name with a wrapper that adds each call's wall time (ns) to spent[label] (~0.3 us a call)."""
+def timed(spent: collections.Counter, obj, name: str, label: str, began: dict | None = None) -> None:
+    """Replaces obj.name with a wrapper that adds each call's wall time (ns) to spent[label] (~0.3 us a call);
+    began: where the first call's perf_counter_ns at entry is kept, under label."""
     fn = getattr(obj, name)
 
     def wrapper(*args, **kwargs):
         t = time.perf_counter_ns()
+        if began is not None:
+            began.setdefault(label, t)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -204,21 +209,49 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
     g = torch.Generator().manual_seed(1)
     prefiller, state = engine.prefiller, engine.runtime.state
     spent: collections.Counter = collections.Counter()
-    timed(spent, prefiller, "_extend", "extend: match + slot rows + blocks")
-    timed(spent, state, "start_row", "  extend: SlotState.start_row")
-    timed(spent, prefiller, "_write_sampling_rows", "  forward: sampling rows (SlotState.assign_sampling)")
-    timed(spent, prefiller, "_forward", "forward (launch, sample, read back)")
-    timed(spent, engine.runtime.dispatch, "run_shape", "  forward: run_shape (graph or eager)")
-    timed(spent, engine.runtime.outputs, "read", "  forward: outputs.read (waits for the GPU)")
-    timed(spent, sequence_blocks.SequenceBlocks, "register", "register blocks (earlier prompts' only: its own wait)")
-    timed(spent, sequence_blocks, "block_hashes", "block_hashes (match and register)")
+    began: dict[str, int] = {}  # each part's first entry in the call (perf_counter_ns)
+    parts = [(engine.prefiller, "check", "check (token ids, reservation)"),
+             (engine.prefiller, "register_prompts", "register blocks (earlier prompts' only: its own wait)"),
+             (prefiller, "_extend", "extend: match + slot rows + blocks"),
+             (sequence_blocks.SequenceBlocks, "match", "  extend: SequenceBlocks.match"),
+             (state, "start_row", "  extend: SlotState.start_row"),
+             (prefiller, "_forward", "forward (launch, sample, read back)"),
+             (prefill_module, "build_staged_prefill_batch", "  forward: staging (build_staged_prefill_batch)"),
+             (engine.runtime.dispatch, "run_shape", "  forward: run_shape (graph or eager)"),
+             (prefiller, "_write_sampling_rows", "  forward: sampling rows (SlotState.assign_sampling)"),
+             (logits_processors, "sample", "  forward: sampling launches"),
+             (engine.runtime.outputs, "read", "  forward: outputs.read (waits for the GPU)"),
+             (engine.blocks.events, "publish", "KV events publish"),
+             (sequence_blocks, "block_hashes", "block_hashes (match and register)")]
+    for obj, name, label in parts:
+        timed(spent, obj, name, label, began)
+    # The GPU's side: an event before the forward's launch and one after it (the GPU is idle until the first:
+    # its time is when the host queued it), against one queued at the call's start.
+    run_shape, marks = engine.runtime.dispatch.run_shape, []
+
+    def marked_run_shape(*args, **kwargs):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        try:
+            return run_shape(*args, **kwargs)
+        finally:
+            after.record()
+            marks.append((before, after))
+    if engine.runtime.device.type == "cuda":
+        engine.runtime.dispatch.run_shape = marked_run_shape
 
     def call(prompt: list[int], profiled: bool = False):
         sid = engine.alloc_sequence(len(prompt) + 2, SamplingParams(), GREEDY).seq_id
         engine.runtime.dispatch.synchronize()
         spent.clear()
+        began.clear()
+        marks.clear()
+        start_event = torch.cuda.Event(enable_timing=True) if engine.runtime.device.type == "cuda" else None
         prof = None
         t0 = time.perf_counter()
+        t0_ns = time.perf_counter_ns()
+        if start_event is not None:
+            start_event.record()
         if profiled:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
@@ -228,6 +261,11 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
             engine.runtime.dispatch.synchronize()
         wall = time.perf_counter() - t0
         parts = dict(spent)  # the prefill call's own (a release registers what is still unregistered)
+        parts.update({f"at {label}": ns - t0_ns for label, ns in began.items()})
+        if start_event is not None and marks:
+            parts["GPU: forward queued, from the call's start"] = start_event.elapsed_time(marks[0][0]) * 1e6
+            parts["GPU: forward (graph) device time"] = sum(b.elapsed_time(a) for b, a in marks) * 1e6
+            parts["GPU: forward's end to the call's end"] = wall * 1e9 - start_event.elapsed_time(marks[-1][1]) * 1e6
         engine.release([sid])
         return wall, token.cached_tokens, parts, prof
 
@@ -253,7 +291,12 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
     print(f"\n== TTFT, {prompt_len} tokens with {cached} cached: {statistics.median(rows['wall']) / 1e3:.2f} ms "
           f"(uncached {statistics.median(uncached_ms):.2f} ms); host parts, medians over {calls} calls, us")
     for label, us in rows.items():
-        print(f"{statistics.median(us):9.1f}  {label}")
+        if not label.startswith("at "):
+            print(f"{statistics.median(us):9.1f}  {label}")
+    print("\n== the cached call's critical path: when each part first began, us from the call's start (medians)")
+    for label, us in sorted(((k, v) for k, v in rows.items() if k.startswith("at ")),
+                            key=lambda kv: statistics.median(kv[1])):
+        print(f"{statistics.median(us):9.1f}  {label[3:]}")
     cp = cProfile.Profile()
     cp.enable()
     for _ in range(3):

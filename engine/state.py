@@ -69,8 +69,12 @@ class SlotState:
         words = -(-vocab_size // 32)
         self.token_mask = zeros(max_slots, words, dtype=torch.int32)
         self._mask_host = torch.zeros((max_slots, words), dtype=torch.int32, pin_memory=device.type == "cuda")
-        # The block-table rows' host side (start_row): max_slots x max_blocks_per_seq x 4 bytes of pinned memory.
+        # The block-table rows' host side (start_row): max_slots x max_blocks_per_seq x 4 bytes of pinned memory,
+        # with each slot's (device row, pinned row) views and a numpy view of the pinned rows made once: right after
+        # a forward the host's first tensor ops are slow (~20-50 us each), and a prompt's start waits for them.
         self._row_host = torch.zeros(self.block_table.shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._row_np = self._row_host.numpy()
+        self._row_pairs = list(zip(self.block_table.unbind(0), self._row_host.unbind(0)))
         # Token t's byte in a mask read as bytes (little-endian words: bit t % 8 of byte t // 8) and its bit there:
         # a step unpacks masks one byte per token, not four.
         vocab = torch.arange(vocab_size, device=device)
@@ -132,11 +136,11 @@ class SlotState:
         is rewritten only when the next sequence starts in the slot: by then this copy has run, or, if the
         sequence was released before its forward ran, both copies write the same device row in stream order and
         the later one, with the new row, lands last."""
-        host = self._row_host[slot].numpy()
-        n = len(block_ids)
+        host, n = self._row_np[slot], len(block_ids)
         host[:n] = block_ids
         host[n:] = 0
-        self.block_table[slot].copy_(self._row_host[slot], non_blocking=True)
+        device_row, pinned_row = self._row_pairs[slot]
+        device_row.copy_(pinned_row, non_blocking=True)
 
     def assign_sampling(self, slot: int, params: SamplingParams, stopping: StoppingCriteria | None = None) -> None:
         """The slot's sampling and step rows (last token, cached count, parameters, seen tokens, processors). A

@@ -781,6 +781,26 @@ def test_start_row_writes_the_whole_row_and_set_blocks_extends_it():
     assert state.block_table[0].tolist() == [-7] * 6
 
 
+@pytest.mark.parametrize("length", [3, 64, 65, 4096])
+@pytest.mark.parametrize("bad", [-1, 1000, 2**32, 2**40, -2**40])
+def test_check_tokens_names_an_id_outside_the_vocabulary_at_any_length(length, bad):
+    """Short lists are checked by min and max, long ones as a packed array: either way an id outside [0, vocab)
+    anywhere in the list is refused with its value, and a list of ids inside it (the edges included) passes."""
+    from engine.errors import InvalidArgument
+    from engine.sequence import PACKED_CHECK_MIN, SequenceTable
+
+    assert 3 < PACKED_CHECK_MIN < 4096
+    table = SequenceTable(1000, 4)
+    good = [(7 * i) % 1000 for i in range(length)]
+    good[0], good[-1] = 0, 999
+    table.check_tokens(good, "token_ids")
+    for where in (0, length // 2, length - 1):
+        ids = list(good)
+        ids[where] = bad
+        with pytest.raises(InvalidArgument, match=rf"token_ids: token ids \[{bad}\] are outside the vocabulary"):
+            table.check_tokens(ids, "token_ids")
+
+
 def test_the_torch_and_cuda_op_backends_have_one_interface():
     """CudaOps implements TorchOps' ops under the same names and signatures (the model calls either), and adds
     no public op of its own that the reference lacks."""
