@@ -168,13 +168,36 @@ class PrefillStaging:
         # The sequence starts of a fresh forward attended on its own rows (ForwardBatch.cu_seqlens) [max_seqs + 1].
         self.starts = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.host_starts = torch.zeros(self.starts.shape, dtype=torch.int32, pin_memory=pinned)
+        # numpy views of the pinned mirrors, made once (the host writes them through numpy on every forward).
+        self.host_ints_np, self.host_work_np = self.host_ints.numpy(), self.host_work.numpy()
+        self.host_starts_np = self.host_starts.numpy()
         self._copied = torch.cuda.Event() if pinned else None
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
-    def region(self, index: int, n: int, host: bool = False) -> torch.Tensor:
-        t = self.host_ints if host else self.ints
-        mt = self.max_tokens
-        start = index * mt if index < 4 else 4 * mt + (index - 4) * self.max_seqs
-        return t[start:start + n]
+    def _offset(self, index: int) -> int:
+        return index * self.max_tokens if index < 4 else 4 * self.max_tokens + (index - 4) * self.max_seqs
+
+    def region(self, index: int, n: int) -> torch.Tensor:
+        """The first n entries of device region index."""
+        start = self._offset(index)
+        return self.ints[start:start + n]
+
+    def views(self, num_tokens: int, num_seqs: int) -> tuple[torch.Tensor, ...]:
+        """The device regions a forward of num_tokens tokens over num_seqs sequence rows reads: ids, positions,
+        cache slots, token slots, logits rows, sequence slots, work, starts; made once per shape (padded shapes
+        recur: a few dozen in all)."""
+        key = (num_tokens, num_seqs)
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = (
+                *(self.region(i, num_tokens) for i in range(4)), self.region(4, num_seqs), self.region(5, num_seqs),
+                self.work[:prefill_work_rows(num_tokens, num_seqs, self.head_dim)], self.starts[:num_seqs + 1])
+        return views
+
+    def host_region(self, index: int, n: int) -> np.ndarray:
+        """The first n entries of region index's pinned mirror, as numpy."""
+        start = self._offset(index)
+        return self.host_ints_np[start:start + n]
 
     def upload(self, starts: bool = False) -> None:
         """starts: the sequence starts too (a varlen forward's)."""
@@ -207,8 +230,8 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     num_real_seqs = len(tokens)
     qsl_a, seq_index, positions, seq_lens, logits_idx = _extend_index(starts, tokens, logits_rows)
     n = int(qsl_a[-1])
-    ids_h, pos_h, cache_h, tslots_h = (staging.region(i, num_tokens, host=True).numpy() for i in range(4))
-    rows_h, slots_h = staging.region(4, num_seqs, host=True).numpy(), staging.region(5, num_seqs, host=True).numpy()
+    ids_h, pos_h, cache_h, tslots_h = (staging.host_region(i, num_tokens) for i in range(4))
+    rows_h, slots_h = staging.host_region(4, num_seqs), staging.host_region(5, num_seqs)
     ids_h[:n] = np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=n)
     ids_h[n:] = 0
     pos_h[:n] = positions
@@ -226,21 +249,19 @@ def build_staged_prefill_batch(staging: PrefillStaging, block_table: torch.Tenso
     slots_h[num_real_seqs:] = slots_a[0]
     work = prefill_work(qsl_a.tolist(), seq_lens.tolist(), staging.head_dim)
     work_rows = prefill_work_rows(num_tokens, num_seqs, staging.head_dim)
-    work_h = staging.host_work.numpy()
+    work_h = staging.host_work_np
     work_h[:len(work)] = work
     work_h[len(work):work_rows] = 0
     if varlen:
         if any(starts):
             raise ValueError("a varlen forward attends fresh prompts only")
-        starts_h = staging.host_starts.numpy()
+        starts_h = staging.host_starts_np
         starts_h[:num_real_seqs + 1] = qsl_a
         starts_h[num_real_seqs + 1:num_seqs + 1] = n
     staging.upload(starts=varlen)
 
-    ids, pos, cache, tslots = (staging.region(i, num_tokens) for i in range(4))
-    rows, slots_t = staging.region(4, num_seqs), staging.region(5, num_seqs)
-    work_t = staging.work[:work_rows]
-    starts_t = staging.starts[:num_seqs + 1] if varlen else None
+    ids, pos, cache, tslots, rows, slots_t, work_t, starts_t = staging.views(num_tokens, num_seqs)
+    starts_t = starts_t if varlen else None
 
     def make_batch() -> ForwardBatch:
         return ForwardBatch(input_ids=ids, positions=pos, slot_mapping=cache, block_tables=block_table[slots_t],

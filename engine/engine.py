@@ -159,9 +159,9 @@ class Engine:
     @mirrored
     def prefill(self, items: list[api.PrefillItem]) -> api.StepResult:
         seqs = self.sequences.check_ids([it.seq_id for it in items])
-        self.prefiller.check(seqs, items)
+        packed = self.prefiller.check(seqs, items)
         self.decoder.finish_all()
-        result = self.prefiller.prefill(seqs, items)
+        result = self.prefiller.prefill(seqs, items, packed)
         self.blocks.events.publish()
         return result
 

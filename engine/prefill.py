@@ -73,12 +73,15 @@ class Prefiller:
         # Sequences started by this call whose sampling rows are not yet written (_write_sampling_rows).
         self._unwritten_rows: list[Sequence] = []
 
-    def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> None:
-        """Every item extends a sequence whose prompt is not complete, within its reservation."""
+    def check(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> list[np.ndarray | None]:
+        """Every item extends a sequence whose prompt is not complete, within its reservation. Returns each item's
+        token ids as uint32 where the check packed them (SequenceTable.check_tokens), else None: prefill() takes
+        them to match a first chunk against the prefix cache without packing the ids again."""
+        packed = []
         for seq, it in zip(seqs, items):
             if seq.prompt_done:
                 raise FailedPrecondition(f"sequence {seq.seq_id}: the prompt is already complete")
-            self.sequences.check_tokens(it.token_ids, f"sequence {seq.seq_id} token_ids")
+            packed.append(self.sequences.check_tokens(it.token_ids, f"sequence {seq.seq_id} token_ids"))
             total = seq.seq_len + len(it.token_ids)
             if total == 0:
                 raise InvalidArgument(f"sequence {seq.seq_id}: the prompt is empty")
@@ -87,18 +90,21 @@ class Prefiller:
                                       f"token in max_total_tokens={seq.capacity}")
             if not it.partial:  # its first new token is sampled here
                 self.sequences.check_masks([seq])
+        return packed
 
-    def prefill(self, seqs: list[Sequence], items: list[api.PrefillItem]) -> api.StepResult:
+    def prefill(self, seqs: list[Sequence], items: list[api.PrefillItem],
+                packed: list[np.ndarray | None] | None = None) -> api.StepResult:
         """Runs checked items (check()); returns the first new token of each item whose prompt completes, in
         item order. Each sequence's first chunk starts from the longest prefix the cache holds; blocks are
         taken from its reservation as its tokens need them (all of the rest once its prompt completes), and
         a completed prompt's full blocks wait to be registered in the cache by register_prompts() (the forwards
-        that wrote them have completed when this returns): first thing in the next call, or sooner by the caller."""
+        that wrote them have completed when this returns): first thing in the next call, or sooner by the caller.
+        packed: what check() returned for these items."""
         self.register_prompts()  # the earlier prompts' blocks, before this call's prompts are matched against them
         with self.rt.dispatch.on_device() as timer:
             try:
-                for seq, it in zip(seqs, items):
-                    self._extend(seq, it)
+                for seq, it, ids in zip(seqs, items, packed or [None] * len(items)):
+                    self._extend(seq, it, ids)
                 computed = sum(seq.seq_len - seq.num_cached for seq in seqs)
                 sampled = self._run(seqs, items)
             finally:  # rows no forward wrote (every chunk cached, or a failure): none is left for a later call
@@ -137,15 +143,16 @@ class Prefiller:
                 pending.popleft()
         return stored
 
-    def _extend(self, seq: Sequence, item: api.PrefillItem) -> None:
+    def _extend(self, seq: Sequence, item: api.PrefillItem, packed: np.ndarray | None = None) -> None:
         """Appends the chunk's tokens; on the first chunk matches the cached prefix (its tokens count as
         computed, and as seen by the repetition penalty); takes the blocks the known tokens need (the whole
-        reservation once the prompt completes) into the slot's block-table row."""
+        reservation once the prompt completes) into the slot's block-table row. packed: the chunk's ids as
+        uint32, or None."""
         state, blocks = self.rt.state, seq.blocks
         first = not seq.token_ids
         seq.token_ids.extend(item.token_ids)
-        if first:
-            seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids)
+        if first:  # the sequence's tokens are the chunk's
+            seq.num_cached = seq.cached_prompt_tokens = blocks.match(seq.token_ids if packed is None else packed)
         if not item.partial and seq.num_cached == seq.seq_len:
             seq.num_cached -= 1  # an empty final chunk: recompute the last prompt token for its logits
         start = len(blocks.block_ids)

@@ -214,9 +214,12 @@ class PrefixIndex:
         return cand[:good], hashes[:good].tolist()
 
 
-def blocks_of(token_ids: Sequence[int], block_size: int) -> np.ndarray:
-    """The full blocks of token_ids as uint32 [n, block_size]; ValueError for ids outside [0, 2**32)."""
+def blocks_of(token_ids: Sequence[int] | np.ndarray, block_size: int) -> np.ndarray:
+    """The full blocks of token_ids (a uint32 array is taken as it is) as uint32 [n, block_size]; ValueError for
+    ids outside [0, 2**32)."""
     n = len(token_ids) // block_size
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.uint32:
+        return token_ids[:n * block_size].reshape(n, block_size)
     try:
         packed = array.array("I", token_ids if len(token_ids) == n * block_size else token_ids[:n * block_size])
     except (OverflowError, TypeError):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from engine.prefix_cache import BlockPool, block_hashes, child_hashes
 from engine.prefix_index import blocks_of
 
@@ -45,13 +47,13 @@ class SequenceBlocks:
     def num_capacity_blocks(self) -> int:
         return len(self.block_ids) + self.num_reserved
 
-    def match(self, token_ids: Sequence[int]) -> int:
-        """Shares the cached blocks that begin token_ids (the prompt tokens known so far) and returns how
-        many tokens they hold: the sequence's computed length from now on. Matches only before the
-        sequence took any block (its first Prefill chunk), and at most (len(token_ids) - 1) //
-        block_size blocks, so that the last known token is computed into a block of the sequence's
-        own (an empty final chunk recomputes it there)."""
-        if not self.caching or self.block_ids or not token_ids:
+    def match(self, token_ids: Sequence[int] | np.ndarray) -> int:
+        """Shares the cached blocks that begin token_ids (the prompt tokens known so far; a uint32 array is
+        taken as it is) and returns how many tokens they hold: the sequence's computed length from now on.
+        Matches only before the sequence took any block (its first Prefill chunk), and at most
+        (len(token_ids) - 1) // block_size blocks, so that the last known token is computed into a block of the
+        sequence's own (an empty final chunk recomputes it there)."""
+        if not self.caching or self.block_ids or not len(token_ids):
             return 0
         bs = self.block_size
         ids = blocks_of(token_ids[:(len(token_ids) - 1) // bs * bs], bs)

@@ -159,6 +159,30 @@ def test_match_acquire_release_share_cached_blocks():
     assert pool.num_evictable_blocks == 0 and all(pool.ref_count(b) == 1 for b in mine)
 
 
+@pytest.mark.parametrize("length", [4, 13, 16, 17])
+def test_a_sequence_matches_the_same_blocks_from_packed_ids_as_from_a_list(length):
+    """SequenceBlocks.match takes the prompt as a list or as the uint32 array the token check packed
+    (SequenceTable.check_tokens): the same blocks and cached length either way, and blocks_of of the array is
+    blocks_of of the list."""
+    from engine.sequence import SequenceTable
+
+    tokens = [(5 * i + 3) % 97 for i in range(length)]
+    packed = SequenceTable(97, 4).check_tokens(tokens + list(range(70)), "ids")[:length]  # long enough to pack
+    assert packed.dtype == np.uint32 and packed.tolist() == tokens
+    assert np.array_equal(blocks_of(packed, 4), blocks_of(tokens, 4))
+    pool = BlockPool(32, 4)
+    owner = SequenceBlocks(pool, 8)
+    owner.grow(length)
+    owner.register(tokens, length)
+    matched = []
+    for ids in (tokens, packed):
+        seq = SequenceBlocks(pool, 8)
+        matched.append((seq.match(ids), list(seq.block_ids), list(seq.hashes)))
+        seq.release()
+    assert matched[0] == matched[1]
+    assert matched[0][0] == (length - 1) // 4 * 4 and matched[0][1] == owner.block_ids[:(length - 1) // 4]
+
+
 def test_misuse_is_refused_and_changes_nothing():
     pool = BlockPool(8, 4)
     [b] = pool.allocate(1)
