@@ -115,13 +115,23 @@ def stamp_path(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> pathlib.
 
 
 def build_stamp(src: pathlib.Path) -> str:
-    """What a current fatbin's stamp file holds (independent of the nvcc path and output dir)."""
-    return source_hash(src, (" ".join(compile_flags(src.read_text())),))
+    """What a current fatbin's stamp file holds (independent of the nvcc path and output dir): the hash of its
+    source and the shared headers, a space, and the hash of nvcc's flags for it (the architectures included)."""
+    flags = " ".join(compile_flags(src.read_text()))
+    return f"{source_hash(src)} {hashlib.sha256(flags.encode()).hexdigest()}"
 
 
-def is_current(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR) -> bool:
+def is_current(src: pathlib.Path, out_dir: pathlib.Path = BUILD_DIR, flags: bool = True) -> bool:
+    """Whether src's fatbin in out_dir was built from src and the headers as they are now; flags: and with the
+    flags this process would build it with (a build rebuilds otherwise). A loader asks without flags: a fatbin
+    built for other architectures (another METRALE_CUDA_ARCHS) still serves a device it holds code for, and where
+    it holds none its load fails and NVRTC compiles the source (engine/cuda/library.py), instead of every module
+    being compiled at start-up because the variable differs."""
     fatbin, stamp = fatbin_path(src, out_dir), stamp_path(src, out_dir)
-    return fatbin.is_file() and stamp.is_file() and stamp.read_text().strip() == build_stamp(src)
+    if not (fatbin.is_file() and stamp.is_file()):
+        return False
+    have, want = stamp.read_text().split(), build_stamp(src).split()
+    return have == want if flags else have[:1] == want[:1]
 
 
 def build_one(nvcc: str, src: pathlib.Path, out_dir: pathlib.Path, force: bool = False) -> bool:

@@ -253,7 +253,7 @@ class KernelLibrary:
         fatbin = build.fatbin_path(src, build_dir)
         reason = "no fatbin"
         if fatbin.is_file():
-            if src.is_file() and not build.is_current(src, build_dir):
+            if src.is_file() and not build.is_current(src, build_dir, flags=False):
                 reason = "the fatbin is older than its source (run `python -m engine.cuda.build`)"
             else:
                 err, mod = driver.cuModuleLoadData(fatbin.read_bytes())
