@@ -225,14 +225,33 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
              (sequence_blocks, "block_hashes", "block_hashes (match and register)")]
     for obj, name, label in parts:
         timed(spent, obj, name, label, began)
+    # The GPU's side: an event before the forward's launch and one after it (the GPU is idle until the first:
+    # its time is when the host queued it), against one queued at the call's start.
+    run_shape, marks = engine.runtime.dispatch.run_shape, []
+
+    def marked_run_shape(*args, **kwargs):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        try:
+            return run_shape(*args, **kwargs)
+        finally:
+            after.record()
+            marks.append((before, after))
+    if engine.runtime.device.type == "cuda":
+        engine.runtime.dispatch.run_shape = marked_run_shape
+
     def call(prompt: list[int], profiled: bool = False):
         sid = engine.alloc_sequence(len(prompt) + 2, SamplingParams(), GREEDY).seq_id
         engine.runtime.dispatch.synchronize()
         spent.clear()
         began.clear()
+        marks.clear()
+        start_event = torch.cuda.Event(enable_timing=True) if engine.runtime.device.type == "cuda" else None
         prof = None
         t0 = time.perf_counter()
         t0_ns = time.perf_counter_ns()
+        if start_event is not None:
+            start_event.record()
         if profiled:
             with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
                 token = engine.prefill([PrefillItem(sid, prompt)]).tokens[0]
@@ -243,6 +262,10 @@ def profile_prefix(path, prompt_len: int = 4096, cached: int = 3968, calls: int 
         wall = time.perf_counter() - t0
         parts = dict(spent)  # the prefill call's own (a release registers what is still unregistered)
         parts.update({f"at {label}": ns - t0_ns for label, ns in began.items()})
+        if start_event is not None and marks:
+            parts["GPU: forward queued, from the call's start"] = start_event.elapsed_time(marks[0][0]) * 1e6
+            parts["GPU: forward (graph) device time"] = sum(b.elapsed_time(a) for b, a in marks) * 1e6
+            parts["GPU: forward's end to the call's end"] = wall * 1e9 - start_event.elapsed_time(marks[-1][1]) * 1e6
         engine.release([sid])
         return wall, token.cached_tokens, parts, prof
 
