@@ -850,3 +850,50 @@ def test_resource_exhausted_says_whether_waiting_would_help(tiny_model):
         alloc(48)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_staged_prefill_batch_equals_the_eager_batch(seed):
+    """build_staged_prefill_batch (graphed forwards: a sequence at a time, cache slots from each sequence's block ids
+    on the host) stages the same ids, positions, cache slots, token slots and logits rows as build_extend_batch (eager
+    forwards: vectorized over tokens, cache slots through the device block table), for random chunks after random
+    cached prefixes, block sizes and paddings; pad tokens get id 0, position 0 and no cache slot."""
+    import random
+
+    import torch
+    from engine.batch import PrefillStaging, build_extend_batch, build_staged_prefill_batch
+
+    rng = random.Random(seed)
+    bs = rng.choice([1, 4, 16, 64])
+    num_slots, width = 6, 40
+    table = torch.zeros((num_slots, width), dtype=torch.int32)
+    free = list(range(1, num_slots * width + 1))
+    rng.shuffle(free)
+    staging = PrefillStaging(512, 8, 64, torch.device("cpu"))
+    for _ in range(4):
+        count = rng.randint(1, 4)
+        slots = rng.sample(range(num_slots), count)
+        block_ids, starts, tokens, rows = [], [], [], []
+        for slot in slots:
+            start = rng.randint(0, (width - 2) * bs // 2)
+            n = rng.randint(1, min(100, width * bs - start - 1))
+            ids = free[slot * width:(slot + 1) * width]  # the slot's blocks, in no order
+            table[slot] = torch.tensor(ids, dtype=torch.int32)
+            block_ids.append(ids[:-(-(start + n) // bs)])
+            starts.append(start)
+            tokens.append([rng.randrange(50000) for _ in range(n)])
+            rows.append(sorted(rng.sample(range(n), rng.randint(0, min(n, 2)))))
+        total = sum(map(len, tokens))
+        num_tokens = total + rng.choice([0, 1, 37])
+        eager = build_extend_batch(table, slots, starts, tokens, rows, bs, torch.device("cpu"), False,
+                                   num_padded=num_tokens)
+        tslots, ids, make = build_staged_prefill_batch(staging, table, block_ids, slots, starts, tokens, rows, bs,
+                                                       num_tokens, 8)
+        staged = make()
+        assert staged.input_ids.tolist() == eager.input_ids.tolist()
+        assert staged.positions.tolist() == eager.positions.tolist()
+        assert staged.slot_mapping.tolist() == eager.slot_mapping.tolist()
+        assert tslots.tolist() == eager.token_slots.tolist() and ids.tolist() == eager.input_ids[:total].tolist()
+        num_rows = sum(map(len, rows))
+        assert staged.logits_indices[:num_rows].tolist() == eager.logits_indices.tolist()
+        assert staged.block_tables[:count].tolist() == table[slots].tolist()
