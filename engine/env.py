@@ -91,3 +91,6 @@ CUDNN_MIN_KEYS = _count("METRALE_CUDNN_MIN_KEYS", 4096)
 # measured 0.7-5.6% faster steps at batch 16-32 and the same at 64-256 on an H100 (bench/RESULTS.md), and the GPU
 # suite passes with it.
 GEMM = _choice("METRALE_GEMM", "sm90", ("sm90", "cublas", "sm90-all"))
+# Under "sm90": the most rows of a gate_up projection (bf16 weights, SiLU-and-mul fused) the Hopper GEMM takes
+# (engine/cuda/hopper_gemm.py ROUTES; cuBLAS and the separate SiLU kernel past it). For A/B runs of the route.
+GEMM_SILU_ROWS = _count("METRALE_GEMM_SILU_ROWS", 32)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import env
 from engine.cuda.library import KernelLibrary
 from engine.cuda.wrappers import fp8_quant, gemm_sm90
 from engine.quant import Fp8Weight, takes_w8a8
@@ -22,7 +23,8 @@ from engine.quant import Fp8Weight, takes_w8a8
 # beat CudaOps' for gate_up at 32-64 rows only. In the engine (scale_bench decode at context 128, bench/RESULTS.md)
 # those routes gained 0.5-1.8% a step at batch 16-32 and lost up to 0.9% at 64-128 (bf16): hence 32 rows for bf16.
 # W8A8 gate_up gained 5.6% a step at 8B FP8 batch 32 and lost 0.8% at 64 (three rounds each): hence 32 rows too.
-ROUTES = {("silu", "bf16"): 32, ("f32", "bf16"): 32, ("silu", "w8a8"): 32}
+# METRALE_GEMM_SILU_ROWS (32) moves the bf16 gate_up bound.
+ROUTES = {("silu", "bf16"): env.GEMM_SILU_ROWS, ("f32", "bf16"): 32, ("silu", "w8a8"): 32}
 
 
 class HopperGemm:

@@ -26,9 +26,9 @@ def reloaded_env(monkeypatch):
 
 def test_values_in_their_sets_are_taken(reloaded_env):
     e = reloaded_env(METRALE_GEMM="cublas", METRALE_LOG_LEVEL="warning", METRALE_PDL="0", METRALE_DECODE_WARP="1",
-                     METRALE_W8A8_SKINNY_ROWS="0", METRALE_PREFILL_GRAPH_TOKENS="2048")
-    assert (e.GEMM, e.LOG_LEVEL, e.PDL, e.DECODE_WARP, e.W8A8_SKINNY_ROWS, e.PREFILL_GRAPH_TOKENS) == (
-        "cublas", "WARNING", False, True, 0, 2048)
+                     METRALE_W8A8_SKINNY_ROWS="0", METRALE_PREFILL_GRAPH_TOKENS="2048", METRALE_GEMM_SILU_ROWS="128")
+    assert (e.GEMM, e.LOG_LEVEL, e.PDL, e.DECODE_WARP, e.W8A8_SKINNY_ROWS, e.PREFILL_GRAPH_TOKENS, e.GEMM_SILU_ROWS) == (
+        "cublas", "WARNING", False, True, 0, 2048, 128)
     assert e.PROBLEMS == []
     e.check()
 
