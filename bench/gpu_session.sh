@@ -95,7 +95,8 @@
 # `--out DIR` appended (engine_bench.py and load.py take it; default: engine_bench 1B --no-hf at AB_BATCHES,
 # default "1 8"). REPS (3) rounds of every tree in turn, this tree last; a tree's output goes to
 # $OUT/<its folder name>, this tree's to $OUT. AB_VARIANTS="NAME:FLAGS;NAME:FLAGS" adds runs of this tree with
-# FLAGS appended to AB_CMD in every round (output under $OUT/NAME), to measure a switch in the same rounds.
+# FLAGS appended to AB_CMD in every round (output under $OUT/NAME), to measure a switch in the same rounds; a FLAGS
+# that begins "env " is environment settings instead, set for AB_CMD (e.g. "silu128:env METRALE_GEMM_SILU_ROWS=128").
 # bench/ab_summary.py then prints the engine_bench figures per tree into $OUT/ab-summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 METRALE_CUDA_ARCHS=${METRALE_CUDA_ARCHS:-90}
@@ -161,8 +162,14 @@ ab() {  # the ab stage: see the header
     # shellcheck disable=SC2086
     stage "ab-this-rep$rep" 300 $cmd --out "$OUT"
     for variant in "${variants[@]}"; do
-      # shellcheck disable=SC2086
-      stage "ab-${variant%%:*}-rep$rep" 300 $cmd ${variant#*:} --out "$OUT/${variant%%:*}"
+      local flags=${variant#*:}
+      if [ "${flags#env }" != "$flags" ]; then
+        # shellcheck disable=SC2086
+        stage "ab-${variant%%:*}-rep$rep" 300 env ${flags#env } $cmd --out "$OUT/${variant%%:*}"
+      else
+        # shellcheck disable=SC2086
+        stage "ab-${variant%%:*}-rep$rep" 300 $cmd $flags --out "$OUT/${variant%%:*}"
+      fi
     done
   done
   python3 bench/ab_summary.py "$OUT" | tee "$OUT/ab-summary.txt"
